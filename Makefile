@@ -12,7 +12,8 @@ REQS   := requirements/constraints.txt requirements/base.txt requirements/test.t
 
 setup: $(STAMP)
 
-$(STAMP): $(REQS)
+$(STAMP): $(REQS) requirements/apt.txt
+	bash scripts/system-deps.sh
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
