@@ -1,0 +1,75 @@
+"""ToRA tool-integrated math solutions -> CoA trajectories (task ``math``).
+
+Source: microsoft/ToRA ``data/tora/examples.jsonl``: ``{id, dataset, level, gt, gt_cot, messages:
+[user problem, assistant solution]}``. The solution interleaves prose, ```` ```python ```` programs and
+their recorded ```` ```output ```` blocks, and ends with ``\\boxed{answer}``.
+
+Mapping: prose -> ``<think>``; each program -> ``<code>`` (query ```` ```py ...``` ````); its recorded
+output -> ``<observation>``; the last ``\\boxed{}`` -> ``<answer>\\boxed{...}``. Correct when that answer
+equals ``gt`` (numerically, or as normalized LaTeX); otherwise rejected as ``wrong_answer``.
+
+Rejection reasons: ``bad_turn_order``, ``missing_output``, ``no_answer``, ``wrong_answer``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from afm_core.coa.parse import format_code_query
+from afm_core.coa.prompts import user_prompt
+from afm_core.coa.trajectory import Step, Trajectory
+from afm_core.data.converters.answer_check import boxed_content, math_answers_equal
+from afm_core.data.converters.base import Converter, Rejected
+from afm_core.data.io import Where, require
+
+_PROGRAM_RE = re.compile(r"```python\n(.*?)```(?:\s*```output\n(.*?)```)?", re.DOTALL)
+
+
+def convert_record(where: Where, record: dict[str, Any]) -> Trajectory:
+    """One ToRA record -> one trajectory.
+
+    Raises:
+        Rejected: see the module docstring for the reasons.
+        DataFormatError: a missing or mistyped ``gt``/``messages`` field.
+    """
+    gold = require(record, "gt", str, where).strip()
+    messages = require(record, "messages", list, where)
+    roles = [m.get("role") if isinstance(m, dict) else None for m in messages]
+    if roles != ["user", "assistant"]:
+        raise Rejected("bad_turn_order", f"expected [user, assistant] messages, got {roles}")
+    question = require(messages[0], "content", str, where, owner="messages[0]").strip()
+    solution = require(messages[1], "content", str, where, owner="messages[1]")
+    steps: list[Step] = []
+    pos = 0
+    for program in _PROGRAM_RE.finditer(solution):
+        if prose := solution[pos : program.start()].strip():
+            steps.append(Step("think", prose))
+        if program.group(2) is None:
+            raise Rejected("missing_output", f"program at char {program.start()} has no ```output block")
+        steps += [Step("code", format_code_query(program.group(1))), Step("observation", program.group(2))]
+        pos = program.end()
+    tail = solution[pos:].strip()
+    answer = boxed_content(tail)
+    if answer is None:
+        raise Rejected("no_answer", "no \\boxed{} after the last program")
+    if not math_answers_equal(answer, gold):
+        raise Rejected("wrong_answer", f"boxed {answer!r}, gt {gold!r}")
+    steps.append(Step("think", tail))
+    steps.append(Step("answer", f"\\boxed{{{answer}}}"))
+    source_id = str(record.get("id") or f"{where.path.stem}:{where.line}")
+    return Trajectory(
+        id=f"tora:{source_id}",
+        task="math",
+        question=question,
+        prompt=user_prompt("math", question),
+        steps=steps,
+        answer=gold,
+        correct=True,
+        source="tora",
+        source_id=source_id,
+        meta={"file": where.path.name, "dataset": record.get("dataset"), "level": record.get("level")},
+    )
+
+
+TORA = Converter(name="tora", files=("trajectories/tora/examples.jsonl",), convert_record=convert_record)
