@@ -85,7 +85,8 @@ def scan_text(text: str) -> tuple[list[Step], list[GrammarIssue]]:
         match = TAG_RE.search(text, pos)
         outside = text[pos : match.start() if match else len(text)]
         if outside.strip():
-            issues.append(GrammarIssue("text_outside_tags", f"text outside any block at char {pos}: {_snippet(outside)}"))
+            message = f"text outside any block at char {pos}: {_snippet(outside)}"
+            issues.append(GrammarIssue("text_outside_tags", message))
         if match is None:
             return steps, issues
         is_close, tag = match.group(1) == "/", match.group(2)
@@ -137,15 +138,15 @@ def validate_steps(steps: Sequence[Step], *, require_answer: bool = True, strict
         prev = steps[i - 1] if i > 0 else None
         nxt = steps[i + 1] if i + 1 < len(steps) else None
         if step.kind == "observation" and (prev is None or prev.kind != "tool"):
-            issues.append(GrammarIssue("observation_without_tool_call", f"step {i} <observation> does not follow a tool call"))
+            issues.append(GrammarIssue("observation_without_tool_call", f"step {i} <observation> follows no tool call"))
         if step.kind == "tool" and (nxt.kind != "observation" if nxt else require_answer):
-            issues.append(GrammarIssue("missing_observation", f"step {i} <{step.tag}> is not followed by an observation"))
+            issues.append(GrammarIssue("missing_observation", f"step {i} <{step.tag}> has no observation after it"))
         if step.tag == "double_check" and (prev is None or prev.tag != "suggested_answer"):
-            issues.append(
-                GrammarIssue("double_check_without_suggested_answer", f"step {i} <double_check> does not follow <suggested_answer>")
-            )
+            message = f"step {i} <double_check> does not follow <suggested_answer>"
+            issues.append(GrammarIssue("double_check_without_suggested_answer", message))
         if step.tag == "answer" and nxt is not None:
-            issues.append(GrammarIssue("answer_not_last", f"step {i} <answer> is followed by {len(steps) - i - 1} more step(s)"))
+            message = f"step {i} <answer> is followed by {len(steps) - i - 1} more step(s)"
+            issues.append(GrammarIssue("answer_not_last", message))
     if require_answer and (not steps or steps[-1].tag != "answer"):
         issues.append(GrammarIssue("missing_answer", "the trajectory does not end with <answer>"))
     if strict and issues:

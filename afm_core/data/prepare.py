@@ -1,0 +1,417 @@
+"""Prepare the SFT data: convert real traces to CoA trajectories, filter, split, write parquet.
+
+``prepare(data_cfg)`` writes ``out_dir`` = ``{train.parquet, heldout.parquet, report.json}``
+atomically (a complete directory or none); ``ensure_prepared(data_cfg)`` does so only when the
+directory is missing or was prepared from another config. ``data_cfg`` is the ``data`` config group
+(``conf/data/coa_traces.yaml``):
+
+* ``sources``: converter name -> max trajectories taken from it (null: all), see
+  :mod:`afm_core.data.converters`;
+* ``shared_dir``: the real data folder (null: :func:`~afm_core.utils.paths.shared_data_dir`);
+* ``out_dir``: where to write (null: ``$AFM_CACHE/data/<name>``);
+* ``heldout_fraction``, ``split_seed``: the held-out split, by question (see :func:`split_by_task`);
+* ``filters`` (optional): overrides of :class:`DataFilters`.
+
+The parquet schema is :data:`afm_core.data.schema.PREPARED_SCHEMA`. ``report.json`` holds the
+config it was prepared from (``config``), per-source conversion counts and rejections by reason
+(``sources``), filter drops by reason (``filters``), the split sizes (``split``) and the schema.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import random
+import re
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from afm_core.coa.trajectory import Trajectory
+from afm_core.data.converters import CONVERTERS
+from afm_core.data.converters.base import Conversion
+from afm_core.data.formats import alpaca_converter, rl_task_from_trajectory, to_alpaca, write_rl_tasks
+from afm_core.data.schema import PREPARED_SCHEMA, read_prepared, row_trajectory, task_id, trajectory_row, write_prepared
+from afm_core.utils.atomic import atomic_dir
+from afm_core.utils.paths import cache_dir, shared_data_dir
+
+FORMAT_VERSION = 1
+"""Bumped whenever converters, rendering or the schema change, so that cached data is re-prepared."""
+
+INPUT_FORMATS = ("converters", "llamafactory")
+EXPORT_FORMATS = ("llamafactory", "afm_rl")
+REPORT_FILE = "report.json"
+SPLITS = ("train", "heldout")
+
+
+# --------------------------------------------------------------------------------------------------
+# Filters
+
+
+@dataclass(frozen=True)
+class DataFilters:
+    """Distillation-style trajectory filters: the AFM paper keeps successful multi-agent runs and
+    filters them for quality, tool use and reflective reasoning (afm-reference §7; upstream ships no
+    code for it). Defaults are lenient: only known-wrong trajectories and duplicates are dropped.
+
+    Attributes:
+        min_tool_calls: drop trajectories with fewer tool calls (reason ``few_tool_calls``).
+        require_correct: drop trajectories judged wrong, ``correct is False`` (reason ``incorrect``);
+            unknown correctness (None) is kept.
+        require_reflection: drop trajectories without a ``<reflection>`` step (reason ``no_reflection``).
+        error_correction_upsample: each error-correction trajectory (:func:`is_error_correction`)
+            appears this many times in the TRAIN split (1: no upsampling).
+    """
+
+    min_tool_calls: int = 0
+    require_correct: bool = True
+    require_reflection: bool = False
+    error_correction_upsample: int = 1
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any] | None) -> DataFilters:
+        """Build from a mapping of overrides.
+
+        Raises:
+            ValueError: an unknown key (named), or ``error_correction_upsample < 1``.
+        """
+        cfg = dict(cfg or {})
+        known = {f.name for f in fields(cls)}
+        if unknown := sorted(set(cfg) - known):
+            raise ValueError(f"data.filters: unknown key(s) {unknown}; known: {sorted(known)}")
+        filters = cls(**cfg)
+        if filters.error_correction_upsample < 1:
+            raise ValueError(f"data.filters.error_correction_upsample must be >= 1, got {filters.error_correction_upsample}")
+        return filters
+
+
+_TOOL_ERROR_RE = re.compile(
+    r"Traceback \(most recent call last\)|^\w*(Error|Exception)\b|Could not find|No results? found",
+    re.MULTILINE | re.IGNORECASE,
+)
+_EMPTY_RESULTS = frozenset({"", "none", "null", "[]", "{}"})
+_SCORE_RE = re.compile(r"\b([1-4])\b")
+
+
+def _failed(observation: str) -> bool:
+    return observation.strip().lower() in _EMPTY_RESULTS or bool(_TOOL_ERROR_RE.search(observation))
+
+
+def is_error_correction(trajectory: Trajectory) -> bool:
+    """Whether the trajectory recovers from a mistake: it has a ``<reflection>``, or a tool call that
+    failed (its observation is empty/``None``, a traceback, an error or "not found") followed by
+    another tool call, or a ``<double_check>`` scored 1-2 followed by more work."""
+    steps = trajectory.steps
+    for i, step in enumerate(steps):
+        later_call = any(s.kind == "tool" for s in steps[i + 1 :])
+        if step.tag == "reflection":
+            return True
+        if step.kind == "observation" and later_call and _failed(step.content):
+            return True
+        if step.tag == "double_check" and i + 1 < len(steps) and steps[i + 1].tag != "answer":
+            score = _SCORE_RE.search(step.content)
+            if score and int(score.group(1)) <= 2:
+                return True
+    return False
+
+
+def filter_trajectories(trajectories: Sequence[Trajectory], filters: DataFilters) -> tuple[list[Trajectory], Counter[str]]:
+    """Apply ``filters`` and drop exact duplicates (same prompt and steps, reason ``duplicate``).
+
+    Returns:
+        ``(kept, dropped count by reason)``, ``kept`` in input order.
+    """
+    kept, dropped, seen = [], Counter(), set()
+    for trajectory in trajectories:
+        key = (trajectory.prompt, tuple(trajectory.steps))
+        if key in seen:
+            dropped["duplicate"] += 1
+        elif trajectory.num_tool_calls < filters.min_tool_calls:
+            dropped["few_tool_calls"] += 1
+        elif filters.require_correct and trajectory.correct is False:
+            dropped["incorrect"] += 1
+        elif filters.require_reflection and not any(s.tag == "reflection" for s in trajectory.steps):
+            dropped["no_reflection"] += 1
+        else:
+            seen.add(key)
+            kept.append(trajectory)
+    return kept, dropped
+
+
+def split_by_task(
+    trajectories: Sequence[Trajectory], heldout_fraction: float, seed: int
+) -> tuple[list[Trajectory], list[Trajectory]]:
+    """Split into ``(train, heldout)`` by question, so that no question is in both.
+
+    The distinct :func:`~afm_core.data.schema.task_id` values are sorted, shuffled with
+    ``random.Random(seed)``, and the first ``round(fraction * n)`` of them (at least 1 and at most
+    ``n - 1`` when ``0 < fraction < 1`` and ``n >= 2``) are held out. Deterministic for a given input
+    and seed; both outputs keep the input order.
+
+    Raises:
+        ValueError: ``heldout_fraction`` outside [0, 1].
+    """
+    if not 0.0 <= heldout_fraction <= 1.0:
+        raise ValueError(f"heldout_fraction must be in [0, 1], got {heldout_fraction}")
+    ids = sorted({task_id(t.question) for t in trajectories})
+    random.Random(seed).shuffle(ids)
+    count = round(heldout_fraction * len(ids))
+    if 0.0 < heldout_fraction < 1.0 and len(ids) >= 2:
+        count = min(max(count, 1), len(ids) - 1)
+    heldout_ids = set(ids[:count])
+    train = [t for t in trajectories if task_id(t.question) not in heldout_ids]
+    heldout = [t for t in trajectories if task_id(t.question) in heldout_ids]
+    return train, heldout
+
+
+def upsampled_rows(trajectories: Sequence[Trajectory], factor: int) -> list[dict[str, Any]]:
+    """Parquet rows, with ``factor - 1`` extra copies (ids ``<id>#up<k>``) of each error-correction trajectory."""
+    rows = []
+    for trajectory in trajectories:
+        rows.append(trajectory_row(trajectory))
+        if factor > 1 and is_error_correction(trajectory):
+            rows += [trajectory_row(trajectory, row_id=f"{trajectory.id}#up{k}") for k in range(1, factor)]
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# Config
+
+
+def _plain(cfg: Any) -> Any:
+    """A DictConfig (or any mapping) as plain dicts/lists."""
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(cfg, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(cfg, resolve=True)
+    except ImportError:  # pragma: no cover - omegaconf ships with hydra-core
+        pass
+    return cfg
+
+
+@dataclass(frozen=True)
+class PrepareInput:
+    """Where the trajectories come from.
+
+    Attributes:
+        format: ``"converters"`` (the real traces named in ``data.sources``) or ``"llamafactory"``
+            (an alpaca JSON file of CoA trajectories).
+        path: the alpaca JSON file (llamafactory only).
+        task: task family of the imported records (llamafactory only; None: inferred).
+    """
+
+    format: str = "converters"
+    path: str | None = None
+    task: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.format not in INPUT_FORMATS:
+            raise ValueError(f"input.format must be one of {INPUT_FORMATS}, got {self.format!r}")
+        if self.format == "llamafactory" and not self.path:
+            raise ValueError("input.format=llamafactory needs input.path (an alpaca JSON file)")
+        if self.path:
+            object.__setattr__(self, "path", str(Path(self.path).expanduser().resolve()))
+
+
+def resolve_out_dir(data_cfg: Mapping[str, Any]) -> Path:
+    """``data_cfg.out_dir``, or ``$AFM_CACHE/data/<data_cfg.name>`` when it is null."""
+    data_cfg = _plain(data_cfg)
+    if data_cfg.get("out_dir"):
+        return Path(data_cfg["out_dir"]).expanduser()
+    return cache_dir() / "data" / str(data_cfg.get("name") or "coa_traces")
+
+
+def recorded_config(data_cfg: Mapping[str, Any], source: PrepareInput = PrepareInput()) -> dict[str, Any]:
+    """The config that determines the prepared data's content, as written to ``report.json``.
+
+    Raises:
+        ValueError: an unknown converter in ``sources``, or bad ``filters``.
+    """
+    data_cfg = _plain(data_cfg)
+    sources = dict(data_cfg.get("sources") or {})
+    if source.format == "converters":
+        if unknown := sorted(set(sources) - set(CONVERTERS)):
+            raise ValueError(f"data.sources: unknown converter(s) {unknown}; known: {sorted(CONVERTERS)}")
+    shared = data_cfg.get("shared_dir")
+    return {
+        "format_version": FORMAT_VERSION,
+        "input": asdict(source),
+        "sources": sources if source.format == "converters" else {},
+        "shared_dir": str(Path(shared).expanduser() if shared else shared_data_dir()),
+        "heldout_fraction": float(data_cfg.get("heldout_fraction", 0.05)),
+        "split_seed": int(data_cfg.get("split_seed", 0)),
+        "filters": asdict(DataFilters.from_config(data_cfg.get("filters"))),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Prepare
+
+
+def _convert(config: dict[str, Any], strict: bool) -> list[Conversion]:
+    source = PrepareInput(**config["input"])
+    if source.format == "llamafactory":
+        return [alpaca_converter(source.task)([source.path], strict=strict)]
+    shared = Path(config["shared_dir"])
+    conversions = []
+    for name, limit in config["sources"].items():
+        converter = CONVERTERS[name]
+        paths = [shared / f for f in converter.files]
+        if missing := [str(p) for p in paths if not p.exists()]:
+            raise FileNotFoundError(f"source {name!r}: missing input file(s) {missing} (shared_dir={shared})")
+        conversions.append(converter(paths, limit=limit, strict=strict))
+    return conversions
+
+
+def prepare(data_cfg: Mapping[str, Any], *, source: PrepareInput = PrepareInput(), strict: bool = False) -> Path:
+    """Convert, filter, split and write the prepared data (see the module docstring); returns ``out_dir``.
+
+    An existing ``out_dir`` is replaced atomically; on any error it is left as it was (or absent).
+
+    Args:
+        data_cfg: the ``data`` config group.
+        source: where the trajectories come from (default: the converters named in ``data.sources``).
+        strict: raise on the first trajectory that breaks the tag grammar instead of counting it.
+
+    Raises:
+        ValueError: bad config (unknown converter, filter key, fraction out of range).
+        FileNotFoundError: a source file is missing.
+        DataFormatError: a malformed source record (message names file, line and field).
+        TagGrammarError: ``strict`` and a trajectory with broken tags.
+    """
+    config = recorded_config(data_cfg, source)
+    out_dir = resolve_out_dir(data_cfg)
+    filters = DataFilters(**config["filters"])
+    conversions = _convert(config, strict)
+    trajectories = [t for c in conversions for t in c.trajectories]
+    kept, dropped = filter_trajectories(trajectories, filters)
+    train, heldout = split_by_task(kept, config["heldout_fraction"], config["split_seed"])
+    rows = {"train": upsampled_rows(train, filters.error_correction_upsample), "heldout": upsampled_rows(heldout, 1)}
+    report = {
+        "format_version": FORMAT_VERSION,
+        "config": config,
+        "sources": {c.report.source: c.report.to_dict() for c in conversions},
+        "filters": {
+            "input": len(trajectories),
+            "kept": len(kept),
+            "dropped": dict(sorted(dropped.items())),
+            "upsampled_rows": len(rows["train"]) - len(train),
+        },
+        "split": {
+            **{f"{split}_rows": len(rows[split]) for split in SPLITS},
+            **{f"{split}_tasks": len({r["task_id"] for r in rows[split]}) for split in SPLITS},
+            "by_task": {split: dict(sorted(Counter(r["task"] for r in rows[split]).items())) for split in SPLITS},
+        },
+        "schema": {f.name: str(f.type) for f in PREPARED_SCHEMA},
+    }
+    with atomic_dir(out_dir) as temp:
+        for split in SPLITS:
+            write_prepared(temp / f"{split}.parquet", rows[split])
+        (temp / REPORT_FILE).write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return out_dir
+
+
+def read_report(out_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ``report.json`` of a prepared directory, or None when absent or unreadable."""
+    try:
+        return json.loads((Path(out_dir) / REPORT_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def is_prepared(out_dir: Path, config: dict[str, Any]) -> bool:
+    """Whether ``out_dir`` holds both splits and a report recording exactly ``config``."""
+    report = read_report(out_dir)
+    return (
+        report is not None
+        and report.get("config") == config
+        and all((out_dir / f"{split}.parquet").is_file() for split in SPLITS)
+    )
+
+
+@contextlib.contextmanager
+def _lock(out_dir: Path) -> Iterator[None]:
+    """An exclusive lock (``flock``) on ``.<out_dir name>.lock`` next to ``out_dir``, so that concurrent
+    callers (e.g. several ranks of one job) prepare once."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def ensure_prepared(
+    data_cfg: Mapping[str, Any], *, source: PrepareInput = PrepareInput(), strict: bool = False, force: bool = False
+) -> Path:
+    """``out_dir`` of ``data_cfg``, prepared first when missing, when its ``report.json`` records
+    another config, or when ``force``. Safe to call from several processes at once.
+
+    Raises:
+        as :func:`prepare`.
+    """
+    out_dir = resolve_out_dir(data_cfg)
+    config = recorded_config(data_cfg, source)
+    with _lock(out_dir):
+        if force or not is_prepared(out_dir, config):
+            prepare(data_cfg, source=source, strict=strict)
+    return out_dir
+
+
+# --------------------------------------------------------------------------------------------------
+# Export
+
+
+def read_prepared_trajectories(path: str | os.PathLike[str]) -> list[tuple[str, Trajectory]]:
+    """``(row id, trajectory)`` for each row of a prepared parquet file.
+
+    Raises:
+        DataFormatError: wrong columns or a bad ``trajectory`` JSON (file and row named).
+    """
+    rows = read_prepared(path).select(["id", "trajectory"]).to_pylist()
+    return [(row["id"], row_trajectory(row, path, i)) for i, row in enumerate(rows)]
+
+
+def export_prepared(out_dir: str | os.PathLike[str], fmt: str, export_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Export a prepared directory to a foreign format, atomically; returns the export directory.
+
+    * ``llamafactory``: ``train.json`` and ``heldout.json`` (alpaca lists, every row including the
+      upsampled copies) and a ``dataset_info.json`` registering them as ``afm_coa_train`` /
+      ``afm_coa_heldout`` for LLaMA-Factory's ``dataset_dir``.
+    * ``afm_rl``: ``train.parquet`` and ``heldout.parquet`` in the AFM/verl RL layout, one task per
+      question (the first trajectory of each ``task_id``), ``extra_info.index`` = trajectory id.
+
+    Args:
+        export_dir: where to write; None: ``<out_dir>-<fmt>`` next to ``out_dir``.
+
+    Raises:
+        ValueError: unknown ``fmt``.
+        FileNotFoundError / DataFormatError: ``out_dir`` is not a complete prepared directory.
+    """
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"export format must be one of {EXPORT_FORMATS}, got {fmt!r}")
+    out_dir = Path(out_dir)
+    export_dir = Path(export_dir) if export_dir else out_dir.with_name(f"{out_dir.name}-{fmt}")
+    splits = {split: read_prepared_trajectories(out_dir / f"{split}.parquet") for split in SPLITS}
+    with atomic_dir(export_dir) as temp:
+        for split, items in splits.items():
+            if fmt == "llamafactory":
+                records = [to_alpaca(trajectory) for _, trajectory in items]
+                (temp / f"{split}.json").write_text(json.dumps(records, indent=1, ensure_ascii=False), encoding="utf-8")
+            else:
+                firsts: dict[str, Trajectory] = {}
+                for row_id, trajectory in items:
+                    if row_id == trajectory.id:  # not an upsampled copy
+                        firsts.setdefault(task_id(trajectory.question), trajectory)
+                tasks = [rl_task_from_trajectory(t, split) for t in firsts.values()]
+                write_rl_tasks(temp / f"{split}.parquet", tasks)
+        if fmt == "llamafactory":
+            info = {f"afm_coa_{split}": {"file_name": f"{split}.json"} for split in SPLITS}
+            (temp / "dataset_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    return export_dir
