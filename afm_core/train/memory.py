@@ -122,8 +122,11 @@ def estimate_memory(
 
 def estimate_from_config(cfg: Any) -> MemoryEstimate:
     """Estimate from a composed ``conf/sft.yaml`` (model, parallel, trainer and cluster groups)."""
-    world = cfg.cluster.get("nodes", 1) * cfg.cluster.get("tasks_per_node", 1)
-    dp = max(1, world // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp))
+    model_parallel = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    if cfg.cluster.name == "slurm":
+        dp = max(1, cfg.cluster.nodes * cfg.cluster.tasks_per_node // model_parallel)
+    else:
+        dp = cfg.cluster.dp
     return estimate_memory(
         cfg.model,
         tp=cfg.parallel.tp,

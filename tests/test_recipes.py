@@ -1,0 +1,49 @@
+"""The paper recipes compose, carry the upstream hyper-parameters, and document a memory estimate that matches
+``afm_core.train.memory`` (so the numbers in the YAML comments cannot drift from the code)."""
+
+import re
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from afm_core.train.memory import count_params, estimate_from_config
+from afm_core.utils.paths import repo_root
+
+RECIPES = {
+    # recipe: (model, lr, global batch, seq_length, warmup_ratio, epochs)
+    "afm_web_sft_32b": ("qwen2.5-32b-instruct", 1.4e-5, 128, 32768, 0.1, 4),
+    "afm_code_sft_7b": ("qwen2.5-coder-7b-instruct", 3e-5, 32, 32768, 0.0, 2),
+    "afm_code_sft_32b": ("qwen2.5-coder-32b-instruct", 1.4e-5, 64, 32768, 0.0, 2),
+    "afm_mhqa_sft_3b": ("qwen2.5-3b-instruct", 1e-5, 128, 5120, 0.03, 4),
+}
+
+
+def _compose(overrides):
+    with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
+        return compose(config_name="sft", overrides=overrides)
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_recipe_hyperparameters_and_documented_memory(recipe):
+    model, lr, global_batch, seq_length, warmup, epochs = RECIPES[recipe]
+    cfg = _compose([f"recipe={recipe}"])
+    assert cfg.model.name == model
+    assert (cfg.optim.lr, cfg.trainer.global_batch_size, cfg.trainer.seq_length) == (lr, global_batch, seq_length)
+    assert (cfg.optim.warmup_ratio, cfg.trainer.epochs, cfg.trainer.max_steps) == (warmup, epochs, None)
+    world = cfg.cluster.nodes * cfg.cluster.tasks_per_node
+    assert world % (cfg.parallel.tp * cfg.parallel.pp) == 0
+    text = (repo_root() / "conf" / "recipe" / f"{recipe}.yaml").read_text()
+    documented = float(re.search(r"memory: ([\d.]+) GiB/GPU", text).group(1))
+    estimate = estimate_from_config(cfg).as_gib()
+    assert estimate["total"] == documented
+    assert estimate["total"] < 70, "must fit an 80 GB GPU with headroom"
+
+
+def test_command_line_overrides_win_over_recipe():
+    cfg = _compose(["recipe=afm_web_sft_32b", "optim.lr=2e-5"])
+    assert cfg.optim.lr == 2e-5
+
+
+def test_qwen25_32b_parameter_count():
+    cfg = _compose(["model=qwen2.5-32b-instruct"])
+    assert abs(count_params(cfg.model)["total"] / 1e9 - 32.76) < 0.01  # Qwen2.5-32B: 32.8B parameters
