@@ -1,0 +1,153 @@
+"""torch.distributed + megatron parallel_state setup and teardown for one training process (one rank).
+
+The caller (the job layer through submitit's ``TorchDistributedEnvironment``, or a test through
+``torch.multiprocessing``) sets the ``env://`` variables RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT (LOCAL_WORLD_SIZE optional). The world is split Megatron's way into tensor (TP), pipeline (PP)
+and data (DP) parallel groups: ``dp = world_size / (tp * pp * cp)``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+
+_REQUIRED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Where this rank sits: global rank, the TP/PP/DP sizes and ranks, and its compute device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    tp: int
+    pp: int
+    dp: int
+    vpp: int | None
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    device: torch.device
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+
+def _env_int(name: str) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        raise RuntimeError(
+            f"environment variable {name} is not set; the launcher must export {', '.join(_REQUIRED_ENV)} "
+            "(submitit.helpers.TorchDistributedEnvironment().export() does)"
+        )
+    try:
+        return int(value)
+    except ValueError:
+        raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def set_num_threads(num_threads: int | None, local_world_size: int) -> int:
+    """``torch.set_num_threads`` to ``num_threads``, or ``max(1, cores // local_world_size)`` when None.
+
+    Returns the thread count set. Cores are the CPUs this process may run on (``sched_getaffinity``).
+    """
+    if num_threads is None:
+        num_threads = max(1, len(os.sched_getaffinity(0)) // max(1, local_world_size))
+    torch.set_num_threads(int(num_threads))
+    return int(num_threads)
+
+
+def seed_everything(seed: int, pp_rank: int) -> None:
+    """Seed python, numpy, torch and megatron's model-parallel RNG tracker like Megatron-LM.
+
+    As in Megatron-LM ``training/initialize.py::_set_random_seed``: every pipeline stage gets
+    ``seed + 100 * pp_rank``, and ``model_parallel_cuda_manual_seed`` derives the TP-rank-specific tracker
+    state (``seed + 2718 + tp_rank``). DP ranks share the seed, so replicas initialise identically.
+    """
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    stage_seed = seed + 100 * pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    model_parallel_cuda_manual_seed(stage_seed)
+
+
+def init_distributed(parallel: Any, *, seed: int, num_threads: int | None = None,
+                     timeout_min: int = 30) -> ParallelLayout:
+    """Join the process group (NCCL on GPU, gloo on CPU) and build megatron's TP/PP/DP groups.
+
+    Args:
+        parallel: the ``conf/parallel`` group (``tp``, ``pp``, ``cp``, ``vpp``).
+        seed: base random seed (see :func:`seed_everything`).
+        num_threads: torch CPU threads for this rank; None: cores // LOCAL_WORLD_SIZE.
+        timeout_min: collective timeout in minutes.
+    Returns:
+        The :class:`ParallelLayout` of this rank.
+    Raises:
+        RuntimeError: a required env variable is missing, or WORLD_SIZE is not divisible by tp * pp * cp.
+    """
+    from megatron.core import parallel_state as ps
+
+    from afm_core.train.cpu_shims import apply_cpu_shims
+
+    rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
+    _env_int("MASTER_PORT")
+    if not os.environ.get("MASTER_ADDR"):
+        raise RuntimeError("environment variable MASTER_ADDR is not set")
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    tp, pp, cp = int(parallel.tp), int(parallel.pp), int(parallel.get("cp", 1))
+    if world_size % (tp * pp * cp):
+        raise RuntimeError(f"WORLD_SIZE={world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+    vpp = parallel.get("vpp")
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        apply_cpu_shims()
+        device, backend = torch.device("cpu"), "gloo"
+    set_num_threads(num_threads, local_world_size)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(
+            backend=backend, init_method="env://", rank=rank, world_size=world_size,
+            timeout=timedelta(minutes=timeout_min),
+        )
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        distributed_timeout_minutes=timeout_min,
+    )
+    layout = ParallelLayout(
+        rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
+        tp=tp, pp=pp, dp=ps.get_data_parallel_world_size(), vpp=vpp,
+        tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(), device=device,
+    )
+    seed_everything(seed, layout.pp_rank)
+    return layout
+
+
+def destroy_distributed() -> None:
+    """Tear down megatron's parallel groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

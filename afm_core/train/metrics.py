@@ -1,0 +1,89 @@
+"""Training metrics on rank 0: ``metrics.jsonl`` (one JSON object per logged step) and ``loss.png``.
+
+Each line holds at least ``step``, ``split`` ("train" | "eval"), ``loss`` (masked token-mean CE), ``lr``,
+``tokens`` (unmasked target tokens in that step) and ``tokens_per_s``; train lines add ``grad_norm``,
+``elapsed_s``... Lines are appended and flushed one by one, so a crash loses at most the line being written.
+On resume, lines past the checkpoint's step are dropped (atomic rewrite), so after any number of restarts
+every ``(step, split)`` appears exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from afm_core.utils.atomic import atomic_path, atomic_write_text
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All complete lines of a ``metrics.jsonl`` (a torn last line, from a crash mid-write, is skipped).
+
+    Raises:
+        ValueError: a line other than the last is not valid JSON (names the file and line number).
+    """
+    path = Path(path)
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):
+                break
+            raise ValueError(f"{path}:{number}: not a JSON object ({err.msg})") from None
+    return records
+
+
+class MetricsLog:
+    """Append-only ``metrics.jsonl`` writer that resumes cleanly.
+
+    Args:
+        path: ``RUN_DIR/metrics.jsonl``.
+        resume_step: optimizer steps already done (the loaded checkpoint's step; 0 for a fresh run):
+            existing lines with ``step > resume_step`` are removed, and for a fresh run the file is emptied.
+    """
+
+    def __init__(self, path: str | Path, resume_step: int):
+        self.path = Path(path)
+        kept = [r for r in read_metrics(self.path) if resume_step > 0 and r["step"] <= resume_step]
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record (needs ``step`` and ``split``); non-finite floats are written as null."""
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def plot_losses(metrics_path: str | Path, png_path: str | Path) -> None:
+    """Draw train and held-out loss against step from ``metrics.jsonl`` into ``png_path`` (atomic)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(metrics_path)
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for split, style in (("train", dict(lw=1.0, alpha=0.8)), ("eval", dict(marker="o", lw=1.6))):
+        points = [(r["step"], r["loss"]) for r in records if r["split"] == split and r.get("loss") is not None]
+        if points:
+            steps, losses = zip(*points)
+            ax.plot(steps, losses, label="held-out" if split == "eval" else split, **style)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("masked token-mean CE (nats)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    with atomic_path(png_path) as temp:
+        fig.savefig(temp, format="png")
+    plt.close(fig)

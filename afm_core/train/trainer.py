@@ -1,0 +1,362 @@
+"""The SFT training loop on megatron-core: micro batches in, optimizer steps, evals, checkpoints, metrics out.
+
+One optimizer step consumes ``global_batch_size`` packed sequences: ``num_microbatches = global_batch_size /
+(micro_batch_size * dp)`` micro batches on each DP rank, run through ``get_forward_backward_func()`` (no
+pipelining for PP=1, 1F1B for PP>1, interleaved 1F1B with virtual stages), gradients accumulated in megatron
+DDP's fp32 buffers, reduced over DP, scaled by 1 / (unmasked tokens of the global batch) (see
+:mod:`afm_core.train.loss`), clipped, and applied by megatron's AdamW (:mod:`afm_core.train.optim`).
+
+A micro batch is a dict of CPU tensors (the data loader's contract):
+    tokens [b, s] int64, labels [b, s] int64 (next-token targets; any value where loss_mask is 0),
+    loss_mask [b, s] (1 = trained target token), position_ids [b, s] int64, and optionally
+    attention_mask [b, 1, s, s] bool (True = masked out; block-causal for packed documents; absent: causal).
+``b = trainer.micro_batch_size`` and ``s = trainer.seq_length`` are fixed (pipeline send/recv shapes).
+
+Exact resume: a checkpoint holds the model, optimizer, LR scheduler, step counters, data-loader and RNG
+states (:mod:`afm_core.train.checkpoint`); resuming reproduces the uninterrupted run's losses and weights
+bitwise on CPU, and ``metrics.jsonl`` is cut back to the checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import get_model_config
+from tqdm import tqdm
+
+from afm_core.train.checkpoint import Checkpointer, latest_complete_checkpoint
+from afm_core.train.distributed import ParallelLayout
+from afm_core.train.loss import masked_token_loss, reduce_reports
+from afm_core.train.metrics import MetricsLog, plot_losses, read_metrics
+from afm_core.train.optim import build_optimizer
+
+log = logging.getLogger(__name__)
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+_checkpoint_requested = False
+_stop_requested = False
+
+
+def request_checkpoint(stop: bool = True) -> None:
+    """Ask the running trainer to save a checkpoint at the next step boundary (and then stop if ``stop``).
+
+    Only sets module flags, so it is safe to call from a signal handler (SIGUSR2 / preemption). The flag is
+    OR-reduced over all ranks at every step boundary, so ranks save together even if only one was signalled.
+    """
+    global _checkpoint_requested, _stop_requested
+    _checkpoint_requested = True
+    _stop_requested = _stop_requested or stop
+
+
+class MicroBatchSource(Protocol):
+    """This DP rank's endless stream of training micro batches, resumable at any point."""
+
+    def __next__(self) -> dict[str, torch.Tensor]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class Progress:
+    """Step counters saved in every checkpoint (identical on all ranks)."""
+
+    step: int = 0  # optimizer steps done
+    consumed_sequences: int = 0  # packed sequences trained on (global)
+    consumed_tokens: int = 0  # unmasked target tokens trained on (global)
+    train_time_s: float = 0.0  # wall seconds spent in training steps, over all restarts
+
+
+def build_model_chunks(model_provider: Any, layout: ParallelLayout) -> list[torch.nn.Module]:
+    """Build this rank's model chunk(s) (one per virtual pipeline stage) like Megatron-LM's ``get_model``.
+
+    Args:
+        model_provider: ``(pre_process, post_process, vp_stage) -> GPTModel``.
+        layout: this rank's parallel layout (``vpp`` stages per rank, or None).
+    """
+    chunks = []
+    for vp_stage in range(layout.vpp or 1):
+        stage = vp_stage if layout.vpp else None
+        chunks.append(model_provider(
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+        ))
+    return chunks
+
+
+class SFTTrainer:
+    """Runs observation-masked SFT on prebuilt megatron model chunks.
+
+    Args:
+        cfg: the composed SFT config (``trainer``, ``optim``, ``parallel`` groups are read).
+        layout: this rank's parallel layout.
+        model_chunks: unwrapped GPTModel chunk(s) of this rank, weights already loaded, on ``layout.device``,
+            in their training dtype (bf16 or fp32).
+        train_data: this DP rank's training micro batches.
+        eval_batches: this DP rank's share of the held-out micro batches (the same at every eval).
+        run_dir: ``RUN_DIR`` (metrics.jsonl, loss.png, checkpoints/).
+        max_steps: optimizer steps of the whole run.
+        resume_from: another run's RUN_DIR to resume from when ``run_dir`` has no complete checkpoint.
+    Raises:
+        ValueError: the batch sizes do not divide (names the config fields).
+    """
+
+    def __init__(self, cfg: Any, layout: ParallelLayout, model_chunks: list[torch.nn.Module],
+                 train_data: MicroBatchSource, eval_batches: list[dict[str, torch.Tensor]], run_dir: str | Path,
+                 max_steps: int, resume_from: str | Path | None = None):
+        self.cfg, self.layout, self.max_steps = cfg, layout, max_steps
+        self.run_dir = Path(run_dir)
+        self.resume_from = Path(resume_from) if resume_from else None
+        self.train_data, self.eval_batches = train_data, eval_batches
+        t = cfg.trainer
+        self.seq_length, self.micro_batch_size = int(t.seq_length), int(t.micro_batch_size)
+        per_pass = self.micro_batch_size * layout.dp
+        if t.global_batch_size % per_pass:
+            raise ValueError(
+                f"trainer.global_batch_size={t.global_batch_size} is not divisible by trainer.micro_batch_size"
+                f" * dp = {self.micro_batch_size} * {layout.dp}"
+            )
+        self.num_microbatches = t.global_batch_size // per_pass
+
+        self.model = self._wrap(model_chunks)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model, cfg.optim, max_steps=max_steps, grad_clip=t.grad_clip,
+            params_dtype=get_model_config(self.model[0]).params_dtype,
+            distributed_optimizer=bool(cfg.parallel.distributed_optimizer),
+        )
+        config = get_model_config(self.model[0])
+        config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        self.forward_backward = get_forward_backward_func()
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", t.keep_last, layout)
+        self.report_groups = [ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()]
+        self.progress = Progress()
+        self.metrics: MetricsLog | None = None
+
+    # -- setup -----------------------------------------------------------------------------------------
+    def _wrap(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        """Megatron-LM's wrapping: Float16Module for bf16, then DDP with fp32 grad buffers."""
+        config = get_model_config(chunks[0])
+        config.calculate_per_token_loss = True  # read by DDP and the schedules: see afm_core.train.loss
+        if config.pipeline_dtype is None:
+            config.pipeline_dtype = config.params_dtype
+        if config.bf16:
+            chunks = [Float16Module(config, m) for m in chunks]
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=bool(self.cfg.parallel.distributed_optimizer),
+            check_for_nan_in_grad=True,
+        )
+        return [
+            DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
+            for i, m in enumerate(chunks)
+        ]
+
+    # -- one step --------------------------------------------------------------------------------------
+    def _forward_step(self, data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+        batch = next(data_iterator)
+        device = self.layout.device
+        tokens = batch["tokens"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True).clamp(min=0)  # -100 where loss_mask is 0
+        loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+        position_ids = batch["position_ids"].to(device, non_blocking=True)
+        attention_mask = batch.get("attention_mask")
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(device, non_blocking=True)
+        output = model(tokens, position_ids, attention_mask, labels=labels)
+        return output, partial(masked_token_loss, loss_mask)
+
+    def _check_batch(self, batch: dict[str, torch.Tensor]) -> None:
+        shape = (self.micro_batch_size, self.seq_length)
+        for key in BATCH_KEYS:
+            if key not in batch:
+                raise KeyError(f"micro batch has no {key!r} (keys: {sorted(batch)})")
+            if tuple(batch[key].shape) != shape:
+                raise ValueError(f"micro batch {key!r} has shape {tuple(batch[key].shape)}, expected "
+                                 f"[trainer.micro_batch_size, trainer.seq_length] = {list(shape)}")
+
+    def _run_schedule(self, micro_batches: list[dict[str, torch.Tensor]], forward_only: bool):
+        iterators = [iter(micro_batches) for _ in self.model]
+        return self.forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.model,
+            num_microbatches=len(micro_batches),
+            seq_length=self.seq_length,
+            micro_batch_size=self.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over the next global batch; returns loss, tokens, lr and grad_norm."""
+        micro_batches = [next(self.train_data) for _ in range(self.num_microbatches)]
+        for batch in micro_batches:
+            self._check_batch(batch)
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self.optimizer.param_groups[0]["lr"]
+        reports = self._run_schedule(micro_batches, forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if not update_ok:
+            raise FloatingPointError(f"optimizer step {self.progress.step + 1} skipped: non-finite gradients")
+        self.scheduler.step(increment=1)
+        loss, tokens = reduce_reports(reports, self.report_groups)
+        return {"loss": loss, "tokens": tokens, "lr": lr, "grad_norm": float(grad_norm)}
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, int]:
+        """Masked token-mean loss and unmasked token count over the held-out micro batches of all DP ranks."""
+        for chunk in self.model:
+            chunk.eval()
+        reports = self._run_schedule(self.eval_batches, forward_only=True)
+        for chunk in self.model:
+            chunk.train()
+        return reduce_reports(reports, self.report_groups)
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        common = {"progress": asdict(self.progress), "scheduler": self.scheduler.state_dict()}
+        shared = [common]
+        torch.distributed.broadcast_object_list(shared, src=0)  # dist_checkpointing wants identical commons
+        return self.checkpointer.save(self.progress.step, self.model, self.optimizer, shared[0],
+                                      {"data": self.train_data.state_dict()})
+
+    def _find_checkpoint(self) -> Path | None:
+        own = latest_complete_checkpoint(self.run_dir / "checkpoints")
+        if own is not None or self.resume_from is None:
+            return own
+        other = latest_complete_checkpoint(self.resume_from / "checkpoints")
+        if other is None:
+            raise FileNotFoundError(f"resume={self.resume_from}: no complete checkpoint in its checkpoints/")
+        return other
+
+    def _resume(self) -> Path | None:
+        path = self._find_checkpoint()
+        if path is None:
+            return None
+        common, rank_state = self.checkpointer.load(path, self.model, self.optimizer)
+        self.progress = Progress(**common["progress"])
+        self.scheduler.load_state_dict(common["scheduler"])
+        if "data" in rank_state:
+            self.train_data.load_state_dict(rank_state["data"])
+        if self.layout.is_rank0 and not path.is_relative_to(self.run_dir):
+            self._seed_metrics_from(path.parent.parent / "metrics.jsonl")
+        return path
+
+    def _seed_metrics_from(self, source: Path) -> None:
+        """Resuming another run's checkpoint: start this run's metrics.jsonl with that run's history."""
+        target = self.run_dir / "metrics.jsonl"
+        if not target.exists() and source.is_file():
+            target.write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
+
+    # -- the loop --------------------------------------------------------------------------------------
+    def _log(self, record: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.write(record)
+
+    def _eval_and_log(self) -> float:
+        start = time.perf_counter()
+        loss, tokens = self.evaluate()
+        seconds = time.perf_counter() - start
+        self._log({"step": self.progress.step, "split": "eval", "loss": loss, "lr": self._lr(),
+                   "tokens": tokens, "tokens_per_s": tokens / seconds, "eval_s": seconds,
+                   "elapsed_s": self.progress.train_time_s})
+        if self.layout.is_rank0:
+            plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+        return loss
+
+    def _lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _boundary_flags(self) -> tuple[bool, bool]:
+        """(checkpoint requested, stop requested) OR-ed over all ranks."""
+        global _checkpoint_requested, _stop_requested
+        device = "cuda" if self.layout.on_gpu else "cpu"
+        flags = torch.tensor([int(_checkpoint_requested), int(_stop_requested)], device=device)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        _checkpoint_requested = _stop_requested = False
+        return bool(flags[0]), bool(flags[1])
+
+    def fit(self) -> dict[str, Any]:
+        """Resume if a complete checkpoint exists, train to ``max_steps``, evaluate, checkpoint.
+
+        Returns:
+            ``{"resumed_from", "step", "eval_loss_before", "eval_loss_after", "tokens_per_s",
+            "train_time_s", "checkpoint", "stopped_early"}`` (identical on every rank).
+        """
+        t = self.cfg.trainer
+        resumed_from = self._resume()
+        if self.layout.is_rank0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.progress.step)
+        if resumed_from is None:
+            self._eval_and_log()
+        bar = tqdm(total=self.max_steps, initial=self.progress.step, desc="sft", unit="step", dynamic_ncols=True,
+                   disable=not (self.layout.is_rank0 and t.progress))
+        last_checkpoint = resumed_from
+        run_tokens, run_time, stopped_early = 0, 0.0, False
+        while self.progress.step < self.max_steps:
+            start = time.perf_counter()
+            out = self.train_step()
+            seconds = time.perf_counter() - start
+            self.progress.step += 1
+            self.progress.consumed_sequences += t.global_batch_size
+            self.progress.consumed_tokens += out["tokens"]
+            self.progress.train_time_s += seconds
+            run_tokens, run_time = run_tokens + out["tokens"], run_time + seconds
+            step = self.progress.step
+            if step % t.log_interval == 0 or step == self.max_steps:
+                self._log({"step": step, "split": "train", **out, "tokens_per_s": out["tokens"] / seconds,
+                           "input_tokens_per_s": t.global_batch_size * self.seq_length / seconds,
+                           "step_s": seconds, "elapsed_s": self.progress.train_time_s})
+            bar.update(1)
+            bar.set_postfix(loss=f"{out['loss']:.4f}", lr=f"{out['lr']:.2e}")
+            if step % t.eval_interval == 0 or step == self.max_steps:
+                self._eval_and_log()
+            want_checkpoint, stop = self._boundary_flags()
+            if want_checkpoint or step % t.save_interval == 0 or step == self.max_steps:
+                last_checkpoint = self.save_checkpoint()
+            if stop and step < self.max_steps:
+                stopped_early = True
+                break
+        bar.close()
+        summary = {
+            "resumed_from": str(resumed_from) if resumed_from else None,
+            "step": self.progress.step,
+            **self._eval_summary(),
+            "tokens_per_s": run_tokens / run_time if run_time else None,
+            "train_time_s": self.progress.train_time_s,
+            "checkpoint": str(last_checkpoint) if last_checkpoint else None,
+            "stopped_early": stopped_early,
+        }
+        if self.metrics is not None:
+            self.metrics.close()
+        shared = [summary]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        return shared[0]
+
+    def _eval_summary(self) -> dict[str, Any]:
+        """Held-out loss at step 0 and at the last eval, from metrics.jsonl (rank 0; others get None)."""
+        if not self.layout.is_rank0:
+            return {}
+        evals = [r for r in read_metrics(self.run_dir / "metrics.jsonl") if r["split"] == "eval"]
+        before = next((r["loss"] for r in evals if r["step"] == 0), None)
+        after = evals[-1] if evals else {}
+        return {"eval_loss_before": before, "eval_loss_after": after.get("loss"), "eval_step_after": after.get("step")}
