@@ -1,0 +1,271 @@
+#!/usr/bin/env bash
+# A real single-node Slurm cluster on 127.0.0.1 for development and CI (Debian 12, slurm-wlm 22.05).
+#
+#   slurm/local-cluster.sh start    # install what is missing, write the config, start the daemons, wait for the node
+#   slurm/local-cluster.sh status   # our daemons, sinfo, squeue
+#   slurm/local-cluster.sh stop     # stop the daemons this script started (by PID file), nothing else
+#
+# Daemons: munged, mariadbd + slurmdbd (so sacct works), slurmctld, slurmd. Partitions: `debug` (default) and
+# `high`, whose jobs preempt `debug` jobs by requeue; the preempted job gets its --signal (submitit: USR2) at once
+# (SlurmctldParameters=preempt_send_user_signal) and 30 s of grace. A requeued job may start again after ~11 s
+# (AuthInfo=cred_expire=10, sched/bf interval 2 s). The node advertises SLURM_CPUS CPUs (default 8, over-subscribing
+# the real cores through SlurmdParameters=config_overrides) so a few small jobs run at once.
+# Settings and pitfalls: /work/shared/notes/slurm-feasibility.md. Must run as root (it installs packages and
+# starts daemons under their own users). State (job ids, spool, logs, PID files) persists in $AFM_SLURM_STATE
+# (default /var/lib/afm-slurm) across stop/start, so job ids keep growing and sacct history stays consistent.
+set -euo pipefail
+
+STATE=${AFM_SLURM_STATE:-/var/lib/afm-slurm}
+SLURM_CPUS=${SLURM_CPUS:-8}
+NODE=$(hostname -s)
+CONF_DIR=/etc/slurm
+MARK="# Written by afm slurm/local-cluster.sh; rewritten on every start."
+PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server)
+DB_PASS=slurmpw
+
+log() { echo "[local-cluster] $*"; }
+die() { echo "[local-cluster] error: $*" >&2; exit 1; }
+
+# --- PID files: one per daemon this script started, under $STATE/pids (or written there by the daemon) -------
+pid_file() {
+  case $1 in
+    munged) echo "$STATE/run/munge/munged.pid" ;;
+    mariadbd) echo "$STATE/run/mysql/mariadbd.pid" ;;
+    *) echo "$STATE/run/slurm/$1.pid" ;;
+  esac
+}
+
+# The PID of our running daemon NAME, or nothing. The process name is checked so a reused PID is never taken.
+our_pid() {
+  local f pid
+  f=$(pid_file "$1")
+  [ -s "$f" ] || return 0
+  pid=$(tr -dc '0-9' <"$f")
+  [ -n "$pid" ] && [ -r "/proc/$pid/comm" ] && [ "$(cat "/proc/$pid/comm")" = "$1" ] && echo "$pid"
+  return 0
+}
+
+wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
+  local secs=$1 what=$2; shift 2
+  for _ in $(seq $((secs * 5))); do
+    "$@" >/dev/null 2>&1 && return 0
+    sleep 0.2
+  done
+  die "timed out after ${secs}s waiting for $what (logs: $STATE/log, $STATE/run/*/)"
+}
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# --- install ------------------------------------------------------------------------------------------------------
+install_missing() {
+  local missing=() p
+  for p in "${PACKAGES[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  log "installing ${missing[*]}"
+  # No init system here: keep package scripts from starting daemons (we start them by hand, below).
+  local own_policy=0
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod 755 /usr/sbin/policy-rc.d && own_policy=1
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  [ $own_policy -eq 1 ] && rm -f /usr/sbin/policy-rc.d
+  return 0
+}
+
+# --- configuration ------------------------------------------------------------------------------------------------
+write_config() {
+  local conf=$CONF_DIR/slurm.conf real_cpus mem_mb overrides=""
+  if [ -e "$conf" ] && ! grep -qF "$MARK" "$conf"; then
+    die "$conf exists and was not written by this script; refusing to replace it"
+  fi
+  real_cpus=$(nproc)
+  [ "$SLURM_CPUS" != "$real_cpus" ] && overrides="SlurmdParameters=config_overrides"
+  mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) * 85 / 100 / 1024 ))
+  mkdir -p "$CONF_DIR"
+  cat >"$conf.tmp" <<EOF
+$MARK
+ClusterName=localcluster
+SlurmctldHost=$NODE(127.0.0.1)
+SlurmUser=slurm
+SlurmdUser=root
+AuthType=auth/munge
+CredType=cred/munge
+# A requeued job waits cred_expire + 1 s before it may start again (default 120).
+AuthInfo=cred_expire=10
+MpiDefault=none
+MailProg=/bin/true
+ReturnToService=2
+StateSaveLocation=$STATE/ctld
+SlurmdSpoolDir=$STATE/spool
+SlurmctldPidFile=$(pid_file slurmctld)
+SlurmdPidFile=$(pid_file slurmd)
+SlurmctldLogFile=$STATE/log/slurmctld.log
+SlurmdLogFile=$STATE/log/slurmd.log
+SlurmctldDebug=info
+SlurmdDebug=info
+# No cgroups here.
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SwitchType=switch/none
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStoragePort=6819
+JobAcctGatherType=jobacct_gather/linux
+JobAcctGatherFrequency=30
+SchedulerType=sched/backfill
+SchedulerParameters=sched_interval=2,bf_interval=2
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+# Without a default, a job that asks for no memory takes the whole node.
+DefMemPerCPU=1000
+JobRequeue=1
+PreemptType=preempt/partition_prio
+PreemptMode=REQUEUE
+# Slurm 22.05 name; newer releases call it PreemptParameters=send_user_signal.
+SlurmctldParameters=preempt_send_user_signal
+MinJobAge=3600
+KillWait=5
+InactiveLimit=0
+Waittime=0
+MessageTimeout=10
+$overrides
+NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$SLURM_CPUS RealMemory=$mem_mb State=UNKNOWN
+PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=30
+PartitionName=high Nodes=$NODE Default=NO MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+EOF
+  mv "$conf.tmp" "$conf"
+
+  local dbd=$CONF_DIR/slurmdbd.conf
+  if [ -e "$dbd" ] && ! grep -qF "$MARK" "$dbd"; then
+    die "$dbd exists and was not written by this script; refusing to replace it"
+  fi
+  cat >"$dbd.tmp" <<EOF
+$MARK
+AuthType=auth/munge
+DbdHost=localhost
+DbdPort=6819
+SlurmUser=slurm
+PidFile=$(pid_file slurmdbd)
+LogFile=$STATE/log/slurmdbd.log
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StorageUser=slurm
+StoragePass=$DB_PASS
+StorageLoc=slurm_acct_db
+EOF
+  chown slurm:slurm "$dbd.tmp" && chmod 600 "$dbd.tmp"  # slurmdbd refuses any other owner or mode
+  mv "$dbd.tmp" "$dbd"
+}
+
+make_dirs() {
+  local fresh=0
+  [ -d "$STATE/ctld" ] || fresh=1
+  mkdir -p "$STATE"/{ctld,spool,log,run/slurm,run/munge,run/mysql}
+  chown slurm:slurm "$STATE"/{ctld,log,run/slurm}
+  chown munge:munge "$STATE/run/munge"
+  chown mysql:mysql "$STATE/run/mysql"
+  mkdir -p /run/munge /run/mysqld
+  chown munge:munge /run/munge && chmod 755 /run/munge
+  chown mysql:mysql /run/mysqld
+  echo $fresh
+}
+
+# --- start ----------------------------------------------------------------------------------------------------------
+start_munged() {
+  [ -n "$(our_pid munged)" ] && return 0
+  if munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
+    log "munged is already running (not started by this script); using it"
+    return 0
+  fi
+  if [ ! -s /etc/munge/munge.key ]; then
+    runuser -u munge -- mungekey --create --keyfile=/etc/munge/munge.key
+  fi
+  runuser -u munge -- /usr/sbin/munged --pid-file="$(pid_file munged)" --log-file="$STATE/run/munge/munged.log"
+  wait_for 10 "munged" bash -c 'munge -n | unmunge'
+}
+
+start_mariadbd() {
+  if [ -z "$(our_pid mariadbd)" ]; then
+    if mariadb -e 'SELECT 1' >/dev/null 2>&1; then
+      log "MariaDB is already running (not started by this script); using it"
+    else
+      [ -d /var/lib/mysql/mysql ] || mariadb-install-db --user=mysql >/dev/null
+      nohup /usr/sbin/mariadbd --user=mysql --pid-file="$(pid_file mariadbd)" \
+        --log-error="$STATE/run/mysql/mariadb.err" >/dev/null 2>&1 &
+      wait_for 30 "MariaDB" mariadb -e 'SELECT 1'
+    fi
+  fi
+  local fresh=$1
+  # A fresh Slurm state restarts job ids at 1: drop the old accounting rows so sacct never mixes two job 1s.
+  [ "$fresh" = 1 ] && mariadb -e 'DROP DATABASE IF EXISTS slurm_acct_db'
+  mariadb -e "CREATE USER IF NOT EXISTS 'slurm'@'localhost' IDENTIFIED BY '$DB_PASS';
+              GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';"
+}
+
+start_slurm_daemons() {
+  if [ -z "$(our_pid slurmdbd)" ]; then
+    /usr/sbin/slurmdbd
+    wait_for 30 "slurmdbd on port 6819" port_open 6819
+  fi
+  if [ -z "$(our_pid slurmctld)" ]; then
+    scontrol ping 2>/dev/null | grep -q UP && die "a slurmctld not started by this script answers; leaving it alone"
+    /usr/sbin/slurmctld -i
+    wait_for 30 "slurmctld" bash -c 'scontrol ping | grep -q UP'
+  fi
+  [ -n "$(our_pid slurmd)" ] || /usr/sbin/slurmd -N "$NODE"
+  wait_for 60 "node $NODE to be idle" bash -c "sinfo -h -n $NODE -o %t | grep -qE '^(idle|mix|alloc)'"
+}
+
+cmd_start() {
+  [ "$(id -u)" -eq 0 ] || die "run as root (it installs Debian packages and starts daemons)"
+  install_missing
+  local fresh
+  fresh=$(make_dirs)
+  write_config
+  start_munged
+  start_mariadbd "$fresh"
+  start_slurm_daemons
+  log "up: node $NODE with $SLURM_CPUS CPUs; partitions $(sinfo -h -o %P | tr '\n' ' ')"
+}
+
+# --- stop / status ----------------------------------------------------------------------------------------------
+cmd_stop() {
+  local name pid
+  for name in slurmd slurmctld slurmdbd mariadbd munged; do
+    pid=$(our_pid "$name")
+    if [ -z "$pid" ]; then
+      rm -f "$(pid_file "$name")"
+      continue
+    fi
+    kill -TERM "$pid"
+    for _ in $(seq 100); do [ -d "/proc/$pid" ] || break; sleep 0.2; done
+    if [ -d "/proc/$pid" ]; then
+      log "$name ($pid) still running after 20 s; killing it"
+      kill -KILL "$pid"
+    fi
+    rm -f "$(pid_file "$name")"
+    log "stopped $name ($pid)"
+  done
+}
+
+cmd_status() {
+  local name pid up=1
+  for name in munged mariadbd slurmdbd slurmctld slurmd; do
+    pid=$(our_pid "$name")
+    if [ -n "$pid" ]; then echo "$name: running (pid $pid)"; else echo "$name: not running"; up=0; fi
+  done
+  if [ $up -eq 1 ]; then
+    sinfo
+    squeue
+  fi
+  [ $up -eq 1 ]
+}
+
+case ${1:-} in
+  start) cmd_start ;;
+  stop) cmd_stop ;;
+  status) cmd_status ;;
+  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+esac
