@@ -1,0 +1,123 @@
+"""A submitit executor from the ``cluster`` config group (``conf/cluster/{local,slurm}.yaml``).
+
+- ``cluster=local``: :class:`submitit.LocalExecutor` on this machine, one process per rank
+  (``tp * pp * cp * cluster.dp`` tasks), with submitit's timeout signal and requeue-on-exit-code loop.
+- ``cluster=slurm``: :class:`submitit.SlurmExecutor`; ``sbatch`` gets ``--nodes``, ``--ntasks-per-node`` (one task
+  per rank), ``--gpus-per-node``, ``--cpus-per-task``, ``--mem``, ``--time`` (minutes), ``--account``, ``--qos``,
+  ``--constraint``, ``--exclusive``, ``--signal=USR2@signal_delay_s`` and any ``additional_parameters``; the
+  ``setup`` lines run in the batch script before ``srun``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import submitit
+
+CLUSTERS = ("local", "slurm")
+
+
+class ClusterConfigError(ValueError):
+    """A ``cluster`` or ``parallel`` value cannot be used (names the field and its config file)."""
+
+
+def _field(cluster: Mapping[str, Any], key: str) -> Any:
+    if key not in cluster:
+        raise ClusterConfigError(f"conf/cluster/{cluster.get('name')}.yaml: missing field cluster.{key}")
+    return cluster[key]
+
+
+def _positive_int(cluster: Mapping[str, Any], key: str) -> int:
+    value = _field(cluster, key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ClusterConfigError(
+            f"conf/cluster/{cluster['name']}.yaml: cluster.{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def world_size(cluster: Mapping[str, Any], parallel: Mapping[str, Any]) -> int:
+    """Ranks of the job: ``tp * pp * cp * cluster.dp`` locally, ``nodes * tasks_per_node`` on Slurm.
+
+    Raises:
+        ClusterConfigError: unknown ``cluster.name``, a non-positive size, or (Slurm) a world size that is not a
+            multiple of ``tp * pp * cp``.
+    """
+    name = cluster.get("name")
+    if name not in CLUSTERS:
+        raise ClusterConfigError(f"cluster.name must be one of {CLUSTERS}, got {name!r}")
+    model_parallel = int(parallel.get("tp", 1)) * int(parallel.get("pp", 1)) * int(parallel.get("cp", 1))
+    if name == "local":
+        return model_parallel * _positive_int(cluster, "dp")
+    size = _positive_int(cluster, "nodes") * _positive_int(cluster, "tasks_per_node")
+    if size % model_parallel:
+        raise ClusterConfigError(
+            f"conf/cluster/slurm.yaml: cluster.nodes * cluster.tasks_per_node = {size} ranks is not a multiple of "
+            f"parallel.tp * parallel.pp * parallel.cp = {model_parallel}")
+    return size
+
+
+def visible_gpus() -> int:
+    """GPUs this process may use: the ``CUDA_VISIBLE_DEVICES`` entries if set, else the NVIDIA driver's count.
+
+    Read from the environment and ``/proc/driver/nvidia/gpus`` (not ``torch.cuda``: importing torch costs seconds
+    in a process that only submits).
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return len(list(gpus.iterdir())) if gpus.is_dir() else 0
+
+
+def make_executor(cluster: Mapping[str, Any], parallel: Mapping[str, Any], folder: str | Path,
+                  job_name: str) -> submitit.Executor:
+    """The executor for ``cluster``, writing submitit's pickles and the ranks' logs into ``folder``.
+
+    Args:
+        cluster: the ``cluster`` config group (resolved mapping).
+        parallel: the ``parallel`` config group (``tp``, ``pp``, ``cp``).
+        folder: submitit folder (may hold ``%j``/``%A``/``%a`` patterns); logs are
+            ``<folder>/<job id>_<rank>_log.{out,err}``.
+        job_name: the Slurm job name.
+    Raises:
+        ClusterConfigError: see :func:`world_size`; ``cluster.nodes > 1`` with ``cluster=local``.
+    """
+    ranks = world_size(cluster, parallel)
+    if cluster["name"] == "local":
+        gpus = cluster.get("gpus_per_node", "auto")
+        executor = submitit.LocalExecutor(folder=folder, max_num_timeout=_field(cluster, "max_num_timeout"))
+        executor.update_parameters(
+            tasks_per_node=ranks,
+            gpus_per_node=visible_gpus() if gpus == "auto" else int(gpus),
+            timeout_min=_field(cluster, "timeout_min"),
+            signal_delay_s=_field(cluster, "signal_delay_s"),
+            setup=list(cluster.get("setup") or []),
+        )
+        return executor
+
+    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=_field(cluster, "max_num_timeout"))
+    params: dict[str, Any] = {
+        "job_name": job_name,
+        "partition": cluster.get("partition"),
+        "nodes": cluster["nodes"],
+        "ntasks_per_node": cluster["tasks_per_node"],
+        "gpus_per_node": cluster.get("gpus_per_node") or None,  # --gpus-per-node=0 is rejected on GPU-less sites
+        "cpus_per_task": cluster.get("cpus_per_task"),
+        "mem": cluster.get("mem"),
+        "time": _positive_int(cluster, "time"),
+        "account": cluster.get("account"),
+        "qos": cluster.get("qos"),
+        "constraint": cluster.get("constraint"),
+        "exclusive": True if cluster.get("exclusive") else None,
+        "signal_delay_s": _field(cluster, "signal_delay_s"),
+        "array_parallelism": _positive_int(cluster, "array_parallelism"),
+        "additional_parameters": dict(cluster.get("additional_parameters") or {}),
+        "setup": list(cluster.get("setup") or []),
+        # One rank failing ends the step: the others would wait for it in a collective until the timeout.
+        "srun_args": ["--kill-on-bad-exit=1"],
+    }
+    executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
+    return executor

@@ -1,0 +1,67 @@
+"""Submit a per-rank function as a submitit job on the configured cluster (the body of every ``jobs/*.py`` app)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from afm_core.launch import sweep
+from afm_core.launch.distributed import free_port
+from afm_core.launch.executor import make_executor, world_size
+from afm_core.launch.follow import wait_streaming
+from afm_core.launch.records import job_record, write_job_record
+from afm_core.launch.requeue import RequeueableJob
+
+
+def submit(fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str) -> dict[str, Any] | None:
+    """Run ``fn(cfg)`` on every rank of a job on ``cfg.cluster``; return rank 0's result when waiting.
+
+    The config is resolved here (``run_dir`` is Hydra's output dir) and travels with the job as plain
+    containers. The job's submitit files and the ranks' logs go to ``RUN_DIR/logs/`` with ``job.json`` (see
+    :mod:`afm_core.launch.records`).
+
+    - ``cluster=local``: ``tp * pp * cp * cluster.dp`` processes on this machine.
+    - ``cluster=slurm``: ``sbatch``; prints the job id, the follow command and the log path. Inside a Slurm
+      multirun the job joins the sweep's job array instead (:mod:`afm_core.launch.sweep`) and None is returned.
+
+    With ``cluster.wait`` it streams rank 0's output until the job ends and returns its result; otherwise it
+    returns None at once.
+
+    Args:
+        fn: dotted path of the per-rank function (see :class:`RequeueableJob` for its contract).
+        cfg: the app config with ``run_dir``, ``cluster`` and ``parallel``.
+        on_preempt: dotted path of ``fn``'s checkpoint-at-the-next-step-and-return hook.
+        job_name: Slurm job name.
+    Raises:
+        afm_core.launch.executor.ClusterConfigError: bad ``cluster`` / ``parallel`` values.
+        ValueError: ``fn`` or ``on_preempt`` names no importable module.
+        submitit.core.utils.FailedJobError: (waiting) a rank raised; the message holds its traceback.
+        submitit.core.utils.UncompletedJobError: (waiting) the job ended without a result.
+    """
+    job_cfg = OmegaConf.to_container(cfg, resolve=True)
+    run_dir = Path(job_cfg["run_dir"]).absolute()
+    job_cfg["run_dir"] = str(run_dir)
+    cluster = job_cfg["cluster"]
+    ranks = world_size(cluster, job_cfg["parallel"])
+    local = cluster["name"] == "local"
+    job = RequeueableJob(fn, job_cfg, on_preempt, master_port=free_port() if local else None)
+    if not local and sweep.collecting():
+        sweep.add_member(sweep.ArrayMember(job=job, job_name=job_name, world_size=ranks))
+        return None
+
+    log_dir = run_dir / "logs"
+    executor = make_executor(cluster, job_cfg["parallel"], log_dir, job_name)
+    submitted = executor.submit(job)
+    write_job_record(log_dir, job_record(submitted, job_name, cluster["name"], ranks))
+    if local:
+        print(f"[afm] {job_name}: {ranks} rank(s) on this machine (job {submitted.job_id}); run dir {run_dir}")
+    else:
+        where = f" on partition {cluster['partition']}" if cluster.get("partition") else ""
+        print(f"Submitted Slurm job {submitted.job_id} ({job_name}, {ranks} rank(s){where})\n"
+              f"  follow: python -m jobs.status {run_dir} --follow\n"
+              f"  log:    {submitted.paths.stdout}")
+    if not cluster.get("wait"):
+        return None
+    return wait_streaming(submitted)

@@ -1,0 +1,35 @@
+"""Observation-masked agentic SFT as a Hydra app, run through submitit (conf/sft.yaml).
+
+    python -m jobs.sft                                        # this machine, rank-0 output streamed
+    python -m jobs.sft parallel.tp=2 trainer.max_steps=5      # 2 local ranks
+    python -m jobs.sft cluster=slurm cluster.partition=gpu    # sbatch; prints the job id and returns
+    python -m jobs.sft cluster=slurm -m optim.lr=1e-5,2e-5    # one Slurm job array, one run dir per member
+    python -m jobs.sft hydra.run.dir=runs/sft/X               # continue runs/sft/X from its latest checkpoint
+    python -m jobs.sft resume=runs/sft/X                      # start a new run dir from X's latest checkpoint
+
+Each rank runs ``afm_core.train.sft.run_sft(cfg)``; on SIGUSR2 (Slurm timeout or preemption) the trainer
+checkpoints at the next step boundary and the job is requeued (afm_core.launch.requeue).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from afm_core.launch import submit
+
+
+@hydra.main(config_path="../conf", config_name="sft", version_base="1.3")
+def main(cfg: DictConfig) -> dict[str, Any] | None:
+    summary = submit("afm_core.train.sft.run_sft", cfg, on_preempt="afm_core.train.trainer.request_checkpoint",
+                     job_name="sft")
+    if summary is not None:
+        print(json.dumps(summary, indent=2, default=str))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
