@@ -1,0 +1,81 @@
+"""Model presets: one key layout, published numbers, clear errors, Hydra composition."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from afm_core.models import presets
+from afm_core.models.arch import ModelArch, arch_from_hf_config, hf_config_from_arch
+from afm_core.models.presets import PRESET_FIELDS, PresetError, available_presets, check_against_hf_config, load_preset
+
+EXPECTED = {
+    "smollm2-135m", "tiny-llama", "qwen2.5-0.5b-instruct", "qwen2.5-1.5b-instruct", "qwen2.5-3b-instruct",
+    "qwen2.5-7b-instruct", "qwen2.5-14b-instruct", "qwen2.5-32b-instruct", "qwen2.5-coder-7b-instruct",
+    "qwen2.5-coder-32b-instruct",
+}
+
+
+def test_every_preset_loads_with_one_key_layout():
+    assert EXPECTED <= set(available_presets())
+    for name in available_presets():
+        raw = yaml.safe_load(presets.preset_path(name).read_text())
+        assert tuple(raw) == PRESET_FIELDS, name
+        preset = load_preset(name)
+        assert preset.name == name and preset.origin == f"conf/model/{name}.yaml"
+        assert (preset.source == "hf_path") == name.startswith("qwen")
+
+
+def test_published_numbers():
+    smol = load_preset("smollm2-135m")
+    assert smol.source == "gguf_package" and smol.arch.tied_embeddings and not smol.arch.qkv_bias
+    assert (smol.arch.num_layers, smol.arch.hidden_size, smol.arch.num_attention_heads, smol.arch.num_query_groups) == (30, 576, 9, 3)
+    q32 = load_preset("qwen2.5-32b-instruct").arch
+    assert (q32.num_layers, q32.hidden_size, q32.ffn_hidden_size, q32.num_attention_heads, q32.num_query_groups) == (64, 5120, 27648, 40, 8)
+    assert q32.vocab_size == 152064 and not q32.tied_embeddings and q32.qkv_bias and q32.rope_theta == 1e6
+    assert load_preset("qwen2.5-0.5b-instruct").arch.tied_embeddings
+    assert load_preset("qwen2.5-coder-7b-instruct").arch == load_preset("qwen2.5-7b-instruct").arch
+
+
+def test_preset_round_trips_through_an_hf_config():
+    for name in available_presets():
+        arch = load_preset(name).arch
+        assert arch_from_hf_config(hf_config_from_arch(arch)) == arch
+
+
+def test_bad_preset_file_names_file_line_and_field(tmp_path, monkeypatch):
+    monkeypatch.setattr(presets, "presets_dir", lambda: tmp_path)
+    text = presets.repo_root().joinpath("conf/model/tiny-llama.yaml").read_text()
+    (tmp_path / "tiny-llama.yaml").write_text(text.replace("num_layers: 2", "num_layers: two"))
+    line = text.splitlines().index("num_layers: 2") + 1
+    with pytest.raises(PresetError, match=rf"tiny-llama.yaml:{line}: field 'num_layers': expected a positive integer, got 'two'"):
+        load_preset("tiny-llama")
+    (tmp_path / "tiny-llama.yaml").write_text(text + "dropout: 0.1\n")
+    with pytest.raises(PresetError, match=r"field 'dropout': unknown field"):
+        load_preset("tiny-llama")
+    (tmp_path / "tiny-llama.yaml").write_text(text.replace("source: random", "source: hub"))
+    with pytest.raises(PresetError, match=r"field 'source': expected one of gguf_package, random, hf_path"):
+        load_preset("tiny-llama")
+    with pytest.raises(PresetError, match="unknown model preset 'nope'"):
+        load_preset("nope")
+
+
+def test_mismatch_with_hf_config_names_both_fields():
+    preset = load_preset("qwen2.5-7b-instruct")
+    wrong = ModelArch(**{**preset.arch.as_dict(), "num_query_groups": 8})
+    with pytest.raises(PresetError, match=r"field 'num_query_groups' = 4, but /x/config.json has num_key_value_heads = 8"):
+        check_against_hf_config(preset, hf_config_from_arch(wrong), "/x/config.json")
+    check_against_hf_config(preset, hf_config_from_arch(preset.arch), "/x/config.json")
+
+
+def test_hydra_composes_the_model_group():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(presets.repo_root() / "conf"), version_base="1.3"):
+        cfg = compose(config_name="sft", overrides=["model=tiny-llama", "model.hf_path=/some/dir"])
+    preset = load_preset(cfg.model)
+    assert preset.name == "tiny-llama" and preset.hf_path == "/some/dir" and preset.origin == "model config"
+    with initialize_config_dir(config_dir=str(presets.repo_root() / "conf"), version_base="1.3"):
+        cfg = compose(config_name="sft", overrides=["model=tiny-llama", "model.num_layers=0"])
+    with pytest.raises(PresetError, match=r"field 'model.num_layers': expected a positive integer"):
+        load_preset(cfg.model)
