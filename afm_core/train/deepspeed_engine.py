@@ -1,0 +1,546 @@
+"""The secondary SFT engine: DeepSpeed ZeRO-3 on the Hugging Face model (``trainer.engine=deepspeed``).
+
+The upstream AFM recipe trains with LLaMA-Factory + DeepSpeed ZeRO-3 (``examples/deepspeed/ds_z3_config.json``:
+stage 3, ``overlap_comm: false``, ``stage3_gather_16bit_weights_on_model_save: true``, ``"auto"`` batch sizes).
+This engine runs that setup under the Megatron engine's contract, so a run differs only in who shards what:
+
+- the same config keys (``trainer.*``, ``optim.*``), data stream, step loop, evals, ``metrics.jsonl`` records
+  and run summary: :class:`DeepSpeedSFTTrainer` is an :class:`~afm_core.train.trainer.SFTTrainer` whose
+  step, eval and checkpoint methods drive a ``deepspeed.DeepSpeedEngine`` instead of megatron modules;
+- the same loss: the masked token mean over the global batch (:mod:`afm_core.train.loss`), made exact under
+  DeepSpeed's gradient averaging by scaling each micro batch's loss sum by ``dp / N_global``;
+- the same schedule: megatron's ``OptimizerParamScheduler`` (linear warmup, cosine to ``min_lr``) driving the
+  param groups of torch AdamW inside the ZeRO-3 optimizer; DeepSpeed clips the global grad norm
+  (``gradient_clipping``) at each accumulation boundary;
+- the HF export to ``RUN_DIR/hf``: the ZeRO-3 partitions are gathered layer by layer into one 16-bit (or fp32)
+  state dict on rank 0 (``stage3_gather_16bit_weights_on_model_save``), saved with ``save_pretrained``.
+
+Parallelism is data parallel only (ZeRO shards parameters, gradients and optimizer state over the DP ranks):
+``parallel.tp``, ``pp`` and ``cp`` must be 1, and ``dp = WORLD_SIZE``. Runs on GPU (NCCL) and, for tests, on CPU
+(``DS_ACCELERATOR=cpu``, gloo; DeepSpeed JIT-builds its small shared-memory allreduce op on first use, about
+50 s, cached under ``~/.cache/torch_extensions``).
+
+The DeepSpeed JSON is ``trainer.deepspeed_config`` when set (e.g. an upstream LLaMA-Factory file), else
+``conf/deepspeed/ds_z3_config.json``. Its ``"auto"`` values are filled from the trainer settings the way HF
+Trainer fills them; a value that is set and disagrees with the trainer settings is an error.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from afm_core.data.tokenize import IGNORE_INDEX
+from afm_core.train.checkpoint import (
+    COMPLETE_MARKER, checkpoint_dir_name, complete_checkpoints, rng_state, set_rng_state,
+)
+from afm_core.train.distributed import ParallelLayout, set_num_threads
+from afm_core.train.loss import masked_token_loss, reduce_reports
+from afm_core.train.optim import LR_SCHEDULES, warmup_steps
+from afm_core.train.trainer import MicroBatchSource, Progress, SFTTrainer
+from afm_core.utils.atomic import atomic_dir, atomic_path, atomic_write_json, fsync_dir
+from afm_core.utils.paths import repo_root
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DEEPSPEED_CONFIG = repo_root() / "conf" / "deepspeed" / "ds_z3_config.json"
+_TMP_PREFIX = ".tmp-"
+
+
+class DeepSpeedConfigError(ValueError):
+    """A DeepSpeed JSON is unreadable or disagrees with the trainer settings (names file, line and field)."""
+
+
+# -- the DeepSpeed config ----------------------------------------------------------------------------------
+
+
+def _line_of(text: str, dotted: str) -> int | None:
+    """1-based line of the key ``a.b.c`` in a JSON text (each key searched after its parent), or None."""
+    offset = 0
+    for key in dotted.split("."):
+        found = text.find(f'"{key}"', offset)
+        if found < 0:
+            return None
+        offset = found
+    return text.count("\n", 0, offset) + 1
+
+
+def deepspeed_config(path: str | os.PathLike[str], *, micro_batch_size: int, grad_accum_steps: int, dp: int,
+                     grad_clip: float, bf16: bool, hidden_size: int) -> dict[str, Any]:
+    """Read a DeepSpeed JSON and fill its ``"auto"`` values from the trainer settings, like HF Trainer.
+
+    Args:
+        path: the DeepSpeed JSON (LLaMA-Factory's ``ds_z3_config.json`` format).
+        micro_batch_size: packed sequences per micro batch per DP rank (``trainer.micro_batch_size``).
+        grad_accum_steps: micro batches per optimizer step per rank (global / (micro * dp)).
+        dp: data-parallel ranks.
+        grad_clip: max global L2 grad norm (``trainer.grad_clip``; 0: no clipping).
+        bf16: bf16 mixed precision (fp32 master weights in the optimizer) instead of fp32.
+        hidden_size: the model's hidden size, for the ZeRO bucket sizes (HF Trainer's rule: reduce bucket
+            ``h*h``, stage-3 prefetch ``0.9*h*h``, param persistence threshold ``10*h``).
+    Returns:
+        The config dict for ``deepspeed.initialize`` (no ``"auto"`` left).
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        DeepSpeedConfigError: not valid JSON, an ``optimizer``/``scheduler`` section (this engine owns both), or
+            a set value that disagrees with the trainer (message: ``file:line: field 'x': ...``).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such DeepSpeed config file")
+    text = path.read_text(encoding="utf-8")
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DeepSpeedConfigError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from None
+
+    def where(field: str) -> str:
+        line = _line_of(text, field)
+        return f"{path}:{line}: field '{field}'" if line else f"{path}: field '{field}'"
+
+    for section in ("optimizer", "scheduler"):
+        if section in config:
+            raise DeepSpeedConfigError(
+                f"{where(section)}: remove it; the engine builds AdamW and the LR schedule from optim.*"
+            )
+
+    def fill(field: str, value: Any, source: str, *, match: bool = True) -> None:
+        *parents, leaf = field.split(".")
+        node = config
+        for key in parents:
+            node = node.setdefault(key, {})
+        current = node.get(leaf, "auto")
+        if current == "auto":
+            node[leaf] = value
+        elif match and current != value:
+            raise DeepSpeedConfigError(
+                f"{where(field)}: {current!r} disagrees with {source} = {value!r}; set it to \"auto\""
+            )
+
+    fill("train_micro_batch_size_per_gpu", micro_batch_size, "trainer.micro_batch_size")
+    fill("gradient_accumulation_steps", grad_accum_steps, "trainer.global_batch_size / (micro_batch_size * dp)")
+    fill("train_batch_size", micro_batch_size * grad_accum_steps * dp, "trainer.global_batch_size")
+    fill("gradient_clipping", float(grad_clip), "trainer.grad_clip")
+    fill("bf16.enabled", bf16, "trainer.precision")
+    fill("fp16.enabled", False, "trainer.precision (fp16 is not supported: use bf16 or fp32)")
+    zero = config.get("zero_optimization", {})
+    for field, value in (("reduce_bucket_size", hidden_size * hidden_size),
+                         ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+                         ("stage3_param_persistence_threshold", 10 * hidden_size)):
+        if zero.get(field) == "auto":
+            zero[field] = value
+    left = [k for k, v in _flatten(config).items() if v == "auto"]
+    if left:
+        raise DeepSpeedConfigError(f"{where(left[0])}: \"auto\" is not supported for this field; set a value")
+    return config
+
+
+def _flatten(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in node.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def zero_stage(config: dict[str, Any]) -> int:
+    """The ZeRO stage of a DeepSpeed config (0 when it has no ``zero_optimization``)."""
+    return int(config.get("zero_optimization", {}).get("stage", 0))
+
+
+# -- process group -----------------------------------------------------------------------------------------
+
+
+def init_deepspeed_distributed(parallel: Any, *, num_threads: int | None = None,
+                               timeout_min: int = 30) -> ParallelLayout:
+    """Join the process group through DeepSpeed (NCCL on GPU, gloo on CPU): one data-parallel group.
+
+    Reads the ``env://`` variables RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (LOCAL_WORLD_SIZE
+    optional), as :func:`afm_core.train.distributed.init_distributed` does. On a machine without CUDA it sets
+    ``DS_ACCELERATOR=cpu`` before DeepSpeed is imported.
+
+    Raises:
+        ValueError: ``parallel.tp``, ``pp`` or ``cp`` is not 1 (ZeRO is data parallel only).
+        RuntimeError: an env variable is missing or not an integer.
+    """
+    sizes = {f"parallel.{k}": int(parallel.get(k, 1) or 1) for k in ("tp", "pp", "cp")}
+    if any(v != 1 for v in sizes.values()):
+        raise ValueError(f"trainer.engine=deepspeed shards over data-parallel ranks only (ZeRO-3); got {sizes}: "
+                         "set parallel.tp=1 parallel.pp=1 parallel.cp=1, or use trainer.engine=megatron")
+    env = {}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        if not os.environ.get(name):
+            raise RuntimeError(f"environment variable {name} is not set; the launcher must export RANK, WORLD_SIZE, "
+                               "LOCAL_RANK, MASTER_ADDR and MASTER_PORT")
+        if name != "MASTER_ADDR":
+            try:
+                env[name] = int(os.environ[name])
+            except ValueError:
+                raise RuntimeError(f"environment variable {name}={os.environ[name]!r} is not an integer") from None
+    rank, world_size, local_rank = env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        device, backend = torch.device("cpu"), "gloo"
+    import deepspeed
+
+    set_num_threads(num_threads, local_world_size)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, init_method="env://",
+                               rank=rank, world_size=world_size, timeout=timedelta(minutes=timeout_min))
+    return ParallelLayout(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
+                          tp=1, pp=1, dp=world_size, vpp=None, tp_rank=0, pp_rank=0, dp_rank=rank, device=device)
+
+
+# -- model, optimizer, schedule ----------------------------------------------------------------------------
+
+
+def per_token_cross_entropy(model: Any, batch: dict[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Next-token cross entropy of every position of a micro batch through an HF causal LM.
+
+    Args:
+        model: the HF model (or the DeepSpeed engine wrapping it), loaded with ``attn_implementation="sdpa"``.
+        batch: the data loader's micro batch: ``tokens``, ``labels`` (already shifted: ``labels[:, t]`` is the
+            target of the logits at ``t``; any value where ``loss_mask`` is 0), ``position_ids`` (``[b, s]``) and
+            optionally ``attention_mask`` ``[b, 1, s, s]`` bool with True = masked out (block-causal for packed
+            documents; absent or None: causal).
+        device: where the model runs.
+    Returns:
+        ``[b, s]`` fp32 CE in nats (0 is not implied where ``loss_mask`` is 0: mask it).
+    """
+    tokens = batch["tokens"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True).clamp(min=0)
+    position_ids = batch["position_ids"].to(device, non_blocking=True)
+    attention_mask = batch.get("attention_mask")
+    if attention_mask is not None:
+        # HF passes a 4-D mask through as is; torch SDPA's boolean mask means True = attend.
+        attention_mask = ~attention_mask.to(device, non_blocking=True)
+    logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask, use_cache=False).logits
+    return F.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none")
+
+
+def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW param groups with megatron's weight-decay rule: no decay on biases and 1-D (norm) weights.
+
+    Each group carries ``wd_mult`` (1.0 or 0.0), which megatron's ``OptimizerParamScheduler`` multiplies into
+    ``weight_decay``. Shapes are read from ``ds_shape`` for ZeRO-3-partitioned parameters.
+    """
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        shape = getattr(param, "ds_shape", param.shape)
+        (no_decay if name.endswith(".bias") or len(shape) == 1 else decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "wd_mult": 1.0},
+        {"params": no_decay, "weight_decay": 0.0, "wd_mult": 0.0},
+    ]
+
+
+def lr_scheduler(optimizer: Any, optim: Any, max_steps: int) -> Any:
+    """Megatron's ``OptimizerParamScheduler`` with the Megatron engine's settings (see :mod:`afm_core.train.optim`):
+    linear warmup over ``ceil(warmup_ratio * max_steps)`` steps from 0 to ``optim.lr``, then cosine to
+    ``optim.min_lr`` (or constant). It sets ``lr`` and ``weight_decay`` of every param group of ``optimizer``.
+
+    Raises:
+        ValueError: unknown ``optim.lr_schedule``, ``min_lr > lr``, or ``max_steps < 1``.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if optim.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"optim.lr_schedule={optim.lr_schedule!r}: expected one of {LR_SCHEDULES}")
+    if optim.min_lr > optim.lr:
+        raise ValueError(f"optim.min_lr={optim.min_lr} is above optim.lr={optim.lr}")
+    if max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+    min_lr = optim.min_lr if optim.lr_schedule == "cosine" else optim.lr
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=min_lr,
+        lr_warmup_steps=warmup_steps(optim.warmup_ratio, max_steps), lr_decay_steps=max_steps,
+        lr_decay_style=optim.lr_schedule, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
+        wd_incr_steps=max_steps, wd_incr_style="constant",
+    )
+
+
+def load_zero_model(hf_dir: str | os.PathLike[str], ds_config: dict[str, Any], dtype: torch.dtype,
+                    recompute: str | None) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained(hf_dir)`` with SDPA attention, partitioned while it loads.
+
+    Under ZeRO-3, transformers builds the model inside ``deepspeed.zero.Init`` (it sees the live
+    ``HfDeepSpeedConfig``), so no rank ever holds the whole model. ``recompute`` (``parallel.recompute``, any
+    value but None) turns on HF gradient checkpointing (full recomputation per decoder layer).
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    zero3 = HfDeepSpeedConfig(ds_config)  # noqa: F841 - must stay alive during from_pretrained
+    try:
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, attn_implementation="sdpa",
+                                                     local_files_only=True)
+    finally:
+        unset_hf_deepspeed_config()
+    if recompute:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model
+
+
+# -- the trainer ---------------------------------------------------------------------------------------------
+
+
+class DeepSpeedSFTTrainer(SFTTrainer):
+    """The Megatron engine's loop (:meth:`SFTTrainer.fit`: evals, logging, checkpoint cadence, summary) over a
+    DeepSpeed ZeRO engine wrapping an HF causal LM.
+
+    Args:
+        cfg: the composed SFT config (``trainer``, ``optim``, ``parallel`` groups are read).
+        layout: from :func:`init_deepspeed_distributed` (dp = world size).
+        model: the HF model from :func:`load_zero_model`.
+        ds_config: from :func:`deepspeed_config`, with ``gradient_accumulation_steps`` equal to
+            ``global_batch_size / (micro_batch_size * dp)``.
+        train_data, eval_batches, run_dir, max_steps, resume_from: as for :class:`SFTTrainer`.
+    Raises:
+        ValueError: the batch sizes do not divide, or ``ds_config`` accumulates another number of micro batches.
+    """
+
+    def __init__(self, cfg: Any, layout: ParallelLayout, model: torch.nn.Module, ds_config: dict[str, Any],
+                 train_data: MicroBatchSource, eval_batches: list[dict[str, torch.Tensor]], run_dir: str | Path,
+                 max_steps: int, resume_from: str | Path | None = None):
+        import deepspeed
+
+        # SFTTrainer.__init__ builds megatron modules; this sets the same attributes for the DeepSpeed engine.
+        self.cfg, self.layout, self.max_steps = cfg, layout, max_steps
+        self.run_dir = Path(run_dir)
+        self.resume_from = Path(resume_from) if resume_from else None
+        self.train_data, self.eval_batches = train_data, eval_batches
+        t = cfg.trainer
+        self.seq_length, self.micro_batch_size = int(t.seq_length), int(t.micro_batch_size)
+        per_pass = self.micro_batch_size * layout.dp
+        if t.global_batch_size % per_pass:
+            raise ValueError(
+                f"trainer.global_batch_size={t.global_batch_size} is not divisible by trainer.micro_batch_size"
+                f" * dp = {self.micro_batch_size} * {layout.dp}"
+            )
+        self.num_microbatches = t.global_batch_size // per_pass
+        if ds_config["gradient_accumulation_steps"] != self.num_microbatches:
+            raise ValueError(f"DeepSpeed gradient_accumulation_steps={ds_config['gradient_accumulation_steps']}, "
+                             f"but the trainer runs {self.num_microbatches} micro batches per step")
+        self.ds_config = ds_config
+
+        optimizer = torch.optim.AdamW(
+            adamw_param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
+            betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2), eps=cfg.optim.adam_eps,
+        )
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.scheduler = lr_scheduler(self.optimizer, cfg.optim, max_steps)
+        self.report_groups = [torch.distributed.group.WORLD]
+        self.progress = Progress()
+        self.metrics = None
+
+    # -- one step --------------------------------------------------------------------------------------
+    def _micro_batch_loss(self, batch: dict[str, torch.Tensor]):
+        per_token = per_token_cross_entropy(self.engine, batch, self.layout.device)
+        return masked_token_loss(batch["loss_mask"].to(per_token.device), per_token)
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over the next global batch; returns loss, tokens, lr and grad_norm.
+
+        The gradient is that of ``sum(mask * CE) / N`` over the global batch (N: its unmasked tokens, all-reduced
+        first): DeepSpeed averages gradients over the DP ranks, so each micro batch back-propagates
+        ``loss_sum * dp / N`` (``scale_wrt_gas=False``: no extra division by the accumulation steps).
+
+        Raises:
+            FloatingPointError: the global gradient norm is not finite.
+        """
+        micro_batches = [next(self.train_data) for _ in range(self.num_microbatches)]
+        for batch in micro_batches:
+            self._check_batch(batch)
+        local_tokens = sum(batch["loss_mask"].sum() for batch in micro_batches).to(torch.float64)
+        global_tokens = local_tokens.to(self.layout.device)
+        torch.distributed.all_reduce(global_tokens)
+        scale = self.layout.dp / max(float(global_tokens), 1.0)
+        lr = self.optimizer.param_groups[0]["lr"]
+        reports = []
+        for batch in micro_batches:
+            loss_sum, _, report = self._micro_batch_loss(batch)
+            self.engine.backward(loss_sum * scale, scale_wrt_gas=False)
+            self.engine.step()  # applies the update at the accumulation boundary (the last micro batch)
+            reports.append(report)
+        grad_norm = float(self.engine.get_global_grad_norm())
+        if not math.isfinite(grad_norm):
+            raise FloatingPointError(f"optimizer step {self.progress.step + 1}: non-finite gradient norm {grad_norm}")
+        self.scheduler.step(increment=1)
+        loss, tokens = reduce_reports(reports, self.report_groups)
+        return {"loss": loss, "tokens": tokens, "lr": lr, "grad_norm": grad_norm}
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, int]:
+        """Masked token-mean loss and unmasked token count over the held-out micro batches of all DP ranks."""
+        self.engine.eval()
+        reports = [self._micro_batch_loss(batch)[2] for batch in self.eval_batches]
+        self.engine.train()
+        return reduce_reports(reports, self.report_groups)
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def _layout_key(self) -> dict[str, int]:
+        return {"world_size": self.layout.world_size, "tp": 1, "pp": 1, "dp": self.layout.dp}
+
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step_N`` atomically (every rank calls it): DeepSpeed's ZeRO shards (model and
+        optimizer), the step counters and LR scheduler (DeepSpeed ``client_state``), and ``rank_*.pt`` with
+        this rank's RNG and data-loader state; ``COMPLETE`` last, then a rename from ``.tmp-step_N``.
+        The layout is :mod:`afm_core.train.checkpoint`'s, so its ``latest_complete_checkpoint`` finds them."""
+        root = self.run_dir / "checkpoints"
+        final = root / checkpoint_dir_name(self.progress.step)
+        tag = f"{_TMP_PREFIX}{final.name}"
+        if self.layout.is_rank0:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(f"{_TMP_PREFIX}*"):
+                shutil.rmtree(stale, ignore_errors=True)
+        torch.distributed.barrier()
+        client_state = {"progress": asdict(self.progress), "scheduler": self.scheduler.state_dict()}
+        self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
+        with atomic_path(root / tag / f"rank_{self.layout.rank:05d}.pt") as path:
+            torch.save({"layout": self._layout_key(), "rng": rng_state(), "data": self.train_data.state_dict()}, path)
+        torch.distributed.barrier()
+        if self.layout.is_rank0:
+            temp = root / tag
+            atomic_write_json(temp / COMPLETE_MARKER,
+                              {"step": self.progress.step, "layout": self._layout_key(), "engine": "deepspeed",
+                               "time": time.time()})
+            fsync_dir(temp)
+            if final.exists():
+                shutil.rmtree(final)
+            temp.rename(final)
+            fsync_dir(root)
+            for _, old in complete_checkpoints(root)[: -int(self.cfg.trainer.keep_last)]:
+                shutil.rmtree(old, ignore_errors=True)
+        torch.distributed.barrier()
+        return final
+
+    def _resume(self) -> Path | None:
+        """Load the latest complete checkpoint of ``run_dir`` (else of ``resume_from``), if any.
+
+        Raises:
+            ValueError: the checkpoint was written by the Megatron engine, or with another DP size (ZeRO-3
+                shards are per rank; DeepSpeed's universal checkpoint conversion would be needed).
+        """
+        path = self._find_checkpoint()
+        if path is None:
+            return None
+        marker = json.loads((path / COMPLETE_MARKER).read_text())
+        if marker.get("engine") != "deepspeed":
+            raise ValueError(f"{path}: written by the megatron engine; resume it with trainer.engine=megatron")
+        if marker["layout"] != self._layout_key():
+            raise ValueError(f"{path}: saved with layout {marker['layout']}, this run has {self._layout_key()}; "
+                             "ZeRO-3 checkpoints resume on the same number of data-parallel ranks")
+        _, client_state = self.engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
+                                                      load_lr_scheduler_states=False)
+        self.progress = Progress(**client_state["progress"])
+        self.scheduler.load_state_dict(client_state["scheduler"])
+        # Our own file (RNG states hold python tuples and numpy arrays): not weights-only.
+        rank_state = torch.load(path / f"rank_{self.layout.rank:05d}.pt", map_location="cpu", weights_only=False)
+        set_rng_state(rank_state["rng"])
+        self.train_data.load_state_dict(rank_state["data"])
+        if self.layout.is_rank0 and not path.is_relative_to(self.run_dir):
+            self._seed_metrics_from(path.parent.parent / "metrics.jsonl")
+        return path
+
+    # -- export ----------------------------------------------------------------------------------------
+    def export_hf(self, out_dir: str | Path, tokenizer: Any) -> Path:
+        """Write the trained model as an HF checkpoint (safetensors, config, tokenizer) to ``out_dir``, atomically.
+
+        Every rank must call it: under ZeRO-3 the partitions are gathered one layer at a time into a full
+        state dict on rank 0 (DeepSpeed's ``_zero3_consolidated_16bit_state_dict``, the gather behind
+        ``stage3_gather_16bit_weights_on_model_save`` / ``save_16bit_model``), in the training dtype.
+        """
+        if zero_stage(self.ds_config) == 3:
+            state_dict = self.engine._zero3_consolidated_16bit_state_dict()
+        else:
+            state_dict = self.engine.module.state_dict()
+        out_dir = Path(out_dir)
+        if self.layout.is_rank0:
+            with atomic_dir(out_dir) as temp:
+                self.engine.module.save_pretrained(temp, state_dict=state_dict)
+                tokenizer.save_pretrained(temp)
+        torch.distributed.barrier()
+        return out_dir
+
+
+# -- entry points --------------------------------------------------------------------------------------------
+
+
+def training_dtype(precision: str) -> torch.dtype:
+    """``trainer.precision``: ``auto`` is bf16 on GPU and fp32 on CPU.
+
+    Raises:
+        ValueError: not one of auto, fp32, bf16.
+    """
+    if precision == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if precision not in dtypes:
+        raise ValueError(f"trainer.precision={precision!r}: expected auto, fp32 or bf16")
+    return dtypes[precision]
+
+
+def train_deepspeed(cfg: Any, layout: ParallelLayout, data: Any, hf_dir: str | os.PathLike[str], tokenizer: Any,
+                    run_dir: str | Path, max_steps: int, resume_from: str | Path | None = None) -> dict[str, Any]:
+    """Train the HF model in ``hf_dir`` with ZeRO on this rank's share of ``data``; export it to ``RUN_DIR/hf``.
+
+    Args:
+        cfg: the composed SFT config (``trainer``, ``optim``, ``parallel``; ``trainer.deepspeed_config``
+            optional: a DeepSpeed JSON, default ``conf/deepspeed/ds_z3_config.json``).
+        layout: from :func:`init_deepspeed_distributed`.
+        data: an :class:`~afm_core.data.loader.SFTDataModule` (train iterator and held-out batches per DP rank).
+        hf_dir: the HF checkpoint to start from; tokenizer: its tokenizer (saved with the export).
+        run_dir, max_steps, resume_from: as for :class:`SFTTrainer`.
+    Returns:
+        :meth:`SFTTrainer.fit`'s summary, plus ``hf_dir`` (the export, or None when ``trainer.export_hf`` is
+        false or the run stopped early) and ``engine: "deepspeed"``; identical on every rank.
+    Raises:
+        ValueError, DeepSpeedConfigError: bad batch sizes, precision or DeepSpeed JSON.
+    """
+    from transformers import AutoConfig
+
+    t = cfg.trainer
+    per_pass = int(t.micro_batch_size) * layout.dp
+    if t.global_batch_size % per_pass:
+        raise ValueError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
+                         f"trainer.micro_batch_size * dp = {t.micro_batch_size} * {layout.dp}")
+    dtype = training_dtype(t.precision)
+    hidden_size = AutoConfig.from_pretrained(hf_dir, local_files_only=True).hidden_size
+    config_path = OmegaConf.select(cfg, "trainer.deepspeed_config", default=None) or DEFAULT_DEEPSPEED_CONFIG
+    ds_config = deepspeed_config(config_path, micro_batch_size=int(t.micro_batch_size),
+                                 grad_accum_steps=t.global_batch_size // per_pass, dp=layout.dp,
+                                 grad_clip=t.grad_clip, bf16=dtype == torch.bfloat16, hidden_size=hidden_size)
+    model = load_zero_model(hf_dir, ds_config, dtype, cfg.parallel.get("recompute"))
+    train = data.train_iterator(seed=t.seed, micro_batch_size=int(t.micro_batch_size), dp_rank=layout.dp_rank,
+                                dp_size=layout.dp)
+    eval_batches = list(data.heldout_batches(micro_batch_size=int(t.micro_batch_size), dp_rank=layout.dp_rank,
+                                             dp_size=layout.dp, max_sequences=t.eval_sequences))
+    trainer = DeepSpeedSFTTrainer(cfg, layout, model, ds_config, train, eval_batches, run_dir, max_steps,
+                                  resume_from=resume_from)
+    summary = trainer.fit()
+    export = None
+    if t.export_hf and not summary["stopped_early"]:
+        export = str(trainer.export_hf(Path(run_dir) / "hf", tokenizer))
+    return {**summary, "hf_dir": export, "engine": "deepspeed"}
