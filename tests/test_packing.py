@@ -121,3 +121,30 @@ def test_packed_logits_equal_unpacked_logits():
         for start, end in zip(offsets[:-1], offsets[1:]):
             alone = torch.from_numpy(packed.input_ids[:1, start:end].astype(np.int64))
             torch.testing.assert_close(packed_logits[start:end], model(input_ids=alone).logits[0], atol=1e-5, rtol=0)
+
+
+def test_mask_convention_matches_megatron_local_softmax():
+    """megatron's local-spec softmax (``FusedScaleMaskSoftmax``, torch path, ``attention_mask_func``) with
+    our mask gives each document exactly the causal softmax of its own scores and nothing across documents."""
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    softmax = FusedScaleMaskSoftmax(
+        input_in_fp16=False,
+        input_in_bf16=False,
+        attn_mask_type=AttnMaskType.causal,
+        scaled_masked_softmax_fusion=False,
+        mask_func=attention_mask_func,
+        softmax_in_fp32=True,
+        scale=None,
+    )
+    offsets, s = [0, 4, 9], 12
+    scores = torch.randn(1, 2, s, s, generator=torch.Generator().manual_seed(0))
+    probs = softmax(scores.clone(), block_causal_attention_mask(offsets, s))
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        own = scores[..., start:end, start:end]
+        causal = torch.ones(end - start, end - start, dtype=torch.bool).triu(1)
+        torch.testing.assert_close(probs[..., start:end, start:end], own.masked_fill(causal, float("-inf")).softmax(-1))
+        assert torch.count_nonzero(probs[..., start:end, :start]) == torch.count_nonzero(probs[..., start:end, end:]) == 0
+    assert torch.equal(probs[..., 9:, 9:], torch.eye(3).expand(1, 2, 3, 3)), "padding attends to itself only"

@@ -42,11 +42,6 @@ class TokenizedExample:
     def __len__(self) -> int:
         return len(self.input_ids)
 
-    @property
-    def num_target_tokens(self) -> int:
-        """Tokens that are trained (``labels != -100``)."""
-        return sum(label != IGNORE_INDEX for label in self.labels)
-
 
 def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str:
     """The token that closes an assistant turn in ``tokenizer``'s chat template (ChatML: ``<|im_end|>``).
