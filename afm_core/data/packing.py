@@ -59,8 +59,7 @@ class PackedSequences:
         input_ids: ``[n, s]`` int32 token ids; padding holds ``pad_id``.
         labels: ``[n, s]`` int32, aligned with ``input_ids`` (NOT shifted: ``labels[i, t]`` labels token
             ``t`` itself), -100 on prompt, observation and padding tokens.
-        position_ids: ``[n, s]`` int32, 0, 1, 2… restarting at every document (padding continues from 0
-            too, as its own document).
+        position_ids: ``[n, s]`` int32, 0, 1, 2… restarting at every document and at the padding.
         cu_seqlens: ``n`` int32 arrays ``[d_i + 1]``: cumulative document lengths ``[0, l1, l1+l2, …]``
             in tokens (TE / flash-attn ``cu_seqlens`` convention). Padding lies after ``cu_seqlens[-1]``.
         stats: :class:`PackingStats`.

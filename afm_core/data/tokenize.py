@@ -85,10 +85,13 @@ def tokenize_sft_example(
     text: special-token text inside it (``<|im_end|>`` in a crawled page) is split like any other text
     (``split_special_tokens=True``), so only the appended end-of-turn token can end the turn.
 
+    ``system=None`` leaves the system turn to the template (SmolLM2 and Qwen2.5 insert a default one).
+
     Labels: -100 for every prompt token; when ``mask_observations``, -100 also for every response
     token whose character offsets overlap an observation span (``afm_core.coa.render.observation_spans``:
-    both tags included, an unclosed block runs to the end of the text). Every other response token and the end-of-turn token are trained. The mask comes from
-    character spans via ``return_offsets_mapping=True``, never from marker token ids.
+    both tags included; an unclosed block runs to the end of the text). Every other response token
+    and the end-of-turn token are trained. The mask comes from character spans via
+    ``return_offsets_mapping=True``, never from marker token ids.
 
     Truncation: with ``max_length`` (tokens), only the first ``max_length`` tokens are kept (the prompt
     first, so a long prompt leaves no trained token and a long response loses its end-of-turn token);
