@@ -7,7 +7,7 @@ Layout of ``RUN_DIR/checkpoints/``::
                                                and common.pt with the step counters and LR scheduler state
         rank_00000.pt ...          per-rank state: python/numpy/torch/CUDA RNG + megatron RNG tracker,
                                    and the data loader state (sharded by DP rank)
-        COMPLETE                   JSON {step, layout, time}; written last
+        COMPLETE                   JSON {step, layout, engine, time}; written last
     .tmp-step_00000200/            a save in progress (or killed): ignored, removed by the next save
 
 A save writes everything into ``.tmp-step_N``, fsyncs it, writes ``COMPLETE`` and renames the directory to
@@ -164,7 +164,8 @@ class Checkpointer:
                 if not (temp / name).is_file():
                     raise RuntimeError(f"dist_checkpointing.save left no {name} in {temp}")
             atomic_write_json(temp / COMPLETE_MARKER,
-                              {"step": step, "layout": _layout_key(self.layout), "time": time.time()})
+                              {"step": step, "layout": _layout_key(self.layout), "engine": "megatron",
+                               "time": time.time()})
             fsync_dir(temp)
             if final.exists():  # the same step saved before (e.g. a re-run of a finished job)
                 shutil.rmtree(final)
@@ -184,10 +185,15 @@ class Checkpointer:
             ``rank_state`` (empty when the layout changed: RNG and data-loader state are then not restored).
         Raises:
             FileNotFoundError: ``path`` is not a complete checkpoint.
+            ValueError: ``path`` was written by another engine (DeepSpeed).
         """
         path = Path(path)
         if not (path / COMPLETE_MARKER).is_file():
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
+        marker = json.loads((path / COMPLETE_MARKER).read_text())
+        if marker.get("engine", "megatron") != "megatron":
+            raise ValueError(f"{path}: written by the {marker['engine']} engine; resume it with "
+                             f"trainer.engine={marker['engine']}")
         state = _sharded_state_dict(model_chunks, optimizer, is_loading=True)
         loaded = dist_checkpointing.load(state, str(path))
         if len(model_chunks) == 1:
@@ -197,7 +203,7 @@ class Checkpointer:
                 unwrap_model(chunk).load_state_dict(loaded[f"model{i}"])
         optimizer.load_state_dict(loaded["optimizer"])
 
-        saved_layout = json.loads((path / COMPLETE_MARKER).read_text())["layout"]
+        saved_layout = marker["layout"]
         rank_file = path / f"rank_{self.layout.rank:05d}.pt"
         if saved_layout != _layout_key(self.layout) or not rank_file.is_file():
             log.warning("checkpoint %s was saved with layout %s, now %s: RNG and data-loader state not restored",

@@ -59,6 +59,20 @@ def _env_int(name: str) -> int:
         raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
 
 
+def training_dtype(precision: str) -> torch.dtype:
+    """``trainer.precision`` as a dtype: ``auto`` is bf16 on GPU and fp32 on CPU.
+
+    Raises:
+        ValueError: not one of auto, fp32, bf16.
+    """
+    if precision == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    if precision not in dtypes:
+        raise ValueError(f"trainer.precision={precision!r}: expected auto, fp32 or bf16")
+    return dtypes[precision]
+
+
 def set_num_threads(num_threads: int | None, local_world_size: int) -> int:
     """``torch.set_num_threads`` to ``num_threads``, or ``max(1, cores // local_world_size)`` when None.
 

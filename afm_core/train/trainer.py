@@ -11,6 +11,8 @@ A micro batch is a dict of CPU tensors (the data loader's contract):
     loss_mask [b, s] (1 = trained target token), position_ids [b, s] int64, and optionally
     attention_mask [b, 1, s, s] bool (True = masked out; block-causal for packed documents; absent: causal).
 ``b = trainer.micro_batch_size`` and ``s = trainer.seq_length`` are fixed (pipeline send/recv shapes).
+With the transformer-engine layer spec (GPU), packed documents go to TE's fused attention as the ``thd``
+format (``PackedSeqParams`` from the batch's ``cu_seqlens``, as Megatron-LM does), which needs ``b = 1``.
 
 Exact resume: a checkpoint holds the model, optimizer, LR scheduler, step counters, data-loader and RNG
 states (:mod:`afm_core.train.checkpoint`); resuming reproduces the uninterrupted run's losses and weights
@@ -30,6 +32,7 @@ from typing import Any, Protocol
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
@@ -80,6 +83,40 @@ class Progress:
     train_time_s: float = 0.0  # wall seconds spent in training steps, over all restarts
 
 
+def thd_packed_seq_params(cu_seqlens: list[torch.Tensor], seq_length: int, device: torch.device) -> PackedSeqParams:
+    """TE ``thd`` parameters for one packed sequence (micro batch size 1): each document is a sequence, and the
+    trailing padding one more.
+
+    Args:
+        cu_seqlens: one int tensor ``[d + 1]`` of document offsets in tokens (the loader's ``cu_seqlens``).
+        seq_length: tokens in the packed sequence.
+    """
+    (offsets,) = cu_seqlens
+    offsets = offsets.to(torch.int32)
+    if int(offsets[-1]) < seq_length:
+        offsets = torch.cat([offsets, torch.tensor([seq_length], dtype=torch.int32)])
+    max_len = int((offsets[1:] - offsets[:-1]).max())
+    offsets = offsets.to(device)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
+                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+
+
+def find_resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None) -> Path | None:
+    """The checkpoint a run resumes from: the latest complete one in ``run_dir/checkpoints`` (a requeued or
+    restarted run), else the latest complete one of the ``resume_from`` run dir, else None (a fresh run).
+
+    Raises:
+        FileNotFoundError: ``resume_from`` is set but holds no complete checkpoint.
+    """
+    own = latest_complete_checkpoint(Path(run_dir) / "checkpoints")
+    if own is not None or resume_from is None:
+        return own
+    other = latest_complete_checkpoint(Path(resume_from) / "checkpoints")
+    if other is None:
+        raise FileNotFoundError(f"resume={resume_from}: no complete checkpoint in {Path(resume_from) / 'checkpoints'}")
+    return other
+
+
 def build_model_chunks(model_provider: Any, layout: ParallelLayout) -> list[torch.nn.Module]:
     """Build this rank's model chunk(s) (one per virtual pipeline stage) like Megatron-LM's ``get_model``.
 
@@ -111,14 +148,17 @@ class SFTTrainer:
         run_dir: ``RUN_DIR`` (metrics.jsonl, loss.png, checkpoints/).
         max_steps: optimizer steps of the whole run.
         resume_from: another run's RUN_DIR to resume from when ``run_dir`` has no complete checkpoint.
+        thd_packing: give packed documents to transformer-engine attention as ``PackedSeqParams`` (TE spec).
     Raises:
-        ValueError: the batch sizes do not divide (names the config fields).
+        ValueError: the batch sizes do not divide (names the config fields), or ``thd_packing`` with
+            ``micro_batch_size > 1``.
     """
 
     def __init__(self, cfg: Any, layout: ParallelLayout, model_chunks: list[torch.nn.Module],
                  train_data: MicroBatchSource, eval_batches: list[dict[str, torch.Tensor]], run_dir: str | Path,
-                 max_steps: int, resume_from: str | Path | None = None):
+                 max_steps: int, resume_from: str | Path | None = None, thd_packing: bool = False):
         self.cfg, self.layout, self.max_steps = cfg, layout, max_steps
+        self.thd_packing = thd_packing
         self.run_dir = Path(run_dir)
         self.resume_from = Path(resume_from) if resume_from else None
         self.train_data, self.eval_batches = train_data, eval_batches
@@ -131,6 +171,9 @@ class SFTTrainer:
                 f" * dp = {self.micro_batch_size} * {layout.dp}"
             )
         self.num_microbatches = t.global_batch_size // per_pass
+        if thd_packing and self.micro_batch_size != 1:
+            raise ValueError("packed sequences on transformer-engine (thd format) need trainer.micro_batch_size=1, "
+                             f"got {self.micro_batch_size}")
 
         self.model = self._wrap(model_chunks)
         self.optimizer, self.scheduler = build_optimizer(
@@ -176,10 +219,12 @@ class SFTTrainer:
         labels = batch["labels"].to(device, non_blocking=True).clamp(min=0)  # -100 where loss_mask is 0
         loss_mask = batch["loss_mask"].to(device, non_blocking=True)
         position_ids = batch["position_ids"].to(device, non_blocking=True)
-        attention_mask = batch.get("attention_mask")
-        if attention_mask is not None:
+        attention_mask, packed_seq_params = batch.get("attention_mask"), None
+        if attention_mask is not None and self.thd_packing:
+            attention_mask, packed_seq_params = None, thd_packed_seq_params(batch["cu_seqlens"], self.seq_length, device)
+        elif attention_mask is not None:
             attention_mask = attention_mask.to(device, non_blocking=True)
-        output = model(tokens, position_ids, attention_mask, labels=labels)
+        output = model(tokens, position_ids, attention_mask, labels=labels, packed_seq_params=packed_seq_params)
         return output, partial(masked_token_loss, loss_mask)
 
     def _check_batch(self, batch: dict[str, torch.Tensor]) -> None:
@@ -239,13 +284,7 @@ class SFTTrainer:
                                       {"data": self.train_data.state_dict()})
 
     def _find_checkpoint(self) -> Path | None:
-        own = latest_complete_checkpoint(self.run_dir / "checkpoints")
-        if own is not None or self.resume_from is None:
-            return own
-        other = latest_complete_checkpoint(self.resume_from / "checkpoints")
-        if other is None:
-            raise FileNotFoundError(f"resume={self.resume_from}: no complete checkpoint in its checkpoints/")
-        return other
+        return find_resume_checkpoint(self.run_dir, self.resume_from)
 
     def _resume(self) -> Path | None:
         path = self._find_checkpoint()

@@ -1,0 +1,197 @@
+"""``run_sft(cfg)``: observation-masked agentic SFT, the entry point every rank of the SFT job runs.
+
+The job layer (``jobs.sft`` through submitit) exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and
+MASTER_PORT and calls :func:`run_sft` on each rank with the composed ``conf/sft.yaml``. Steps:
+
+1. the HF checkpoint of ``cfg.model`` (``ensure_hf_checkpoint``: SmolLM2-135M converted from its GGUF once)
+   and the prepared CoA trajectories of ``cfg.data`` (``ensure_prepared``: train / held-out parquet);
+2. tokenization with the observation loss mask and packing into ``trainer.seq_length`` sequences
+   (``SFTDataModule``);
+3. ``trainer.engine=megatron`` (default): megatron parallel state (TP/PP/DP), the GPTModel chunks of this
+   rank with the HF weights loaded (mbridge), then :class:`~afm_core.train.trainer.SFTTrainer` (resume from
+   the latest complete checkpoint of ``run_dir``, or of ``resume``); ``trainer.engine=deepspeed``: ZeRO-3 on the
+   HF model (:mod:`afm_core.train.deepspeed_engine`), same loop and outputs;
+4. the HF safetensors export to ``RUN_DIR/hf`` and a summary printed by rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("megatron", "deepspeed")
+_RECOMPUTE = {
+    None: {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+
+
+def resolve_max_steps(trainer: Any, num_train_sequences: int) -> int:
+    """``trainer.max_steps``, else ``trainer.epochs * (train sequences // global_batch_size)``.
+
+    Raises:
+        ValueError: both are null, or the result is below 1.
+    """
+    if trainer.max_steps is not None:
+        steps = int(trainer.max_steps)
+    elif trainer.epochs is not None:
+        steps = int(trainer.epochs * (num_train_sequences // trainer.global_batch_size))
+    else:
+        raise ValueError("set trainer.max_steps or trainer.epochs")
+    if steps < 1:
+        raise ValueError(f"the run has {steps} optimizer steps (trainer.max_steps={trainer.max_steps}, "
+                         f"trainer.epochs={trainer.epochs}, {num_train_sequences} train sequences, "
+                         f"trainer.global_batch_size={trainer.global_batch_size})")
+    return steps
+
+
+def full_micro_batches(batches: Any, micro_batch_size: int) -> list[dict[str, Any]]:
+    """The held-out micro batches with exactly ``micro_batch_size`` sequences (pipeline shapes are fixed).
+
+    Raises:
+        ValueError: none is left (too few held-out sequences for one micro batch per DP rank).
+    """
+    full = [b for b in batches if b["tokens"].shape[0] == micro_batch_size]
+    if not full:
+        raise ValueError(f"no full held-out micro batch of trainer.micro_batch_size={micro_batch_size}: raise "
+                         "trainer.eval_sequences or data.heldout_fraction")
+    return full
+
+
+def _data_module(cfg: DictConfig, hf_dir: Path):
+    from transformers import AutoTokenizer
+
+    from afm_core.data.loader import SFTDataModule
+    from afm_core.data.prepare import ensure_prepared
+
+    data_dir = ensure_prepared(cfg.data)
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    data = SFTDataModule([data_dir / "train.parquet"], tokenizer, int(cfg.trainer.seq_length),
+                         heldout_paths=[data_dir / "heldout.parquet"], pack=bool(cfg.data.pack),
+                         mask_observations=bool(cfg.data.mask_observations))
+    return data, tokenizer
+
+
+def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_steps: int) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    from afm_core.models.bridge import (
+        build_gpt_model, load_hf_weights, mcore_config_from_hf, save_hf_checkpoint, transformer_engine_available,
+    )
+    from afm_core.train.distributed import training_dtype
+    from afm_core.train.trainer import SFTTrainer, build_model_chunks, find_resume_checkpoint
+
+    t, p = cfg.trainer, cfg.parallel
+    if p.recompute not in _RECOMPUTE:
+        raise ValueError(f"parallel.recompute={p.recompute!r}: expected null, selective or full")
+    te = transformer_engine_available()
+    if not te and (p.sequence_parallel or p.get("cp", 1) > 1):
+        raise ValueError("parallel.sequence_parallel and parallel.cp > 1 need transformer-engine (GPU)")
+    if p.distributed_optimizer and not layout.on_gpu:
+        raise ValueError("parallel.distributed_optimizer needs a GPU: on CPU megatron-core 0.16.1 falls back to "
+                         "torch AdamW, whose state the DistributedOptimizer cannot checkpoint")
+    hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    mcore_config = mcore_config_from_hf(
+        hf_config, tp=layout.tp, pp=layout.pp, params_dtype=training_dtype(t.precision),
+        virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=int(p.get("cp", 1)),
+        sequence_parallel=bool(p.sequence_parallel), **_RECOMPUTE[p.recompute],
+    )
+
+    def provider(pre_process: bool, post_process: bool, vp_stage: int | None):
+        return build_gpt_model(hf_config, mcore_config, pre_process=pre_process, post_process=post_process,
+                               vp_stage=vp_stage).to(layout.device)
+
+    chunks = build_model_chunks(provider, layout)
+    resume_from = cfg.get("resume")
+    if find_resume_checkpoint(cfg.run_dir, resume_from) is None:
+        load_hf_weights(chunks, hf_dir)  # a resumed run gets its weights from the checkpoint instead
+    mbs = int(t.micro_batch_size)
+    train = data.train_iterator(seed=int(t.seed), micro_batch_size=mbs, dp_rank=layout.dp_rank, dp_size=layout.dp)
+    eval_batches = full_micro_batches(
+        data.heldout_batches(micro_batch_size=mbs, dp_rank=layout.dp_rank, dp_size=layout.dp,
+                             max_sequences=int(t.eval_sequences)), mbs)
+    trainer = SFTTrainer(cfg, layout, chunks, train, eval_batches, cfg.run_dir, max_steps, resume_from=resume_from,
+                         thd_packing=te and bool(cfg.data.pack))
+    summary = trainer.fit()
+    export = None
+    if t.export_hf and not summary["stopped_early"]:
+        export = str(save_hf_checkpoint(trainer.model, hf_config, hf_dir, Path(cfg.run_dir) / "hf"))
+    return {**summary, "hf_dir": export, "engine": "megatron"}
+
+
+def run_sft(cfg: DictConfig) -> dict[str, Any]:
+    """Train ``cfg.model`` on ``cfg.data`` with ``cfg.trainer`` / ``cfg.optim`` / ``cfg.parallel``; every rank calls it.
+
+    The distributed env variables must be set (see :mod:`afm_core.train.distributed`). Resumes exactly from the
+    latest complete checkpoint of ``cfg.run_dir`` (else of ``cfg.resume``); returns early with
+    ``stopped_early: True`` after :func:`afm_core.train.trainer.request_checkpoint`.
+
+    Returns:
+        The summary (identical on every rank): ``eval_loss_before`` / ``eval_loss_after`` (held-out masked
+        token-mean CE at step 0 and at the last eval), ``eval_loss_drop`` (fraction), ``tokens_per_s``
+        (unmasked target tokens per second of training in this process), ``train_time_s`` (over all restarts),
+        ``checkpoint`` (the last complete checkpoint), ``hf_dir`` (the HF export, or None), ``step``,
+        ``max_steps``, ``resumed_from``, ``stopped_early``, ``engine``, ``run_dir``.
+    Raises:
+        ValueError: a bad config value (the message names the field).
+    """
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.train.distributed import destroy_distributed, init_distributed
+
+    t = cfg.trainer
+    if t.engine not in ENGINES:
+        raise ValueError(f"trainer.engine={t.engine!r}: expected one of {ENGINES}")
+    hf_dir = ensure_hf_checkpoint(cfg.model)
+    data, tokenizer = _data_module(cfg, hf_dir)
+    max_steps = resolve_max_steps(t, len(data.train))
+    if t.engine == "deepspeed":
+        from afm_core.train.deepspeed_engine import init_deepspeed_distributed, train_deepspeed
+
+        layout = init_deepspeed_distributed(cfg.parallel, num_threads=t.num_threads)
+    else:
+        layout = init_distributed(cfg.parallel, seed=int(t.seed), num_threads=t.num_threads)
+    try:
+        if layout.is_rank0:
+            stats = data.train.stats
+            print(f"[sft] {cfg.model.name} on {layout.device.type}: tp={layout.tp} pp={layout.pp} dp={layout.dp}, "
+                  f"{max_steps} steps x {t.global_batch_size} sequences of {t.seq_length} tokens; train: "
+                  f"{stats.num_sequences} packed sequences from {stats.num_examples} trajectories, "
+                  f"{stats.num_target_tokens} target tokens; run dir {cfg.run_dir}", flush=True)
+        if t.engine == "deepspeed":
+            summary = train_deepspeed(cfg, layout, data, hf_dir, tokenizer, cfg.run_dir, max_steps,
+                                      resume_from=cfg.get("resume"))
+        else:
+            summary = _train_megatron(cfg, layout, data, hf_dir, max_steps)
+    finally:
+        destroy_distributed()
+    before, after = summary.get("eval_loss_before"), summary.get("eval_loss_after")
+    summary = {**summary, "max_steps": max_steps, "run_dir": str(cfg.run_dir),
+               "eval_loss_drop": 1.0 - after / before if before and after is not None else None}
+    if layout.is_rank0:
+        print_summary(summary)
+    return summary
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """One human-readable block on stdout."""
+    def fmt(value: Any, spec: str) -> str:
+        return "n/a" if value is None else format(value, spec)
+
+    state = "stopped early (checkpointed for a requeue)" if summary["stopped_early"] else "done"
+    print(
+        f"[sft] {state} at step {summary['step']}/{summary['max_steps']} ({summary['engine']})\n"
+        f"  held-out masked loss: {fmt(summary['eval_loss_before'], '.4f')} -> "
+        f"{fmt(summary['eval_loss_after'], '.4f')} (drop {fmt(summary['eval_loss_drop'], '.1%')})\n"
+        f"  throughput: {fmt(summary['tokens_per_s'], ',.0f')} target tokens/s; "
+        f"train time {summary['train_time_s']:.0f} s\n"
+        f"  checkpoint: {summary['checkpoint']}\n"
+        f"  hf export:  {summary['hf_dir']}\n"
+        f"  run dir:    {summary['run_dir']}",
+        flush=True,
+    )
