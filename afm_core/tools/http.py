@@ -1,0 +1,137 @@
+"""HTTP for tools: one request with a per-attempt timeout, a rate limit, and retries with exponential
+backoff on connection errors, timeouts, 5xx answers and malformed JSON.
+
+Backoff: attempt ``k`` (0-based) waits ``min(backoff_max_s, backoff_s * 2**k)`` seconds, times a jitter
+factor in [0.5, 1.0] ("equal jitter", Brooker 2015, *Exponential Backoff And Jitter*), before attempt
+``k + 1``. A 4xx answer is not retried: the request itself is wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from afm_core.tools.base import ToolError
+from afm_core.tools.metrics import ToolMetrics
+
+RETRYABLE = frozenset({"connect", "timeout", "http_5xx", "bad_json"})
+
+
+@dataclass
+class ToolLimits:
+    """Per-tool limits (seconds, calls, calls per second).
+
+    Attributes:
+        timeout_s: limit on one HTTP attempt, connect to last byte.
+        retries: further attempts after the first on a retryable failure.
+        backoff_s: base of the exponential backoff between attempts.
+        backoff_max_s: cap on one backoff wait.
+        concurrency: calls of this tool in flight at once (more wait).
+        rate_per_s: HTTP attempts started per second (token bucket); None: unlimited.
+        burst: token-bucket capacity (attempts that may start back to back).
+        cache_ttl_s: how long a successful observation is reused; None or 0: no caching.
+    """
+
+    timeout_s: float = 30.0
+    retries: int = 3
+    backoff_s: float = 0.5
+    backoff_max_s: float = 8.0
+    concurrency: int = 64
+    rate_per_s: float | None = None
+    burst: int = 1
+    cache_ttl_s: float | None = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.timeout_s <= 0 or self.retries < 0 or self.concurrency < 1 or self.burst < 1:
+            raise ValueError(f"invalid ToolLimits {self}: need timeout_s > 0, retries >= 0, concurrency >= 1, burst >= 1")
+        if self.rate_per_s is not None and self.rate_per_s <= 0:
+            raise ValueError(f"invalid ToolLimits {self}: rate_per_s must be > 0 or None")
+
+
+class TokenBucket:
+    """Token bucket (``rate`` tokens per second, capacity ``burst``); :meth:`acquire` waits for a token."""
+
+    def __init__(self, rate: float, burst: int) -> None:
+        self.rate, self.burst = rate, burst
+        self._tokens = float(burst)
+        self._stamp = time.monotonic()
+        self._lock = asyncio.Lock()
+
+    async def acquire(self) -> None:
+        async with self._lock:
+            while True:
+                now = time.monotonic()
+                self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+                self._stamp = now
+                if self._tokens >= 1:
+                    self._tokens -= 1
+                    return
+                await asyncio.sleep((1 - self._tokens) / self.rate)
+
+
+class ToolHttp:
+    """What a tool uses to reach its backend; built by the pool, one per tool."""
+
+    def __init__(self, session: aiohttp.ClientSession, limits: ToolLimits, metrics: ToolMetrics) -> None:
+        self.session = session
+        self.limits = limits
+        self.metrics = metrics
+        self._bucket = TokenBucket(limits.rate_per_s, limits.burst) if limits.rate_per_s else None
+
+    async def request_json(self, method: str, url: str, *, json_body: Any = None, headers: dict | None = None) -> Any:
+        """Send one request (with retries) and return the decoded JSON body.
+
+        Raises:
+            ToolError: kind ``connect``, ``timeout``, ``http_5xx`` or ``bad_json`` after the last attempt,
+                or ``http_4xx`` at once.
+        """
+        return await self._with_retries(method, url, json_body, headers, want="json")
+
+    async def request_text(self, method: str, url: str, *, headers: dict | None = None) -> tuple[str, str]:
+        """Like :meth:`request_json` for a text body (e.g. an HTML page); returns ``(text, final_url)``."""
+        return await self._with_retries(method, url, None, headers, want="text")
+
+    async def _with_retries(self, method, url, json_body, headers, want):
+        attempts = self.limits.retries + 1
+        for attempt in range(attempts):
+            if self._bucket is not None:
+                await self._bucket.acquire()
+            try:
+                return await self._attempt(method, url, json_body, headers, want)
+            except ToolError as e:
+                e.attempts = attempt + 1
+                if e.kind not in RETRYABLE or attempt + 1 == attempts:
+                    raise
+                self.metrics.retries += 1
+                delay = min(self.limits.backoff_max_s, self.limits.backoff_s * 2**attempt)
+                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+        raise AssertionError("unreachable")
+
+    async def _attempt(self, method, url, json_body, headers, want):
+        timeout = aiohttp.ClientTimeout(total=self.limits.timeout_s)
+        try:
+            async with self.session.request(method, url, json=json_body, headers=headers, timeout=timeout) as resp:
+                body = await resp.text(errors="replace")
+                if resp.status >= 500:
+                    raise ToolError("http_5xx", f"HTTP {resp.status} from {url}: {body[:200]}")
+                if resp.status >= 400:
+                    raise ToolError("http_4xx", f"HTTP {resp.status} from {url}: {body[:200]}")
+                if want == "text":
+                    return body, str(resp.url)
+                try:
+                    return json.loads(body)
+                except json.JSONDecodeError as e:
+                    raise ToolError("bad_json", f"malformed JSON from {url}: {e.msg} at char {e.pos}") from e
+        except asyncio.TimeoutError as e:
+            raise ToolError("timeout", f"no answer from {url} within {self.limits.timeout_s:g} s") from e
+        except aiohttp.InvalidURL as e:
+            raise ToolError("bad_input", f"invalid URL {url!r}") from e
+        except aiohttp.ClientError as e:
+            # refused, reset, DNS failure, the server closed mid-answer, too many redirects
+            raise ToolError("connect", f"cannot reach {url}: {e.__class__.__name__}: {e}") from e

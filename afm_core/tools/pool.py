@@ -1,0 +1,188 @@
+"""``ToolPool``: every tool call of a trainer or evaluator goes through one pool.
+
+The pool holds one shared :class:`aiohttp.ClientSession` (connection limits overall and per host), and
+per tool: a concurrency limit, a rate limit, per-attempt timeouts with retries and exponential backoff
+(:class:`~afm_core.tools.http.ToolHttp`), a TTL cache (memory and disk, :class:`~afm_core.tools.cache.ToolCache`)
+and metrics (:class:`~afm_core.tools.metrics.ToolMetrics`). It also keeps the per-trajectory duplicate
+guard of the upstream rollout (a repeated ``web_search``/``wiki_search`` query or ``crawl_page`` URL list in
+the same trajectory gets a canned observation instead of a call; /work/shared/notes/afm-reference.md §4.2).
+
+:meth:`ToolPool.call` never raises (except :class:`asyncio.CancelledError`): a failure becomes an error
+observation, so one bad tool call cannot end a rollout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+
+import aiohttp
+
+from afm_core.tools.base import Tool, ToolError
+from afm_core.tools.cache import ToolCache
+from afm_core.tools.http import ToolHttp, ToolLimits
+from afm_core.tools.metrics import ToolMetrics
+
+log = logging.getLogger(__name__)
+
+
+def error_observation(tool: str, error: ToolError) -> str:
+    """The observation text of a failed call, e.g. ``[wiki_search error: timeout] no answer ... (3 attempts)``."""
+    tries = f" ({error.attempts} attempts)" if error.attempts > 1 else ""
+    return f"[{tool} error: {error.kind}] {error}{tries}"
+
+
+class ToolPool:
+    """Calls tools by name, with limits, retries, caching, a duplicate guard and metrics.
+
+    Use as ``async with ToolPool(tools, limits) as pool: obs = await pool.call("wiki_search", "query", "traj-1")``.
+
+    Args:
+        tools: the tools, keyed by their ``name``.
+        limits: :class:`ToolLimits` per tool name; missing names get ``default_limits``.
+        default_limits: limits for tools not in ``limits``.
+        cache: a :class:`ToolCache` (None: no caching).
+        connection_limit: open connections in total (aiohttp ``TCPConnector(limit=...)``).
+        connection_limit_per_host: open connections per host:port.
+        max_trajectories: trajectories the duplicate guard remembers (oldest forgotten first).
+    """
+
+    def __init__(
+        self,
+        tools: Iterable[Tool],
+        limits: Mapping[str, ToolLimits] | None = None,
+        *,
+        default_limits: ToolLimits | None = None,
+        cache: ToolCache | None = None,
+        connection_limit: int = 512,
+        connection_limit_per_host: int = 256,
+        max_trajectories: int = 100_000,
+    ) -> None:
+        self.tools: dict[str, Tool] = {}
+        for tool in tools:
+            if tool.name in self.tools:
+                raise ValueError(f"two tools named {tool.name!r}")
+            self.tools[tool.name] = tool
+        limits = dict(limits or {})
+        unknown = set(limits) - set(self.tools)
+        if unknown:
+            raise ValueError(f"limits given for unknown tools {sorted(unknown)}; tools are {sorted(self.tools)}")
+        default_limits = default_limits or ToolLimits()
+        self.limits = {name: limits.get(name, default_limits) for name in self.tools}
+        self.cache = cache
+        self.metrics = {name: ToolMetrics() for name in self.tools}
+        self._connection_limit = connection_limit
+        self._connection_limit_per_host = connection_limit_per_host
+        self._max_trajectories = max_trajectories
+        self._seen: OrderedDict[str, set[tuple[str, str]]] = OrderedDict()
+        self._session: aiohttp.ClientSession | None = None
+        self._http: dict[str, ToolHttp] = {}
+        self._slots: dict[str, asyncio.Semaphore] = {}
+
+    async def __aenter__(self) -> ToolPool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Open the shared session (call from the event loop that will make the calls)."""
+        connector = aiohttp.TCPConnector(limit=self._connection_limit, limit_per_host=self._connection_limit_per_host)
+        self._session = aiohttp.ClientSession(connector=connector)
+        for name in self.tools:
+            self._http[name] = ToolHttp(self._session, self.limits[name], self.metrics[name])
+            self._slots[name] = asyncio.Semaphore(self.limits[name].concurrency)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self.cache is not None:
+            self.cache.close()
+
+    async def call(
+        self, name: str, content: str, trajectory_id: str | None = None, context: Mapping[str, str] | None = None
+    ) -> str:
+        """Run tool ``name`` on the content of its tag and return the observation text.
+
+        Args:
+            name: the tool's name (= its CoA tag).
+            content: the text between ``<tag>`` and ``</tag>``.
+            trajectory_id: enables the duplicate guard for this trajectory; None disables it.
+            context: trajectory facts a tool may use (e.g. ``{"task": question}``), see :meth:`Tool.call`.
+
+        Returns:
+            The observation, or an error observation (:func:`error_observation`) when the call failed.
+        """
+        if self._session is None:
+            raise RuntimeError("ToolPool.call before start(): use 'async with ToolPool(...)'")
+        tool = self.tools.get(name)
+        if tool is None:
+            return f"[{name} error: bad_input] unknown tool {name!r}; available: {', '.join(sorted(self.tools))}"
+        metrics = self.metrics[name]
+        metrics.calls += 1
+        start = time.perf_counter()
+        try:
+            return await self._call(tool, content, trajectory_id, context or {}, metrics)
+        except ToolError as e:
+            metrics.errors[e.kind] += 1
+            return error_observation(name, e)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug in a tool must not end the rollout; count it and say so
+            log.exception("tool %s raised", name)
+            metrics.errors["bad_response"] += 1
+            return f"[{name} error: bad_response] {e.__class__.__name__}: {e}"
+        finally:
+            metrics.latency.observe(time.perf_counter() - start)
+
+    async def call_many(
+        self, calls: Sequence[tuple[str, str]], trajectory_id: str | None = None, context: Mapping[str, str] | None = None
+    ) -> list[str]:
+        """Run ``(name, content)`` calls concurrently (as the upstream rollout's ``asyncio.gather``); results in order."""
+        return list(await asyncio.gather(*(self.call(n, c, trajectory_id, context) for n, c in calls)))
+
+    def end_trajectory(self, trajectory_id: str) -> None:
+        """Forget the duplicate-guard memory of a finished trajectory."""
+        self._seen.pop(trajectory_id, None)
+
+    def metrics_snapshot(self) -> dict[str, dict]:
+        """``{tool name: counters and latency histogram}`` as plain JSON-able dicts."""
+        return {name: m.snapshot() for name, m in self.metrics.items()}
+
+    async def _call(
+        self, tool: Tool, content: str, trajectory_id: str | None, context: Mapping[str, str], metrics: ToolMetrics
+    ) -> str:
+        args = tool.parse(content)
+        key = tool.cache_key(args, context)
+        guarded = trajectory_id is not None and tool.duplicate_observation is not None
+        if guarded and (tool.name, key) in self._trajectory(trajectory_id):
+            metrics.duplicates += 1
+            return tool.duplicate_observation
+        ttl = self.limits[tool.name].cache_ttl_s
+        observation = self.cache.get(tool.name, key) if self.cache is not None and ttl else None
+        if observation is not None:
+            metrics.cache_hits += 1
+        else:
+            async with self._slots[tool.name]:
+                observation = await tool.call(args, self._http[tool.name], context)
+            metrics.ok += 1
+            if self.cache is not None and ttl:
+                self.cache.put(tool.name, key, observation, ttl)
+        if guarded:  # only a call that worked counts as done: a failed one may be repeated
+            self._trajectory(trajectory_id).add((tool.name, key))
+        return observation
+
+    def _trajectory(self, trajectory_id: str) -> set[tuple[str, str]]:
+        seen = self._seen.get(trajectory_id)
+        if seen is None:
+            seen = self._seen[trajectory_id] = set()
+            while len(self._seen) > self._max_trajectories:
+                self._seen.popitem(last=False)
+        else:
+            self._seen.move_to_end(trajectory_id)
+        return seen

@@ -1,0 +1,102 @@
+"""Build the tools and their :class:`~afm_core.tools.pool.ToolPool` from a config and an addresses file.
+
+Config (``conf/tools/default.yaml``; plain dicts or OmegaConf nodes)::
+
+    addresses_file: runs/tool_servers/addresses.json   # written by python -m jobs.tool_servers
+    cache: {path: ~/.cache/afm/tool_cache.sqlite, max_entries: 100000}   # or null: no cache
+    connection_limit: 512
+    connection_limit_per_host: 256
+    tools:
+      wiki_search: {server: wiki, topk: 3, limits: {timeout_s: 10, retries: 3, ...}}
+      web_search: {url: https://google.serper.dev, num_results: 10}     # url instead of server: fixed endpoint
+      ...
+
+Each tool entry names the server it talks to (a key of the addresses file) or a fixed ``url``; the other
+keys are the tool's constructor arguments, and ``limits`` are :class:`~afm_core.tools.http.ToolLimits`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from afm_core.tools.addresses import read_addresses
+from afm_core.tools.base import Tool
+from afm_core.tools.cache import ToolCache
+from afm_core.tools.code import CodeTool
+from afm_core.tools.crawl_page import CrawlPageTool
+from afm_core.tools.http import ToolLimits
+from afm_core.tools.pool import ToolPool
+from afm_core.tools.web_search import WebSearchTool
+from afm_core.tools.wiki_search import WikiSearchTool
+
+TOOL_CLASSES: dict[str, type[Tool]] = {
+    CodeTool.name: CodeTool,
+    WikiSearchTool.name: WikiSearchTool,
+    WebSearchTool.name: WebSearchTool,
+    CrawlPageTool.name: CrawlPageTool,
+}
+
+
+def _plain(node) -> dict:
+    """A plain dict from a dict or an OmegaConf node."""
+    if hasattr(node, "_metadata"):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_container(node, resolve=True)
+    return dict(node)
+
+
+def build_tools(tools_cfg: Mapping, addresses: Mapping[str, str]) -> tuple[list[Tool], dict[str, ToolLimits]]:
+    """Tools and their limits from the ``tools`` section of the config.
+
+    Raises:
+        ValueError: unknown tool name, unknown argument, or a server missing from ``addresses``
+            (the message names the tool and the field).
+    """
+    tools, limits = [], {}
+    for name, entry in _plain(tools_cfg).items():
+        if entry is None:  # a tool switched off with `tools.code: null`
+            continue
+        if name not in TOOL_CLASSES:
+            raise ValueError(f"tools.{name}: unknown tool; known: {sorted(TOOL_CLASSES)}")
+        entry = dict(entry)
+        server, url = entry.pop("server", None), entry.pop("url", None)
+        if (server is None) == (url is None):
+            raise ValueError(f"tools.{name}: give exactly one of 'server' (a name in the addresses file) or 'url'")
+        if server is not None:
+            if server not in addresses:
+                raise ValueError(f"tools.{name}.server: {server!r} is not in the addresses file (has {sorted(addresses)})")
+            url = addresses[server]
+        tool_limits = entry.pop("limits", None) or {}
+        try:
+            limits[name] = ToolLimits(**tool_limits)
+            tools.append(TOOL_CLASSES[name](url, **entry))
+        except TypeError as e:
+            raise ValueError(f"tools.{name}: {e}") from e
+    return tools, limits
+
+
+def build_tool_pool(cfg: Mapping, addresses: Mapping[str, str] | None = None, wait_s: float = 0.0) -> ToolPool:
+    """A :class:`ToolPool` from the tools config (see the module docstring).
+
+    Args:
+        cfg: the tools config.
+        addresses: ``{server: base URL}``; None reads ``cfg["addresses_file"]`` (waiting up to ``wait_s``).
+    """
+    cfg = _plain(cfg)
+    if addresses is None:
+        addresses = read_addresses(cfg["addresses_file"], wait_s=wait_s)
+    tools, limits = build_tools(cfg["tools"], addresses)
+    cache_cfg = cfg.get("cache")
+    cache = None
+    if cache_cfg:
+        path = cache_cfg.get("path")
+        cache = ToolCache(Path(path).expanduser() if path else None, max_entries=cache_cfg.get("max_entries", 100_000))
+    return ToolPool(
+        tools,
+        limits,
+        cache=cache,
+        connection_limit=cfg.get("connection_limit", 512),
+        connection_limit_per_host=cfg.get("connection_limit_per_host", 256),
+    )

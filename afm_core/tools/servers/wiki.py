@@ -1,0 +1,74 @@
+"""Wiki retrieval server: ``python -m afm_core.tools.servers.wiki --corpus corpus.jsonl --port N``.
+
+API (the upstream ``wiki_rag_server.py`` / Search-R1 retriever API; /work/shared/notes/afm-reference.md §5.4):
+``POST /retrieve`` ``{"queries": [str], "topk": int | null, "return_scores": bool}`` →
+``{"result": [[{"document": {"id", "title", "contents"}, "score": float}, ...], ...]}`` with scores, or
+``{"result": [[document, ...], ...]}`` without. ``GET /health``. Retrieval is BM25 (:mod:`afm_core.tools.retrieval`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from afm_core.tools.retrieval import BM25Retriever, load_corpus
+from afm_core.tools.serving import add_server_args, serve
+
+RETRIEVER = web.AppKey("retriever", BM25Retriever)
+MAX_QUERIES = 512
+MAX_TOPK = 100
+
+
+def build_app(retriever: BM25Retriever, default_topk: int = 3) -> web.Application:
+    """The ``/retrieve`` + ``/health`` application over ``retriever``."""
+    app = web.Application()
+    app[RETRIEVER] = retriever
+
+    async def retrieve(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as e:
+            return web.json_response({"error": f"body is not valid JSON: {e}"}, status=400)
+        queries = body.get("queries") if isinstance(body, dict) else None
+        if not isinstance(queries, list) or not queries or not all(isinstance(q, str) for q in queries):
+            return web.json_response({"error": "field 'queries' must be a non-empty list of strings"}, status=400)
+        if len(queries) > MAX_QUERIES:
+            return web.json_response({"error": f"field 'queries' has over {MAX_QUERIES} entries"}, status=400)
+        topk = body.get("topk") or default_topk
+        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
+            return web.json_response({"error": f"field 'topk' must be an integer in [1, {MAX_TOPK}] or null"}, status=400)
+        with_scores = bool(body.get("return_scores", False))
+        hits = retriever.search(queries, topk)
+        if with_scores:
+            result = [[{"document": d.to_json(), "score": s} for d, s in row] for row in hits]
+        else:
+            result = [[d.to_json() for d, _ in row] for row in hits]
+        return web.json_response({"result": result})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "documents": len(retriever.docs), "retriever": "bm25"})
+
+    app.router.add_post("/retrieve", retrieve)
+    app.router.add_get("/health", health)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m afm_core.tools.servers.wiki", description=__doc__.split("\n")[0])
+    add_server_args(parser)
+    parser.add_argument("--corpus", type=Path, required=True, help="JSON lines {id, title, contents}")
+    parser.add_argument("--topk", type=int, default=3, help="passages per query when the request gives none")
+    args = parser.parse_args(argv)
+    try:
+        retriever = BM25Retriever(load_corpus(args.corpus))
+    except (OSError, ValueError) as e:
+        sys.exit(f"wiki server: {e}")
+    serve(build_app(retriever, args.topk), args.host, args.port, args.ready_file)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""Run an aiohttp tool server until SIGTERM/SIGINT, and announce where it listens.
+
+Every server (sandbox, wiki retrieval, web search, crawl, pages) is started the same way:
+``python -m <module> --host 127.0.0.1 --port N [--ready-file F]``. Port 0 picks a free port; the bound
+URL is printed and, with ``--ready-file``, written atomically as ``{"url": ...}`` once the socket listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from aiohttp import web
+
+from afm_core.utils.atomic import atomic_write_json
+
+log = logging.getLogger(__name__)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """``--host``, ``--port`` and ``--ready-file``, shared by every server's command line."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
+    parser.add_argument("--ready-file", type=Path, default=None, help='write {"url": ...} here once listening')
+
+
+async def start_site(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, str]:
+    """Start ``app`` on ``host:port``; returns the runner and the base URL actually bound."""
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=2048)
+    await site.start()
+    bound_port = runner.addresses[0][1]
+    return runner, f"http://{host}:{bound_port}"
+
+
+def serve(app: web.Application, host: str, port: int, ready_file: Path | None = None) -> None:
+    """Serve ``app`` until SIGTERM or SIGINT, then shut down cleanly (blocking)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    async def main() -> None:
+        runner, url = await start_site(app, host, port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        if ready_file is not None:
+            atomic_write_json(ready_file, {"url": url})
+        log.info("serving on %s", url)
+        print(f"serving on {url}", flush=True)
+        await stop.wait()
+        await runner.cleanup()
+
+    asyncio.run(main())

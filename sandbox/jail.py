@@ -1,0 +1,200 @@
+"""The command line that runs one Python snippet in a jail: bubblewrap by default, nsjail when configured.
+
+Both backends build the same jail (the upstream AFM code tool runs nsjail with a similar recipe,
+``verl/verl/tools/code_executor.py``; see /work/shared/notes/afm-reference.md §5.3):
+
+- namespaces: user, pid, net (only a loopback of its own: no network), ipc, uts, mount, cgroup;
+- a read-only root holding only ``/usr`` (plus the ``/bin``, ``/lib``, ``/lib64``, ``/sbin`` links),
+  ``/etc/ld.so.cache``, the interpreter's prefix and any configured read-only paths. The host's
+  ``/home``, ``/root``, the repository, ``/etc/shadow`` and every other path are absent;
+- a private, size-capped tmpfs on ``/tmp`` (the working directory), a minimal read-only ``/dev`` (with a
+  size-capped ``/dev/shm``), a fresh ``/proc`` that shows only the jail's own processes;
+- an empty environment apart from ``PATH``, ``HOME``, ``LANG`` and ``PYTHON*`` switches, no capabilities,
+  ``no_new_privs``, a new session, and SIGKILL of the jail when its parent dies;
+- rlimits: CPU seconds (soft limit sends SIGXCPU, hard limit one second later sends SIGKILL), address
+  space, processes, file size, open files, no core dumps.
+
+When the server runs as root, snippet ``slot`` runs as host uid/gid ``uid_base + slot``: concurrent
+snippets cannot signal or ptrace each other, and ``RLIMIT_NPROC`` (which the kernel counts per real uid)
+bounds each snippet on its own.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Where the snippet file appears inside the jail.
+CODE_PATH_IN_JAIL = "/code/main.py"
+_PATH_ENV = "/usr/local/bin:/usr/bin:/bin"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits for one snippet.
+
+    Attributes:
+        timeout_s: wall-clock seconds before the whole jail is killed.
+        memory_mb: address-space limit (``RLIMIT_AS``) in MiB.
+        cpu_s: CPU seconds (``RLIMIT_CPU`` soft limit; the hard limit is one second more).
+        max_processes: ``RLIMIT_NPROC`` (processes and threads of the snippet's uid).
+        max_file_mb: largest file the snippet may write (``RLIMIT_FSIZE``), MiB.
+        max_open_files: ``RLIMIT_NOFILE``.
+        tmp_size_mb: size of the private ``/tmp`` tmpfs, MiB.
+    """
+
+    timeout_s: float
+    memory_mb: int
+    cpu_s: int
+    max_processes: int = 32
+    max_file_mb: int = 16
+    max_open_files: int = 64
+    tmp_size_mb: int = 64
+
+
+@dataclass
+class JailConfig:
+    """How jails are built on this host.
+
+    Attributes:
+        nsjail_path: path to an nsjail binary; when set, nsjail is the backend, else bubblewrap.
+        bwrap_path: the bubblewrap binary (looked up on PATH).
+        python: interpreter run inside the jail; its ``sys.prefix`` is bound read-only when it is
+            outside ``/usr``.
+        ro_paths: extra host paths bound read-only at the same place (e.g. a conda env with numpy).
+        uid_base: when the server is root, snippet slot ``i`` runs as host uid/gid ``uid_base + i``.
+    """
+
+    nsjail_path: str | None = None
+    bwrap_path: str = "bwrap"
+    python: str = "/usr/bin/python3"
+    ro_paths: list[str] = field(default_factory=list)
+    uid_base: int = 2_000_000
+
+    @property
+    def backend(self) -> str:
+        return "nsjail" if self.nsjail_path else "bwrap"
+
+    def check(self) -> None:
+        """Fail early with a clear message when the backend or the interpreter is missing.
+
+        Raises:
+            FileNotFoundError: the jail binary, the interpreter or a read-only path does not exist.
+        """
+        binary = self.nsjail_path or self.bwrap_path
+        if shutil.which(binary) is None:
+            hint = "set nsjail_path to an nsjail binary" if self.nsjail_path else "install bubblewrap (requirements/apt.txt)"
+            raise FileNotFoundError(f"sandbox backend {self.backend!r}: {binary!r} not found; {hint}")
+        if not os.access(self.python, os.X_OK):
+            raise FileNotFoundError(f"sandbox python {self.python!r} is not an executable file")
+        for path in self.ro_paths:
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"sandbox ro_paths entry {path!r} does not exist")
+
+
+def slot_identity(cfg: JailConfig, slot: int) -> dict:
+    """``subprocess`` keyword arguments that run slot ``slot`` as its own unprivileged host uid (root only)."""
+    if os.geteuid() != 0:
+        return {}
+    uid = cfg.uid_base + slot
+    return {"user": uid, "group": uid, "extra_groups": []}
+
+
+def _prefix_binds(cfg: JailConfig) -> list[str]:
+    """Host paths to bind read-only: the interpreter's prefix (when outside /usr) and ``ro_paths``."""
+    paths = list(cfg.ro_paths)
+    python = Path(cfg.python).resolve()
+    if not str(python).startswith("/usr/"):
+        # e.g. a pyenv or conda interpreter at <prefix>/bin/python3.x
+        paths.append(str(python.parent.parent))
+    return paths
+
+
+def _rlimit_args(limits: Limits) -> list[str]:
+    """``prlimit(1)`` options (values in the units the kernel uses: bytes, seconds, counts)."""
+    cpu = max(1, math.ceil(limits.cpu_s))
+    return [
+        f"--cpu={cpu}:{cpu + 1}",
+        f"--as={limits.memory_mb << 20}",
+        f"--nproc={limits.max_processes}",
+        f"--fsize={limits.max_file_mb << 20}",
+        f"--nofile={limits.max_open_files}",
+        "--core=0",
+    ]
+
+
+def _env() -> dict[str, str]:
+    return {
+        "PATH": _PATH_ENV,
+        "HOME": "/tmp",
+        "LANG": "C.UTF-8",
+        "PYTHONUNBUFFERED": "1",  # partial output survives a kill
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+
+
+def bwrap_argv(cfg: JailConfig, limits: Limits, code_file: Path, status_fd: int) -> list[str]:
+    """argv for ``prlimit … bwrap … python -I /code/main.py``.
+
+    Args:
+        code_file: host path of the snippet (must be readable by the slot uid).
+        status_fd: inherited fd bubblewrap writes its JSON status to (``child-pid``, then ``exit-code``).
+    """
+    argv = ["prlimit", *_rlimit_args(limits), "--", cfg.bwrap_path, "--json-status-fd", str(status_fd)]
+    argv += ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    argv += ["--uid", "65534", "--gid", "65534", "--hostname", "sandbox"]
+    argv += ["--ro-bind", "/usr", "/usr"]
+    for link in ("bin", "lib", "lib64", "sbin"):
+        if os.path.islink(f"/{link}"):
+            argv += ["--symlink", os.readlink(f"/{link}"), f"/{link}"]
+        elif os.path.isdir(f"/{link}"):
+            argv += ["--ro-bind", f"/{link}", f"/{link}"]
+    argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    for path in _prefix_binds(cfg):
+        argv += ["--ro-bind", path, path]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.tmp_size_mb << 20), "--tmpfs", "/tmp"]
+    # /dev is a tmpfs too: read-only but for a size-capped /dev/shm (POSIX semaphores of multiprocessing)
+    argv += ["--size", str(limits.tmp_size_mb << 20), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+    argv += ["--ro-bind", str(code_file), CODE_PATH_IN_JAIL, "--remount-ro", "/"]
+    argv += ["--clearenv"]
+    for key, value in _env().items():
+        argv += ["--setenv", key, value]
+    argv += ["--chdir", "/tmp", "--", cfg.python, "-I", CODE_PATH_IN_JAIL]
+    return argv
+
+
+def nsjail_argv(cfg: JailConfig, limits: Limits, code_file: Path) -> list[str]:
+    """argv for ``nsjail --mode o … python -I /code/main.py`` (the upstream recipe's backend)."""
+    cpu = max(1, math.ceil(limits.cpu_s))
+    argv = [cfg.nsjail_path, "--mode", "o", "--really_quiet", "--hostname", "sandbox"]
+    argv += ["--user", "65534", "--group", "65534"]
+    argv += ["--rlimit_as", str(limits.memory_mb), "--rlimit_cpu", str(cpu)]
+    argv += ["--rlimit_nproc", str(limits.max_processes), "--rlimit_fsize", str(limits.max_file_mb)]
+    argv += ["--rlimit_nofile", str(limits.max_open_files), "--rlimit_core", "0"]
+    argv += ["--time_limit", str(math.ceil(limits.timeout_s) + 1)]
+    argv += ["--bindmount_ro", "/usr:/usr"]
+    for link in ("bin", "lib", "lib64", "sbin"):
+        if os.path.islink(f"/{link}"):
+            argv += ["--symlink", f"{os.readlink(f'/{link}')}:/{link}"]
+        elif os.path.isdir(f"/{link}"):
+            argv += ["--bindmount_ro", f"/{link}:/{link}"]
+    if os.path.exists("/etc/ld.so.cache"):
+        argv += ["--bindmount_ro", "/etc/ld.so.cache:/etc/ld.so.cache"]
+    for path in _prefix_binds(cfg):
+        argv += ["--bindmount_ro", f"{path}:{path}"]
+    for dev in ("null", "zero", "urandom", "random"):
+        argv += ["--bindmount", f"/dev/{dev}:/dev/{dev}"]
+    argv += ["--mount", f"none:/tmp:tmpfs:size={limits.tmp_size_mb << 20}"]
+    argv += ["--bindmount_ro", f"{code_file}:{CODE_PATH_IN_JAIL}"]
+    for key, value in _env().items():
+        argv += ["--env", f"{key}={value}"]
+    argv += ["--cwd", "/tmp", "--", cfg.python, "-I", CODE_PATH_IN_JAIL]
+    return argv
+
+
+def launcher_env() -> dict[str, str]:
+    """Environment of the jail binary itself: nothing of the server's (its /proc/1/environ is visible inside)."""
+    return {"PATH": _PATH_ENV}

@@ -1,0 +1,278 @@
+"""Run Python snippets in jails without blocking the event loop: bounded concurrency, a bounded queue,
+capped output and a wall-clock kill.
+
+The upstream code tool runs one snippet at a time on the rollout's event loop (a blocking
+``p.join()`` inside ``async def``; /work/shared/notes/afm-reference.md §5.3, §8.10). Here every snippet is
+an asyncio subprocess; at most ``max_concurrency`` run at once, up to ``max_queue`` more wait for a slot,
+and anything beyond that is refused at once (:class:`QueueFullError`, HTTP 503 at the server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from sandbox.jail import JailConfig, Limits, bwrap_argv, launcher_env, nsjail_argv, slot_identity
+
+#: Every status a run can end with.
+STATUSES = ("ok", "error", "timeout", "memory_limit", "output_limit", "killed", "sandbox_error")
+
+
+class QueueFullError(RuntimeError):
+    """All slots are busy and ``max_queue`` snippets already wait."""
+
+
+@dataclass
+class RunResult:
+    """The outcome of one snippet (the server's JSON response body).
+
+    Attributes:
+        status: one of :data:`STATUSES`. ``timeout``: the wall clock or the CPU limit ran out;
+            ``memory_limit``: the address-space limit was hit (``MemoryError``); ``output_limit``: a stream
+            passed ``kill_output_bytes`` and the snippet was killed; ``killed``: ended by another signal;
+            ``sandbox_error``: the jail itself failed to start (the snippet never ran).
+        stdout, stderr: decoded output (UTF-8, invalid bytes replaced), at most ``max_output_bytes`` each,
+            followed by a truncation marker when cut.
+        exit_code: the snippet's exit status (128 + signal number when killed), None when not known.
+        duration_s: wall-clock seconds from start to exit, queueing excluded.
+        truncated: whether stdout or stderr was cut.
+    """
+
+    status: str
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    duration_s: float
+    truncated: bool
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class RunnerConfig:
+    """Server-wide limits and defaults (bytes, seconds, MiB as named)."""
+
+    jail: JailConfig = field(default_factory=JailConfig)
+    max_concurrency: int = 4
+    max_queue: int = 256
+    max_output_bytes: int = 64 << 10
+    kill_output_bytes: int = 8 << 20
+    max_code_bytes: int = 1 << 20
+    max_stdin_bytes: int = 16 << 20
+    default_timeout_s: float = 10.0
+    max_timeout_s: float = 60.0
+    default_memory_mb: int = 512
+    min_memory_mb: int = 64
+    max_memory_mb: int = 4096
+    max_processes: int = 32
+    max_file_mb: int = 16
+    max_open_files: int = 64
+    tmp_size_mb: int = 64
+
+
+class _CappedReader:
+    """Drains a stream, keeping the first ``keep`` bytes; calls ``on_flood`` once past ``flood`` bytes."""
+
+    def __init__(self, stream: asyncio.StreamReader, keep: int, flood: int, on_flood) -> None:
+        self.data = bytearray()
+        self.total = 0
+        self.flooded = False
+        self._stream, self._keep, self._flood, self._on_flood = stream, keep, flood, on_flood
+
+    async def run(self) -> None:
+        while chunk := await self._stream.read(1 << 16):
+            self.total += len(chunk)
+            if len(self.data) < self._keep:
+                self.data += chunk[: self._keep - len(self.data)]
+            if self.total > self._flood and not self.flooded:
+                self.flooded = True
+                self._on_flood()
+
+    def text(self) -> tuple[str, bool]:
+        """Decoded kept bytes plus a marker when cut, and whether it was cut."""
+        text = self.data.decode("utf-8", errors="replace")
+        if self.total <= self._keep:
+            return text, False
+        more = f"{self.total - self._keep}+" if self.flooded else str(self.total - self._keep)
+        return f"{text}\n[... output truncated: {more} more bytes ...]", True
+
+
+class SnippetRunner:
+    """Runs snippets in jails, ``max_concurrency`` at a time, with a bounded wait queue."""
+
+    def __init__(self, cfg: RunnerConfig) -> None:
+        self.cfg = cfg
+        self._free_slots: asyncio.Queue[int] = asyncio.Queue()
+        for slot in range(cfg.max_concurrency):
+            self._free_slots.put_nowait(slot)
+        self._waiting = 0
+        self._work_dir = Path(tempfile.mkdtemp(prefix="afm-sandbox-"))
+        # Slot uids must reach the snippet files, but not list the folder.
+        self._work_dir.chmod(0o711)
+
+    def close(self) -> None:
+        """Remove the folder of snippet files."""
+        shutil.rmtree(self._work_dir, ignore_errors=True)
+
+    @property
+    def running(self) -> int:
+        return self.cfg.max_concurrency - self._free_slots.qsize()
+
+    @property
+    def queued(self) -> int:
+        return self._waiting
+
+    def limits(self, timeout_s: float, memory_mb: int) -> Limits:
+        return Limits(
+            timeout_s=timeout_s,
+            memory_mb=memory_mb,
+            cpu_s=timeout_s,
+            max_processes=self.cfg.max_processes,
+            max_file_mb=self.cfg.max_file_mb,
+            max_open_files=self.cfg.max_open_files,
+            tmp_size_mb=self.cfg.tmp_size_mb,
+        )
+
+    async def run(self, code: str, stdin: str | None, timeout_s: float, memory_mb: int) -> RunResult:
+        """Run ``code`` with ``stdin`` under the given wall-clock timeout (s) and memory limit (MiB).
+
+        Raises:
+            QueueFullError: all slots busy and the wait queue is full.
+        """
+        if self._free_slots.empty() and self._waiting >= self.cfg.max_queue:
+            raise QueueFullError(f"{self.running} snippets running and {self._waiting} queued (max_queue)")
+        self._waiting += 1
+        try:
+            slot = await self._free_slots.get()
+        finally:
+            self._waiting -= 1
+        try:
+            return await self._run_in_slot(slot, code, stdin, self.limits(timeout_s, memory_mb))
+        finally:
+            self._free_slots.put_nowait(slot)
+
+    async def _run_in_slot(self, slot: int, code: str, stdin: str | None, limits: Limits) -> RunResult:
+        code_file = self._work_dir / f"{uuid.uuid4().hex}.py"
+        code_file.write_text(code, encoding="utf-8")
+        code_file.chmod(0o644)
+        status_r, status_w = os.pipe() if self.cfg.jail.backend == "bwrap" else (None, None)
+        try:
+            if status_w is not None:
+                argv = bwrap_argv(self.cfg.jail, limits, code_file, status_w)
+                pass_fds = (status_w,)
+            else:
+                argv = nsjail_argv(self.cfg.jail, limits, code_file)
+                pass_fds = ()
+            start = time.perf_counter()
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=launcher_env(),
+                pass_fds=pass_fds,
+                start_new_session=True,
+                **slot_identity(self.cfg.jail, slot),
+            )
+            if status_w is not None:
+                os.close(status_w)
+                status_w = None
+            return await self._supervise(proc, stdin, limits, start, status_r)
+        finally:
+            for fd in (status_r, status_w):
+                if fd is not None:
+                    os.close(fd)
+            code_file.unlink(missing_ok=True)
+
+    async def _supervise(self, proc, stdin: str | None, limits: Limits, start: float, status_r) -> RunResult:
+        def kill() -> None:
+            for action in (proc.kill, lambda: os.killpg(proc.pid, signal.SIGKILL)):
+                try:
+                    action()
+                except (ProcessLookupError, PermissionError):
+                    pass
+
+        out = _CappedReader(proc.stdout, self.cfg.max_output_bytes, self.cfg.kill_output_bytes, kill)
+        err = _CappedReader(proc.stderr, self.cfg.max_output_bytes, self.cfg.kill_output_bytes, kill)
+        tasks = [asyncio.create_task(out.run()), asyncio.create_task(err.run())]
+        tasks.append(asyncio.create_task(_feed_stdin(proc, stdin)))
+        timed_out = False
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=limits.timeout_s)
+        except TimeoutError:
+            timed_out = True
+            kill()
+            await proc.wait()
+        except asyncio.CancelledError:  # the client went away: leave nothing running
+            kill()
+            raise
+        finally:
+            # The jail's pid namespace is gone with its init; the pipes close right after.
+            _, pending = await asyncio.wait(tasks, timeout=2.0)
+            for task in pending:
+                task.cancel()
+        duration = time.perf_counter() - start
+        stdout, cut_out = out.text()
+        stderr, cut_err = err.text()
+        jail_started = True
+        if status_r is not None:
+            jail_started = _bwrap_child_started(status_r)
+        status = _classify(proc.returncode, stderr, timed_out, out.flooded or err.flooded, jail_started, self.cfg.jail)
+        if status == "timeout" and not stderr:
+            stderr = f"Timed out after {limits.timeout_s:g} s. Check for infinite loops, blocked I/O (e.g., input()), or deadlocks."
+        return RunResult(status, stdout, stderr, proc.returncode, round(duration, 4), cut_out or cut_err)
+
+
+async def _feed_stdin(proc, stdin: str | None) -> None:
+    try:
+        if stdin:
+            proc.stdin.write(stdin.encode("utf-8"))
+            await proc.stdin.drain()
+        proc.stdin.close()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the snippet exited without reading all of its input
+
+
+def _bwrap_child_started(status_r: int) -> bool:
+    """Whether bubblewrap reported the snippet's pid on its JSON status fd (it did not when setup failed)."""
+    os.set_blocking(status_r, False)
+    chunks = []
+    try:
+        while chunk := os.read(status_r, 1 << 16):
+            chunks.append(chunk)
+    except BlockingIOError:
+        pass
+    for line in b"".join(chunks).decode(errors="replace").splitlines():
+        try:
+            if "child-pid" in json.loads(line):
+                return True
+        except ValueError:
+            continue
+    return False
+
+
+def _classify(exit_code: int | None, stderr: str, timed_out: bool, flooded: bool, started: bool, jail: JailConfig) -> str:
+    if timed_out:
+        return "timeout"
+    if flooded:
+        return "output_limit"
+    if not started or (jail.backend == "nsjail" and exit_code == 255 and not stderr):
+        return "sandbox_error"
+    if exit_code == 0:
+        return "ok"
+    if exit_code in (128 + signal.SIGXCPU, -signal.SIGXCPU):
+        return "timeout"
+    if "MemoryError" in stderr.rstrip().rsplit("\n", 1)[-1]:
+        return "memory_limit"
+    if exit_code is not None and (exit_code > 128 or exit_code < 0):
+        return "killed"
+    return "error"

@@ -1,0 +1,161 @@
+"""The code-execution server: ``python -m sandbox.server --host 127.0.0.1 --port N``.
+
+API
+- ``POST /run`` with JSON ``{"code": str, "stdin": str | null, "timeout_s": float, "memory_mb": int}``
+  (``stdin``, ``timeout_s`` and ``memory_mb`` are optional; defaults from :class:`~sandbox.runner.RunnerConfig`).
+  200: ``{"status", "stdout", "stderr", "exit_code", "duration_s", "truncated"}`` (:class:`~sandbox.runner.RunResult`),
+  whatever the snippet did. 400: a malformed request, naming the field. 503: the queue is full (retry later).
+- ``GET /health``: ``{"status": "ok", "backend", "running", "queued", "max_concurrency", "max_queue"}``.
+
+At start-up the server runs ``print(1)`` in a jail and exits with a clear error when that fails (no
+bubblewrap, user namespaces disabled, ...): it never falls back to running code unjailed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from aiohttp import web
+
+from afm_core.tools.serving import add_server_args, serve
+from sandbox.jail import JailConfig
+from sandbox.runner import QueueFullError, RunnerConfig, SnippetRunner
+
+log = logging.getLogger(__name__)
+
+RUNNER = web.AppKey("runner", SnippetRunner)
+
+
+class BadRequest(ValueError):
+    """A request field is missing, of the wrong type or out of range."""
+
+
+def parse_run_request(body: object, cfg: RunnerConfig) -> tuple[str, str | None, float, int]:
+    """Validate a ``POST /run`` body; returns ``(code, stdin, timeout_s, memory_mb)``.
+
+    Raises:
+        BadRequest: naming the offending field and the accepted range.
+    """
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    code = body.get("code")
+    if not isinstance(code, str):
+        raise BadRequest("field 'code' must be a string")
+    if len(code.encode("utf-8")) > cfg.max_code_bytes:
+        raise BadRequest(f"field 'code' is over {cfg.max_code_bytes} bytes")
+    stdin = body.get("stdin")
+    if stdin is not None and not isinstance(stdin, str):
+        raise BadRequest("field 'stdin' must be a string or null")
+    if stdin is not None and len(stdin.encode("utf-8")) > cfg.max_stdin_bytes:
+        raise BadRequest(f"field 'stdin' is over {cfg.max_stdin_bytes} bytes")
+    timeout_s = body.get("timeout_s", cfg.default_timeout_s)
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= cfg.max_timeout_s:
+        raise BadRequest(f"field 'timeout_s' must be a number in (0, {cfg.max_timeout_s:g}]")
+    memory_mb = body.get("memory_mb", cfg.default_memory_mb)
+    if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or not cfg.min_memory_mb <= memory_mb <= cfg.max_memory_mb:
+        raise BadRequest(f"field 'memory_mb' must be an integer in [{cfg.min_memory_mb}, {cfg.max_memory_mb}]")
+    return code, stdin, float(timeout_s), memory_mb
+
+
+async def handle_run(request: web.Request) -> web.Response:
+    runner = request.app[RUNNER]
+    try:
+        body = await request.json()
+    except json.JSONDecodeError as e:
+        return web.json_response({"error": f"body is not valid JSON: {e}"}, status=400)
+    try:
+        code, stdin, timeout_s, memory_mb = parse_run_request(body, runner.cfg)
+    except BadRequest as e:
+        return web.json_response({"error": str(e)}, status=400)
+    try:
+        result = await runner.run(code, stdin, timeout_s, memory_mb)
+    except QueueFullError as e:
+        return web.json_response({"error": f"queue full: {e}"}, status=503, headers={"Retry-After": "1"})
+    return web.json_response(result.to_json())
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    runner = request.app[RUNNER]
+    return web.json_response(
+        {
+            "status": "ok",
+            "backend": runner.cfg.jail.backend,
+            "running": runner.running,
+            "queued": runner.queued,
+            "max_concurrency": runner.cfg.max_concurrency,
+            "max_queue": runner.cfg.max_queue,
+        }
+    )
+
+
+async def self_test(runner: SnippetRunner) -> None:
+    """Run ``print(1)`` in a jail.
+
+    Raises:
+        RuntimeError: the jail does not work on this host (with bubblewrap's or nsjail's message).
+    """
+    result = await runner.run("print(1)", None, 10.0, runner.cfg.default_memory_mb)
+    if result.status != "ok" or result.stdout.strip() != "1":
+        raise RuntimeError(
+            f"sandbox self-test failed ({runner.cfg.jail.backend}): status={result.status} "
+            f"exit_code={result.exit_code} stderr={result.stderr.strip()[:500]!r}"
+        )
+
+
+def build_app(cfg: RunnerConfig) -> web.Application:
+    """The aiohttp application; the jail is checked (self-test) when the app starts.
+
+    Raises:
+        FileNotFoundError: the backend binary or the interpreter is missing (from ``JailConfig.check``).
+    """
+    cfg.jail.check()
+    app = web.Application(client_max_size=cfg.max_code_bytes + cfg.max_stdin_bytes + (64 << 10))
+
+    async def lifecycle(app: web.Application):
+        runner = SnippetRunner(cfg)
+        app[RUNNER] = runner
+        try:
+            await self_test(runner)
+            yield
+        finally:
+            runner.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/run", handle_run)
+    app.router.add_get("/health", handle_health)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m sandbox.server", description=__doc__.split("\n")[0])
+    add_server_args(parser)
+    defaults = RunnerConfig()
+    parser.add_argument("--max-concurrency", type=int, default=defaults.max_concurrency, help="snippets run at once")
+    parser.add_argument("--max-queue", type=int, default=defaults.max_queue, help="snippets waiting for a slot before 503")
+    parser.add_argument("--max-output-bytes", type=int, default=defaults.max_output_bytes, help="kept per stream")
+    parser.add_argument("--max-timeout-s", type=float, default=defaults.max_timeout_s)
+    parser.add_argument("--max-memory-mb", type=int, default=defaults.max_memory_mb)
+    parser.add_argument("--nsjail-path", default=None, help="use nsjail (the upstream recipe's jail) instead of bubblewrap")
+    parser.add_argument("--python", default=JailConfig.python, help="interpreter inside the jail")
+    parser.add_argument("--ro-path", action="append", default=[], help="extra host path bound read-only (repeatable)")
+    args = parser.parse_args(argv)
+    cfg = RunnerConfig(
+        jail=JailConfig(nsjail_path=args.nsjail_path, python=args.python, ro_paths=args.ro_path),
+        max_concurrency=args.max_concurrency,
+        max_queue=args.max_queue,
+        max_output_bytes=args.max_output_bytes,
+        max_timeout_s=args.max_timeout_s,
+        max_memory_mb=args.max_memory_mb,
+    )
+    try:
+        app = build_app(cfg)
+    except FileNotFoundError as e:
+        sys.exit(f"sandbox.server: {e}")
+    serve(app, args.host, args.port, args.ready_file)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,387 @@
+"""Acceptance (a): hostile snippets against a real sandbox server, on bubblewrap and on nsjail.
+
+Every snippet must be contained (what it tries does not happen, which the snippet itself or the host
+checks), come back with a clear status, and leave the server healthy. Snippets print ``ESCAPED`` when an
+attack works; the tests also look at the host afterwards (files, processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import textwrap
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sandbox.jail import JailConfig
+from tests.tools.conftest import SECRET, sandbox_server
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def post_run(url: str, code: str, timeout_s: float = 5.0, memory_mb: int = 256, stdin: str | None = None) -> dict:
+    body = json.dumps({"code": textwrap.dedent(code), "stdin": stdin, "timeout_s": timeout_s, "memory_mb": memory_mb})
+    request = urllib.request.Request(url + "/run", data=body.encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout_s + 30) as resp:
+        return json.loads(resp.read())
+
+
+def health(url: str) -> dict:
+    with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.fixture(scope="module", params=["bwrap", "nsjail"])
+def server(request, tmp_path_factory):
+    with sandbox_server(tmp_path_factory, request.param) as (url, group):
+        yield url, group
+
+
+def sandbox_processes() -> list[psutil.Process]:
+    """Processes left running under the sandbox slot uids (uid_base .. uid_base + 63)."""
+    base = JailConfig().uid_base
+    left = []
+    for proc in psutil.process_iter(["uids"]):
+        uids = proc.info["uids"]
+        if uids is not None and base <= uids.real < base + 64:
+            left.append(proc)
+    return left
+
+
+def assert_contained(result: dict, statuses: tuple[str, ...]) -> None:
+    assert result["status"] in statuses, result
+    assert "ESCAPED" not in result["stdout"], result
+    assert SECRET not in result["stdout"] + result["stderr"], result
+
+
+def test_socket_to_loopback_server(server):
+    url, _ = server
+    port = int(url.rsplit(":", 1)[1])
+    result = post_run(url, f"""
+        import socket
+        for port in ({port}, 22, 80):
+            s = socket.socket()
+            s.settimeout(2)
+            try:
+                s.connect(("127.0.0.1", port))
+                print("ESCAPED", port)
+            except OSError as e:
+                print("blocked", port, e.errno)
+    """)
+    assert_contained(result, ("ok",))
+    assert result["stdout"].count("blocked") == 3
+
+
+def test_socket_to_outside(server):
+    url, _ = server
+    result = post_run(url, """
+        import socket
+        for host, port in (("1.1.1.1", 80), ("8.8.8.8", 53), ("10.0.0.1", 22)):
+            s = socket.socket()
+            s.settimeout(2)
+            try:
+                s.connect((host, port))
+                print("ESCAPED", host)
+            except OSError as e:
+                print("blocked", host, e.errno)
+        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            u.sendto(b"x", ("8.8.8.8", 53))
+            print("ESCAPED udp")
+        except OSError:
+            print("blocked udp")
+        try:
+            socket.getaddrinfo("example.com", 80)
+            print("ESCAPED dns")
+        except OSError:
+            print("blocked dns")
+    """, timeout_s=15)
+    assert_contained(result, ("ok",))
+    assert result["stdout"].count("blocked") == 5
+
+
+def test_abstract_unix_socket_of_host(server):
+    url, _ = server
+    name = f"afm-test-{uuid.uuid4().hex}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(1)
+    try:
+        result = post_run(url, f"""
+            import socket
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect("\\0{name}")
+                print("ESCAPED")
+            except OSError as e:
+                print("blocked", e.errno)
+        """)
+    finally:
+        listener.close()
+    assert_contained(result, ("ok",))
+    assert "blocked" in result["stdout"]
+
+
+def test_read_etc_shadow_and_host_files(server):
+    url, _ = server
+    result = post_run(url, """
+        import os
+        for path in ("/etc/shadow", "/etc/passwd", "/root/.bashrc", "/root/.ssh/id_rsa", "/home", "/var/log"):
+            try:
+                if os.path.isdir(path):
+                    print("ESCAPED", path, os.listdir(path)[:3])
+                else:
+                    open(path).read()
+                    print("ESCAPED", path)
+            except OSError as e:
+                print("blocked", path, e.errno)
+    """)
+    assert_contained(result, ("ok",))
+    assert result["stdout"].count("blocked") == 6
+
+
+def test_read_the_repository(server):
+    url, _ = server
+    result = post_run(url, f"""
+        import os
+        print(sorted(os.listdir("/")))
+        for path in ({str(REPO / "pyproject.toml")!r}, {str(REPO / "sandbox" / "server.py")!r}, {str(REPO.parent)!r}):
+            try:
+                print("ESCAPED", path, open(path).read()[:20]) if os.path.isfile(path) else print("ESCAPED", os.listdir(path))
+            except OSError as e:
+                print("blocked", path, e.errno)
+    """)
+    assert_contained(result, ("ok",))
+    assert result["stdout"].count("blocked") == 3
+    assert "work" not in result["stdout"].splitlines()[0]
+
+
+def test_environment_secrets(server):
+    url, _ = server
+    result = post_run(url, """
+        import os
+        print(dict(os.environ))
+        for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
+            for part in ("environ", "cmdline"):
+                try:
+                    print(pid, part, open(f"/proc/{pid}/{part}", "rb").read().replace(b"\\0", b" ")[:4000])
+                except OSError as e:
+                    print(pid, part, "unreadable", e.errno)
+    """)
+    assert_contained(result, ("ok",))
+    assert "AFM_TEST_SECRET" not in result["stdout"]
+
+
+def test_write_outside_tmp(server):
+    url, _ = server
+    marker = f"afm-escape-{uuid.uuid4().hex}"
+    result = post_run(url, f"""
+        for path in ("/{marker}", "/usr/{marker}", "/etc/{marker}", "/code/main.py", "/proc/{marker}", "/dev/{marker}"):
+            try:
+                with open(path, "w") as f:
+                    f.write("x")
+                print("ESCAPED", path)
+            except OSError as e:
+                print("blocked", path, e.errno)
+        with open("/tmp/{marker}", "w") as f:
+            f.write("private")
+        print("tmp ok")
+    """)
+    assert_contained(result, ("ok",))
+    assert result["stdout"].count("blocked") == 6 and "tmp ok" in result["stdout"]
+    for host_path in (Path("/") / marker, Path("/usr") / marker, Path("/etc") / marker, Path("/tmp") / marker):
+        assert not host_path.exists()
+    # /tmp is private to each run
+    again = post_run(url, f"import os; print(os.path.exists('/tmp/{marker}'), os.listdir('/tmp'))")
+    assert again["stdout"].startswith("False []"), again
+
+
+def test_fill_the_disk(server):
+    url, _ = server
+    result = post_run(url, """
+        import os
+        written = 0
+        try:
+            with open("/tmp/big", "wb") as f:
+                for _ in range(512):
+                    f.write(b"x" * (1 << 20))
+                    written += 1
+            print("ESCAPED", written)
+        except OSError as e:
+            print("blocked after MiB", written, e.errno)
+        n = 0
+        try:
+            for n in range(100):
+                with open(f"/tmp/f{n}", "wb") as f:
+                    f.write(b"x" * (15 << 20))
+            print("ESCAPED many files")
+        except OSError as e:
+            print("blocked after files", n, e.errno)
+    """, timeout_s=20)
+    assert_contained(result, ("ok",))
+    assert result["stdout"].count("blocked") == 2
+
+
+def test_fork_bomb(server):
+    url, _ = server
+    start = time.monotonic()
+    result = post_run(url, """
+        import os
+        while True:
+            try:
+                os.fork()
+            except OSError:
+                pass
+    """, timeout_s=3)
+    assert_contained(result, ("timeout", "error", "killed"))
+    assert time.monotonic() - start < 15
+    assert health(url)["status"] == "ok"
+
+
+def test_thread_bomb(server):
+    url, _ = server
+    result = post_run(url, """
+        import threading, time
+        n = 0
+        try:
+            while True:
+                threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+                n += 1
+        except RuntimeError as e:
+            print("blocked after threads", n)
+    """, timeout_s=5)
+    assert_contained(result, ("ok",))
+    assert int(result["stdout"].split()[-1]) < 64
+
+
+def test_memory_bomb(server):
+    url, _ = server
+    result = post_run(url, "x = [bytearray(1 << 20) for _ in range(8192)]\nprint('ESCAPED')", memory_mb=256)
+    assert_contained(result, ("memory_limit",))
+    assert "MemoryError" in result["stderr"]
+
+
+def test_infinite_loop(server):
+    url, _ = server
+    result = post_run(url, "while True:\n    pass", timeout_s=2)
+    assert_contained(result, ("timeout",))
+    assert result["duration_s"] < 4
+
+
+def test_sleep_past_the_timeout(server):
+    url, _ = server
+    result = post_run(url, "import time\nprint('start', flush=True)\ntime.sleep(60)\nprint('ESCAPED')", timeout_s=1)
+    assert_contained(result, ("timeout",))
+    assert result["duration_s"] < 3
+    assert "start" in result["stdout"]  # output before the kill is kept
+
+
+def test_huge_output(server):
+    url, _ = server
+    result = post_run(url, "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", timeout_s=10)
+    assert_contained(result, ("output_limit",))
+    assert result["truncated"] is True
+    assert len(result["stdout"]) < (64 << 10) + 200 and "output truncated" in result["stdout"]
+
+
+def test_kill_the_parent(server):
+    url, _ = server
+    result = post_run(url, """
+        import os, signal
+        for pid in (os.getppid(), 1, -1):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError as e:
+                print("blocked", pid, e.errno)
+        print("alive")
+    """)
+    assert_contained(result, ("ok", "killed"))
+    assert health(url)["status"] == "ok"
+
+
+def test_signal_a_neighbour(server):
+    """A snippet cannot see or kill another snippet running at the same time."""
+    url, _ = server
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as ex:
+        sleeper = ex.submit(post_run, url, "import time\ntime.sleep(3)\nprint('neighbour alive')", 10)
+        time.sleep(1.0)
+        killer = ex.submit(post_run, url, """
+            import os, signal
+            pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+            print("pids", pids)
+            os.kill(-1, signal.SIGKILL)
+        """)
+        assert sleeper.result()["stdout"].strip() == "neighbour alive"
+        assert_contained(killer.result(), ("ok", "error", "killed"))
+
+
+def test_proc_snooping(server):
+    url, _ = server
+    server_pids = [p.pid for p in psutil.process_iter(["cmdline"]) if "sandbox.server" in " ".join(p.info["cmdline"] or [])]
+    assert server_pids
+    result = post_run(url, f"""
+        import os
+        pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+        print("pids", pids)
+        for pid in {server_pids!r}:
+            try:
+                print("ESCAPED", open(f"/proc/{{pid}}/cmdline").read()[:50])
+            except OSError as e:
+                print("blocked", pid, e.errno)
+        try:
+            open("/proc/sys/kernel/hostname", "w").write("pwned")
+            print("ESCAPED sysctl")
+        except OSError as e:
+            print("blocked sysctl", e.errno)
+        import socket
+        print("hostname", socket.gethostname())
+    """)
+    assert_contained(result, ("ok",))
+    pids = json.loads(result["stdout"].splitlines()[0].split(" ", 1)[1])
+    assert max(pids) < 10, pids  # only the jail's own processes
+    assert socket.gethostname() != "pwned"
+
+
+def test_privilege_escalation(server):
+    url, _ = server
+    result = post_run(url, """
+        import os, subprocess
+        caps = [l for l in open("/proc/self/status") if l.startswith("CapEff")]
+        print(caps[0].strip() if caps else "CapEff unreadable")
+        for fn, arg in ((os.setuid, 0), (os.setgid, 0), (os.chroot, "/tmp")):
+            try:
+                fn(arg)
+                print("ESCAPED", fn.__name__)
+            except OSError as e:
+                print("blocked", fn.__name__, e.errno)
+        try:
+            out = subprocess.run(["mount", "-t", "tmpfs", "none", "/usr"], capture_output=True, text=True)
+            print("blocked mount" if out.returncode else "ESCAPED mount")
+        except OSError as e:
+            print("blocked mount", e.errno)
+        print("uid", os.getuid(), os.geteuid())
+    """)
+    assert_contained(result, ("ok",))
+    assert "CapEff:\t0000000000000000" in result["stdout"]
+    assert result["stdout"].count("blocked") == 4
+
+
+def test_server_healthy_and_clean_after_the_suite(server):
+    url, group = server
+    assert health(url) == {**health(url), "status": "ok", "running": 0, "queued": 0}
+    result = post_run(url, "print(6 * 7)")
+    assert result["status"] == "ok" and result["stdout"] == "42\n"
+    assert group.dead() == []
+    deadline = time.monotonic() + 5
+    while sandbox_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if os.geteuid() == 0:
+        assert sandbox_processes() == []

@@ -1,0 +1,110 @@
+"""The sandbox server's API: results, stdin, validation, bounded concurrency and queue, output caps, self-test."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from sandbox.jail import JailConfig, Limits, bwrap_argv, nsjail_argv
+from tests.tools.conftest import jail_unavailable, sandbox_server
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
+    async with session.post(url + "/run", json=body) as resp:
+        return resp.status, await resp.json()
+
+
+def run_all(url: str, bodies: list[dict]) -> list[tuple[int, dict]]:
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(post(session, url, b) for b in bodies))
+
+    return asyncio.run(main())
+
+
+def test_result_fields_stdin_and_exit_codes(sandbox_url):
+    (s1, ok), (s2, err), (s3, stdin) = run_all(
+        sandbox_url,
+        [
+            {"code": "print('hi')", "timeout_s": 5, "memory_mb": 256},
+            {"code": "import sys\nprint('out')\nsys.exit(3)"},
+            {"code": "import sys\nprint(sum(map(int, sys.stdin.read().split())))", "stdin": "1 2 3\n4"},
+        ],
+    )
+    assert s1 == s2 == s3 == 200
+    assert ok["status"] == "ok" and ok["stdout"] == "hi\n" and ok["exit_code"] == 0 and ok["truncated"] is False
+    assert set(ok) == {"status", "stdout", "stderr", "exit_code", "duration_s", "truncated"}
+    assert 0 < ok["duration_s"] < 5
+    assert err["status"] == "error" and err["exit_code"] == 3 and err["stdout"] == "out\n"
+    assert stdin["stdout"] == "10\n"
+
+
+def test_bad_requests_name_the_field(sandbox_url):
+    replies = run_all(
+        sandbox_url,
+        [
+            {"stdin": "x"},
+            {"code": "print(1)", "timeout_s": 0},
+            {"code": "print(1)", "timeout_s": 10_000},
+            {"code": "print(1)", "memory_mb": 1},
+            {"code": "print(1)", "stdin": 5},
+        ],
+    )
+    fields = ["'code'", "'timeout_s'", "'timeout_s'", "'memory_mb'", "'stdin'"]
+    for (status, body), field in zip(replies, fields):
+        assert status == 400 and field in body["error"], body
+
+
+def test_concurrent_snippets_overlap(sandbox_url):
+    start = time.monotonic()
+    replies = run_all(sandbox_url, [{"code": "import time\ntime.sleep(1)\nprint('done')"}] * 4)
+    assert all(s == 200 and r["status"] == "ok" for s, r in replies)
+    assert time.monotonic() - start < 3.5  # 4 slots: not one after another
+
+
+def test_full_queue_answers_503(tmp_path_factory):
+    with sandbox_server(tmp_path_factory, extra_args=("--max-concurrency", "1", "--max-queue", "1")) as (url, _):
+        replies = run_all(url, [{"code": "import time\ntime.sleep(1.5)"}] * 4)
+    statuses = sorted(s for s, _ in replies)
+    assert statuses.count(200) == 2 and statuses.count(503) == 2, replies
+    assert all("queue full" in r["error"] for s, r in replies if s == 503)
+
+
+def test_output_is_capped_with_a_marker(tmp_path_factory):
+    with sandbox_server(tmp_path_factory, extra_args=("--max-output-bytes", "1000")) as (url, _):
+        [(_, result)] = run_all(url, [{"code": "print('a' * 5000)\nimport sys\nprint('e' * 3000, file=sys.stderr)"}])
+    assert result["status"] == "ok" and result["truncated"] is True
+    assert result["stdout"].startswith("a" * 1000) and "[... output truncated: 4001 more bytes ...]" in result["stdout"]
+    assert "[... output truncated: 2001 more bytes ...]" in result["stderr"]
+
+
+def test_server_refuses_to_start_without_a_working_jail(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "sandbox.server", "--port", "0", "--nsjail-path", str(tmp_path / "no-nsjail")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0 and "not found" in proc.stderr
+
+
+def test_jail_command_lines():
+    limits = Limits(timeout_s=3, memory_mb=128, cpu_s=3)
+    argv = bwrap_argv(JailConfig(), limits, "/x/code.py", 7)  # type: ignore[arg-type]
+    assert argv[:1] == ["prlimit"] and "--cpu=3:4" in argv and f"--as={128 << 20}" in argv
+    for flag in ("--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--json-status-fd"):
+        assert flag in argv
+    assert "--share-net" not in argv and "/home" not in argv
+    ns = nsjail_argv(JailConfig(nsjail_path="/opt/nsjail"), limits, "/x/code.py")  # type: ignore[arg-type]
+    assert ns[0] == "/opt/nsjail" and ns[ns.index("--rlimit_as") + 1] == "128" and "--time_limit" in ns
+
+
+@pytest.mark.skipif(jail_unavailable() is not None, reason="bubblewrap cannot create namespaces here")
+def test_jail_config_check_names_what_is_missing():
+    with pytest.raises(FileNotFoundError, match="sandbox python"):
+        JailConfig(python="/nonexistent/python3").check()
+    with pytest.raises(FileNotFoundError, match="ro_paths"):
+        JailConfig(ro_paths=["/nonexistent"]).check()
