@@ -14,9 +14,10 @@ Both backends build the same jail (the upstream AFM code tool runs nsjail with a
 - rlimits: CPU seconds (soft limit sends SIGXCPU, hard limit one second later sends SIGKILL), address
   space, processes, file size, open files, no core dumps.
 
-When the server runs as root, snippet ``slot`` runs as host uid/gid ``uid_base + slot``: concurrent
-snippets cannot signal or ptrace each other, and ``RLIMIT_NPROC`` (which the kernel counts per real uid)
-bounds each snippet on its own.
+When the server runs as root, each snippet slot runs as its own unprivileged host uid/gid
+(``uid_base + block * UIDS_PER_SERVER + slot``, one block per server process): concurrent snippets, also
+those of other sandbox servers on the host, cannot signal or ptrace each other, and ``RLIMIT_NPROC``
+(which the kernel counts per real uid) bounds each snippet on its own.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Uids reserved per sandbox server process (its max_concurrency must not exceed this).
+UIDS_PER_SERVER = 1024
 # Where the snippet file appears inside the jail.
 CODE_PATH_IN_JAIL = "/code/main.py"
 _PATH_ENV = "/usr/local/bin:/usr/bin:/bin"
@@ -65,7 +68,7 @@ class JailConfig:
         python: interpreter run inside the jail; its ``sys.prefix`` is bound read-only when it is
             outside ``/usr``.
         ro_paths: extra host paths bound read-only at the same place (e.g. a conda env with numpy).
-        uid_base: when the server is root, snippet slot ``i`` runs as host uid/gid ``uid_base + i``.
+        uid_base: first host uid/gid of the snippet slots when the server is root.
     """
 
     nsjail_path: str | None = None
@@ -95,11 +98,18 @@ class JailConfig:
                 raise FileNotFoundError(f"sandbox ro_paths entry {path!r} does not exist")
 
 
+def slot_uid(cfg: JailConfig, slot: int) -> int:
+    """Host uid/gid of snippet slot ``slot`` of this server process (a block of uids per process id)."""
+    if not 0 <= slot < UIDS_PER_SERVER:
+        raise ValueError(f"sandbox slot {slot} out of range: max_concurrency is at most {UIDS_PER_SERVER}")
+    return cfg.uid_base + (os.getpid() % 1000) * UIDS_PER_SERVER + slot
+
+
 def slot_identity(cfg: JailConfig, slot: int) -> dict:
     """``subprocess`` keyword arguments that run slot ``slot`` as its own unprivileged host uid (root only)."""
     if os.geteuid() != 0:
         return {}
-    uid = cfg.uid_base + slot
+    uid = slot_uid(cfg, slot)
     return {"user": uid, "group": uid, "extra_groups": []}
 
 

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sandbox.jail import JailConfig, Limits, bwrap_argv, launcher_env, nsjail_argv, slot_identity
+from sandbox.jail import UIDS_PER_SERVER, JailConfig, Limits, bwrap_argv, launcher_env, nsjail_argv, slot_identity
 
 #: Every status a run can end with.
 STATUSES = ("ok", "error", "timeout", "memory_limit", "output_limit", "killed", "sandbox_error")
@@ -110,6 +110,8 @@ class SnippetRunner:
     """Runs snippets in jails, ``max_concurrency`` at a time, with a bounded wait queue."""
 
     def __init__(self, cfg: RunnerConfig) -> None:
+        if not 1 <= cfg.max_concurrency <= UIDS_PER_SERVER:
+            raise ValueError(f"max_concurrency must be in [1, {UIDS_PER_SERVER}], got {cfg.max_concurrency}")
         self.cfg = cfg
         self._free_slots: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(cfg.max_concurrency):

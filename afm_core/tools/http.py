@@ -89,21 +89,14 @@ class ToolHttp:
 
         Raises:
             ToolError: kind ``connect``, ``timeout``, ``http_5xx`` or ``bad_json`` after the last attempt,
-                or ``http_4xx`` at once.
+                or ``http_4xx`` / ``bad_input`` (invalid URL) at once.
         """
-        return await self._with_retries(method, url, json_body, headers, want="json")
-
-    async def request_text(self, method: str, url: str, *, headers: dict | None = None) -> tuple[str, str]:
-        """Like :meth:`request_json` for a text body (e.g. an HTML page); returns ``(text, final_url)``."""
-        return await self._with_retries(method, url, None, headers, want="text")
-
-    async def _with_retries(self, method, url, json_body, headers, want):
         attempts = self.limits.retries + 1
         for attempt in range(attempts):
             if self._bucket is not None:
                 await self._bucket.acquire()
             try:
-                return await self._attempt(method, url, json_body, headers, want)
+                return await self._attempt(method, url, json_body, headers)
             except ToolError as e:
                 e.attempts = attempt + 1
                 if e.kind not in RETRYABLE or attempt + 1 == attempts:
@@ -113,7 +106,7 @@ class ToolHttp:
                 await asyncio.sleep(delay * random.uniform(0.5, 1.0))
         raise AssertionError("unreachable")
 
-    async def _attempt(self, method, url, json_body, headers, want):
+    async def _attempt(self, method: str, url: str, json_body: Any, headers: dict | None) -> Any:
         timeout = aiohttp.ClientTimeout(total=self.limits.timeout_s)
         try:
             async with self.session.request(method, url, json=json_body, headers=headers, timeout=timeout) as resp:
@@ -122,8 +115,6 @@ class ToolHttp:
                     raise ToolError("http_5xx", f"HTTP {resp.status} from {url}: {body[:200]}")
                 if resp.status >= 400:
                     raise ToolError("http_4xx", f"HTTP {resp.status} from {url}: {body[:200]}")
-                if want == "text":
-                    return body, str(resp.url)
                 try:
                     return json.loads(body)
                 except json.JSONDecodeError as e:

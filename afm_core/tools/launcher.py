@@ -145,6 +145,10 @@ class ServerGroup:
                 time.sleep(0.1)
         return {n: self.urls[n] for n in names}
 
+    def processes(self) -> list[subprocess.Popen]:
+        """The server processes, in launch order."""
+        return list(self._procs.values())
+
     def dead(self) -> list[str]:
         """Names of servers that have exited."""
         return [name for name, proc in self._procs.items() if proc.poll() is not None]

@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from omegaconf import DictConfig, OmegaConf
+
 from afm_core.tools.addresses import read_addresses
 from afm_core.tools.base import Tool
 from afm_core.tools.cache import ToolCache
@@ -38,11 +40,9 @@ TOOL_CLASSES: dict[str, type[Tool]] = {
 }
 
 
-def _plain(node) -> dict:
-    """A plain dict from a dict or an OmegaConf node."""
-    if hasattr(node, "_metadata"):
-        from omegaconf import OmegaConf
-
+def _plain(node: Mapping) -> dict:
+    """A plain dict from a dict or an OmegaConf node (interpolations resolved)."""
+    if isinstance(node, DictConfig):
         return OmegaConf.to_container(node, resolve=True)
     return dict(node)
 

@@ -15,11 +15,12 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from unittest.mock import patch
 
 import psutil
 import pytest
 
-from sandbox.jail import JailConfig
+from sandbox.jail import UIDS_PER_SERVER, JailConfig, slot_uid
 from tests.tools.conftest import SECRET, sandbox_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,13 +44,14 @@ def server(request, tmp_path_factory):
         yield url, group
 
 
-def sandbox_processes() -> list[psutil.Process]:
-    """Processes left running under the sandbox slot uids (uid_base .. uid_base + 63)."""
-    base = JailConfig().uid_base
+def sandbox_processes(server_pid: int) -> list[psutil.Process]:
+    """Processes left running under the slot uids of the sandbox server ``server_pid``."""
+    with patch("os.getpid", return_value=server_pid):
+        first, last = slot_uid(JailConfig(), 0), slot_uid(JailConfig(), UIDS_PER_SERVER - 1)
     left = []
     for proc in psutil.process_iter(["uids"]):
         uids = proc.info["uids"]
-        if uids is not None and base <= uids.real < base + 64:
+        if uids is not None and first <= uids.real <= last:
             left.append(proc)
     return left
 
@@ -324,9 +326,8 @@ def test_signal_a_neighbour(server):
 
 
 def test_proc_snooping(server):
-    url, _ = server
-    server_pids = [p.pid for p in psutil.process_iter(["cmdline"]) if "sandbox.server" in " ".join(p.info["cmdline"] or [])]
-    assert server_pids
+    url, group = server
+    server_pids = [p.pid for p in group.processes()]
     result = post_run(url, f"""
         import os
         pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
@@ -380,8 +381,9 @@ def test_server_healthy_and_clean_after_the_suite(server):
     result = post_run(url, "print(6 * 7)")
     assert result["status"] == "ok" and result["stdout"] == "42\n"
     assert group.dead() == []
+    [server_pid] = [p.pid for p in group.processes()]
     deadline = time.monotonic() + 5
-    while sandbox_processes() and time.monotonic() < deadline:
+    while sandbox_processes(server_pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     if os.geteuid() == 0:
-        assert sandbox_processes() == []
+        assert sandbox_processes(server_pid) == []

@@ -51,7 +51,8 @@ def servers(data_dir, readability, tmp_path_factory):
         group.launch("pages", ["--pages", str(folder), "--corpus", str(corpus)])
         group.launch("crawl", ["--extract-workers", "2"])
         pages_url = group.wait(["pages"])["pages"]
-        group.launch("web_search", ["--pages", str(folder), "--corpus", str(corpus), "--link-base", pages_url, "--api-key", "k"])
+        search_args = ["--pages", str(folder), "--corpus", str(corpus), "--link-base", pages_url, "--api-key-env", "SEARCH_KEY"]
+        group.launch("web_search", search_args, env={"SEARCH_KEY": "k"})
         yield group.wait()
 
 

@@ -66,7 +66,7 @@ class Crawler:
     async def start(self) -> None:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=256, limit_per_host=32),
-            headers={"User-Agent": "afm-crawl/0.1 (+https://github.com/afm)"},
+            headers={"User-Agent": "afm-crawl/0.1"},
         )
         # forkserver: workers do not inherit the event loop's threads
         self.pool = ProcessPoolExecutor(self.cfg.extract_workers, mp_context=multiprocessing.get_context("forkserver"))

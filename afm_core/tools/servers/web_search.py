@@ -1,6 +1,6 @@
 """Offline web search speaking the Serper API: ``python -m afm_core.tools.servers.web_search --corpus C ...``.
 
-``POST /search`` ``{"q": str, "num": int}`` (header ``X-API-KEY`` checked only when ``--api-key`` is given) →
+``POST /search`` ``{"q": str, "num": int}`` (header ``X-API-KEY`` checked only with ``--api-key-env``) →
 ``{"searchParameters": {...}, "organic": [{"title", "link", "snippet", "position"}, ...]}``, ranked by BM25
 over the documents. ``GET /health``.
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -98,18 +99,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--corpus", type=Path, default=None, help="JSON lines {id, title, contents, url?}")
     parser.add_argument("--pages", type=Path, default=None, help="folder of HTML pages to index (needs --link-base)")
     parser.add_argument("--link-base", default=None, help="base URL of the pages server the links point to")
-    parser.add_argument("--api-key", default=None, help="require this X-API-KEY (default: accept any)")
+    parser.add_argument("--api-key-env", default=None, help="require the X-API-KEY held by this env var (default: accept any)")
     args = parser.parse_args(argv)
     if args.corpus is None and args.pages is None:
         parser.error("give --corpus and/or --pages")
     if args.pages is not None and args.link_base is None:
         parser.error("--pages needs --link-base")
+    api_key = None
+    if args.api_key_env is not None:
+        api_key = os.environ.get(args.api_key_env)
+        if not api_key:
+            parser.error(f"--api-key-env {args.api_key_env}: that environment variable is empty")
     try:
         docs = link_documents(load_corpus(args.corpus), args.link_base) if args.corpus else []
         docs += page_documents(args.pages, args.link_base) if args.pages else []
     except (OSError, ValueError) as e:
         sys.exit(f"web search server: {e}")
-    serve(build_app(BM25Retriever(docs), args.api_key), args.host, args.port, args.ready_file)
+    serve(build_app(BM25Retriever(docs), api_key), args.host, args.port, args.ready_file)
 
 
 if __name__ == "__main__":
