@@ -1,0 +1,349 @@
+"""HF transformers <-> Megatron-core GPTModel for the Llama and Qwen2 families.
+
+GQA, q/k/v bias (Qwen2), tied or untied embeddings, RMSNorm, SwiGLU and RoPE (base from the HF config).
+The weight name mapping, the q/k/v and gate/up (un)fusing and the TP split/merge are mbridge's
+(``mbridge.core.LLMBridge``, 0.15.1); this module adds what it lacks for our use:
+
+- the Megatron ``TransformerConfig`` and ``GPTModel`` are built here, not by mbridge (its builders hard-code
+  the transformer-engine layer spec and read ``hf_config.rope_theta``, which transformers 5.x moved to
+  ``rope_parameters``);
+- with the local (non-TE) layer spec, RMSNorm weights are separate modules (``input_layernorm``,
+  ``pre_mlp_layernorm``) instead of being fused into ``linear_qkv`` / ``linear_fc1``: both names are mapped;
+- tied embeddings for Llama as for Qwen2 (the last pipeline stage's ``output_layer.weight`` is
+  ``model.embed_tokens.weight``), without mutating mbridge's class-level mappings;
+- HF checkpoint export that is sharded, atomic and written by rank 0 only.
+
+Megatron's fused QKV layout per query group g is ``[q_g (heads/groups * head_dim rows), k_g, v_g]``;
+TP ranks hold whole query groups, so TP must divide both the attention heads and the KV heads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from mbridge.core import LLMBridge
+from mbridge.core.parallel_states import ParallelStates
+from mbridge.core.util import unwrap_model
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+from megatron.core.utils import get_model_config
+
+from afm_core.models.arch import ModelArch, arch_from_hf_config
+from afm_core.utils.atomic import atomic_dir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # bytes per safetensors shard on export
+
+
+def transformer_engine_available() -> bool:
+    """Whether ``transformer_engine.pytorch`` is importable (then the TE layer spec is used)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # a broken TE install (e.g. no CUDA) behaves as absent
+        return False
+    return True
+
+
+def check_model_parallel_sizes(arch: ModelArch, tp: int) -> None:
+    """Check that tensor parallel size ``tp`` splits the model evenly.
+
+    Raises:
+        ValueError: ``tp`` does not divide the attention heads, KV heads (query groups), FFN size or vocab.
+    """
+    sizes = {
+        "num_attention_heads": arch.num_attention_heads,
+        "num_query_groups (KV heads)": arch.num_query_groups,
+        "ffn_hidden_size": arch.ffn_hidden_size,
+        "vocab_size": arch.vocab_size,
+    }
+    bad = [f"{name}={size}" for name, size in sizes.items() if size % tp]
+    if bad:
+        valid = [t for t in range(1, arch.num_query_groups + 1) if all(s % t == 0 for s in sizes.values())]
+        raise ValueError(
+            f"tensor parallel size tp={tp} does not divide {', '.join(bad)} of this {arch.family} model; "
+            f"valid tp: {', '.join(map(str, valid))}"
+        )
+
+
+def mcore_config_from_hf(
+    hf_config: Any, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32, **overrides: Any
+) -> TransformerConfig:
+    """The Megatron-core ``TransformerConfig`` of an HF Llama/Qwen2 config.
+
+    Architecture from the HF config (layers, hidden, SwiGLU ffn, heads, query groups, head_dim as
+    ``kv_channels``, RMSNorm epsilon, q/k/v bias, dropouts 0 as in HF). CPU-safe by default: no kernel
+    fusions, ``sequence_parallel=False``, and ``use_cpu_initialization`` when CUDA is absent. ``overrides``
+    set any other ``TransformerConfig`` field (``sequence_parallel``, ``virtual_pipeline_model_parallel_size``,
+    ``recompute_granularity``, fusions on GPU...).
+
+    Args:
+        hf_config: a transformers ``LlamaConfig`` or ``Qwen2Config``.
+        tp, pp: tensor / pipeline model parallel sizes.
+        params_dtype: parameter dtype (``torch.float32`` or ``torch.bfloat16``; also the pipeline p2p dtype).
+
+    Raises:
+        ValueError: ``tp`` does not split heads, KV heads, FFN or vocab evenly; or
+            ``perform_initialization=False`` with CPU initialization (megatron-core 0.16.1 then never sets the
+            ``tensor_model_parallel`` / ``partition_dim`` attributes of TP weights, which silently breaks the
+            TP merge on export and megatron's gradient clipping).
+        NotImplementedError: an HF variant the conversion does not cover (see ``arch_from_hf_config``).
+    """
+    arch = arch_from_hf_config(hf_config)
+    check_model_parallel_sizes(arch, tp)
+    on_cpu = not torch.cuda.is_available()
+    fields: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=False,
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
+        init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=False,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=on_cpu,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+    fields.update(overrides)
+    if fields["use_cpu_initialization"] and not fields.get("perform_initialization", True):
+        raise ValueError(
+            "perform_initialization=False with use_cpu_initialization=True leaves TP weights without their "
+            "tensor_model_parallel/partition_dim attributes in megatron-core 0.16.1; keep the initialization"
+        )
+    return TransformerConfig(**fields)
+
+
+def build_gpt_model(
+    hf_config: Any,
+    transformer_config: TransformerConfig,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    vp_stage: int | None = None,
+) -> GPTModel:
+    """A Megatron-core ``GPTModel`` (randomly initialised) shaped like ``hf_config``, for this PP/TP rank.
+
+    Layer spec: ``get_gpt_layer_with_transformer_engine_spec()`` when transformer-engine is importable,
+    else the local spec ``get_gpt_layer_local_spec(normalization="RMSNorm")``. RoPE base from the HF config;
+    embeddings shared with the output layer when ``hf_config.tie_word_embeddings``.
+    ``forward(input_ids [b, s], position_ids [b, s], attention_mask=None)`` returns logits [b, s, vocab/tp]
+    (vocab-parallel), or per-token cross entropy [b, s] when ``labels`` is given.
+
+    Args:
+        pre_process / post_process: this stage holds the embedding / the final norm and output layer
+            (``parallel_state.is_pipeline_first_stage()`` / ``is_pipeline_last_stage()``).
+        vp_stage: virtual pipeline stage index with interleaved PP.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    arch = arch_from_hf_config(hf_config)
+    if transformer_engine_available():
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+    else:
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
+    return GPTModel(
+        config=transformer_config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=arch.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=arch.rope_theta,
+        vp_stage=vp_stage,
+    )
+
+
+class _HFBridge(LLMBridge):
+    """mbridge's Llama/Qwen2 mapping on a TransformerConfig built by us, for the TE and the local layer spec.
+
+    mbridge's LLaMABridge and Qwen2Bridge share the same name mappings; they differ in config building
+    (replaced here) and in tied embeddings (handled here for both, on the instance).
+    """
+
+    # Local spec: RMSNorm modules of their own. TE spec: fused layer_norm_weight (mapped by LLMBridge).
+    _OTHER_MAPPING = {"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
+    _MLP_MAPPING = {
+        **LLMBridge._MLP_MAPPING,
+        "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
+    }
+
+    def __init__(self, hf_config: Any, transformer_config: TransformerConfig):
+        self._transformer_config = transformer_config
+        super().__init__(
+            hf_config, dtype=transformer_config.params_dtype, parallel_states=ParallelStates.get_parallel_state()
+        )
+
+    def _build_config(self) -> TransformerConfig:
+        return self._transformer_config
+
+    def _adjust_mapping_for_shared_weights(self) -> None:
+        if getattr(self.hf_config, "tie_word_embeddings", False):
+            self._DIRECT_MAPPING = {**self._DIRECT_MAPPING, "output_layer.weight": "model.embed_tokens.weight"}
+
+    def _get_actual_hf_path(self, weight_path: str) -> str:
+        return str(weight_path)  # local directories only: never resolve through the hub
+
+
+def _mcore_as_hf_config(model: GPTModel) -> SimpleNamespace:
+    """The HF config fields mbridge's export reads, taken from the Megatron model itself."""
+    config = model.config
+    return SimpleNamespace(
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_query_groups,
+        hidden_size=config.hidden_size,
+        head_dim=config.kv_channels,
+        tie_word_embeddings=model.share_embeddings_and_output_weights,
+    )
+
+
+def load_hf_weights(models: Sequence[torch.nn.Module], hf_dir: str | os.PathLike) -> None:
+    """Copy an HF safetensors checkpoint into this rank's model chunks (one per virtual pipeline stage).
+
+    Collective over the tensor parallel group: TP rank 0 reads the tensors of its pipeline stage from disk,
+    fuses q/k/v and gate/up, and scatters the TP shards. Weights are cast to the models' ``params_dtype``.
+    ``torch.distributed`` and megatron ``parallel_state`` must be initialised (a 1-rank gloo group for TP=1).
+
+    Raises:
+        ValueError: a tensor the model needs is missing from the checkpoint.
+        NotImplementedError: the HF config describes an unsupported variant.
+    """
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    arch_from_hf_config(hf_config)  # rejects unsupported variants before touching weights
+    models = unwrap_model(list(models))
+    _HFBridge(hf_config, models[0].config).load_weights(models, str(hf_dir))
+
+
+def export_hf_weights(models: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(HF tensor name, full tensor)`` for the whole model, on every rank.
+
+    Gathers TP shards (all-gather) and pipeline stages (broadcast over the PP group), then un-fuses q/k/v and
+    gate/up to HF layout. Every rank of the model-parallel group must exhaust the iterator (it runs
+    collectives). Tied embeddings are yielded once, as ``model.embed_tokens.weight``. The tensors have the
+    models' ``params_dtype`` and may be views of the live parameters: copy them to keep them.
+    """
+    models = unwrap_model(list(models))
+    bridge = _HFBridge(_mcore_as_hf_config(models[0]), models[0].config)
+    seen: set[str] = set()
+    for name, tensor in bridge.export_weights(models):
+        if name in seen:  # the last stage's tied output layer, already yielded from the embedding
+            continue
+        seen.add(name)
+        yield name, tensor.detach()
+
+
+def save_hf_checkpoint(
+    models: Sequence[torch.nn.Module],
+    hf_config: Any,
+    tokenizer_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write the models as an HF checkpoint: safetensors (sharded above ``max_shard_bytes`` bytes, with
+    ``model.safetensors.index.json``), ``config.json`` (``dtype`` = the params dtype), the tokenizer and
+    ``generation_config.json`` copied from ``tokenizer_dir``.
+
+    Collective: every rank calls it (see :func:`export_hf_weights`); global rank 0 writes, atomically
+    (a temporary sibling directory renamed onto ``out_dir``, replacing an older export), and all ranks
+    return after the directory is complete.
+
+    Returns:
+        ``out_dir`` as a Path.
+    """
+    out = Path(out_dir)
+    is_writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    tensors = export_hf_weights(models)
+    if not is_writer:
+        for _ in tensors:
+            pass
+    else:
+        with atomic_dir(out) as tmp:
+            _write_safetensors(tensors, tmp, max_shard_bytes)
+            _write_config_and_tokenizer(hf_config, get_model_config(models[0]).params_dtype, Path(tokenizer_dir), tmp)
+        log.info("saved HF checkpoint to %s", out)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return out
+
+
+def _write_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], out: Path, max_shard_bytes: int) -> None:
+    from safetensors.torch import save_file
+
+    shards: list[list[str]] = []
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = 0
+    total_bytes = 0
+
+    def flush() -> None:
+        nonlocal pending, pending_bytes
+        save_file(pending, out / f"shard-{len(shards):05d}.safetensors", metadata={"format": "pt"})
+        shards.append(list(pending))
+        pending, pending_bytes = {}, 0
+
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if pending and pending_bytes + size > max_shard_bytes:
+            flush()
+        pending[name] = tensor.to("cpu").contiguous().clone()
+        pending_bytes += size
+        total_bytes += size
+    flush()
+    if len(shards) == 1:
+        os.rename(out / "shard-00000.safetensors", out / "model.safetensors")
+        return
+    weight_map = {}
+    for i, names in enumerate(shards):
+        filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.rename(out / f"shard-{i:05d}.safetensors", out / filename)
+        weight_map.update(dict.fromkeys(names, filename))
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _write_config_and_tokenizer(hf_config: Any, dtype: torch.dtype, tokenizer_dir: Path, out: Path) -> None:
+    from transformers import AutoTokenizer, GenerationConfig
+
+    config = type(hf_config).from_dict(hf_config.to_dict())
+    config.dtype = dtype
+    config.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True).save_pretrained(out)
+    if (tokenizer_dir / "generation_config.json").is_file():
+        GenerationConfig.from_pretrained(tokenizer_dir, local_files_only=True).save_pretrained(out)
