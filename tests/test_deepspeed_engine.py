@@ -244,3 +244,38 @@ def test_resume_from_checkpoint_reproduces_the_run(setup, single_rank, tmp_path)
         (r["step"], r["split"]) for r in single_rank["records"]]
     assert losses(resumed) == pytest.approx(losses(single_rank), abs=1e-5)
     assert losses(resumed, "eval") == pytest.approx(losses(single_rank, "eval"), abs=1e-5)
+
+
+def run_sft_worker(rank: int, world: int, port: int, cfg: dict) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from afm_core.train.sft import run_sft
+
+    summary = run_sft(OmegaConf.create(cfg))
+    if rank == 0:
+        Path(cfg["run_dir"], "summary.json").write_text(json.dumps(summary))
+
+
+@pytest.mark.slow
+def test_run_sft_with_engine_deepspeed_trains_on_coa_traces(setup, tmp_path):
+    """The job entry point with ``trainer.engine=deepspeed``: prepared CoA trajectories (observations masked),
+    ZeRO-3 training, metrics and the HF export in the run dir."""
+    from hydra import compose, initialize_config_dir
+
+    overrides = [
+        "model=tiny-llama", "trainer.engine=deepspeed", f"run_dir={tmp_path / 'run'}",
+        f"data.out_dir={tmp_path / 'coa'}", "data.sources={gsm8k: 12, fireact: 6, r1searcher: 6, tora: 0}",
+        "data.heldout_fraction=0.2", "trainer.seq_length=512", "trainer.global_batch_size=2", "trainer.max_steps=3",
+        "trainer.eval_interval=3", "trainer.eval_sequences=2", "trainer.save_interval=3", "trainer.progress=false",
+        "trainer.num_threads=1", "optim.lr=3e-3", "optim.warmup_ratio=0.34",
+    ]
+    with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
+        cfg = OmegaConf.to_container(compose(config_name="sft", overrides=overrides), resolve=True)
+    mp.start_processes(run_sft_worker, args=(1, free_port(), cfg), nprocs=1, join=True, start_method="spawn")
+
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["engine"] == "deepspeed" and summary["step"] == 3 and not summary["stopped_early"]
+    assert summary["eval_loss_after"] < summary["eval_loss_before"]
+    assert summary["checkpoint"].endswith("step_00000003")
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(os.listdir(summary["hf_dir"]))
+    assert (tmp_path / "run" / "loss.png").is_file()

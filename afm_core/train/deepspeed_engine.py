@@ -28,7 +28,6 @@ Trainer fills them; a value that is set and disagrees with the trainer settings 
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import shutil
@@ -42,18 +41,16 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from afm_core.data.tokenize import IGNORE_INDEX
 from afm_core.train.checkpoint import (
     COMPLETE_MARKER, checkpoint_dir_name, complete_checkpoints, rng_state, set_rng_state,
 )
-from afm_core.train.distributed import ParallelLayout, set_num_threads
+from afm_core.train.distributed import ParallelLayout, set_num_threads, training_dtype
 from afm_core.train.loss import masked_token_loss, reduce_reports
 from afm_core.train.optim import LR_SCHEDULES, warmup_steps
+from afm_core.train.sft import full_micro_batches
 from afm_core.train.trainer import MicroBatchSource, Progress, SFTTrainer
 from afm_core.utils.atomic import atomic_dir, atomic_path, atomic_write_json, fsync_dir
 from afm_core.utils.paths import repo_root
-
-log = logging.getLogger(__name__)
 
 DEFAULT_DEEPSPEED_CONFIG = repo_root() / "conf" / "deepspeed" / "ds_z3_config.json"
 _TMP_PREFIX = ".tmp-"
@@ -488,20 +485,6 @@ class DeepSpeedSFTTrainer(SFTTrainer):
 # -- entry points --------------------------------------------------------------------------------------------
 
 
-def training_dtype(precision: str) -> torch.dtype:
-    """``trainer.precision``: ``auto`` is bf16 on GPU and fp32 on CPU.
-
-    Raises:
-        ValueError: not one of auto, fp32, bf16.
-    """
-    if precision == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    if precision not in dtypes:
-        raise ValueError(f"trainer.precision={precision!r}: expected auto, fp32 or bf16")
-    return dtypes[precision]
-
-
 def train_deepspeed(cfg: Any, layout: ParallelLayout, data: Any, hf_dir: str | os.PathLike[str], tokenizer: Any,
                     run_dir: str | Path, max_steps: int, resume_from: str | Path | None = None) -> dict[str, Any]:
     """Train the HF model in ``hf_dir`` with ZeRO on this rank's share of ``data``; export it to ``RUN_DIR/hf``.
@@ -519,9 +502,10 @@ def train_deepspeed(cfg: Any, layout: ParallelLayout, data: Any, hf_dir: str | o
     Raises:
         ValueError, DeepSpeedConfigError: bad batch sizes, precision or DeepSpeed JSON.
     """
-    from transformers import AutoConfig
+    from transformers import AutoConfig, set_seed
 
     t = cfg.trainer
+    set_seed(int(t.seed))  # python, numpy, torch (and CUDA): what megatron's init_distributed seeds
     per_pass = int(t.micro_batch_size) * layout.dp
     if t.global_batch_size % per_pass:
         raise ValueError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
@@ -535,8 +519,9 @@ def train_deepspeed(cfg: Any, layout: ParallelLayout, data: Any, hf_dir: str | o
     model = load_zero_model(hf_dir, ds_config, dtype, cfg.parallel.get("recompute"))
     train = data.train_iterator(seed=t.seed, micro_batch_size=int(t.micro_batch_size), dp_rank=layout.dp_rank,
                                 dp_size=layout.dp)
-    eval_batches = list(data.heldout_batches(micro_batch_size=int(t.micro_batch_size), dp_rank=layout.dp_rank,
-                                             dp_size=layout.dp, max_sequences=t.eval_sequences))
+    eval_batches = full_micro_batches(  # the Megatron engine's held-out set, so both engines' eval losses compare
+        data.heldout_batches(micro_batch_size=int(t.micro_batch_size), dp_rank=layout.dp_rank, dp_size=layout.dp,
+                             max_sequences=int(t.eval_sequences)), int(t.micro_batch_size))
     trainer = DeepSpeedSFTTrainer(cfg, layout, model, ds_config, train, eval_batches, run_dir, max_steps,
                                   resume_from=resume_from)
     summary = trainer.fit()
