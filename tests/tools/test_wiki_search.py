@@ -78,3 +78,40 @@ def test_corpus_errors_name_file_line_and_field(tmp_path):
     bad.write_text('{"id": "1", "contents": "a"}\n{"id": "1", "contents": "b"}\n')
     with pytest.raises(ValueError, match=r"corpus.jsonl:2: field 'id' repeats"):
         load_corpus(bad)
+
+
+def test_dense_retriever_on_a_tiny_encoder(tmp_path):
+    """The optional dense path end to end with a tiny random BERT (the plumbing, not retrieval quality)."""
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    from afm_core.tools.retrieval import Document, DenseRetriever
+    from afm_core.tools.servers.wiki import build_app
+    from tests.tools.conftest import serve_app
+
+    docs = [
+        Document("a", "Alpha", "Alpha\nthe alpha river runs north"),
+        Document("b", "Beta", "Beta\nbeta mountains are tall and cold"),
+        Document("c", "Gamma", "Gamma\ngamma rays come from space"),
+    ]
+    words = sorted({w for d in docs for w in d.contents.lower().split()})
+    vocab = {token: i for i, token in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}
+    BertTokenizerFast(vocab=vocab).save_pretrained(tmp_path)
+    config = BertConfig(vocab_size=len(words) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    BertModel(config).save_pretrained(tmp_path)
+
+    retriever = DenseRetriever(docs, tmp_path, query_prefix="", passage_prefix="")
+    [[(top, score), *rest]] = retriever.search([docs[1].contents], 3)
+    assert top.id == "b" and score == pytest.approx(1.0, abs=1e-5) and len(rest) == 2
+    assert all(score >= s for _, s in rest)
+
+    async def main():
+        async with serve_app(build_app(retriever)) as url:
+            async with aiohttp.ClientSession() as session:
+                async with session.get(url + "/health") as r:
+                    health = await r.json()
+                async with session.post(url + "/retrieve", json={"queries": [docs[2].contents], "topk": 1, "return_scores": True}) as r:
+                    answer = await r.json()
+        return health, answer
+
+    health, answer = asyncio.run(main())
+    assert health["retriever"] == "dense" and answer["result"][0][0]["document"]["id"] == "c"

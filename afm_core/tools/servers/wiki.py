@@ -3,7 +3,8 @@
 API (the upstream ``wiki_rag_server.py`` / Search-R1 retriever API; /work/shared/notes/afm-reference.md §5.4):
 ``POST /retrieve`` ``{"queries": [str], "topk": int | null, "return_scores": bool}`` →
 ``{"result": [[{"document": {"id", "title", "contents"}, "score": float}, ...], ...]}`` with scores, or
-``{"result": [[document, ...], ...]}`` without. ``GET /health``. Retrieval is BM25 (:mod:`afm_core.tools.retrieval`).
+``{"result": [[document, ...], ...]}`` without. ``GET /health``. Retrieval is BM25, or dense with
+``--retriever dense --encoder <HF encoder folder>`` (:mod:`afm_core.tools.retrieval`).
 """
 
 from __future__ import annotations
@@ -15,18 +16,17 @@ from pathlib import Path
 
 from aiohttp import web
 
-from afm_core.tools.retrieval import BM25Retriever, load_corpus
+from afm_core.tools.retrieval import BM25Retriever, DenseRetriever, Retriever, load_corpus
 from afm_core.tools.serving import add_server_args, serve
 
-RETRIEVER = web.AppKey("retriever", BM25Retriever)
 MAX_QUERIES = 512
 MAX_TOPK = 100
 
 
-def build_app(retriever: BM25Retriever, default_topk: int = 3) -> web.Application:
+def build_app(retriever: Retriever, default_topk: int = 3) -> web.Application:
     """The ``/retrieve`` + ``/health`` application over ``retriever``."""
     app = web.Application()
-    app[RETRIEVER] = retriever
+    kind = "dense" if isinstance(retriever, DenseRetriever) else "bm25"
 
     async def retrieve(request: web.Request) -> web.Response:
         try:
@@ -50,7 +50,7 @@ def build_app(retriever: BM25Retriever, default_topk: int = 3) -> web.Applicatio
         return web.json_response({"result": result})
 
     async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "documents": len(retriever.docs), "retriever": "bm25"})
+        return web.json_response({"status": "ok", "documents": len(retriever.docs), "retriever": kind})
 
     app.router.add_post("/retrieve", retrieve)
     app.router.add_get("/health", health)
@@ -62,9 +62,14 @@ def main(argv: list[str] | None = None) -> None:
     add_server_args(parser)
     parser.add_argument("--corpus", type=Path, required=True, help="JSON lines {id, title, contents}")
     parser.add_argument("--topk", type=int, default=3, help="passages per query when the request gives none")
+    parser.add_argument("--retriever", choices=("bm25", "dense"), default="bm25")
+    parser.add_argument("--encoder", default=None, help="HF encoder folder for --retriever dense (e.g. e5-base-v2)")
     args = parser.parse_args(argv)
+    if args.retriever == "dense" and not args.encoder:
+        parser.error("--retriever dense needs --encoder")
     try:
-        retriever = BM25Retriever(load_corpus(args.corpus))
+        docs = load_corpus(args.corpus)
+        retriever = DenseRetriever(docs, args.encoder) if args.retriever == "dense" else BM25Retriever(docs)
     except (OSError, ValueError) as e:
         sys.exit(f"wiki server: {e}")
     serve(build_app(retriever, args.topk), args.host, args.port, args.ready_file)
