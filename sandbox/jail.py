@@ -9,7 +9,7 @@ Both backends build the same jail (the upstream AFM code tool runs nsjail with a
   ``/home``, ``/root``, the repository, ``/etc/shadow`` and every other path are absent;
 - a private, size-capped tmpfs on ``/tmp`` (the working directory), a minimal read-only ``/dev`` (with a
   size-capped ``/dev/shm``), a fresh ``/proc`` that shows only the jail's own processes;
-- an empty environment apart from ``PATH``, ``HOME``, ``LANG`` and ``PYTHON*`` switches, no capabilities,
+- an empty environment apart from ``PATH``, ``HOME`` and ``LANG``, no capabilities,
   ``no_new_privs``, a new session, and SIGKILL of the jail when its parent dies;
 - rlimits: CPU seconds (soft limit sends SIGXCPU, hard limit one second later sends SIGKILL), address
   space, processes, file size, open files, no core dumps.
@@ -137,17 +137,16 @@ def _rlimit_args(limits: Limits) -> list[str]:
 
 
 def _env() -> dict[str, str]:
-    return {
-        "PATH": _PATH_ENV,
-        "HOME": "/tmp",
-        "LANG": "C.UTF-8",
-        "PYTHONUNBUFFERED": "1",  # partial output survives a kill
-        "PYTHONDONTWRITEBYTECODE": "1",
-    }
+    return {"PATH": _PATH_ENV, "HOME": "/tmp", "LANG": "C.UTF-8"}
+
+
+def _python_argv(cfg: JailConfig) -> list[str]:
+    """Isolated mode (no PYTHON* env, no user site), unbuffered (output before a kill is kept), no .pyc."""
+    return [cfg.python, "-I", "-u", "-B", CODE_PATH_IN_JAIL]
 
 
 def bwrap_argv(cfg: JailConfig, limits: Limits, code_file: Path, status_fd: int) -> list[str]:
-    """argv for ``prlimit … bwrap … python -I /code/main.py``.
+    """argv for ``prlimit … bwrap … python -I -u -B /code/main.py``.
 
     Args:
         code_file: host path of the snippet (must be readable by the slot uid).
@@ -172,12 +171,12 @@ def bwrap_argv(cfg: JailConfig, limits: Limits, code_file: Path, status_fd: int)
     argv += ["--clearenv"]
     for key, value in _env().items():
         argv += ["--setenv", key, value]
-    argv += ["--chdir", "/tmp", "--", cfg.python, "-I", CODE_PATH_IN_JAIL]
+    argv += ["--chdir", "/tmp", "--", *_python_argv(cfg)]
     return argv
 
 
 def nsjail_argv(cfg: JailConfig, limits: Limits, code_file: Path) -> list[str]:
-    """argv for ``nsjail --mode o … python -I /code/main.py`` (the upstream recipe's backend)."""
+    """argv for ``nsjail --mode o … python -I -u -B /code/main.py`` (the upstream recipe's backend)."""
     cpu = max(1, math.ceil(limits.cpu_s))
     argv = [cfg.nsjail_path, "--mode", "o", "--really_quiet", "--hostname", "sandbox"]
     argv += ["--user", "65534", "--group", "65534"]
@@ -201,7 +200,7 @@ def nsjail_argv(cfg: JailConfig, limits: Limits, code_file: Path) -> list[str]:
     argv += ["--bindmount_ro", f"{code_file}:{CODE_PATH_IN_JAIL}"]
     for key, value in _env().items():
         argv += ["--env", f"{key}={value}"]
-    argv += ["--cwd", "/tmp", "--", cfg.python, "-I", CODE_PATH_IN_JAIL]
+    argv += ["--cwd", "/tmp", "--", *_python_argv(cfg)]
     return argv
 
 

@@ -20,6 +20,8 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import psutil
+
 from sandbox.jail import UIDS_PER_SERVER, JailConfig, Limits, bwrap_argv, launcher_env, nsjail_argv, slot_identity
 
 #: Every status a run can end with.
@@ -134,11 +136,19 @@ class SnippetRunner:
         return self._waiting
 
     def limits(self, timeout_s: float, memory_mb: int) -> Limits:
+        """Limits of one snippet; the CPU limit equals the wall-clock timeout.
+
+        ``RLIMIT_NPROC`` counts every task of the real uid. As root each slot has its own uid; otherwise the
+        server's uid is shared with everything else its user runs, so the tasks it already has are added.
+        """
+        max_processes = self.cfg.max_processes
+        if os.geteuid() != 0:
+            max_processes += _tasks_of_this_uid()
         return Limits(
             timeout_s=timeout_s,
             memory_mb=memory_mb,
             cpu_s=timeout_s,
-            max_processes=self.cfg.max_processes,
+            max_processes=max_processes,
             max_file_mb=self.cfg.max_file_mb,
             max_open_files=self.cfg.max_open_files,
             tmp_size_mb=self.cfg.tmp_size_mb,
@@ -232,6 +242,16 @@ class SnippetRunner:
         if status == "timeout" and not stderr:
             stderr = f"Timed out after {limits.timeout_s:g} s. Check for infinite loops, blocked I/O (e.g., input()), or deadlocks."
         return RunResult(status, stdout, stderr, proc.returncode, round(duration, 4), cut_out or cut_err)
+
+
+def _tasks_of_this_uid() -> int:
+    """Processes and threads whose real uid is this process's (what ``RLIMIT_NPROC`` counts)."""
+    uid = os.getuid()
+    tasks = 0
+    for proc in psutil.process_iter(["uids", "num_threads"]):
+        if proc.info["uids"] is not None and proc.info["uids"].real == uid:
+            tasks += proc.info["num_threads"] or 1
+    return tasks
 
 
 async def _feed_stdin(proc, stdin: str | None) -> None:
