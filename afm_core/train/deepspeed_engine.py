@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 
 from afm_core.train.checkpoint import (
     COMPLETE_MARKER, checkpoint_dir_name, complete_checkpoints, rng_state, set_rng_state,
@@ -512,7 +511,7 @@ def train_deepspeed(cfg: Any, layout: ParallelLayout, data: Any, hf_dir: str | o
                          f"trainer.micro_batch_size * dp = {t.micro_batch_size} * {layout.dp}")
     dtype = training_dtype(t.precision)
     hidden_size = AutoConfig.from_pretrained(hf_dir, local_files_only=True).hidden_size
-    config_path = OmegaConf.select(cfg, "trainer.deepspeed_config", default=None) or DEFAULT_DEEPSPEED_CONFIG
+    config_path = t.get("deepspeed_config") or DEFAULT_DEEPSPEED_CONFIG
     ds_config = deepspeed_config(config_path, micro_batch_size=int(t.micro_batch_size),
                                  grad_accum_steps=t.global_batch_size // per_pass, dp=layout.dp,
                                  grad_clip=t.grad_clip, bf16=dtype == torch.bfloat16, hidden_size=hidden_size)
