@@ -58,3 +58,19 @@ def test_code_tool_on_the_sandbox(sandbox_url):
     assert doubled == "[EXECUTED] Code exited with status 0.\n[STDOUT:BEGIN]\n42\n[STDOUT:END]"
     assert slept.startswith("[FAILED] Code exited with status 1.\n[STDERR:BEGIN]\nTimed out after 2 s.")
     assert len(long) < 400 and "truncated to stay below 300 characters" in long
+
+
+def test_calls_parsed_from_a_coa_step(sandbox_url):
+    """The CoA parser finds the calls; the pool runs them by tag name (what the rollout loop does)."""
+    from afm_core.coa.parse import parse_tool_calls
+
+    step = "<think>Compute both.</think>\n<code>\n```py\nprint(3 * 3)\n```\n</code>\n<code>\n```py\nprint(input()[::-1])\n```\n```sh\nabc\n```\n</code>"
+    calls = parse_tool_calls(step)
+
+    async def main():
+        async with ToolPool([CodeTool(sandbox_url)]) as pool:
+            return await pool.call_many([(c.name, c.query) for c in calls], trajectory_id="t")
+
+    nine, reversed_ = asyncio.run(main())
+    assert [c.name for c in calls] == ["code", "code"]
+    assert "[STDOUT:BEGIN]\n9\n[STDOUT:END]" in nine and "[STDOUT:BEGIN]\ncba\n[STDOUT:END]" in reversed_
