@@ -88,6 +88,7 @@ class Tool(ABC):
     def cache_key(self, args: Any, context: Mapping[str, str]) -> str:
         """A string identifying the call for the cache and the duplicate guard (JSON of the args).
 
-        A tool whose observation depends on ``context`` must include the part it uses.
+        A tool whose observation also depends on its settings (e.g. ``topk``) or on ``context`` must include
+        them. The backend's URL is left out on purpose: the disk cache outlives the servers' ports.
         """
         return json.dumps(args, sort_keys=True, ensure_ascii=False, default=str)

@@ -107,7 +107,7 @@ class CodeTool(Tool):
         return parse_code_blocks(content)
 
     def cache_key(self, args: CodeArgs, context: Mapping[str, str]) -> str:
-        return f"{self.timeout_s}|{self.memory_mb}|{args.stdin!r}|{args.code}"
+        return f"{self.timeout_s}|{self.memory_mb}|{self.max_obs_chars}|{args.stdin!r}|{args.code}"
 
     async def call(self, args: CodeArgs, http: ToolHttp, context: Mapping[str, str]) -> str:
         body = {"code": args.code, "stdin": args.stdin or None, "timeout_s": self.timeout_s, "memory_mb": self.memory_mb}

@@ -89,7 +89,7 @@ class CrawlPageTool(Tool):
 
     def cache_key(self, args: list[str], context: Mapping[str, str]) -> str:
         task = context.get("task", "") if self.summarize else ""
-        return json.dumps({"urls": args, "task": task}, ensure_ascii=False)
+        return json.dumps({"urls": args, "task": task, "summarize": self.summarize, "chars": self.max_chars_per_page}, ensure_ascii=False)
 
     async def call(self, args: list[str], http: ToolHttp, context: Mapping[str, str]) -> str:
         pages = await self.crawl(args, http, context.get("task", ""))

@@ -12,6 +12,7 @@ offline server :mod:`afm_core.tools.servers.web_search`, which speaks the same A
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 
@@ -55,6 +56,9 @@ class WebSearchTool(Tool):
         if not query:
             raise ToolInputError("empty web_search query; write <web_search>your query</web_search>")
         return query
+
+    def cache_key(self, args: str, context: Mapping[str, str]) -> str:
+        return json.dumps({"query": args, "num": self.num_results}, ensure_ascii=False)
 
     async def call(self, args: str, http: ToolHttp, context: Mapping[str, str]) -> str:
         key = os.environ.get(self.api_key_env)

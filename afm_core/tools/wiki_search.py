@@ -9,6 +9,7 @@ passages as ``Doc i (Title: <first line of contents>)\\n<rest>``, joined by ``\\
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 
 from afm_core.tools.base import Tool, ToolError, ToolInputError
@@ -51,6 +52,9 @@ class WikiSearchTool(Tool):
         if not query:
             raise ToolInputError("empty wiki_search query; write <wiki_search>your query</wiki_search>")
         return query
+
+    def cache_key(self, args: str, context: Mapping[str, str]) -> str:
+        return json.dumps({"query": args, "topk": self.topk}, ensure_ascii=False)
 
     async def call(self, args: str, http: ToolHttp, context: Mapping[str, str]) -> str:
         hits = await self.retrieve(args, http)
