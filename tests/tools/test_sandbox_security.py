@@ -26,7 +26,7 @@ from tests.tools.conftest import SECRET, sandbox_server
 REPO = Path(__file__).resolve().parents[2]
 
 
-def post_run(url: str, code: str, timeout_s: float = 5.0, memory_mb: int = 256, stdin: str | None = None) -> dict:
+def post_run(url: str, code: str, timeout_s: float = 15.0, memory_mb: int = 256, stdin: str | None = None) -> dict:
     body = json.dumps({"code": textwrap.dedent(code), "stdin": stdin, "timeout_s": timeout_s, "memory_mb": memory_mb})
     request = urllib.request.Request(url + "/run", data=body.encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=timeout_s + 30) as resp:

@@ -64,7 +64,7 @@ def test_concurrent_snippets_overlap(sandbox_url):
     start = time.monotonic()
     replies = run_all(sandbox_url, [{"code": "import time\ntime.sleep(1)\nprint('done')"}] * 4)
     assert all(s == 200 and r["status"] == "ok" for s, r in replies)
-    assert time.monotonic() - start < 3.5  # 4 slots: not one after another
+    assert time.monotonic() - start < 3.8  # 4 slots: not one after another (that takes >= 4 s)
 
 
 def test_full_queue_answers_503(tmp_path_factory):
