@@ -220,6 +220,57 @@ def cfg_with(**overrides) -> dict:
     return OmegaConf.to_container(make_cfg(**overrides))
 
 
+def loss_worker(rank: int, world: int, port: int, spec: dict) -> None:
+    """DP=2, two micro batches per rank: the engine's loss and gradients against a hand-computed
+    F.cross_entropy over the unmasked positions of the whole global batch."""
+    import torch.nn.functional as F
+
+    _set_env(rank, world, port)
+    from afm_core.train.distributed import destroy_distributed, init_distributed
+    from afm_core.train.loss import reduce_reports
+    from afm_core.train.trainer import SFTTrainer, build_model_chunks
+
+    cfg = OmegaConf.create(spec["cfg"])
+    layout = init_distributed(cfg.parallel, seed=cfg.trainer.seed, num_threads=1)
+    try:
+        chunks = build_model_chunks(tiny_provider(layout), layout)
+        data = SyntheticBatches(seed=3, dp_rank=layout.dp_rank, mbs=cfg.trainer.micro_batch_size)
+        trainer = SFTTrainer(cfg, layout, chunks, data, [], spec["run_dir"], max_steps=5)
+        assert trainer.num_microbatches == 2
+        batches = [data.make(i) for i in range(2)]
+        model = chunks[0]
+        params = list(model.parameters())
+        ce_sum, count = torch.zeros(()), torch.zeros(())
+        for batch in batches:
+            logits = model(batch["tokens"], batch["position_ids"], batch["attention_mask"])  # [b, s, V]
+            keep = batch["loss_mask"].bool()
+            ce_sum = ce_sum + F.cross_entropy(logits[keep], batch["labels"][keep], reduction="sum")
+            count += keep.sum()
+        global_count = count.clone()
+        torch.distributed.all_reduce(global_count)
+        hand_grads = torch.autograd.grad(ce_sum / global_count, params)
+        for grad in hand_grads:
+            torch.distributed.all_reduce(grad)
+        hand_loss = ce_sum.detach().clone()
+        torch.distributed.all_reduce(hand_loss)
+        hand_loss = float(hand_loss / global_count)
+
+        for chunk in trainer.model:
+            chunk.zero_grad_buffer()
+        loss, tokens = reduce_reports(trainer._run_schedule(batches, forward_only=False), trainer.report_groups)
+        assert tokens == int(global_count), (tokens, int(global_count))
+        assert abs(loss - hand_loss) < 1e-5, (loss, hand_loss)
+        for param, grad in zip(params, hand_grads):
+            torch.testing.assert_close(param.main_grad, grad, rtol=1e-4, atol=1e-7)
+    finally:
+        destroy_distributed()
+
+
+def test_loss_and_grads_equal_hand_computed_cross_entropy(tmp_path):
+    spec = {"cfg": cfg_with(**{"trainer.global_batch_size": 8}), "run_dir": str(tmp_path / "run")}
+    mp.start_processes(loss_worker, args=(2, free_port(), spec), nprocs=2, join=True, start_method="spawn")
+
+
 # ---------------------------------------------------------------------------------------------------------
 
 

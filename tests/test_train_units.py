@@ -1,0 +1,162 @@
+"""Single-process pieces of the SFT engine: loss, LR schedule, checkpoint discovery, metrics log, CPU shims."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from afm_core.train.checkpoint import COMPLETE_MARKER, complete_checkpoints, latest_complete_checkpoint
+from afm_core.train.loss import masked_token_loss, reduce_reports
+from afm_core.train.metrics import MetricsLog, plot_losses, read_metrics
+from afm_core.utils.paths import repo_root
+
+
+def test_masked_token_loss_is_cross_entropy_over_unmasked_positions():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 7, 11, generator=g)
+    labels = torch.randint(0, 11, (2, 7), generator=g)
+    mask = (torch.rand(2, 7, generator=g) > 0.4).float()
+    per_token = F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    loss_sum, num_tokens, report = masked_token_loss(mask, per_token)
+    expected = F.cross_entropy(logits[mask.bool()], labels[mask.bool()])
+    assert int(num_tokens) == int(mask.sum())
+    assert float(loss_sum / num_tokens) == pytest.approx(float(expected), rel=1e-6)
+    assert reduce_reports([report], groups=[]) == (pytest.approx(float(expected), rel=1e-6), int(mask.sum()))
+
+
+def test_reduce_reports_is_a_token_mean_not_a_mean_of_means():
+    reports = [{"lm loss": torch.tensor([10.0, 10.0])}, {"lm loss": torch.tensor([3.0, 1.0])}]
+    assert reduce_reports(reports, groups=[]) == (pytest.approx(13 / 11), 11)
+    assert math.isnan(reduce_reports([], groups=[])[0])
+
+
+def test_masked_token_loss_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"loss_mask \(2, 3\) != per-token loss \(3, 2\)"):
+        masked_token_loss(torch.ones(2, 3), torch.ones(3, 2))
+
+
+def test_warmup_then_cosine_to_min_lr():
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from afm_core.train.optim import warmup_steps
+
+    assert warmup_steps(0.1, 150) == 15 and warmup_steps(0.1, 5) == 1 and warmup_steps(0.5, 1) == 0
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.AdamW([{"params": [param], "max_lr": 1e-3, "min_lr": 1e-4}], lr=0.0)
+    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=10,
+                                    lr_decay_steps=110, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
+                                    wd_incr_steps=110, wd_incr_style="constant")
+    lrs = []
+    for _ in range(111):
+        lrs.append(opt.param_groups[0]["lr"])
+        sched.step(1)
+    assert lrs[0] == 0.0 and lrs[5] == pytest.approx(5e-4) and lrs[10] == pytest.approx(1e-3)
+    assert lrs[60] == pytest.approx(1e-4 + 0.9e-3 / 2)  # half way through the cosine
+    assert lrs[110] == pytest.approx(1e-4)
+
+
+def _make_checkpoint(root, step, complete=True):
+    path = root / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    (path / "common.pt").write_bytes(b"x")
+    if complete:
+        (path / COMPLETE_MARKER).write_text(json.dumps({"step": step}))
+    return path
+
+
+def test_latest_complete_checkpoint_ignores_partial_ones(tmp_path):
+    assert latest_complete_checkpoint(tmp_path / "missing") is None
+    _make_checkpoint(tmp_path, 100)
+    best = _make_checkpoint(tmp_path, 200)
+    _make_checkpoint(tmp_path, 300, complete=False)  # crashed before its marker
+    (tmp_path / ".tmp-step_00000400").mkdir()  # a save in progress
+    (tmp_path / "step_abc").mkdir()
+    assert [s for s, _ in complete_checkpoints(tmp_path)] == [100, 200]
+    assert latest_complete_checkpoint(tmp_path) == best
+
+
+def test_metrics_log_resumes_without_duplicates(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path, resume_step=0)
+    for step in range(5):
+        log.write({"step": step, "split": "train", "loss": 5.0 - step, "grad_norm": float("nan")})
+    log.write({"step": 4, "split": "eval", "loss": 1.5})
+    log.close()
+    with open(path, "a") as f:
+        f.write('{"step": 5, "spl')  # torn by a crash
+    assert [r["step"] for r in read_metrics(path)] == [0, 1, 2, 3, 4, 4]
+    assert read_metrics(path)[0]["grad_norm"] is None
+
+    log = MetricsLog(path, resume_step=2)  # resumed from the step-2 checkpoint
+    log.write({"step": 3, "split": "train", "loss": 9.0})
+    log.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(0, 5.0), (1, 4.0), (2, 3.0), (3, 9.0)]
+    MetricsLog(path, resume_step=0).close()  # a fresh run starts empty
+    assert read_metrics(path) == []
+
+
+def test_read_metrics_names_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "split": "eval", "loss": 1.0}\nnot json\n{"step": 1, "split": "eval", "loss": 1.0}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON object"):
+        read_metrics(path)
+
+
+def test_plot_losses_writes_png(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"step": s, "split": sp, "loss": 2.0 / (s + 1)}) + "\n"
+                            for s in range(4) for sp in ("train", "eval")))
+    plot_losses(path, tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resolve_max_steps_and_eval_batches():
+    from afm_core.train.sft import full_micro_batches, resolve_max_steps
+
+    t = SimpleNamespace(max_steps=None, epochs=2, global_batch_size=4)
+    assert resolve_max_steps(t, 42) == 20
+    with pytest.raises(ValueError, match="trainer.max_steps or trainer.epochs"):
+        resolve_max_steps(SimpleNamespace(max_steps=None, epochs=None, global_batch_size=4), 42)
+    with pytest.raises(ValueError, match="0 optimizer steps"):
+        resolve_max_steps(SimpleNamespace(max_steps=None, epochs=1, global_batch_size=4), 3)
+    batches = [{"tokens": torch.zeros(2, 8)}, {"tokens": torch.zeros(1, 8)}]
+    assert len(full_micro_batches(iter(batches), 2)) == 1
+    with pytest.raises(ValueError, match="trainer.eval_sequences"):
+        full_micro_batches(iter(batches[1:]), 2)
+
+
+def test_training_dtype():
+    from afm_core.train.distributed import training_dtype
+
+    assert training_dtype("auto") == (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
+    assert training_dtype("bf16") == torch.bfloat16
+    with pytest.raises(ValueError, match="trainer.precision='fp16'"):
+        training_dtype("fp16")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the shims apply only without CUDA")
+def test_cpu_shims_in_a_fresh_process():
+    """Idempotent; device="cuda" lands on the CPU; `with torch.device("meta")` still applies (primed cache)."""
+    code = """
+import torch
+from afm_core.train.cpu_shims import apply_cpu_shims
+assert apply_cpu_shims() and apply_cpu_shims()
+assert torch.ones(2, device="cuda").device.type == "cpu"
+assert torch.zeros(2).to("cuda").device.type == "cpu"
+assert torch.cuda.current_device() == "cpu"
+assert torch.zeros(1).type() == "torch.cuda.FloatTensor" and torch.zeros(1).type(torch.int32).dtype == torch.int32
+with torch.device("meta"):
+    assert torch.empty(3).device.type == "meta" and torch.nn.Linear(2, 2).weight.device.type == "meta"
+torch.cuda.manual_seed(7); a = torch.rand(1); torch.manual_seed(7); assert torch.equal(a, torch.rand(1))
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo_root(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
