@@ -145,14 +145,13 @@ def _python_argv(cfg: JailConfig) -> list[str]:
     return [cfg.python, "-I", "-u", "-B", CODE_PATH_IN_JAIL]
 
 
-def bwrap_argv(cfg: JailConfig, limits: Limits, code_file: Path, status_fd: int) -> list[str]:
+def bwrap_argv(cfg: JailConfig, limits: Limits, code_file: Path) -> list[str]:
     """argv for ``prlimit … bwrap … python -I -u -B /code/main.py``.
 
     Args:
         code_file: host path of the snippet (must be readable by the slot uid).
-        status_fd: inherited fd bubblewrap writes its JSON status to (``child-pid``, then ``exit-code``).
     """
-    argv = ["prlimit", *_rlimit_args(limits), "--", cfg.bwrap_path, "--json-status-fd", str(status_fd)]
+    argv = ["prlimit", *_rlimit_args(limits), "--", cfg.bwrap_path]
     argv += ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     argv += ["--uid", "65534", "--gid", "65534", "--hostname", "sandbox"]
     argv += ["--ro-bind", "/usr", "/usr"]

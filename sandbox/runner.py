@@ -10,7 +10,6 @@ and anything beyond that is refused at once (:class:`QueueFullError`, HTTP 503 a
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import signal
@@ -176,14 +175,9 @@ class SnippetRunner:
         code_file = self._work_dir / f"{uuid.uuid4().hex}.py"
         code_file.write_text(code, encoding="utf-8")
         code_file.chmod(0o644)
-        status_r, status_w = os.pipe() if self.cfg.jail.backend == "bwrap" else (None, None)
+        jail = self.cfg.jail
+        argv = bwrap_argv(jail, limits, code_file) if jail.backend == "bwrap" else nsjail_argv(jail, limits, code_file)
         try:
-            if status_w is not None:
-                argv = bwrap_argv(self.cfg.jail, limits, code_file, status_w)
-                pass_fds = (status_w,)
-            else:
-                argv = nsjail_argv(self.cfg.jail, limits, code_file)
-                pass_fds = ()
             start = time.perf_counter()
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -191,21 +185,14 @@ class SnippetRunner:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
                 env=launcher_env(),
-                pass_fds=pass_fds,
                 start_new_session=True,
-                **slot_identity(self.cfg.jail, slot),
+                **slot_identity(jail, slot),
             )
-            if status_w is not None:
-                os.close(status_w)
-                status_w = None
-            return await self._supervise(proc, stdin, limits, start, status_r)
+            return await self._supervise(proc, stdin, limits, start)
         finally:
-            for fd in (status_r, status_w):
-                if fd is not None:
-                    os.close(fd)
             code_file.unlink(missing_ok=True)
 
-    async def _supervise(self, proc, stdin: str | None, limits: Limits, start: float, status_r) -> RunResult:
+    async def _supervise(self, proc, stdin: str | None, limits: Limits, start: float) -> RunResult:
         def kill() -> None:
             for action in (proc.kill, lambda: os.killpg(proc.pid, signal.SIGKILL)):
                 try:
@@ -235,10 +222,7 @@ class SnippetRunner:
         duration = time.perf_counter() - start
         stdout, cut_out = out.text()
         stderr, cut_err = err.text()
-        jail_started = True
-        if status_r is not None:
-            jail_started = _bwrap_child_started(status_r)
-        status = _classify(proc.returncode, stderr, timed_out, out.flooded or err.flooded, jail_started, self.cfg.jail)
+        status = _classify(proc.returncode, stdout, stderr, timed_out, out.flooded or err.flooded, self.cfg.jail)
         if status == "timeout" and not stderr:
             stderr = f"Timed out after {limits.timeout_s:g} s. Check for infinite loops, blocked I/O (e.g., input()), or deadlocks."
         return RunResult(status, stdout, stderr, proc.returncode, round(duration, 4), cut_out or cut_err)
@@ -264,30 +248,25 @@ async def _feed_stdin(proc, stdin: str | None) -> None:
         pass  # the snippet exited without reading all of its input
 
 
-def _bwrap_child_started(status_r: int) -> bool:
-    """Whether bubblewrap reported the snippet's pid on its JSON status fd (it did not when setup failed)."""
-    os.set_blocking(status_r, False)
-    chunks = []
-    try:
-        while chunk := os.read(status_r, 1 << 16):
-            chunks.append(chunk)
-    except BlockingIOError:
-        pass
-    for line in b"".join(chunks).decode(errors="replace").splitlines():
-        try:
-            if "child-pid" in json.loads(line):
-                return True
-        except ValueError:
-            continue
-    return False
+def _jail_failed(exit_code: int | None, stdout: str, stderr: str, jail: JailConfig) -> bool:
+    """Whether the jail itself failed before the snippet ran.
+
+    bubblewrap reports setup errors as ``bwrap: ...`` on stderr with exit status 1; nsjail (quiet) exits
+    255 with no output. A snippet that imitates this only mislabels its own result.
+    """
+    if stdout:
+        return False
+    if jail.backend == "bwrap":
+        return exit_code == 1 and stderr.startswith("bwrap: ")
+    return exit_code == 255 and not stderr
 
 
-def _classify(exit_code: int | None, stderr: str, timed_out: bool, flooded: bool, started: bool, jail: JailConfig) -> str:
+def _classify(exit_code: int | None, stdout: str, stderr: str, timed_out: bool, flooded: bool, jail: JailConfig) -> str:
     if timed_out:
         return "timeout"
     if flooded:
         return "output_limit"
-    if not started or (jail.backend == "nsjail" and exit_code == 255 and not stderr):
+    if _jail_failed(exit_code, stdout, stderr, jail):
         return "sandbox_error"
     if exit_code == 0:
         return "ok"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -11,6 +12,7 @@ import aiohttp
 import pytest
 
 from sandbox.jail import JailConfig, Limits, bwrap_argv, nsjail_argv
+from sandbox.runner import RunnerConfig, SnippetRunner
 from tests.tools.conftest import jail_unavailable, sandbox_server
 
 
@@ -93,9 +95,9 @@ def test_server_refuses_to_start_without_a_working_jail(tmp_path):
 
 def test_jail_command_lines():
     limits = Limits(timeout_s=3, memory_mb=128, cpu_s=3)
-    argv = bwrap_argv(JailConfig(), limits, "/x/code.py", 7)  # type: ignore[arg-type]
+    argv = bwrap_argv(JailConfig(), limits, "/x/code.py")  # type: ignore[arg-type]
     assert argv[:1] == ["prlimit"] and "--cpu=3:4" in argv and f"--as={128 << 20}" in argv
-    for flag in ("--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--json-status-fd"):
+    for flag in ("--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--remount-ro"):
         assert flag in argv
     assert "--share-net" not in argv and "/home" not in argv
     ns = nsjail_argv(JailConfig(nsjail_path="/opt/nsjail"), limits, "/x/code.py")  # type: ignore[arg-type]
@@ -108,3 +110,26 @@ def test_jail_config_check_names_what_is_missing():
         JailConfig(python="/nonexistent/python3").check()
     with pytest.raises(FileNotFoundError, match="ro_paths"):
         JailConfig(ro_paths=["/nonexistent"]).check()
+
+
+@pytest.mark.skipif(jail_unavailable() is not None or os.geteuid() != 0, reason="needs root and a working bubblewrap")
+def test_a_jail_that_cannot_start_is_a_sandbox_error(tmp_path):
+    """A path the slot uid may not read cannot be bound: bubblewrap fails before the snippet runs."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    cfg = RunnerConfig(jail=JailConfig(ro_paths=[str(private)]))
+
+    async def main():
+        runner = SnippetRunner(cfg)
+        try:
+            return await runner.run("print('never')", None, 5.0, 256)
+        finally:
+            runner.close()
+
+    result = asyncio.run(main())
+    assert result.status == "sandbox_error" and result.stdout == "" and "bwrap" in result.stderr
+    proc = subprocess.run(
+        [sys.executable, "-m", "sandbox.server", "--port", "0", "--ro-path", str(private)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0 and "sandbox self-test failed" in proc.stderr
