@@ -1,5 +1,7 @@
 """HF <-> Megatron-core conversion on CPU/gloo: logits parity with transformers, exact weight round trip,
-exported checkpoints that transformers loads and generates with. TP/PP ranks are spawned processes."""
+exported checkpoints that transformers loads and generates with. TP/PP ranks are spawned processes; each
+one imports torch + megatron-core + transformers (5-15 s on the shared 2-core machine), so the multi-rank
+cases are marked slow."""
 
 from __future__ import annotations
 
@@ -154,13 +156,14 @@ def _random_ids(vocab: int, n: int = 16) -> torch.Tensor:
     return torch.randint(0, vocab, (2, n), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_tiny_qwen2_round_trip(tiny_qwen2_dir, tmp_path, tp):
     _check_round_trip(tiny_qwen2_dir, tmp_path, tp=tp, input_ids=_random_ids(49152))
     index = json.loads((tmp_path / "exported" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded at 4 MiB
 
 
+@pytest.mark.slow
 def test_tiny_llama_tied_embeddings_across_pipeline_stages(tmp_path):
     """PP=2: the embedding lives on stage 0, the tied output layer on stage 1 (loaded from embed_tokens)."""
     _check_round_trip(ensure_hf_checkpoint("tiny-llama"), tmp_path, tp=1, pp=2, input_ids=_random_ids(49152))
