@@ -18,6 +18,8 @@ A server entry set to null (or with ``enabled: false``) is not started.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import logging
 import os
@@ -39,10 +41,18 @@ SERVER_MODULES = {
     "web_search": "afm_core.tools.servers.web_search",
     "crawl": "afm_core.tools.servers.crawl",
 }
+_PR_SET_PDEATHSIG = 1
 # Keys whose values are data paths (resolved against data_dir).
 _PATH_FLAGS = {"corpus", "pages"}
 # List-valued keys and the repeatable flag each item becomes.
 _REPEATED_FLAGS = {"ro_paths": "--ro-path"}
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """In the child before exec: get SIGTERM when the launching process dies (Linux ``PR_SET_PDEATHSIG``)."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 class ServerStartError(RuntimeError):
@@ -114,7 +124,12 @@ class ServerGroup:
         logfile = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child process
         log.info("starting %s: %s", name, " ".join(argv))
         self._procs[name] = subprocess.Popen(
-            argv, stdout=logfile, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+            argv,
+            stdout=logfile,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+            preexec_fn=functools.partial(_die_with_parent, os.getpid()),  # no orphans if we are SIGKILLed
         )
         logfile.close()
         self._ready[name] = ready

@@ -34,6 +34,16 @@ def start_job(tmp_path: Path, data_dir: Path, *overrides: str) -> tuple[subproce
     return proc, addresses
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the supervisor (it stops its servers), SIGKILL it if it hangs."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def wait_for(path: Path, proc: subprocess.Popen, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
@@ -81,8 +91,7 @@ def test_local_servers_addresses_and_clean_stop(tmp_path, data_dir):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop(proc)
     assert not addresses.exists()  # stale addresses are never left behind
     assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
     assert (tmp_path / "logs" / "wiki.log").exists()
@@ -96,9 +105,21 @@ def test_a_dying_server_stops_the_group(tmp_path, data_dir):
         wiki.kill()
         assert proc.wait(timeout=60) == 1
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop(proc)
     assert not addresses.exists()
+
+
+def test_servers_die_with_a_killed_supervisor(tmp_path, data_dir):
+    proc, addresses = start_job(tmp_path, data_dir, "servers.crawl=null", "servers.sandbox=null", "servers.web_search=null")
+    try:
+        wait_for(addresses, proc)
+        children = psutil.Process(proc.pid).children()
+        proc.kill()  # no chance to clean up
+        proc.wait(timeout=30)
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert alive == []
+    finally:
+        stop(proc)
 
 
 def test_bad_server_config_is_named(tmp_path):
@@ -151,8 +172,7 @@ def test_on_slurm(tmp_path, data_dir):
     try:
         out, _ = proc.communicate(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        stop(proc)
     assert proc.returncode == 0, out
     job_id = out.split("Slurm job ")[1].split(";")[0]
     try:
