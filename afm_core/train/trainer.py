@@ -43,6 +43,7 @@ from afm_core.train.distributed import ParallelLayout
 from afm_core.train.loss import masked_token_loss, reduce_reports
 from afm_core.train.metrics import MetricsLog, plot_losses, read_metrics
 from afm_core.train.optim import build_optimizer
+from afm_core.utils.atomic import atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -303,7 +304,7 @@ class SFTTrainer:
         """Resuming another run's checkpoint: start this run's metrics.jsonl with that run's history."""
         target = self.run_dir / "metrics.jsonl"
         if not target.exists() and source.is_file():
-            target.write_text(source.read_text(encoding="utf-8"), encoding="utf-8")
+            atomic_write_text(target, source.read_text(encoding="utf-8"))
 
     # -- the loop --------------------------------------------------------------------------------------
     def _log(self, record: dict[str, Any]) -> None:

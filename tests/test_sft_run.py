@@ -1,0 +1,83 @@
+"""run_sft end to end: the composed conf/sft.yaml with the tiny random Llama preset on the real converted CoA
+trajectories (../shared/data), a real gloo process group, HF export; then a new run resumed from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from afm_core.utils.paths import repo_root, shared_data_dir
+
+pytestmark = pytest.mark.skipif(not shared_data_dir().is_dir(),
+                                reason=f"real data folder {shared_data_dir()} is absent (set AFM_SHARED_DATA)")
+
+OVERRIDES = [
+    "model=tiny-llama", "trainer.global_batch_size=2", "trainer.eval_interval=1", "trainer.eval_sequences=2",
+    "trainer.progress=false", "trainer.num_threads=1",
+]
+
+
+def sft_worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from hydra import compose, initialize_config_dir
+
+    from afm_core.train.sft import run_sft
+
+    with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
+        cfg = compose(config_name="sft", overrides=overrides)
+    summary = run_sft(cfg)
+    if rank == 0:
+        Path(out).write_text(json.dumps(summary))
+
+
+def run_sft_spawned(overrides: list[str], out: Path, world: int = 1) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(sft_worker, args=(world, port, overrides, str(out)), nprocs=world, join=True,
+                       start_method="spawn")
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_run_sft_trains_exports_and_resumes_into_a_new_run(tmp_path, capfd):
+    from transformers import AutoModelForCausalLM
+
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.train.checkpoint import complete_checkpoints
+    from afm_core.train.metrics import read_metrics
+
+    first_dir = tmp_path / "first"
+    first = run_sft_spawned([*OVERRIDES, f"run_dir={first_dir}", "trainer.max_steps=2"], tmp_path / "first.json")
+    assert "[sft] done at step 2/2 (megatron)" in capfd.readouterr().out
+    assert first["step"] == 2 and not first["stopped_early"] and first["engine"] == "megatron"
+    assert first["eval_loss_after"] < first["eval_loss_before"]
+    assert [(r["step"], r["split"]) for r in read_metrics(first_dir / "metrics.jsonl")] == [
+        (0, "eval"), (1, "train"), (1, "eval"), (2, "train"), (2, "eval")]
+    record = read_metrics(first_dir / "metrics.jsonl")[1]
+    assert record["tokens"] > 0 and record["tokens_per_s"] > 0 and record["lr"] == 0.0  # warmup starts at 0
+    assert (first_dir / "loss.png").is_file()
+    assert [s for s, _ in complete_checkpoints(first_dir / "checkpoints")] == [2]
+
+    trained = AutoModelForCausalLM.from_pretrained(first["hf_dir"], dtype=torch.float32)
+    initial = AutoModelForCausalLM.from_pretrained(ensure_hf_checkpoint("tiny-llama"), dtype=torch.float32)
+    assert trained.config.num_hidden_layers == 2
+    changed = [name for name, p in trained.state_dict().items() if not torch.equal(p, initial.state_dict()[name])]
+    assert "model.embed_tokens.weight" in changed and "model.layers.1.mlp.down_proj.weight" in changed
+
+    second_dir = tmp_path / "second"
+    second = run_sft_spawned([*OVERRIDES, f"run_dir={second_dir}", "trainer.max_steps=3", f"resume={first_dir}",
+                              "trainer.export_hf=false"], tmp_path / "second.json")
+    assert second["resumed_from"] == str(first_dir / "checkpoints" / "step_00000002")
+    assert second["step"] == 3 and second["hf_dir"] is None
+    assert second["eval_loss_before"] == first["eval_loss_before"]  # the history came along
+    steps = [(r["step"], r["split"]) for r in read_metrics(second_dir / "metrics.jsonl")]
+    assert steps == [(0, "eval"), (1, "train"), (1, "eval"), (2, "train"), (2, "eval"), (3, "train"), (3, "eval")]
+    assert [s for s, _ in complete_checkpoints(second_dir / "checkpoints")] == [3]
