@@ -60,17 +60,17 @@ def wait_streaming(job: submitit.Job[Any], poll_s: float = 0.5) -> Any:
     """
     tail = rank0_tail(job)
     tasks = [job.task(k) for k in range(job.num_tasks)]
-    first_done_at = None
+    first_done_at, cancelled = None, False
     try:
         while not job.done():
             tail.pump()
             if first_done_at is None and any(t.paths.result_pickle.exists() for t in tasks):
                 first_done_at = time.monotonic()
-            if first_done_at is not None and time.monotonic() - first_done_at > STUCK_AFTER_S:
+            if not cancelled and first_done_at is not None and time.monotonic() - first_done_at > STUCK_AFTER_S:
                 print(f"[afm] a rank of job {job.job_id} finished {STUCK_AFTER_S:.0f} s ago but others still run "
                       "(stuck in a collective?): cancelling the job", file=sys.stderr)
                 job.cancel()
-                first_done_at = float("inf")
+                cancelled = True
             time.sleep(poll_s)
     except KeyboardInterrupt:
         print(f"\n[afm] interrupted: cancelling job {job.job_id}", file=sys.stderr)
