@@ -205,3 +205,8 @@ def test_status_table_of_a_sweep(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "COMPLETED" in out and "FAILED" in out and "7/20" in out and "3.0000@0" in out
     assert status_cli.main([str(tmp_path / "nothing")]) == 1
+
+    (sweep / "0" / "logs" / "out").write_text("rank 0 says hi\n")
+    assert status_cli.main([str(sweep / "0"), "--follow"]) == 0  # ended: streams the log, prints the row
+    assert "rank 0 says hi" in capsys.readouterr().out
+    assert status_cli.main([str(sweep), "--follow", "--interval", "0.1"]) == 2  # one member failed

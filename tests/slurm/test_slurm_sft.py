@@ -132,7 +132,7 @@ def test_high_partition_preempts_and_the_job_resumes(tmp_path):
     node_cpus = int(subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True, check=True)
                     .stdout.split()[0])
     job_id = submit_slurm(run_dir, f"cluster.cpus_per_task={node_cpus}", f"trainer.max_steps={MAX_STEPS}")
-    wait_until(lambda: last_step(run_dir) >= 3, "the SFT job to train")
+    wait_until(lambda: last_step(run_dir) >= 2, "the SFT job to train")
     high = subprocess.run(["sbatch", "--parsable", "-p", "high", "-c", "1", "-o", str(tmp_path / "high.out"),
                            "--wrap", "sleep 2"], capture_output=True, text=True, check=True).stdout.strip()
     row = wait_finished(run_dir)
