@@ -275,10 +275,11 @@ def test_loss_and_grads_equal_hand_computed_cross_entropy(tmp_path):
 
 
 @pytest.mark.slow
-def test_tp2_and_pp2_match_tp1(tmp_path):
+def test_tp2_pp2_and_interleaved_pp_match_tp1(tmp_path):
     base = run(tmp_path, "tp1")
     assert len(losses(base)) == 5 and losses(base)[-1] < losses(base)[0]
-    for name, overrides in (("tp2", {"parallel.tp": 2}), ("pp2", {"parallel.pp": 2})):
+    layouts = {"tp2": {"parallel.tp": 2}, "pp2": {"parallel.pp": 2}, "pp2-vpp2": {"parallel.pp": 2, "parallel.vpp": 2}}
+    for name, overrides in layouts.items():
         other = run(tmp_path, name, world=2, cfg=cfg_with(**overrides))
         assert losses(other) == pytest.approx(losses(base), abs=1e-4), name
         assert losses(other, "eval") == pytest.approx(losses(base, "eval"), abs=1e-4), name

@@ -199,6 +199,11 @@ class SFTTrainer:
         config.calculate_per_token_loss = True  # read by DDP and the schedules: see afm_core.train.loss
         if config.pipeline_dtype is None:
             config.pipeline_dtype = config.params_dtype
+        if not self.layout.on_gpu:
+            # gloo pairs the batched isend/irecv of two ranks in posting order: with PP=2 and virtual stages the
+            # activation and the gradient crossing between the same two ranks were swapped (wrong losses).
+            # Megatron's unbatched p2p orders sends/receives by even/odd pipeline rank instead.
+            config.batch_p2p_comm = False
         if config.bf16:
             chunks = [Float16Module(config, m) for m in chunks]
         ddp_config = DistributedDataParallelConfig(
