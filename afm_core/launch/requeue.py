@@ -53,21 +53,34 @@ def check_importable(dotted: str) -> None:
 
 
 class PreemptionRelay:
-    """Replace submitit's preemption-signal handler by ``on_preempt`` while remembering submitit's.
+    """Take over submitit's preemption-signal handler (remembering it) and relay the signal to a hook.
 
-    ``on_preempt`` runs inside the signal handler, so it must only set flags.
+    Installed before the trainer is imported (seconds); a signal that arrives before :meth:`connect` is passed
+    on when the hook connects. The hook runs inside the signal handler, so it must only set flags.
+
+    Raises:
+        RuntimeError: not inside a submitit job (no submitit handler installed).
     """
 
-    def __init__(self, on_preempt: Callable[[], None]):
+    def __init__(self):
         self.signum = signal.Signals["SIG" + submitit.JobEnvironment.USR_SIG]
-        self.on_preempt = on_preempt
         self.submitit_handler = signal.getsignal(self.signum)
         if not callable(self.submitit_handler):
             raise RuntimeError(f"no submitit handler for {self.signum.name}: not running inside a submitit job")
+        self.received = False
+        self.on_preempt: Callable[[], None] | None = None
         signal.signal(self.signum, self._relay)
 
     def _relay(self, signum: int, frame: Any) -> None:
-        self.on_preempt()
+        self.received = True
+        if self.on_preempt is not None:
+            self.on_preempt()
+
+    def connect(self, on_preempt: Callable[[], None]) -> None:
+        """Relay to ``on_preempt`` from now on (at once if a signal already came)."""
+        self.on_preempt = on_preempt
+        if self.received:
+            on_preempt()
 
     def timed_out(self) -> bool:
         """submitit's rule: the job ran at least ``min(0.8 * time, time - 10 min)``."""
@@ -117,8 +130,9 @@ class RequeueableJob(submitit.helpers.Checkpointable):
         return Path(self.cfg["run_dir"]) / "logs"
 
     def __call__(self) -> dict[str, Any]:
+        relay = PreemptionRelay()
         dist = export_distributed_env(self.master_port)
-        relay = PreemptionRelay(get_method(self.on_preempt))
+        relay.connect(get_method(self.on_preempt))
         rank0 = dist.rank == 0
         if rank0:
             append_event(self.log_dir, "start", job_id=submitit.JobEnvironment().job_id, host=socket.gethostname(),
