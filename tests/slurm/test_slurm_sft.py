@@ -27,7 +27,7 @@ from afm_core.train.metrics import read_metrics
 from afm_core.utils.paths import repo_root, shared_data_dir
 from tests.slurm.tiny_sft import TINY, jobs_sft
 
-MAX_STEPS = 16
+MAX_STEPS = 20
 pytestmark = [
     pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster"),
     pytest.mark.skipif(not shared_data_dir().is_dir(), reason=f"no shared data at {shared_data_dir()}"),
