@@ -8,6 +8,7 @@ from the same model and the per-step losses must agree.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -161,7 +162,8 @@ def train_worker(rank: int, world: int, port: int, spec: dict) -> None:
 
         if spec.get("crash_on_save"):
             _crash_on_save(spec["crash_on_save"])
-        chunks = build_model_chunks(tiny_provider(layout), layout)
+        params_dtype = torch.bfloat16 if spec.get("bf16") else torch.float32
+        chunks = build_model_chunks(tiny_provider(layout, params_dtype=params_dtype), layout)
         train = SyntheticBatches(seed=1, dp_rank=layout.dp_rank, mbs=cfg.trainer.micro_batch_size, on_fetch=on_fetch)
         heldout = SyntheticBatches(seed=2, dp_rank=layout.dp_rank, mbs=cfg.trainer.micro_batch_size)
         eval_batches = [heldout.make(i) for i in range(spec.get("eval_micro_batches", 2))]
@@ -340,3 +342,19 @@ def test_crash_during_checkpoint_write_keeps_previous(tmp_path, straight_run):
     assert resumed["summary"]["resumed_from"].endswith("step_00000002")
     assert_same_run(resumed, straight_run)
     assert not list(checkpoints.glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_bf16_tensor_parallel_resumes_exactly(tmp_path):
+    """The GPU precision path on CPU: bf16 params (Float16Module, fp32 main weights in megatron's optimizer)."""
+    import shutil
+
+    cfg = cfg_with(**{"parallel.tp": 2, "trainer.max_steps": 4, "trainer.save_interval": 2})
+    straight = run(tmp_path, "straight", world=2, cfg=cfg, bf16=True)
+    assert all(math.isfinite(loss) for loss in losses(straight))
+    run_dir = Path(straight["summary"]["checkpoint"]).parent.parent
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")  # as if killed after the step-2 checkpoint
+    resumed = run(tmp_path, "resumed", world=2, run_dir=run_dir, cfg=cfg, bf16=True)
+    assert resumed["summary"]["resumed_from"].endswith("step_00000002")
+    project = lambda result: [(r["step"], r["split"], r["loss"], r.get("grad_norm")) for r in result["records"]]  # noqa: E731
+    assert project(resumed) == project(straight)
