@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from afm_core.utils.atomic import atomic_write_json
+from afm_core.utils.jsonlog import read_jsonl_log
 
 JOB_RECORD = "job.json"
 EVENTS = "events.jsonl"
@@ -82,18 +83,4 @@ def read_events(log_dir: str | Path) -> list[dict[str, Any]]:
     Raises:
         ValueError: a line other than the last is not JSON (names the file and line).
     """
-    path = Path(log_dir) / EVENTS
-    if not path.is_file():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    events = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            if number == len(lines):
-                break
-            raise ValueError(f"{path}:{number}: not a JSON object ({err.msg})") from None
-    return events
+    return read_jsonl_log(Path(log_dir) / EVENTS)

@@ -15,29 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from afm_core.utils.atomic import atomic_path, atomic_write_text
+from afm_core.utils.jsonlog import read_jsonl_log
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All complete lines of a ``metrics.jsonl`` (a torn last line, from a crash mid-write, is skipped).
-
-    Raises:
-        ValueError: a line other than the last is not valid JSON (names the file and line number).
-    """
-    path = Path(path)
-    if not path.is_file():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines()
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            if number == len(lines):
-                break
-            raise ValueError(f"{path}:{number}: not a JSON object ({err.msg})") from None
-    return records
+    """All complete records of a ``metrics.jsonl`` (see :func:`afm_core.utils.jsonlog.read_jsonl_log`)."""
+    return read_jsonl_log(path)
 
 
 class MetricsLog:
