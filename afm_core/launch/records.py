@@ -5,8 +5,9 @@
   ``job_name``, ``world_size``, ``submitted_at`` (unix seconds), ``stdout`` / ``stderr`` (rank 0's log files),
   ``submitit_folder``, ``command`` (argv of the submitter).
 - ``events.jsonl``: one line per life event of the job, appended by rank 0: ``start`` (each start, the first and
-  every restart after a requeue), ``requeued`` (after the checkpoint, with ``reason`` "preempted" | "timed-out"
-  and ``step``), ``completed`` (with ``step``), ``failed`` (with ``error``). Lines are single ``O_APPEND`` writes.
+  every restart after a requeue), ``requeued`` (after the checkpoint, with ``reason`` "preempted" | "timed-out",
+  ``step`` and ``signal_time``, the unix seconds at which the job's signal handler ran), ``completed`` (with
+  ``step``), ``failed`` (with ``error``). Lines are single ``O_APPEND`` writes.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import logging
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,11 +69,14 @@ class PreemptionRelay:
         if not callable(self.submitit_handler):
             raise RuntimeError(f"no submitit handler for {self.signum.name}: not running inside a submitit job")
         self.received = False
+        self.received_at: float | None = None  # unix seconds of the first signal (the relay's own clock)
         self.on_preempt: Callable[[], None] | None = None
         signal.signal(self.signum, self._relay)
 
     def _relay(self, signum: int, frame: Any) -> None:
         self.received = True
+        if self.received_at is None:
+            self.received_at = time.time()
         if self.on_preempt is not None:
             self.on_preempt()
 
@@ -157,6 +161,7 @@ class RequeueableJob(submitit.helpers.Checkpointable):
             append_event(self.log_dir, "failed", error=str(err), step=summary.get("step"))
             raise
         except SystemExit:
-            append_event(self.log_dir, "requeued", reason=reason, step=summary.get("step"))
+            append_event(self.log_dir, "requeued", reason=reason, step=summary.get("step"),
+                         signal_time=relay.received_at)
             raise
         raise RuntimeError("submitit's handler returned after a requeue; it should have exited")

@@ -2,7 +2,8 @@
 
 Each line holds at least ``step``, ``split`` ("train" | "eval"), ``loss`` (masked token-mean CE), ``lr``,
 ``tokens`` (unmasked target tokens in that step) and ``tokens_per_s``; train lines add ``grad_norm``,
-``elapsed_s``... Lines are appended and flushed one by one, so a crash loses at most the line being written.
+``elapsed_s``... and ``time`` (unix seconds when the line was written, added by :class:`MetricsLog`). Lines are
+appended and flushed one by one, so a crash loses at most the line being written.
 On resume, lines past the checkpoint's step are dropped (atomic rewrite), so after any number of restarts
 every ``(step, split)`` appears exactly once.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +41,10 @@ class MetricsLog:
         self._file = open(self.path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one record (needs ``step`` and ``split``); non-finite floats are written as null."""
+        """Append one record (needs ``step`` and ``split``) with ``time`` (unix seconds); non-finite floats are
+        written as null."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        clean["time"] = time.time()
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
 
