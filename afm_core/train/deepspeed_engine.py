@@ -229,7 +229,9 @@ def per_token_cross_entropy(model: Any, batch: dict[str, torch.Tensor], device: 
         # HF passes a 4-D mask through as is; torch SDPA's boolean mask means True = attend.
         attention_mask = ~attention_mask.to(device, non_blocking=True)
     logits = model(input_ids=tokens, position_ids=position_ids, attention_mask=attention_mask, use_cache=False).logits
-    return F.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none")
+    # [b*s, vocab] rows, as HF's ForCausalLMLoss: CE over the transposed [b, vocab, s] view is ~7x slower on CPU.
+    per_token = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    return per_token.view_as(labels)
 
 
 def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
