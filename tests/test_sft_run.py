@@ -59,6 +59,7 @@ def test_run_sft_trains_exports_and_resumes_into_a_new_run(tmp_path, capfd):
     assert "[sft] done at step 2/2 (megatron)" in capfd.readouterr().out
     assert first["step"] == 2 and not first["stopped_early"] and first["engine"] == "megatron"
     assert first["eval_loss_after"] < first["eval_loss_before"]
+    assert first["input_tokens_per_s"] > first["tokens_per_s"] > 0  # all positions vs unmasked targets
     assert [(r["step"], r["split"]) for r in read_metrics(first_dir / "metrics.jsonl")] == [
         (0, "eval"), (1, "train"), (1, "eval"), (2, "train"), (2, "eval")]
     record = read_metrics(first_dir / "metrics.jsonl")[1]

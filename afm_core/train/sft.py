@@ -135,7 +135,8 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
     Returns:
         The summary (identical on every rank): ``eval_loss_before`` / ``eval_loss_after`` (held-out masked
         token-mean CE at step 0 and at the last eval), ``eval_loss_drop`` (fraction), ``tokens_per_s``
-        (unmasked target tokens per second of training in this process), ``train_time_s`` (over all restarts),
+        (unmasked target tokens per second of training in this process; ``input_tokens_per_s``: all positions),
+        ``train_time_s`` (over all restarts),
         ``checkpoint`` (the last complete checkpoint), ``hf_dir`` (the HF export, or None), ``step``,
         ``max_steps``, ``resumed_from``, ``stopped_early``, ``engine``, ``run_dir``.
     Raises:
@@ -188,7 +189,8 @@ def print_summary(summary: dict[str, Any]) -> None:
         f"[sft] {state} at step {summary['step']}/{summary['max_steps']} ({summary['engine']})\n"
         f"  held-out masked loss: {fmt(summary['eval_loss_before'], '.4f')} -> "
         f"{fmt(summary['eval_loss_after'], '.4f')} (drop {fmt(summary['eval_loss_drop'], '.1%')})\n"
-        f"  throughput: {fmt(summary['tokens_per_s'], ',.0f')} target tokens/s; "
+        f"  throughput: {fmt(summary['tokens_per_s'], ',.0f')} target tokens/s "
+        f"({fmt(summary['input_tokens_per_s'], ',.0f')} input tokens/s); "
         f"train time {summary['train_time_s']:.0f} s\n"
         f"  checkpoint: {summary['checkpoint']}\n"
         f"  hf export:  {summary['hf_dir']}\n"

@@ -343,8 +343,9 @@ class SFTTrainer:
         """Resume if a complete checkpoint exists, train to ``max_steps``, evaluate, checkpoint.
 
         Returns:
-            ``{"resumed_from", "step", "eval_loss_before", "eval_loss_after", "tokens_per_s",
-            "train_time_s", "checkpoint", "stopped_early"}`` (identical on every rank).
+            ``{"resumed_from", "step", "eval_loss_before", "eval_loss_after", "eval_step_after", "tokens_per_s"
+            (unmasked target tokens/s), "input_tokens_per_s" (all sequence positions/s), "train_time_s",
+            "checkpoint", "stopped_early"}`` (identical on every rank; throughput over this process's steps).
         """
         t = self.cfg.trainer
         resumed_from = self._resume()
@@ -356,7 +357,7 @@ class SFTTrainer:
         bar = tqdm(total=self.max_steps, initial=self.progress.step, desc="sft", unit="step", dynamic_ncols=True,
                    disable=not (self.layout.is_rank0 and t.progress))
         last_checkpoint = resumed_from
-        run_tokens, run_time, stopped_early = 0, 0.0, False
+        run_steps, run_tokens, run_time, stopped_early = 0, 0, 0.0, False
         while self.progress.step < self.max_steps:
             start = time.perf_counter()
             out = self.train_step()
@@ -365,7 +366,7 @@ class SFTTrainer:
             self.progress.consumed_sequences += t.global_batch_size
             self.progress.consumed_tokens += out["tokens"]
             self.progress.train_time_s += seconds
-            run_tokens, run_time = run_tokens + out["tokens"], run_time + seconds
+            run_steps, run_tokens, run_time = run_steps + 1, run_tokens + out["tokens"], run_time + seconds
             step = self.progress.step
             if step % t.log_interval == 0 or step == self.max_steps:
                 self._log({"step": step, "split": "train", **out, "tokens_per_s": out["tokens"] / seconds,
@@ -387,6 +388,7 @@ class SFTTrainer:
             "step": self.progress.step,
             **self._eval_summary(),
             "tokens_per_s": run_tokens / run_time if run_time else None,
+            "input_tokens_per_s": run_steps * t.global_batch_size * self.seq_length / run_time if run_time else None,
             "train_time_s": self.progress.train_time_s,
             "checkpoint": str(last_checkpoint) if last_checkpoint else None,
             "stopped_early": stopped_early,
