@@ -45,7 +45,7 @@ from afm_core.train.checkpoint import (
 )
 from afm_core.train.distributed import ParallelLayout, set_num_threads, training_dtype
 from afm_core.train.loss import masked_token_loss, reduce_reports
-from afm_core.train.optim import LR_SCHEDULES, warmup_steps
+from afm_core.train.optim import build_lr_scheduler
 from afm_core.train.sft import full_micro_batches
 from afm_core.train.trainer import MicroBatchSource, Progress, SFTTrainer
 from afm_core.utils.atomic import atomic_dir, atomic_path, atomic_write_json, fsync_dir
@@ -252,31 +252,6 @@ def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
     ]
 
 
-def lr_scheduler(optimizer: Any, optim: Any, max_steps: int) -> Any:
-    """Megatron's ``OptimizerParamScheduler`` with the Megatron engine's settings (see :mod:`afm_core.train.optim`):
-    linear warmup over ``ceil(warmup_ratio * max_steps)`` steps from 0 to ``optim.lr``, then cosine to
-    ``optim.min_lr`` (or constant). It sets ``lr`` and ``weight_decay`` of every param group of ``optimizer``.
-
-    Raises:
-        ValueError: unknown ``optim.lr_schedule``, ``min_lr > lr``, or ``max_steps < 1``.
-    """
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    if optim.lr_schedule not in LR_SCHEDULES:
-        raise ValueError(f"optim.lr_schedule={optim.lr_schedule!r}: expected one of {LR_SCHEDULES}")
-    if optim.min_lr > optim.lr:
-        raise ValueError(f"optim.min_lr={optim.min_lr} is above optim.lr={optim.lr}")
-    if max_steps < 1:
-        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-    min_lr = optim.min_lr if optim.lr_schedule == "cosine" else optim.lr
-    return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=optim.lr, min_lr=min_lr,
-        lr_warmup_steps=warmup_steps(optim.warmup_ratio, max_steps), lr_decay_steps=max_steps,
-        lr_decay_style=optim.lr_schedule, start_wd=optim.weight_decay, end_wd=optim.weight_decay,
-        wd_incr_steps=max_steps, wd_incr_style="constant",
-    )
-
-
 def load_zero_model(hf_dir: str | os.PathLike[str], ds_config: dict[str, Any], dtype: torch.dtype,
                     recompute: str | None) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_pretrained(hf_dir)`` with SDPA attention, partitioned while it loads.
@@ -348,7 +323,7 @@ class DeepSpeedSFTTrainer(SFTTrainer):
             betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2), eps=cfg.optim.adam_eps,
         )
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-        self.scheduler = lr_scheduler(self.optimizer, cfg.optim, max_steps)
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, max_steps)
         self.report_groups = [torch.distributed.group.WORLD]
         self.progress = Progress()
         self.metrics = None

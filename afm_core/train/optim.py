@@ -45,17 +45,11 @@ def build_optimizer(model_chunks: list[torch.nn.Module], optim: Any, *, max_step
     Raises:
         ValueError: unknown ``optim.lr_schedule``, ``min_lr > lr``, or ``max_steps < 1``.
     """
-    if optim.lr_schedule not in LR_SCHEDULES:
-        raise ValueError(f"optim.lr_schedule={optim.lr_schedule!r}: expected one of {LR_SCHEDULES}")
-    if optim.min_lr > optim.lr:
-        raise ValueError(f"optim.min_lr={optim.min_lr} is above optim.lr={optim.lr}")
-    if max_steps < 1:
-        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-    min_lr = optim.min_lr if optim.lr_schedule == "cosine" else optim.lr
+    _check_schedule(optim, max_steps)
     config = OptimizerConfig(
         optimizer="adam",
         lr=optim.lr,
-        min_lr=min_lr,
+        min_lr=_min_lr(optim),
         weight_decay=optim.weight_decay,
         adam_beta1=optim.adam_beta1,
         adam_beta2=optim.adam_beta2,
@@ -66,11 +60,29 @@ def build_optimizer(model_chunks: list[torch.nn.Module], optim: Any, *, max_step
         use_distributed_optimizer=distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(config, model_chunks)
-    scheduler = OptimizerParamScheduler(
+    return optimizer, build_lr_scheduler(optimizer, optim, max_steps)
+
+
+def build_lr_scheduler(optimizer: Any, optim: Any, max_steps: int) -> OptimizerParamScheduler:
+    """Megatron's ``OptimizerParamScheduler`` for the schedule above (one ``step(increment=1)`` per update).
+
+    It sets ``lr`` and ``weight_decay`` (times each group's ``wd_mult``, default 1) of every param group of
+    ``optimizer``: a megatron optimizer (Megatron engine) or a torch optimizer (DeepSpeed engine, whose
+    param groups carry ``wd_mult``). Weight decay is constant at ``optim.weight_decay``.
+
+    Args:
+        optimizer: anything with ``param_groups``.
+        optim: the ``optim`` config group (lr, min_lr, weight_decay, warmup_ratio, lr_schedule).
+        max_steps: optimizer steps of the whole run (the cosine horizon).
+    Raises:
+        ValueError: unknown ``optim.lr_schedule``, ``min_lr > lr``, or ``max_steps < 1``.
+    """
+    _check_schedule(optim, max_steps)
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=optim.lr,
-        min_lr=min_lr,
+        min_lr=_min_lr(optim),
         lr_warmup_steps=warmup_steps(optim.warmup_ratio, max_steps),
         lr_decay_steps=max_steps,
         lr_decay_style=optim.lr_schedule,
@@ -79,4 +91,17 @@ def build_optimizer(model_chunks: list[torch.nn.Module], optim: Any, *, max_step
         wd_incr_steps=max_steps,
         wd_incr_style="constant",
     )
-    return optimizer, scheduler
+
+
+def _check_schedule(optim: Any, max_steps: int) -> None:
+    if optim.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"optim.lr_schedule={optim.lr_schedule!r}: expected one of {LR_SCHEDULES}")
+    if optim.min_lr > optim.lr:
+        raise ValueError(f"optim.min_lr={optim.min_lr} is above optim.lr={optim.lr}")
+    if max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+
+
+def _min_lr(optim: Any) -> float:
+    """The LR the schedule decays to: ``optim.min_lr`` for cosine, ``optim.lr`` (no decay) for constant."""
+    return optim.min_lr if optim.lr_schedule == "cosine" else optim.lr
