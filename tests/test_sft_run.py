@@ -51,7 +51,7 @@ def test_run_sft_trains_exports_and_resumes_into_a_new_run(tmp_path, capfd):
     from transformers import AutoModelForCausalLM
 
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.train.checkpoint import complete_checkpoints
+    from afm_core.train.checkpoint_dirs import complete_checkpoints
     from afm_core.train.metrics import read_metrics
 
     first_dir = tmp_path / "first"

@@ -310,7 +310,7 @@ def assert_same_run(resumed: dict, straight: dict) -> None:
 
 @pytest.mark.slow
 def test_exact_resume_after_preemption_signal(tmp_path, straight_run):
-    from afm_core.train.checkpoint import complete_checkpoints
+    from afm_core.train.checkpoint_dirs import complete_checkpoints
 
     run_dir = tmp_path / "run"
     first = run(tmp_path, "first", world=2, run_dir=run_dir, cfg=cfg_with(**RESUME_CFG), stop_at_step=3)
@@ -326,7 +326,7 @@ def test_exact_resume_after_preemption_signal(tmp_path, straight_run):
 
 @pytest.mark.slow
 def test_crash_during_checkpoint_write_keeps_previous(tmp_path, straight_run):
-    from afm_core.train.checkpoint import complete_checkpoints, latest_complete_checkpoint
+    from afm_core.train.checkpoint_dirs import complete_checkpoints, latest_complete_checkpoint
 
     run_dir = tmp_path / "run"
     with pytest.raises(mp.ProcessRaisedException, match="No space left on device"):

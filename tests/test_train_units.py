@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from afm_core.train.checkpoint import COMPLETE_MARKER, complete_checkpoints, latest_complete_checkpoint
+from afm_core.train.checkpoint_dirs import COMPLETE_MARKER, complete_checkpoints, latest_complete_checkpoint
 from afm_core.train.loss import masked_token_loss, reduce_reports
 from afm_core.train.metrics import MetricsLog, plot_losses, read_metrics
 from afm_core.utils.paths import repo_root

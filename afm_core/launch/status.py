@@ -6,8 +6,8 @@ A run is a directory with ``logs/job.json`` (:mod:`afm_core.launch.records`). It
   controller process (RUNNING while alive) and its last event;
 - progress from ``metrics.jsonl`` (last train step and loss, last held-out loss; see ``afm_core.train.metrics``)
   and ``trainer.max_steps`` from ``.hydra/config.yaml``;
-- the latest complete checkpoint ``checkpoints/step_N`` (holding the ``COMPLETE`` marker, see
-  ``afm_core.train.checkpoint``; scanned here without importing torch);
+- the latest complete checkpoint ``checkpoints/step_N`` (holding the ``COMPLETE`` marker; found by
+  ``afm_core.train.checkpoint_dirs``, which imports no torch);
 - restarts: ``start`` events after the first (requeues after preemption or timeout, and external requeues).
 """
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from afm_core.launch.records import read_events, read_job_record
+from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
 from afm_core.train.metrics import read_metrics
 
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
@@ -108,12 +109,6 @@ def _max_steps(run_dir: Path) -> int | None:
     return value if isinstance(value, int) else None
 
 
-def latest_checkpoint_name(run_dir: Path) -> str | None:
-    """Name of the newest complete ``checkpoints/step_N`` (with its ``COMPLETE`` marker), or None."""
-    complete = [p.name for p in (run_dir / "checkpoints").glob("step_*") if (p / "COMPLETE").is_file()]
-    return max(complete) if complete else None
-
-
 def run_status(run_dir: Path, slurm: dict[str, str]) -> RunStatus:
     """The row of one run; ``slurm`` maps Slurm job ids to states (:func:`slurm_states`).
 
@@ -133,12 +128,13 @@ def run_status(run_dir: Path, slurm: dict[str, str]) -> RunStatus:
     metrics = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in metrics if r.get("split") == "train"]
     evals = [r for r in metrics if r.get("split") == "eval"]
+    checkpoint = latest_complete_checkpoint(run_dir / "checkpoints")
     return RunStatus(
         run_dir=run_dir, cluster=record["cluster"], job_id=record["job_id"], state=state,
         step=train[-1]["step"] if train else None, max_steps=_max_steps(run_dir),
         train_loss=train[-1].get("loss") if train else None,
         eval_loss=evals[-1].get("loss") if evals else None, eval_step=evals[-1]["step"] if evals else None,
-        checkpoint=latest_checkpoint_name(run_dir),
+        checkpoint=checkpoint.name if checkpoint else None,
         restarts=max(0, sum(e["event"] == "start" for e in events) - 1),
         stdout=Path(record["stdout"]), stderr=Path(record["stderr"]),
     )

@@ -1,20 +1,17 @@
 """Atomic, resumable training checkpoints in megatron-core's ``dist_checkpointing`` format.
 
-Layout of ``RUN_DIR/checkpoints/``::
+One checkpoint directory (``RUN_DIR/checkpoints`` and its stage/publish protocol:
+:mod:`afm_core.train.checkpoint_dirs`)::
 
-    step_00000100/                 a complete checkpoint (it holds a COMPLETE marker)
+    step_00000100/
         metadata.json, common.pt, __*.distcp   dist_checkpointing (torch_dist): model + optimizer shards,
                                                and common.pt with the step counters and LR scheduler state
         rank_00000.pt ...          per-rank state: python/numpy/torch/CUDA RNG + megatron RNG tracker,
                                    and the data loader state (sharded by DP rank)
-        COMPLETE                   JSON {step, layout, engine, time}; written last
-    .tmp-step_00000200/            a save in progress (or killed): ignored, removed by the next save
+        COMPLETE                   JSON {step, layout, engine: "megatron", time}; written last
 
-A save writes everything into ``.tmp-step_N``, fsyncs it, writes ``COMPLETE`` and renames the directory to
-``step_N`` (rank 0, after a barrier), so a checkpoint is either complete or absent: a crash at any point
-leaves the previous complete checkpoint as the latest one. The last ``keep_last`` complete checkpoints are
-kept. Model and optimizer shards reshard across TP/PP/DP layouts (dist_checkpointing); the per-rank RNG
-state is restored only when the layout is unchanged.
+Model and optimizer shards reshard across TP/PP/DP layouts (dist_checkpointing); the per-rank RNG state is
+restored only when the layout is unchanged.
 
 Per the megatron CPU notes, the optimizer state is only loaded if its sharded state dict is built with
 ``is_loading=True``; the DistributedOptimizer uses the ``fully_reshardable`` format (the default one fails to
@@ -23,12 +20,8 @@ save in megatron-core 0.16.1).
 
 from __future__ import annotations
 
-import json
 import logging
 import random
-import re
-import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -38,39 +31,15 @@ from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
+from afm_core.train.checkpoint_dirs import (
+    checkpoint_dir_name, publish_checkpoint, read_marker, stage_checkpoint, staging_dir,
+)
 from afm_core.train.distributed import ParallelLayout
-from afm_core.utils.atomic import atomic_path, atomic_write_json, fsync_dir
+from afm_core.utils.atomic import atomic_path
 
 log = logging.getLogger(__name__)
 
-COMPLETE_MARKER = "COMPLETE"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-_TMP_PREFIX = ".tmp-"
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-def checkpoint_dir_name(step: int) -> str:
-    """``step_{step:08d}``."""
-    return f"step_{step:08d}"
-
-
-def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints under ``root`` as ``(step, path)``, oldest first (partial ones ignored)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = []
-    for path in root.iterdir():
-        match = _STEP_DIR.match(path.name)
-        if match and (path / COMPLETE_MARKER).is_file():
-            found.append((int(match.group(1)), path))
-    return sorted(found)
-
-
-def latest_complete_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step under ``root``, or None."""
-    found = complete_checkpoints(root)
-    return found[-1][1] if found else None
 
 
 def rng_state() -> dict[str, Any]:
@@ -143,13 +112,9 @@ class Checkpointer:
         Returns:
             The final checkpoint directory.
         """
-        final = self.root / checkpoint_dir_name(step)
-        temp = self.root / f"{_TMP_PREFIX}{final.name}"
+        temp = staging_dir(self.root, step)
         if self.layout.is_rank0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob(f"{_TMP_PREFIX}*"):
-                shutil.rmtree(stale, ignore_errors=True)
-            temp.mkdir()
+            stage_checkpoint(self.root, step).mkdir()
         torch.distributed.barrier()
 
         state = _sharded_state_dict(model_chunks, optimizer, is_loading=False)
@@ -163,18 +128,10 @@ class Checkpointer:
             for name in ("metadata.json", "common.pt"):
                 if not (temp / name).is_file():
                     raise RuntimeError(f"dist_checkpointing.save left no {name} in {temp}")
-            atomic_write_json(temp / COMPLETE_MARKER,
-                              {"step": step, "layout": _layout_key(self.layout), "engine": "megatron",
-                               "time": time.time()})
-            fsync_dir(temp)
-            if final.exists():  # the same step saved before (e.g. a re-run of a finished job)
-                shutil.rmtree(final)
-            temp.rename(final)
-            fsync_dir(self.root)
-            for _, old in complete_checkpoints(self.root)[: -self.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+            publish_checkpoint(self.root, step, layout=_layout_key(self.layout), engine="megatron",
+                               keep_last=self.keep_last)
         torch.distributed.barrier()
-        return final
+        return self.root / checkpoint_dir_name(step)
 
     def load(self, path: str | Path, model_chunks: list[torch.nn.Module], optimizer: Any
              ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -188,9 +145,7 @@ class Checkpointer:
             ValueError: ``path`` was written by another engine (DeepSpeed).
         """
         path = Path(path)
-        if not (path / COMPLETE_MARKER).is_file():
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
-        marker = json.loads((path / COMPLETE_MARKER).read_text())
+        marker = read_marker(path)
         if marker.get("engine", "megatron") != "megatron":
             raise ValueError(f"{path}: written by the {marker['engine']} engine; resume it with "
                              f"trainer.engine={marker['engine']}")

@@ -30,8 +30,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import time
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -40,19 +38,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from afm_core.train.checkpoint import (
-    COMPLETE_MARKER, checkpoint_dir_name, complete_checkpoints, rng_state, set_rng_state,
+from afm_core.train.checkpoint import rng_state, set_rng_state
+from afm_core.train.checkpoint_dirs import (
+    checkpoint_dir_name, publish_checkpoint, read_marker, stage_checkpoint, staging_dir,
 )
 from afm_core.train.distributed import ParallelLayout, set_num_threads, training_dtype
 from afm_core.train.loss import masked_token_loss, reduce_reports
 from afm_core.train.optim import build_lr_scheduler
 from afm_core.train.sft import full_micro_batches
 from afm_core.train.trainer import MicroBatchSource, Progress, SFTTrainer
-from afm_core.utils.atomic import atomic_dir, atomic_path, atomic_write_json, fsync_dir
+from afm_core.utils.atomic import atomic_dir, atomic_path
 from afm_core.utils.paths import repo_root
 
 DEFAULT_DEEPSPEED_CONFIG = repo_root() / "conf" / "deepspeed" / "ds_z3_config.json"
-_TMP_PREFIX = ".tmp-"
 
 
 class DeepSpeedConfigError(ValueError):
@@ -380,34 +378,22 @@ class DeepSpeedSFTTrainer(SFTTrainer):
         """Write ``checkpoints/step_N`` atomically (every rank calls it): DeepSpeed's ZeRO shards (model and
         optimizer), the step counters and LR scheduler (DeepSpeed ``client_state``), and ``rank_*.pt`` with
         this rank's RNG and data-loader state; ``COMPLETE`` last, then a rename from ``.tmp-step_N``.
-        The layout is :mod:`afm_core.train.checkpoint`'s, so its ``latest_complete_checkpoint`` finds them."""
-        root = self.run_dir / "checkpoints"
-        final = root / checkpoint_dir_name(self.progress.step)
-        tag = f"{_TMP_PREFIX}{final.name}"
+        The layout is :mod:`afm_core.train.checkpoint_dirs`, so its ``latest_complete_checkpoint`` finds them."""
+        root, step = self.run_dir / "checkpoints", self.progress.step
+        temp = staging_dir(root, step)
         if self.layout.is_rank0:
-            root.mkdir(parents=True, exist_ok=True)
-            for stale in root.glob(f"{_TMP_PREFIX}*"):
-                shutil.rmtree(stale, ignore_errors=True)
+            stage_checkpoint(root, step)
         torch.distributed.barrier()
         client_state = {"progress": asdict(self.progress), "scheduler": self.scheduler.state_dict()}
-        self.engine.save_checkpoint(str(root), tag=tag, client_state=client_state, save_latest=False)
-        with atomic_path(root / tag / f"rank_{self.layout.rank:05d}.pt") as path:
+        self.engine.save_checkpoint(str(root), tag=temp.name, client_state=client_state, save_latest=False)
+        with atomic_path(temp / f"rank_{self.layout.rank:05d}.pt") as path:
             torch.save({"layout": self._layout_key(), "rng": rng_state(), "data": self.train_data.state_dict()}, path)
         torch.distributed.barrier()
         if self.layout.is_rank0:
-            temp = root / tag
-            atomic_write_json(temp / COMPLETE_MARKER,
-                              {"step": self.progress.step, "layout": self._layout_key(), "engine": "deepspeed",
-                               "time": time.time()})
-            fsync_dir(temp)
-            if final.exists():
-                shutil.rmtree(final)
-            temp.rename(final)
-            fsync_dir(root)
-            for _, old in complete_checkpoints(root)[: -int(self.cfg.trainer.keep_last)]:
-                shutil.rmtree(old, ignore_errors=True)
+            publish_checkpoint(root, step, layout=self._layout_key(), engine="deepspeed",
+                               keep_last=int(self.cfg.trainer.keep_last))
         torch.distributed.barrier()
-        return final
+        return root / checkpoint_dir_name(step)
 
     def _resume(self) -> Path | None:
         """Load the latest complete checkpoint of ``run_dir`` (else of ``resume_from``), if any.
@@ -419,7 +405,7 @@ class DeepSpeedSFTTrainer(SFTTrainer):
         path = self._find_checkpoint()
         if path is None:
             return None
-        marker = json.loads((path / COMPLETE_MARKER).read_text())
+        marker = read_marker(path)
         if marker.get("engine") != "deepspeed":
             raise ValueError(f"{path}: written by the megatron engine; resume it with trainer.engine=megatron")
         if marker["layout"] != self._layout_key():

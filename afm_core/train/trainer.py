@@ -38,7 +38,8 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 from tqdm import tqdm
 
-from afm_core.train.checkpoint import Checkpointer, latest_complete_checkpoint
+from afm_core.train.checkpoint import Checkpointer
+from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
 from afm_core.train.distributed import ParallelLayout
 from afm_core.train.loss import masked_token_loss, reduce_reports
 from afm_core.train.metrics import MetricsLog, plot_losses, read_metrics

@@ -1,0 +1,103 @@
+"""The on-disk protocol of training checkpoints, shared by both SFT engines and ``jobs.status`` (no torch import).
+
+Layout of ``RUN_DIR/checkpoints/``::
+
+    step_00000100/           a complete checkpoint: the engine's files, then COMPLETE
+        COMPLETE             JSON {step, layout, engine, time}; written last
+    .tmp-step_00000200/      a save in progress (or killed): ignored, removed by the next save
+
+A save stages everything in ``.tmp-step_N`` (:func:`stage_checkpoint`), then rank 0 publishes it
+(:func:`publish_checkpoint`): ``COMPLETE`` written and fsynced, the directory renamed to ``step_N``, the oldest
+complete checkpoints beyond ``keep_last`` removed. A crash at any point leaves the previous complete checkpoint
+as the latest one. What an engine writes inside is its own (:mod:`afm_core.train.checkpoint` for Megatron,
+:mod:`afm_core.train.deepspeed_engine` for DeepSpeed); ``COMPLETE``'s ``engine`` field says which.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from afm_core.utils.atomic import atomic_write_json, fsync_dir
+
+COMPLETE_MARKER = "COMPLETE"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_TMP_PREFIX = ".tmp-"
+
+
+def checkpoint_dir_name(step: int) -> str:
+    """``step_{step:08d}``."""
+    return f"step_{step:08d}"
+
+
+def complete_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """The complete checkpoints under ``root`` as ``(step, path)``, oldest first (partial ones ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and (path / COMPLETE_MARKER).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_complete_checkpoint(root: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step under ``root``, or None."""
+    found = complete_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def staging_dir(root: str | Path, step: int) -> Path:
+    """``root/.tmp-step_N``: where checkpoint ``step`` is written before :func:`publish_checkpoint`."""
+    return Path(root) / f"{_TMP_PREFIX}{checkpoint_dir_name(step)}"
+
+
+def stage_checkpoint(root: str | Path, step: int) -> Path:
+    """Rank 0, before a save: create ``root``, remove staging dirs of killed saves; returns :func:`staging_dir`
+    (not created: the engine's writer creates it)."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f"{_TMP_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return staging_dir(root, step)
+
+
+def publish_checkpoint(root: str | Path, step: int, *, layout: dict[str, int], engine: str, keep_last: int) -> Path:
+    """Rank 0, once every rank has written into :func:`staging_dir`: make it the complete checkpoint ``step_N``.
+
+    Writes ``COMPLETE`` (``{step, layout, engine, time}``, time in unix seconds) atomically, fsyncs, replaces an
+    earlier ``step_N`` (a re-run of a finished job), renames, fsyncs ``root``, then keeps only the last
+    ``keep_last`` complete checkpoints.
+
+    Returns:
+        ``root/step_N``.
+    """
+    root = Path(root)
+    temp, final = staging_dir(root, step), root / checkpoint_dir_name(step)
+    atomic_write_json(temp / COMPLETE_MARKER, {"step": step, "layout": layout, "engine": engine, "time": time.time()})
+    fsync_dir(temp)
+    if final.exists():
+        shutil.rmtree(final)
+    temp.rename(final)
+    fsync_dir(root)
+    for _, old in complete_checkpoints(root)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_marker(path: str | Path) -> dict[str, Any]:
+    """The ``COMPLETE`` marker of checkpoint ``path``.
+
+    Raises:
+        FileNotFoundError: ``path`` is not a complete checkpoint.
+    """
+    marker = Path(path) / COMPLETE_MARKER
+    if not marker.is_file():
+        raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
+    return json.loads(marker.read_text())
