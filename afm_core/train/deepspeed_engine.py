@@ -5,8 +5,9 @@ stage 3, ``overlap_comm: false``, ``stage3_gather_16bit_weights_on_model_save: t
 This engine runs that setup under the Megatron engine's contract, so a run differs only in who shards what:
 
 - the same config keys (``trainer.*``, ``optim.*``), data stream, step loop, evals, ``metrics.jsonl`` records
-  and run summary: :class:`DeepSpeedSFTTrainer` is an :class:`~afm_core.train.trainer.SFTTrainer` whose
-  step, eval and checkpoint methods drive a ``deepspeed.DeepSpeedEngine`` instead of megatron modules;
+  and run summary: :class:`DeepSpeedSFTTrainer` is an :class:`~afm_core.train.trainer.SFTLoop` (the loop of
+  the Megatron engine's :class:`~afm_core.train.trainer.SFTTrainer`) whose step, eval and checkpoint methods
+  drive a ``deepspeed.DeepSpeedEngine`` instead of megatron modules;
 - the same loss: the masked token mean over the global batch (:mod:`afm_core.train.loss`), made exact under
   DeepSpeed's gradient averaging by scaling each micro batch's loss sum by ``dp / N_global``;
 - the same schedule: megatron's ``OptimizerParamScheduler`` (linear warmup, cosine to ``min_lr``) driving the
@@ -46,7 +47,7 @@ from afm_core.train.distributed import ParallelLayout, set_num_threads, training
 from afm_core.train.loss import masked_token_loss, reduce_reports
 from afm_core.train.optim import build_lr_scheduler
 from afm_core.train.sft import full_micro_batches
-from afm_core.train.trainer import MicroBatchSource, Progress, SFTTrainer
+from afm_core.train.trainer import MicroBatchSource, Progress, SFTLoop
 from afm_core.utils.atomic import atomic_dir, atomic_path
 from afm_core.utils.paths import repo_root
 
@@ -277,8 +278,8 @@ def load_zero_model(hf_dir: str | os.PathLike[str], ds_config: dict[str, Any], d
 # -- the trainer ---------------------------------------------------------------------------------------------
 
 
-class DeepSpeedSFTTrainer(SFTTrainer):
-    """The Megatron engine's loop (:meth:`SFTTrainer.fit`: evals, logging, checkpoint cadence, summary) over a
+class DeepSpeedSFTTrainer(SFTLoop):
+    """The Megatron engine's loop (:meth:`SFTLoop.fit`: evals, logging, checkpoint cadence, summary) over a
     DeepSpeed ZeRO engine wrapping an HF causal LM.
 
     Args:
@@ -287,7 +288,7 @@ class DeepSpeedSFTTrainer(SFTTrainer):
         model: the HF model from :func:`load_zero_model`.
         ds_config: from :func:`deepspeed_config`, with ``gradient_accumulation_steps`` equal to
             ``global_batch_size / (micro_batch_size * dp)``.
-        train_data, eval_batches, run_dir, max_steps, resume_from: as for :class:`SFTTrainer`.
+        train_data, eval_batches, run_dir, max_steps, resume_from: as for :class:`~afm_core.train.trainer.SFTLoop`.
     Raises:
         ValueError: the batch sizes do not divide, or ``ds_config`` accumulates another number of micro batches.
     """
@@ -297,20 +298,7 @@ class DeepSpeedSFTTrainer(SFTTrainer):
                  max_steps: int, resume_from: str | Path | None = None):
         import deepspeed
 
-        # SFTTrainer.__init__ builds megatron modules; this sets the same attributes for the DeepSpeed engine.
-        self.cfg, self.layout, self.max_steps = cfg, layout, max_steps
-        self.run_dir = Path(run_dir)
-        self.resume_from = Path(resume_from) if resume_from else None
-        self.train_data, self.eval_batches = train_data, eval_batches
-        t = cfg.trainer
-        self.seq_length, self.micro_batch_size = int(t.seq_length), int(t.micro_batch_size)
-        per_pass = self.micro_batch_size * layout.dp
-        if t.global_batch_size % per_pass:
-            raise ValueError(
-                f"trainer.global_batch_size={t.global_batch_size} is not divisible by trainer.micro_batch_size"
-                f" * dp = {self.micro_batch_size} * {layout.dp}"
-            )
-        self.num_microbatches = t.global_batch_size // per_pass
+        super().__init__(cfg, layout, train_data, eval_batches, run_dir, max_steps, resume_from)
         if ds_config["gradient_accumulation_steps"] != self.num_microbatches:
             raise ValueError(f"DeepSpeed gradient_accumulation_steps={ds_config['gradient_accumulation_steps']}, "
                              f"but the trainer runs {self.num_microbatches} micro batches per step")
@@ -323,8 +311,6 @@ class DeepSpeedSFTTrainer(SFTTrainer):
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, max_steps)
         self.report_groups = [torch.distributed.group.WORLD]
-        self.progress = Progress()
-        self.metrics = None
 
     # -- one step --------------------------------------------------------------------------------------
     def _micro_batch_loss(self, batch: dict[str, torch.Tensor]):
@@ -459,7 +445,7 @@ def train_deepspeed(cfg: Any, layout: ParallelLayout, data: Any, hf_dir: str | o
         hf_dir: the HF checkpoint to start from; tokenizer: its tokenizer (saved with the export).
         run_dir, max_steps, resume_from: as for :class:`SFTTrainer`.
     Returns:
-        :meth:`SFTTrainer.fit`'s summary, plus ``hf_dir`` (the export, or None when ``trainer.export_hf`` is
+        :meth:`SFTLoop.fit`'s summary, plus ``hf_dir`` (the export, or None when ``trainer.export_hf`` is
         false or the run stopped early) and ``engine: "deepspeed"``; identical on every rank.
     Raises:
         ValueError, DeepSpeedConfigError: bad batch sizes, precision or DeepSpeed JSON.

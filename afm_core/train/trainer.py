@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
@@ -137,30 +138,32 @@ def build_model_chunks(model_provider: Any, layout: ParallelLayout) -> list[torc
     return chunks
 
 
-class SFTTrainer:
-    """Runs observation-masked SFT on prebuilt megatron model chunks.
+class SFTLoop(ABC):
+    """The engine-independent SFT loop: batch sizes, resume, step loop, evals, metrics, checkpoint cadence, summary.
+
+    An engine subclass builds its model and optimizer (``self.optimizer``: its ``param_groups[0]["lr"]`` is logged)
+    and sets ``self.report_groups`` (the process groups :func:`~afm_core.train.loss.reduce_reports` sums over);
+    it implements :meth:`train_step`, :meth:`evaluate`, :meth:`save_checkpoint` and :meth:`_resume`.
 
     Args:
         cfg: the composed SFT config (``trainer``, ``optim``, ``parallel`` groups are read).
         layout: this rank's parallel layout.
-        model_chunks: unwrapped GPTModel chunk(s) of this rank, weights already loaded, on ``layout.device``,
-            in their training dtype (bf16 or fp32).
         train_data: this DP rank's training micro batches.
         eval_batches: this DP rank's share of the held-out micro batches (the same at every eval).
         run_dir: ``RUN_DIR`` (metrics.jsonl, loss.png, checkpoints/).
         max_steps: optimizer steps of the whole run.
         resume_from: another run's RUN_DIR to resume from when ``run_dir`` has no complete checkpoint.
-        thd_packing: give packed documents to transformer-engine attention as ``PackedSeqParams`` (TE spec).
     Raises:
-        ValueError: the batch sizes do not divide (names the config fields), or ``thd_packing`` with
-            ``micro_batch_size > 1``.
+        ValueError: ``trainer.global_batch_size`` is not divisible by ``trainer.micro_batch_size * dp``.
     """
 
-    def __init__(self, cfg: Any, layout: ParallelLayout, model_chunks: list[torch.nn.Module],
-                 train_data: MicroBatchSource, eval_batches: list[dict[str, torch.Tensor]], run_dir: str | Path,
-                 max_steps: int, resume_from: str | Path | None = None, thd_packing: bool = False):
+    optimizer: Any
+    report_groups: list[Any]
+
+    def __init__(self, cfg: Any, layout: ParallelLayout, train_data: MicroBatchSource,
+                 eval_batches: list[dict[str, torch.Tensor]], run_dir: str | Path, max_steps: int,
+                 resume_from: str | Path | None = None):
         self.cfg, self.layout, self.max_steps = cfg, layout, max_steps
-        self.thd_packing = thd_packing
         self.run_dir = Path(run_dir)
         self.resume_from = Path(resume_from) if resume_from else None
         self.train_data, self.eval_batches = train_data, eval_batches
@@ -173,67 +176,28 @@ class SFTTrainer:
                 f" * dp = {self.micro_batch_size} * {layout.dp}"
             )
         self.num_microbatches = t.global_batch_size // per_pass
-        if thd_packing and self.micro_batch_size != 1:
-            raise ValueError("packed sequences on transformer-engine (thd format) need trainer.micro_batch_size=1, "
-                             f"got {self.micro_batch_size}")
-
-        self.model = self._wrap(model_chunks)
-        self.optimizer, self.scheduler = build_optimizer(
-            self.model, cfg.optim, max_steps=max_steps, grad_clip=t.grad_clip,
-            params_dtype=get_model_config(self.model[0]).params_dtype,
-            distributed_optimizer=bool(cfg.parallel.distributed_optimizer),
-        )
-        config = get_model_config(self.model[0])
-        config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
-        config.finalize_model_grads_func = finalize_model_grads
-        config.grad_scale_func = self.optimizer.scale_loss
-        self.forward_backward = get_forward_backward_func()
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", t.keep_last, layout)
-        self.report_groups = [ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()]
         self.progress = Progress()
         self.metrics: MetricsLog | None = None
 
-    # -- setup -----------------------------------------------------------------------------------------
-    def _wrap(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-        """Megatron-LM's wrapping: Float16Module for bf16, then DDP with fp32 grad buffers."""
-        config = get_model_config(chunks[0])
-        config.calculate_per_token_loss = True  # read by DDP and the schedules: see afm_core.train.loss
-        if config.pipeline_dtype is None:
-            config.pipeline_dtype = config.params_dtype
-        if not self.layout.on_gpu:
-            # gloo pairs the batched isend/irecv of two ranks in posting order: with PP=2 and virtual stages the
-            # activation and the gradient crossing between the same two ranks were swapped (wrong losses).
-            # Megatron's unbatched p2p orders sends/receives by even/odd pipeline rank instead.
-            config.batch_p2p_comm = False
-        if config.bf16:
-            chunks = [Float16Module(config, m) for m in chunks]
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=bool(self.cfg.parallel.distributed_optimizer),
-            check_for_nan_in_grad=True,
-        )
-        return [
-            DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
-            for i, m in enumerate(chunks)
-        ]
+    # -- what an engine implements ---------------------------------------------------------------------
+    @abstractmethod
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over the next global batch; returns loss, tokens, lr and grad_norm."""
 
-    # -- one step --------------------------------------------------------------------------------------
-    def _forward_step(self, data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
-        batch = next(data_iterator)
-        device = self.layout.device
-        tokens = batch["tokens"].to(device, non_blocking=True)
-        labels = batch["labels"].to(device, non_blocking=True).clamp(min=0)  # -100 where loss_mask is 0
-        loss_mask = batch["loss_mask"].to(device, non_blocking=True)
-        position_ids = batch["position_ids"].to(device, non_blocking=True)
-        attention_mask, packed_seq_params = batch.get("attention_mask"), None
-        if attention_mask is not None and self.thd_packing:
-            attention_mask, packed_seq_params = None, thd_packed_seq_params(batch["cu_seqlens"], self.seq_length, device)
-        elif attention_mask is not None:
-            attention_mask = attention_mask.to(device, non_blocking=True)
-        output = model(tokens, position_ids, attention_mask, labels=labels, packed_seq_params=packed_seq_params)
-        return output, partial(masked_token_loss, loss_mask)
+    @abstractmethod
+    def evaluate(self) -> tuple[float, int]:
+        """Masked token-mean loss and unmasked token count over the held-out micro batches of all DP ranks."""
 
+    @abstractmethod
+    def save_checkpoint(self) -> Path:
+        """Write ``checkpoints/step_N`` for ``self.progress.step`` (every rank calls it); returns its path."""
+
+    @abstractmethod
+    def _resume(self) -> Path | None:
+        """Load the checkpoint :meth:`_find_checkpoint` names, if any, into the model, optimizer, scheduler,
+        ``self.progress`` and the data stream; returns its path."""
+
+    # -- shared by the engines -------------------------------------------------------------------------
     def _check_batch(self, batch: dict[str, torch.Tensor]) -> None:
         shape = (self.micro_batch_size, self.seq_length)
         for key in BATCH_KEYS:
@@ -243,68 +207,8 @@ class SFTTrainer:
                 raise ValueError(f"micro batch {key!r} has shape {tuple(batch[key].shape)}, expected "
                                  f"[trainer.micro_batch_size, trainer.seq_length] = {list(shape)}")
 
-    def _run_schedule(self, micro_batches: list[dict[str, torch.Tensor]], forward_only: bool):
-        iterators = [iter(micro_batches) for _ in self.model]
-        return self.forward_backward(
-            forward_step_func=self._forward_step,
-            data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self.model,
-            num_microbatches=len(micro_batches),
-            seq_length=self.seq_length,
-            micro_batch_size=self.micro_batch_size,
-            forward_only=forward_only,
-        )
-
-    def train_step(self) -> dict[str, float]:
-        """One optimizer step over the next global batch; returns loss, tokens, lr and grad_norm."""
-        micro_batches = [next(self.train_data) for _ in range(self.num_microbatches)]
-        for batch in micro_batches:
-            self._check_batch(batch)
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        lr = self.optimizer.param_groups[0]["lr"]
-        reports = self._run_schedule(micro_batches, forward_only=False)
-        update_ok, grad_norm, _ = self.optimizer.step()
-        if not update_ok:
-            raise FloatingPointError(f"optimizer step {self.progress.step + 1} skipped: non-finite gradients")
-        self.scheduler.step(increment=1)
-        loss, tokens = reduce_reports(reports, self.report_groups)
-        return {"loss": loss, "tokens": tokens, "lr": lr, "grad_norm": float(grad_norm)}
-
-    @torch.no_grad()
-    def evaluate(self) -> tuple[float, int]:
-        """Masked token-mean loss and unmasked token count over the held-out micro batches of all DP ranks."""
-        for chunk in self.model:
-            chunk.eval()
-        reports = self._run_schedule(self.eval_batches, forward_only=True)
-        for chunk in self.model:
-            chunk.train()
-        return reduce_reports(reports, self.report_groups)
-
-    # -- checkpoints -----------------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
-        common = {"progress": asdict(self.progress), "scheduler": self.scheduler.state_dict()}
-        shared = [common]
-        torch.distributed.broadcast_object_list(shared, src=0)  # dist_checkpointing wants identical commons
-        return self.checkpointer.save(self.progress.step, self.model, self.optimizer, shared[0],
-                                      {"data": self.train_data.state_dict()})
-
     def _find_checkpoint(self) -> Path | None:
         return find_resume_checkpoint(self.run_dir, self.resume_from)
-
-    def _resume(self) -> Path | None:
-        path = self._find_checkpoint()
-        if path is None:
-            return None
-        common, rank_state = self.checkpointer.load(path, self.model, self.optimizer)
-        self.progress = Progress(**common["progress"])
-        self.scheduler.load_state_dict(common["scheduler"])
-        if "data" in rank_state:
-            self.train_data.load_state_dict(rank_state["data"])
-        if self.layout.is_rank0 and not path.is_relative_to(self.run_dir):
-            self._seed_metrics_from(path.parent.parent / "metrics.jsonl")
-        return path
 
     def _seed_metrics_from(self, source: Path) -> None:
         """Resuming another run's checkpoint: start this run's metrics.jsonl with that run's history."""
@@ -408,3 +312,142 @@ class SFTTrainer:
         before = next((r["loss"] for r in evals if r["step"] == 0), None)
         after = evals[-1] if evals else {}
         return {"eval_loss_before": before, "eval_loss_after": after.get("loss"), "eval_step_after": after.get("step")}
+
+
+class SFTTrainer(SFTLoop):
+    """Runs observation-masked SFT on prebuilt megatron model chunks.
+
+    Args:
+        cfg, layout, train_data, eval_batches, run_dir, max_steps, resume_from: as for :class:`SFTLoop`.
+        model_chunks: unwrapped GPTModel chunk(s) of this rank, weights already loaded, on ``layout.device``,
+            in their training dtype (bf16 or fp32).
+        thd_packing: give packed documents to transformer-engine attention as ``PackedSeqParams`` (TE spec).
+    Raises:
+        ValueError: the batch sizes do not divide (names the config fields), or ``thd_packing`` with
+            ``micro_batch_size > 1``.
+    """
+
+    def __init__(self, cfg: Any, layout: ParallelLayout, model_chunks: list[torch.nn.Module],
+                 train_data: MicroBatchSource, eval_batches: list[dict[str, torch.Tensor]], run_dir: str | Path,
+                 max_steps: int, resume_from: str | Path | None = None, thd_packing: bool = False):
+        super().__init__(cfg, layout, train_data, eval_batches, run_dir, max_steps, resume_from)
+        self.thd_packing = thd_packing
+        t = cfg.trainer
+        if thd_packing and self.micro_batch_size != 1:
+            raise ValueError("packed sequences on transformer-engine (thd format) need trainer.micro_batch_size=1, "
+                             f"got {self.micro_batch_size}")
+
+        self.model = self._wrap(model_chunks)
+        self.optimizer, self.scheduler = build_optimizer(
+            self.model, cfg.optim, max_steps=max_steps, grad_clip=t.grad_clip,
+            params_dtype=get_model_config(self.model[0]).params_dtype,
+            distributed_optimizer=bool(cfg.parallel.distributed_optimizer),
+        )
+        config = get_model_config(self.model[0])
+        config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+        self.forward_backward = get_forward_backward_func()
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", t.keep_last, layout)
+        self.report_groups = [ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()]
+
+    # -- setup -----------------------------------------------------------------------------------------
+    def _wrap(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+        """Megatron-LM's wrapping: Float16Module for bf16, then DDP with fp32 grad buffers."""
+        config = get_model_config(chunks[0])
+        config.calculate_per_token_loss = True  # read by DDP and the schedules: see afm_core.train.loss
+        if config.pipeline_dtype is None:
+            config.pipeline_dtype = config.params_dtype
+        if not self.layout.on_gpu:
+            # gloo pairs the batched isend/irecv of two ranks in posting order: with PP=2 and virtual stages the
+            # activation and the gradient crossing between the same two ranks were swapped (wrong losses).
+            # Megatron's unbatched p2p orders sends/receives by even/odd pipeline rank instead.
+            config.batch_p2p_comm = False
+        if config.bf16:
+            chunks = [Float16Module(config, m) for m in chunks]
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=bool(self.cfg.parallel.distributed_optimizer),
+            check_for_nan_in_grad=True,
+        )
+        return [
+            DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
+            for i, m in enumerate(chunks)
+        ]
+
+    # -- one step --------------------------------------------------------------------------------------
+    def _forward_step(self, data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+        batch = next(data_iterator)
+        device = self.layout.device
+        tokens = batch["tokens"].to(device, non_blocking=True)
+        labels = batch["labels"].to(device, non_blocking=True).clamp(min=0)  # -100 where loss_mask is 0
+        loss_mask = batch["loss_mask"].to(device, non_blocking=True)
+        position_ids = batch["position_ids"].to(device, non_blocking=True)
+        attention_mask, packed_seq_params = batch.get("attention_mask"), None
+        if attention_mask is not None and self.thd_packing:
+            attention_mask, packed_seq_params = None, thd_packed_seq_params(batch["cu_seqlens"], self.seq_length, device)
+        elif attention_mask is not None:
+            attention_mask = attention_mask.to(device, non_blocking=True)
+        output = model(tokens, position_ids, attention_mask, labels=labels, packed_seq_params=packed_seq_params)
+        return output, partial(masked_token_loss, loss_mask)
+
+    def _run_schedule(self, micro_batches: list[dict[str, torch.Tensor]], forward_only: bool):
+        iterators = [iter(micro_batches) for _ in self.model]
+        return self.forward_backward(
+            forward_step_func=self._forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.model,
+            num_microbatches=len(micro_batches),
+            seq_length=self.seq_length,
+            micro_batch_size=self.micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over the next global batch; returns loss, tokens, lr and grad_norm."""
+        micro_batches = [next(self.train_data) for _ in range(self.num_microbatches)]
+        for batch in micro_batches:
+            self._check_batch(batch)
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self.optimizer.param_groups[0]["lr"]
+        reports = self._run_schedule(micro_batches, forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if not update_ok:
+            raise FloatingPointError(f"optimizer step {self.progress.step + 1} skipped: non-finite gradients")
+        self.scheduler.step(increment=1)
+        loss, tokens = reduce_reports(reports, self.report_groups)
+        return {"loss": loss, "tokens": tokens, "lr": lr, "grad_norm": float(grad_norm)}
+
+    @torch.no_grad()
+    def evaluate(self) -> tuple[float, int]:
+        """Masked token-mean loss and unmasked token count over the held-out micro batches of all DP ranks."""
+        for chunk in self.model:
+            chunk.eval()
+        reports = self._run_schedule(self.eval_batches, forward_only=True)
+        for chunk in self.model:
+            chunk.train()
+        return reduce_reports(reports, self.report_groups)
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        common = {"progress": asdict(self.progress), "scheduler": self.scheduler.state_dict()}
+        shared = [common]
+        torch.distributed.broadcast_object_list(shared, src=0)  # dist_checkpointing wants identical commons
+        return self.checkpointer.save(self.progress.step, self.model, self.optimizer, shared[0],
+                                      {"data": self.train_data.state_dict()})
+
+    def _resume(self) -> Path | None:
+        path = self._find_checkpoint()
+        if path is None:
+            return None
+        common, rank_state = self.checkpointer.load(path, self.model, self.optimizer)
+        self.progress = Progress(**common["progress"])
+        self.scheduler.load_state_dict(common["scheduler"])
+        if "data" in rank_state:
+            self.train_data.load_state_dict(rank_state["data"])
+        if self.layout.is_rank0 and not path.is_relative_to(self.run_dir):
+            self._seed_metrics_from(path.parent.parent / "metrics.jsonl")
+        return path
