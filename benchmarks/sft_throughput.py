@@ -1,7 +1,7 @@
 """Our Megatron SFT step vs Hugging Face transformers, side by side in one run, plus packing efficiency.
 
-    .venv/bin/python -m benchmarks.sft_throughput                        # SmolLM2-135M, ~3 min on 2 idle cores
-    .venv/bin/python -m benchmarks.sft_throughput --model tiny-llama     # seconds
+    .venv/bin/python -m benchmarks.sft_throughput                        # SmolLM2-135M, a few minutes on 2 cores
+    .venv/bin/python -m benchmarks.sft_throughput --model tiny-llama     # about a minute, mostly setup
     .venv/bin/python -m benchmarks.sft_throughput --out runs/bench/sft_throughput.json
 
 Both engines train the same model (``ensure_hf_checkpoint``: the HF safetensors of the preset, fp32), from the
@@ -29,7 +29,9 @@ printed as a check that they computed the same thing (equal to ~1e-5 in fp32). P
 non-pad share of all token slots of the train split, packed vs one trajectory per sequence
 (:class:`~afm_core.data.packing.PackingStats`).
 
-Precision is fp32 on both sides (on CUDA too); both share this process's torch threads (``--threads``).
+Precision is fp32 on both sides (on CUDA too); both share this process's torch threads (``--threads``). The table
+title shows the machine's 1-minute load average before and after the run (this run's own threads count in it):
+on a shared machine, read the ratio, not the absolute tokens/s.
 """
 
 from __future__ import annotations
