@@ -6,7 +6,9 @@ Bytes are copied as written (``\\r`` progress-bar updates included) from ``<job 
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -51,7 +53,7 @@ def wait_streaming(job: submitit.Job[Any], poll_s: float = 0.5) -> Any:
     """Stream rank 0's output until ``job`` ends; return rank 0's result.
 
     A job whose ranks did not all finish within :data:`STUCK_AFTER_S` seconds of the first one (one rank failed,
-    the others wait for it in a collective) is cancelled. Ctrl-C cancels the job.
+    the others wait for it in a collective) is cancelled. Ctrl-C or SIGTERM cancels the job.
 
     Raises:
         submitit.core.utils.FailedJobError: a rank raised (the message holds its traceback).
@@ -61,6 +63,8 @@ def wait_streaming(job: submitit.Job[Any], poll_s: float = 0.5) -> Any:
     tail = rank0_tail(job)
     tasks = [job.task(k) for k in range(job.num_tasks)]
     first_done_at, cancelled = None, False
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt) if in_main_thread else None
     try:
         while not job.done():
             tail.pump()
@@ -77,5 +81,12 @@ def wait_streaming(job: submitit.Job[Any], poll_s: float = 0.5) -> Any:
         job.cancel()
         raise
     finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_sigterm)
         tail.pump()
     return job.results()[0]
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM while following (``kill``, a terminal closing) cancels the job like Ctrl-C does."""
+    raise KeyboardInterrupt
