@@ -7,23 +7,19 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from afm_core.launch.distributed import free_port
 from afm_core.models.arch import arch_from_hf_config
 from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
 
 LOGITS_ATOL = 1e-4  # fp32, max |Δ| against transformers
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _pipeline_forward(model, input_ids: torch.Tensor) -> torch.Tensor | None:
@@ -107,7 +103,7 @@ def _check_round_trip(hf_dir: Path, tmp_path: Path, *, tp: int, pp: int = 1, inp
     torch.save(reference, tmp_path / "reference_logits.pt")
 
     world_size = tp * pp
-    mp.start_processes(_worker, args=(world_size, tp, pp, _free_port(), str(hf_dir), str(tmp_path)),
+    mp.start_processes(_worker, args=(world_size, tp, pp, free_port(), str(hf_dir), str(tmp_path)),
                        nprocs=world_size, start_method="spawn")
 
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(world_size)]

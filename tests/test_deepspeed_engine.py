@@ -12,7 +12,6 @@ import json
 import math
 import os
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from afm_core.launch.distributed import free_port
 from afm_core.utils.paths import repo_root, shared_data_dir
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -r requirements/base.txt)")
@@ -68,10 +68,6 @@ def data_module(data_dir: Path, hf_dir: Path):
                          pack=True), tokenizer
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def worker(rank: int, world: int, port: int, spec: dict) -> None:

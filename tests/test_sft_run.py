@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from afm_core.launch.distributed import free_port
 from afm_core.utils.paths import repo_root, shared_data_dir
 
 pytestmark = pytest.mark.skipif(not shared_data_dir().is_dir(),
@@ -38,10 +38,7 @@ def sft_worker(rank: int, world: int, port: int, overrides: list[str], out: str)
 
 
 def run_sft_spawned(overrides: list[str], out: Path, world: int = 1) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(sft_worker, args=(world, port, overrides, str(out)), nprocs=world, join=True,
+    mp.start_processes(sft_worker, args=(world, free_port(), overrides, str(out)), nprocs=world, join=True,
                        start_method="spawn")
     return json.loads(out.read_text())
 

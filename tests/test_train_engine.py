@@ -11,7 +11,6 @@ import json
 import math
 import os
 import signal
-import socket
 import zlib
 from pathlib import Path
 
@@ -20,15 +19,12 @@ import torch
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
+from afm_core.launch.distributed import free_port
 from afm_core.utils.paths import repo_root
 
 VOCAB, SEQ, HIDDEN, LAYERS = 128, 32, 32, 4
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_cfg(**overrides) -> OmegaConf:
