@@ -2,7 +2,7 @@
 capped output and a wall-clock kill.
 
 The upstream code tool runs one snippet at a time on the rollout's event loop (a blocking
-``p.join()`` inside ``async def``; /work/shared/notes/afm-reference.md §5.3, §8.10). Here every snippet is
+``p.join()`` inside ``async def``; OPPO-PersonalAI/Agent_Foundation_Models, ``verl/verl/tools/code_executor.py``). Here every snippet is
 an asyncio subprocess; at most ``max_concurrency`` run at once, up to ``max_queue`` more wait for a slot,
 and anything beyond that is refused at once (:class:`QueueFullError`, HTTP 503 at the server).
 """

@@ -10,7 +10,7 @@
 # (SlurmctldParameters=preempt_send_user_signal) and 30 s of grace. A requeued job may start again after ~11 s
 # (AuthInfo=cred_expire=10, sched/bf interval 2 s). The node advertises SLURM_CPUS CPUs (default 8, over-subscribing
 # the real cores through SlurmdParameters=config_overrides) so a few small jobs run at once.
-# Settings and pitfalls: /work/shared/notes/slurm-feasibility.md. Must run as root (it installs packages and
+# Settings: slurm.conf(5), https://slurm.schedmd.com/slurm.conf.html. Must run as root (it installs packages and
 # starts daemons under their own users). State (job ids, spool, logs, PID files) persists in $AFM_SLURM_STATE
 # (default /var/lib/afm-slurm) across stop/start, so job ids keep growing and sacct history stays consistent.
 set -euo pipefail

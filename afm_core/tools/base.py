@@ -3,8 +3,8 @@
 A tool is one CoA tag (``<web_search>``, ``<crawl_page>``, ``<wiki_search>``, ``<code>``). The CoA format
 module (``afm_core.coa.parse_tool_calls``) finds ``<tag>content</tag>`` in the model's text; the tool
 parses only the content (:meth:`Tool.parse`) and turns it into observation text (:meth:`Tool.call`).
-Upstream passes every tool a single string argument ``query`` (``XMLToolParser``;
-/work/shared/notes/afm-reference.md §2.2); the tools keep that contract.
+Upstream passes every tool a single string argument ``query`` (``XMLToolParser`` in OPPO-PersonalAI/Agent_Foundation_Models,
+``verl/verl/tools/xml_tool_parser.py``); the tools keep that contract.
 
 Tools never retry, time out, rate-limit or cache by themselves: :class:`~afm_core.tools.pool.ToolPool` does,
 through the :class:`~afm_core.tools.http.ToolHttp` it hands to :meth:`Tool.call`.

@@ -3,7 +3,7 @@
 Keys are ``(tool name, call key)``; values are observation strings; each entry expires ``ttl_s`` seconds
 after it was stored (wall-clock time, so entries on disk expire across restarts too). The upstream
 Serper cache server keeps a ``TTLCache(maxsize=1_000_000, ttl=3600)`` and appends pickles to a file
-(/work/shared/notes/afm-reference.md §5.1); SQLite gives the same persistence with atomic writes, and
+(OPPO-PersonalAI/Agent_Foundation_Models, ``verl/server/v2/cache_serper_server_v2_train.py`` at commit 8536230); SQLite gives the same persistence with atomic writes, and
 several processes (e.g. rollout workers) can share one file (WAL mode, 5 s busy timeout).
 """
 

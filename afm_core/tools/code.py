@@ -1,7 +1,7 @@
 """``<code>``: run a Python snippet in the sandbox server (``sandbox/``) and report its output.
 
-Parsing and observation formats follow the upstream code tool (``NsjailSandbox`` in
-``verl/verl/tools/code_executor.py``; /work/shared/notes/afm-reference.md §2.1, §5.3): the code is every
+Parsing and observation formats follow the upstream code tool (``NsjailSandbox`` in OPPO-PersonalAI/Agent_Foundation_Models,
+``verl/verl/tools/code_executor.py``): the code is every
 ```` ```py ```` / ```` ```python ```` block (joined by a blank line), stdin is every ```` ```sh ```` /
 ```` ```bash ```` block; without a fence, content that parses as Python is taken as the code. Observations:
 ``[EXECUTED] Code exited with status 0.`` + ``[STDOUT:BEGIN]…[STDOUT:END]``, or ``[FAILED] Code exited with

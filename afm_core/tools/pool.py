@@ -5,7 +5,8 @@ per tool: a concurrency limit, a rate limit, per-attempt timeouts with retries a
 (:class:`~afm_core.tools.http.ToolHttp`), a TTL cache (memory and disk, :class:`~afm_core.tools.cache.ToolCache`)
 and metrics (:class:`~afm_core.tools.metrics.ToolMetrics`). It also keeps the per-trajectory duplicate
 guard of the upstream rollout (a repeated ``web_search``/``wiki_search`` query or ``crawl_page`` URL list in
-the same trajectory gets a canned observation instead of a call; /work/shared/notes/afm-reference.md §4.2).
+the same trajectory gets a canned observation instead of a call; OPPO-PersonalAI/Agent_Foundation_Models,
+``verl/verl/workers/rollout/sglang_rollout/sglang_rollout.py``).
 
 :meth:`ToolPool.call` never raises (except :class:`asyncio.CancelledError`): a failure becomes an error
 observation, so one bad tool call cannot end a rollout.

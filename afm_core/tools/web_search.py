@@ -2,7 +2,7 @@
 
 Request ``{"q": query, "num": n}`` with header ``X-API-KEY``; answer ``{"organic": [{"title", "link",
 "snippet", "date"?, "source"?}, ...]}``. The observation follows the upstream ``SerperCacheAPITool``
-(/work/shared/notes/afm-reference.md §5.1): ``Found N results:\\n\\n## Web Results\\n1. [title](link)``
+(OPPO-PersonalAI/Agent_Foundation_Models, ``verl/verl/tools/web_search_v2.py``): ``Found N results:\\n\\n## Web Results\\n1. [title](link)``
 then the optional ``Date published:`` / ``Source:`` lines, the link and the snippet; or ``No results found
 for query: '…'. Use a less specific query.``
 

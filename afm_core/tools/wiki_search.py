@@ -3,7 +3,7 @@
 Request ``{"queries": [q], "topk": k, "return_scores": true}``; answer
 ``{"result": [[{"document": {"id", "title", "contents"}, "score"}, ...]]}``. The observation lists the
 passages as ``Doc i (Title: <first line of contents>)\\n<rest>``, joined by ``\\n---\\n`` (upstream
-``SearchTool``; /work/shared/notes/afm-reference.md §5.4). The offline server is
+``SearchTool`` in OPPO-PersonalAI/Agent_Foundation_Models, ``verl/verl/tools/search_tool.py``). The offline server is
 :mod:`afm_core.tools.servers.wiki`.
 """
 

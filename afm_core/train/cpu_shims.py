@@ -2,7 +2,7 @@
 
 megatron-core hard-codes CUDA in a handful of places that the CPU path still runs through. Each patch below
 lists the verbatim failure it prevents; all were observed with torch 2.13.0+cpu and megatron-core 0.16.1
-(see ``/work/shared/notes/megatron-cpu-feasibility.md``). They are applied only when CUDA is absent, so the
+(NVIDIA/Megatron-LM, ``megatron/core``). They are applied only when CUDA is absent, so the
 GPU path runs megatron unmodified. Nothing outside this module patches torch or megatron.
 
 Patches (in the order :func:`apply_cpu_shims` installs them):

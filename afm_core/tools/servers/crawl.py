@@ -5,8 +5,8 @@
 Each URL is fetched with aiohttp (redirects followed, at most ``max_page_bytes``), its title and main text are
 extracted in a process pool (:func:`~afm_core.tools.extract.extract_page`: trafilatura, Readability's title
 rules), and with ``summarize`` an OpenAI-compatible ``/chat/completions`` endpoint summarises the page toward
-``task`` (the upstream server does this with Jina Reader and a hosted Qwen2.5-72B;
-/work/shared/notes/afm-reference.md §5.2). A page that cannot be fetched gets ``error`` and no text; a failed
+``task`` (the upstream server does this with Jina Reader and a hosted Qwen2.5-72B: OPPO-PersonalAI/Agent_Foundation_Models,
+``AFM/tool_servers/web_server/v2/crawl_page_server_v2.py``). A page that cannot be fetched gets ``error`` and no text; a failed
 summary keeps the text and sets ``summary_error``. ``GET /health``.
 """
 

@@ -1,6 +1,6 @@
 """Wiki retrieval server: ``python -m afm_core.tools.servers.wiki --corpus corpus.jsonl --port N``.
 
-API (the upstream ``wiki_rag_server.py`` / Search-R1 retriever API; /work/shared/notes/afm-reference.md §5.4):
+API (the Search-R1 retriever API of OPPO-PersonalAI/Agent_Foundation_Models, ``AFM/tool_servers/wiki_server/wiki_rag_server.py``):
 ``POST /retrieve`` ``{"queries": [str], "topk": int | null, "return_scores": bool}`` →
 ``{"result": [[{"document": {"id", "title", "contents"}, "score": float}, ...], ...]}`` with scores, or
 ``{"result": [[document, ...], ...]}`` without. ``GET /health``. Retrieval is BM25, or dense with
