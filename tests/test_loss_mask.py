@@ -1,8 +1,9 @@
-"""Observation loss masks from character spans, on real tokenizers (SmolLM2 and the Qwen BPE vocab).
+"""Segment-wise tokenization and observation loss masks, on real tokenizers (SmolLM2 and the Qwen BPE vocab).
 
 Each case is checked exactly: the response is split into maximal runs of masked / trained tokens and
-each run is decoded, so the check does not reuse the offset mapping it tests. The upstream marker-scan
-mask (LLaMA-Factory-AFM) is run on the same ids to show where it fails.
+each run is decoded, so the check does not reuse the segmentation it tests: the masked characters must be
+exactly the observation blocks plus the layout newlines around them (one before, up to two after). The
+upstream marker-scan mask (LLaMA-Factory-AFM) is run on whole-pass ids to show where it fails.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from afm_core.data.tokenize import (
     IGNORE_INDEX,
+    encode_text,
     end_of_turn_token,
     tokenize_sft_example,
     upstream_marker_mask,
@@ -118,29 +120,25 @@ def _masked_characters(tokenizer, response: str, ids: list[int], labels: list[in
     return [masked for masked, text in runs for _ in text]
 
 
-def _observation_characters(response: str) -> list[bool]:
+def _environment_characters(response: str) -> list[bool]:
+    """Per character: inside an observation block, or one of the layout newlines around it."""
     inside = [False] * len(response)
-    for match in re.finditer(r"<observation>.*?</observation>", response, re.DOTALL):
+    for match in re.finditer(r"\n?<observation>.*?(</observation>\n{0,2}|$)", response, re.DOTALL):
         inside[match.start() : match.end()] = [True] * (match.end() - match.start())
     return inside
 
 
 def _assert_exact_mask(tokenizer, response: str, ids: list[int], labels: list[int]) -> None:
-    """Every observation character is masked; every token with no observation character is trained.
-
-    A masked character outside an observation is only allowed as BPE glue: it shares a token with a tag
-    character (checked through the independent per-token offsets of the response).
-    """
+    """Masked characters are exactly the environment's (observation blocks and their layout newlines), and
+    the ids are each segment tokenized on its own (no token straddles a model/environment boundary)."""
     masked = _masked_characters(tokenizer, response, ids, labels)
-    observation = _observation_characters(response)
-    assert all(m for m, o in zip(masked, observation) if o), "an observation character is trained"
-    offsets = tokenizer(response, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
-    assert offsets["input_ids"] == ids
-    for (start, end), label in zip(offsets["offset_mapping"], labels):
-        touches_observation = any(observation[start:end])
-        assert (label == IGNORE_INDEX) == touches_observation, (
-            f"token {response[start:end]!r} at {start}:{end}: masked={label == IGNORE_INDEX}"
-        )
+    assert masked == _environment_characters(response)
+    segments, pos = [], 0
+    for match in re.finditer(r"\n?<observation>.*?(</observation>\n{0,2}|$)", response, re.DOTALL):
+        segments += [response[pos : match.start()], match.group(0)]
+        pos = match.end()
+    segments.append(response[pos:])
+    assert ids == [i for text in segments for i in encode_text(tokenizer, text)]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -177,14 +175,23 @@ def test_upstream_marker_scan_drops_examples_without_blank_line_after(tokenizer,
 
 def test_upstream_matches_ours_on_canonical_layout_with_qwen(qwen_tokenizer):
     """On the canonical ``\\n<observation>\\n…\\n</observation>\\n\\n`` layout, Qwen's BPE keeps the markers
-    intact (``['<', 'observation']``, ``['observation', '>\\n\\n']``) and both masks agree token for token."""
+    intact (``['<', 'observation']``, ``['observation', '>\\n\\n']``), so upstream's whole-pass scan masks the
+    same characters as our segments, except the newline before ``<observation>``, which we give to the
+    environment's segment. The ids differ at the boundary: the whole pass merges ``>\\n\\n`` across it."""
     response = CASES["canonical"]
     ids = qwen_tokenizer(response, add_special_tokens=False)["input_ids"]
     upstream_labels, upstream_valid = upstream_marker_mask(qwen_tokenizer, ids)
+    assert upstream_valid
+    upstream_masked = _masked_characters(qwen_tokenizer, response, ids, upstream_labels)
     ours = tokenize_sft_example(qwen_tokenizer, "q", response)
     n_prompt = _num_prompt_tokens(qwen_tokenizer, "q")
-    assert upstream_valid
-    assert ours.labels[n_prompt:-1] == upstream_labels
+    ours_masked = _masked_characters(qwen_tokenizer, response, ours.input_ids[n_prompt:-1], ours.labels[n_prompt:-1])
+    newline_before = response.index("<observation>") - 1
+    assert [m for i, m in enumerate(ours_masked) if i != newline_before] == [
+        m for i, m in enumerate(upstream_masked) if i != newline_before
+    ]
+    assert ours_masked[newline_before] and not upstream_masked[newline_before]
+    assert ours.input_ids[n_prompt:-1] != ids
 
 
 def test_upstream_rejects_canonical_layout_with_smollm2(smollm2_tokenizer):

@@ -1,8 +1,8 @@
 """Tokenize one SFT example (prompt + CoA response) into input ids and observation-masked labels.
 
-The loss mask is computed from CHARACTER spans of the response, mapped onto tokens with the fast
-tokenizer's offset mapping, so it does not depend on how the BPE merges the characters around the
-``<observation>`` tags. Upstream AFM (LLaMA-Factory-AFM ``IgnoreObsSupervisedDatasetProcessor.
+The response is tokenized segment by segment (model text; each observation block with its layout
+newlines), exactly as a rollout builds its ids, so the loss mask is exact by construction and does not
+depend on how the BPE would merge the characters around the ``<observation>`` tags. Upstream AFM (LLaMA-Factory-AFM ``IgnoreObsSupervisedDatasetProcessor.
 _mask_search_result_tokens``) instead scans the token ids for marker token sequences; that scan
 silently trains on observations whenever the BPE merges a tag with its neighbours (for example
 ``</web_search><observation>`` or `` <observation>``). :func:`upstream_marker_mask` replicates the
@@ -67,6 +67,60 @@ def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str:
     raise ValueError(f"{type(tokenizer).__name__}: chat template closes no turn with a special token and no eos_token")
 
 
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, system: str | None = None) -> list[int]:
+    """The ids of the chat-template prompt up to the assistant turn: what the model continues from.
+
+    ``chat_template([system?, user: prompt], add_generation_prompt=True)`` rendered as text, then tokenized
+    on its own with no added special tokens (the template writes them). ``system=None`` leaves the system
+    turn to the template (SmolLM2 and Qwen2.5 insert a default one). Used by SFT and by every rollout, so
+    the model meets the same prompt ids in both.
+    """
+    messages = [{"role": "user", "content": prompt}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
+
+
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Ids of one segment of response text, tokenized on its own.
+
+    Special-token text inside it (``<|im_end|>`` in a crawled page) is split like any other text
+    (``split_special_tokens=True``), so only an appended end-of-turn token can end the turn.
+    """
+    if not text:
+        return []
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def response_segments(response: str) -> list[tuple[str, bool]]:
+    """Split a CoA response into ``[(text, is_environment)]`` segments, in order, that concatenate to it.
+
+    An environment segment is one ``<observation>…</observation>`` block (both tags;
+    :func:`afm_core.coa.render.observation_spans`, so an unclosed block runs to the end) together with the
+    newlines the canonical layout puts around it: one ``"\\n"`` before and up to two after
+    (:func:`afm_core.coa.render.render_observation`). Everything else is model text. This is how a rollout
+    builds the text: the model's sampled segment ends at a tool's closing tag, and the environment appends
+    ``render_observation(...)`` as one segment of its own.
+    """
+    segments: list[tuple[str, bool]] = []
+    pos = 0
+    for start, end in observation_spans(response):
+        if start > pos and response[start - 1] == "\n":
+            start -= 1
+        start = max(start, pos)
+        for _ in range(2):
+            if end < len(response) and response[end] == "\n":
+                end += 1
+        if start > pos:
+            segments.append((response[pos:start], False))
+        segments.append((response[start:end], True))
+        pos = end
+    if pos < len(response):
+        segments.append((response[pos:], False))
+    return segments
+
+
 def tokenize_sft_example(
     tokenizer: PreTrainedTokenizerBase,
     prompt: str,
@@ -78,52 +132,33 @@ def tokenize_sft_example(
 ) -> TokenizedExample:
     """Tokenize ``prompt`` (user turn) and ``response`` (CoA text) into ids and observation-masked labels.
 
-    Layout: ``chat_template([system?, user: prompt], add_generation_prompt=True)`` tokenized on its own,
-    then ``response`` tokenized on its own, then the end-of-turn token (:func:`end_of_turn_token`).
-    Prompt and response are tokenized separately, as at rollout time (the model continues from the
-    prompt's ids), so no token ever straddles the prompt/response boundary. The response is plain
-    text: special-token text inside it (``<|im_end|>`` in a crawled page) is split like any other text
-    (``split_special_tokens=True``), so only the appended end-of-turn token can end the turn.
+    Layout: :func:`encode_prompt`, then the response SEGMENT BY SEGMENT (:func:`response_segments`: model
+    text, then each observation with its surrounding newlines on its own, each by :func:`encode_text`),
+    then the end-of-turn token (:func:`end_of_turn_token`). This is exactly how an agent-loop rollout
+    builds its ids (``afm_core.rollout.agent_loop``): sampled ids up to a tool's closing tag, then the
+    observation tokenized alone. So no token straddles a model/environment boundary, the model meets the
+    same ids in RL as in SFT, and the mask is exact by construction: no offset mapping, no marker scan.
 
-    ``system=None`` leaves the system turn to the template (SmolLM2 and Qwen2.5 insert a default one).
-
-    Labels: -100 for every prompt token; when ``mask_observations``, -100 also for every response
-    token whose character offsets overlap an observation span (``afm_core.coa.render.observation_spans``:
-    both tags included; an unclosed block runs to the end of the text). Every other response token
-    and the end-of-turn token are trained. The mask comes from character spans via
-    ``return_offsets_mapping=True``, never from marker token ids.
+    Labels: -100 for every prompt token; when ``mask_observations``, -100 also for every token of an
+    environment segment. Every model-text token and the end-of-turn token are trained.
 
     Truncation: with ``max_length`` (tokens), only the first ``max_length`` tokens are kept (the prompt
     first, so a long prompt leaves no trained token and a long response loses its end-of-turn token);
     kept tokens keep their labels, also when the cut falls inside an observation (upstream drops such
     examples instead).
 
-    A token that straddles a tag and its neighbour (BPE glue such as ``><`` in
-    ``</web_search><observation>``) is masked, so that neighbour character is not trained there.
-
     Raises:
-        TypeError: ``tokenizer`` is not a fast tokenizer (offset mappings are needed).
         ValueError: ``max_length`` < 1.
     """
-    if not tokenizer.is_fast:
-        raise TypeError(f"{type(tokenizer).__name__} is not a fast tokenizer: offset mappings are needed")
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be >= 1, got {max_length}")
-
-    messages = [{"role": "user", "content": prompt}]
-    if system is not None:
-        messages.insert(0, {"role": "system", "content": system})
-    prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    prompt_ids = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-
-    encoded = tokenizer(response, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=True)
-    response_ids = encoded["input_ids"]
-    response_labels = list(response_ids)
-    if mask_observations:
-        masked_chars = _prefix_count(len(response), observation_spans(response))
-        for i, (start, end) in enumerate(encoded["offset_mapping"]):
-            if masked_chars[end] - masked_chars[start] > 0:
-                response_labels[i] = IGNORE_INDEX
+    prompt_ids = encode_prompt(tokenizer, prompt, system)
+    response_ids: list[int] = []
+    response_labels: list[int] = []
+    for text, is_environment in response_segments(response):
+        ids = encode_text(tokenizer, text)
+        response_ids += ids
+        response_labels += [IGNORE_INDEX] * len(ids) if is_environment and mask_observations else ids
 
     eot_id = tokenizer.convert_tokens_to_ids(end_of_turn_token(tokenizer))
     input_ids = prompt_ids + response_ids + [eot_id]
@@ -132,17 +167,6 @@ def tokenize_sft_example(
     if truncated:
         input_ids, labels = input_ids[:max_length], labels[:max_length]
     return TokenizedExample(input_ids=input_ids, labels=labels, truncated=truncated)
-
-
-def _prefix_count(length: int, spans: list[tuple[int, int]]) -> list[int]:
-    """``[length + 1]`` prefix sums of a per-character 0/1 mask that is 1 inside ``spans``."""
-    inside = [0] * length
-    for start, end in spans:
-        inside[start:end] = [1] * (end - start)
-    prefix = [0] * (length + 1)
-    for i, flag in enumerate(inside):
-        prefix[i + 1] = prefix[i] + flag
-    return prefix
 
 
 def upstream_marker_mask(
