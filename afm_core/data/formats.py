@@ -164,7 +164,12 @@ class RLTask:
         }
 
 
-def _rl_task_from_row(row: dict[str, Any], where: Where) -> RLTask:
+def rl_task_from_row(row: dict[str, Any], where: Where) -> RLTask:
+    """One :class:`RLTask` from a parquet row or JSON object of the AFM/verl RL layout.
+
+    Raises:
+        DataFormatError: a missing or mistyped field, named with ``where`` (file and line or record).
+    """
     data_source = require(row, "data_source", str, where)
     messages = require(row, "prompt", list, where)
     prompt = []
@@ -206,7 +211,7 @@ def read_rl_tasks(path: str | os.PathLike[str]) -> list[RLTask]:
     first_row: dict[str, int] = {}
     for i, row in enumerate(pq.read_table(path).to_pylist()):
         where = Where(path, record=i)
-        task = _rl_task_from_row(row, where)
+        task = rl_task_from_row(row, where)
         if task.index in first_row:
             raise where.error(f"duplicate extra_info.index {task.index!r} (first at record {first_row[task.index]})")
         first_row[task.index] = i

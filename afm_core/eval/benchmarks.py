@@ -1,0 +1,268 @@
+"""Benchmarks as :class:`~afm_core.rollout.AgentTask` lists: presets (``conf/eval_benchmarks/<name>.yaml``) and user files.
+
+A preset names a loader, a data file (relative to the shared data folder unless absolute), the CoA task
+family, the grader and optional per-benchmark sampling settings. A user file (``benchmark_files=[...]``)
+is read as the AFM/verl RL layout, parquet or JSON lines: ``prompt`` (chat messages), ``data_source``,
+``ability``, ``reward_model.ground_truth``, ``extra_info``; its grader is chosen from ``data_source`` /
+``ability`` (:func:`afm_core.rewards.grader_kind`) and its prompt is used as written.
+
+A malformed record never stops a benchmark: it is reported with file, line (or record) and field, skipped,
+and counted in :attr:`Benchmark.skipped`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from afm_core.coa.prompts import TASKS, user_prompt
+from afm_core.data.formats import rl_task_from_row
+from afm_core.data.io import DataFormatError, Where, require
+from afm_core.rewards.code import BadTestsError, humaneval_tests, mbpp_tests, tests_from_ground_truth
+from afm_core.rewards.grader import GRADER_KINDS, grader_kind
+from afm_core.rollout.types import AgentTask
+from afm_core.utils.paths import repo_root, shared_data_dir
+
+log = logging.getLogger(__name__)
+
+#: Keys of a preset file; the sampling keys are null to use the run's ``eval.*`` defaults.
+PRESET_KEYS = ("name", "loader", "path", "task", "grader", "k", "temperature", "top_p", "max_response_tokens",
+               "max_tool_calls", "limit", "description")  # fmt: skip
+SAMPLING_KEYS = ("k", "temperature", "top_p", "max_response_tokens", "max_tool_calls", "limit")
+
+
+@dataclass
+class Benchmark:
+    """A loaded benchmark.
+
+    Attributes:
+        name: the benchmark's name (the preset name, or the file stem for a user file).
+        tasks: the problems, in file order; ``task.meta`` holds ``benchmark``, ``grader``, ``level`` and, for
+            code, ``tests`` (:class:`~afm_core.rewards.CodeTests` as a dict).
+        settings: per-benchmark sampling overrides (``k``, ``temperature``, ``top_p``, ``max_response_tokens``,
+            ``max_tool_calls``, ``limit``), only the ones set.
+        skipped: one message per malformed record (file, line or record, field).
+    """
+
+    name: str
+    tasks: list[AgentTask]
+    settings: dict[str, Any] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+
+
+def presets_dir() -> Path:
+    return repo_root() / "conf" / "eval_benchmarks"
+
+
+def available_presets() -> list[str]:
+    return sorted(p.stem for p in presets_dir().glob("*.yaml"))
+
+
+def read_preset(name: str) -> dict[str, Any]:
+    """``conf/eval_benchmarks/<name>.yaml`` as a dict.
+
+    Raises:
+        ValueError: unknown preset (lists the available ones), unknown keys, a bad loader/task/grader.
+    """
+    path = presets_dir() / f"{name}.yaml"
+    if not path.is_file():
+        raise ValueError(f"unknown benchmark {name!r}: {path} does not exist (available: {', '.join(available_presets())})")
+    values = yaml.safe_load(path.read_text()) or {}
+    unknown = sorted(set(values) - set(PRESET_KEYS))
+    if unknown:
+        raise ValueError(f"{path}: unknown field {unknown[0]!r} (fields: {', '.join(PRESET_KEYS)})")
+    if values.get("loader") not in LOADERS:
+        raise ValueError(f"{path}: field 'loader' must be one of {', '.join(LOADERS)}, got {values.get('loader')!r}")
+    if values.get("task") not in TASKS:
+        raise ValueError(f"{path}: field 'task' must be one of {', '.join(TASKS)}, got {values.get('task')!r}")
+    if values.get("grader") not in GRADER_KINDS:
+        raise ValueError(f"{path}: field 'grader' must be one of {', '.join(GRADER_KINDS)}, got {values.get('grader')!r}")
+    return values
+
+
+def _records(path: Path, skipped: list[str]) -> Iterator[tuple[Where, dict[str, Any]]]:
+    """Records of a ``.jsonl``/``.jsonl.gz``/``.json``/``.parquet`` file; malformed lines go to ``skipped``."""
+    name = path.name.lower()
+    if name.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        for index, row in enumerate(pq.read_table(path).to_pylist()):
+            yield Where(path, record=index), row
+    elif name.endswith(".json"):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, list):
+            raise DataFormatError(f"{path}: expected a JSON list of records, got {type(data).__name__}")
+        for index, record in enumerate(data):
+            if isinstance(record, dict):
+                yield Where(path, record=index), record
+            else:
+                skipped.append(f"{Where(path, record=index)}: expected a JSON object, got {type(record).__name__}")
+    else:
+        opener = gzip.open if name.endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                where = Where(path, line=number)
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    skipped.append(f"{where}: invalid JSON ({err.msg} at column {err.colno})")
+                    continue
+                if not isinstance(record, dict):
+                    skipped.append(f"{where}: expected a JSON object, got {type(record).__name__}")
+                    continue
+                yield where, record
+
+
+def _task(name: str, index: Any, task: str, prompt: str, question: str, answer: str, grader: str, **meta: Any) -> AgentTask:
+    return AgentTask(id=f"{name}:{index}", task=task, prompt=prompt, question=question, answer=answer,
+                     meta={"benchmark": name, "grader": grader, "problem_id": str(index), **meta})  # fmt: skip
+
+
+def _gsm8k(where: Where, r: Mapping[str, Any], name: str, task: str, grader: str, index: int) -> AgentTask:
+    question = require(r, "question", str, where)
+    answer = require(r, "answer", str, where)
+    if "####" not in answer:
+        raise where.error("field 'answer' has no '####' final answer")
+    gold = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    return _task(name, index, task, user_prompt(task, question), question, gold, grader)
+
+
+def _math_jsonl(where: Where, r: Mapping[str, Any], name: str, task: str, grader: str, index: int) -> AgentTask:
+    question = require(r, "problem", str, where)
+    answer = str(require(r, "answer", (str, int, float), where))
+    return _task(name, r.get("unique_id", index), task, user_prompt(task, question), question, answer, grader,
+                 level=str(r.get("level", "")), subject=r.get("subject"))  # fmt: skip
+
+
+def _humaneval(where: Where, r: Mapping[str, Any], name: str, task: str, grader: str, index: int) -> AgentTask:
+    stub = require(r, "prompt", str, where)
+    require(r, "test", str, where)
+    entry = require(r, "entry_point", str, where)
+    question = (f"Complete the Python function `{entry}` below. The final answer is the complete function "
+                f"(its imports, signature and body) in one ```py block.\n\n```py\n{stub.strip()}\n```")  # fmt: skip
+    return _task(name, require(r, "task_id", str, where), task, user_prompt(task, question), question, "", grader,
+                 tests=humaneval_tests(r).to_dict(), entry_point=entry)  # fmt: skip
+
+
+def _mbpp(where: Where, r: Mapping[str, Any], name: str, task: str, grader: str, index: int) -> AgentTask:
+    text = require(r, "prompt", str, where)
+    tests = require(r, "test_list", list, where)
+    if not tests:
+        raise where.error("field 'test_list' is empty")
+    question = (f"{text.strip()}\nYour function must pass tests like: {tests[0]}\nThe final answer is the complete "
+                "function in one ```py block.")  # fmt: skip
+    return _task(name, require(r, "task_id", (int, str), where), task, user_prompt(task, question), question, "",
+                 grader, tests=mbpp_tests(r).to_dict())  # fmt: skip
+
+
+def _hotpotqa(where: Where, r: Mapping[str, Any], name: str, task: str, grader: str, index: int) -> AgentTask:
+    question = require(r, "question", str, where)
+    golds = require(r, "golden_answers", list, where)
+    if not golds:
+        raise where.error("field 'golden_answers' is empty")
+    return _task(name, r.get("id", index), task, user_prompt(task, question), question, "|".join(map(str, golds)),
+                 grader, level=str(r.get("level", "")))  # fmt: skip
+
+
+def _rl_record(where: Where, r: Mapping[str, Any], name: str, task: str | None, grader: str | None, index: int) -> AgentTask:
+    """A record of the AFM/verl RL layout (a JSON line holds the same fields as a parquet row)."""
+    row = dict(r)
+    for key in ("reward_model", "extra_info", "prompt"):  # jsonl writers sometimes store these as JSON text
+        if isinstance(row.get(key), str) and row[key].strip()[:1] in "{[":
+            try:
+                row[key] = json.loads(row[key])
+            except json.JSONDecodeError:
+                pass
+    rl = rl_task_from_row(row, where)
+    kind = grader or grader_kind(rl.data_source, rl.ability)
+    family = task or {"math": "math", "code": "code", "qa": "mhqa"}.get(kind, "web")
+    users = [m["content"] for m in rl.prompt if m.get("role") == "user"]
+    if not users:
+        raise where.error("field 'prompt': no user message")
+    systems = [m["content"] for m in rl.prompt if m.get("role") == "system"]
+    meta: dict[str, Any] = {"data_source": rl.data_source, "ability": rl.ability,
+                            "level": str(rl.extra_info.get("difficulty") or rl.extra_info.get("level") or "")}  # fmt: skip
+    answer = rl.ground_truth
+    if kind == "code":
+        try:
+            meta["tests"] = tests_from_ground_truth(rl.ground_truth).to_dict()
+        except BadTestsError as e:
+            raise where.error(f"field 'reward_model.ground_truth': {e}") from None
+        answer = ""
+    return AgentTask(id=f"{name}:{rl.index}", task=family, prompt=users[-1], question=rl.question, answer=answer,
+                     system=systems[0] if systems else None,
+                     meta={"benchmark": name, "grader": kind, "problem_id": rl.index, **meta})  # fmt: skip
+
+
+LOADERS: dict[str, Callable[..., AgentTask]] = {
+    "gsm8k": _gsm8k,
+    "math_jsonl": _math_jsonl,
+    "humaneval": _humaneval,
+    "mbpp": _mbpp,
+    "hotpotqa": _hotpotqa,
+    "rl_file": _rl_record,
+}
+
+
+def _load(name: str, path: Path, loader: str, task: str | None, grader: str | None) -> tuple[list[AgentTask], list[str]]:
+    skipped: list[str] = []
+    tasks: list[AgentTask] = []
+    seen: set[str] = set()
+    for index, (where, record) in enumerate(_records(path, skipped)):
+        try:
+            item = LOADERS[loader](where, record, name, task, grader, index)
+        except DataFormatError as e:
+            skipped.append(str(e))
+            continue
+        if item.id in seen:
+            skipped.append(f"{where}: duplicate problem id {item.id!r}")
+            continue
+        seen.add(item.id)
+        tasks.append(item)
+    for message in skipped:
+        log.warning("benchmark %s: skipped %s", name, message)
+    return tasks, skipped
+
+
+def load_preset(name: str, data_dir: Path | None = None) -> Benchmark:
+    """A preset benchmark (``conf/eval_benchmarks/<name>.yaml``).
+
+    Raises:
+        ValueError: a bad preset (see :func:`read_preset`).
+        FileNotFoundError: its data file is absent.
+    """
+    preset = read_preset(name)
+    path = Path(preset["path"])
+    if not path.is_absolute():
+        path = (data_dir or shared_data_dir()) / path
+    if not path.is_file():
+        raise FileNotFoundError(f"benchmark {name}: data file {path} not found (conf/eval_benchmarks/{name}.yaml: field 'path')")
+    loader = preset["loader"]
+    grader = None if loader == "rl_file" and preset.get("grader") is None else preset["grader"]
+    tasks, skipped = _load(name, path, loader, preset["task"], grader)
+    settings = {k: preset[k] for k in SAMPLING_KEYS if preset.get(k) is not None}
+    return Benchmark(name, tasks, settings, skipped)
+
+
+def load_file(path: str | Path) -> Benchmark:
+    """A user's benchmark file in the AFM/verl RL layout (``.parquet``, ``.jsonl``, ``.jsonl.gz`` or ``.json``).
+
+    Raises:
+        FileNotFoundError: no such file.
+    """
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"benchmark file {path} not found (benchmark_files)")
+    name = re.sub(r"\.(jsonl|json|parquet)(\.gz)?$", "", path.name)
+    tasks, skipped = _load(name, path, "rl_file", None, None)
+    return Benchmark(name, tasks, {}, skipped)

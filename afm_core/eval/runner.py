@@ -1,0 +1,278 @@
+"""The evaluation job body (``python -m jobs.eval``): benchmarks → agent-loop samples → grades → metrics.
+
+Read like the algorithm::
+
+    benchmarks = load presets + user files           # afm_core.eval.benchmarks
+    todo = every (problem, sample) not yet in samples.jsonl
+    with tool servers, engine, tool pool:             # started here, or reached through an addresses file
+        for each finished trajectory: grade it, append one line to samples.jsonl
+    metrics.json, report.md, eval.png from samples.jsonl
+
+Resumable: ``samples.jsonl`` is the checkpoint. On ``SIGUSR2`` (Slurm preemption or time limit) or
+Ctrl-C the run stops taking new samples; graded samples are on disk, in-flight ones are dropped and
+redone on restart. Sampling seeds are per (problem, sample), so a resumed run draws the same samples.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from afm_core.coa.prompts import TASK_TOOLS
+from afm_core.eval.benchmarks import SAMPLING_KEYS, Benchmark, load_file, load_preset
+from afm_core.eval.metrics import benchmark_metrics, double_check_score
+from afm_core.eval.report import write_report
+from afm_core.eval.samples import SampleWriter, read_samples, sample_key
+from afm_core.rewards import Grade, Graders, LLMJudge, SandboxClient, normalize_answer
+from afm_core.rewards.base import extract_answer
+from afm_core.rewards.code import extract_program
+from afm_core.rewards.math import _normalize as normalize_math
+from afm_core.rollout import AgentConfig, AgentLoop, AgentTask, Rollout, SamplingConfig
+from afm_core.utils.atomic import atomic_write_json
+from afm_core.utils.paths import repo_root, shared_data_dir
+
+log = logging.getLogger(__name__)
+
+_stop_requested = False
+
+#: The tool server each tool talks to (``conf/tool_servers.yaml``); web search needs the pages server too.
+TOOL_SERVERS = {"code": ("sandbox",), "wiki_search": ("wiki",), "web_search": ("web_search", "pages"),
+                "crawl_page": ("crawl", "pages")}  # fmt: skip
+
+
+def request_stop() -> None:
+    """Stop taking new samples and return (signal-safe: sets a flag). The job's preemption hook."""
+    global _stop_requested
+    _stop_requested = True
+
+
+def benchmark_settings(eval_cfg: Mapping[str, Any], bench: Benchmark) -> dict[str, Any]:
+    """The run's ``eval.*`` defaults overridden by the benchmark preset's own settings."""
+    return {**{key: eval_cfg.get(key) for key in SAMPLING_KEYS}, **bench.settings}
+
+
+def load_benchmarks(cfg: Mapping[str, Any]) -> list[Benchmark]:
+    """Presets (``benchmarks``) then user files (``benchmark_files``), each cut to its ``limit``.
+
+    Raises:
+        ValueError: no benchmark, an unknown preset, or two benchmarks with the same name.
+    """
+    data_dir = Path(cfg["data_dir"]) if cfg.get("data_dir") else shared_data_dir()
+    benchmarks = [load_preset(name, data_dir) for name in cfg.get("benchmarks") or []]
+    benchmarks += [load_file(path) for path in cfg.get("benchmark_files") or []]
+    if not benchmarks:
+        raise ValueError("nothing to evaluate: set benchmarks=[gsm8k_test,...] and/or benchmark_files=[my.parquet]")
+    names = [b.name for b in benchmarks]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two benchmarks share a name: {names}")
+    for bench in benchmarks:
+        limit = benchmark_settings(cfg["eval"], bench).get("limit")
+        if limit is not None:
+            bench.tasks = bench.tasks[: int(limit)]
+    return benchmarks
+
+
+def answer_key(grader: str, response: str) -> str | None:
+    """The final answer normalised for majority voting (math: LaTeX-light form; QA: SQuAD form; code: program)."""
+    answer = extract_answer(response)
+    if not answer:
+        return None
+    if grader == "math":
+        return normalize_math(answer)
+    if grader == "code":
+        return " ".join(extract_program(answer).split())
+    return normalize_answer(answer.split("|")[0])
+
+
+def sample_record(rollout: Rollout, grade: Grade) -> dict[str, Any]:
+    """The ``samples.jsonl`` line of a graded trajectory."""
+    meta = rollout.task.meta
+    return {
+        "benchmark": meta["benchmark"],
+        "problem_id": str(meta["problem_id"]),
+        "sample": rollout.sample,
+        "score": grade.score,
+        "reason": grade.reason,
+        "grader_error": grade.error,
+        "grade": grade.extra or {},
+        "finish_reason": rollout.finish_reason.value,
+        "num_tool_calls": len(rollout.tool_calls),
+        "tool_errors": rollout.num_tool_errors,
+        "tool_calls": [{"name": c.name, "error": c.error, "seconds": round(c.seconds, 3)} for c in rollout.tool_calls],
+        "turns": rollout.turns,
+        "response_tokens": len(rollout.response_ids),
+        "generated_tokens": rollout.num_generated_tokens,
+        "seconds": round(rollout.seconds, 3),
+        "format_valid": not rollout.format_issues,
+        "double_check": double_check_score(rollout.response_text),
+        "answer_key": answer_key(meta["grader"], rollout.response_text),
+        "level": meta.get("level") or "",
+        "error": rollout.error,
+        "response": rollout.response_text,
+    }
+
+
+def _needed_servers(benchmarks: list[Benchmark], tools_cfg: Mapping[str, Any]) -> list[str]:
+    tools = {tool for b in benchmarks for t in b.tasks for tool in TASK_TOOLS.get(t.task, ())}
+    if any(t.meta.get("grader") == "code" for b in benchmarks for t in b.tasks):
+        tools.add("code")
+    tools &= {name for name, entry in (tools_cfg.get("tools") or {}).items() if entry is not None}
+    return sorted({server for tool in tools for server in TOOL_SERVERS[tool]})
+
+
+@contextlib.contextmanager
+def tool_servers(cfg: Mapping[str, Any], names: list[str], log_dir: Path):
+    """Yield ``{server: url}``: from ``tools.addresses_file`` when it exists (``tool_servers.start: auto``),
+    else servers started here for the job's lifetime (``conf/tool_servers.yaml`` settings)."""
+    from afm_core.tools.addresses import read_addresses
+    from afm_core.tools.launcher import ServerGroup, start_servers
+
+    start = cfg["tool_servers"]["start"]
+    addresses_file = Path(cfg["tools"]["addresses_file"])
+    if start == "never" or (start == "auto" and addresses_file.is_file()):
+        yield read_addresses(addresses_file, wait_s=float(cfg["tool_servers"].get("wait_s", 0)))
+        return
+    if not names:
+        yield {}
+        return
+    servers_cfg = OmegaConf.to_container(OmegaConf.load(repo_root() / "conf" / "tool_servers.yaml").servers, resolve=True)
+    for name, override in (cfg["tool_servers"].get("servers") or {}).items():
+        servers_cfg[name] = None if override is None else {**(servers_cfg.get(name) or {}), **override}
+    data_dir = Path(cfg["data_dir"]) if cfg.get("data_dir") else shared_data_dir()
+    with ServerGroup(log_dir=log_dir) as group:
+        yield start_servers(group, {n: servers_cfg[n] for n in names if servers_cfg.get(n) is not None}, data_dir)
+
+
+async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: list[tuple[AgentTask, int]],
+                    writer: SampleWriter, urls: Mapping[str, str]) -> dict[str, Any]:  # fmt: skip
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.rollout.factory import build_engine, load_tokenizer
+    from afm_core.tools.registry import build_tool_pool
+
+    ev = cfg["eval"]
+    hf_dir = ensure_hf_checkpoint(cfg["model"])
+    tokenizer = load_tokenizer(hf_dir)
+    tools_cfg = {**cfg["tools"], "tools": {n: e for n, e in cfg["tools"]["tools"].items()
+                                           if e is not None and e.get("server", "") in urls or (e or {}).get("url")}}  # fmt: skip
+    pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
+    judge_cfg = cfg.get("judge") or {}
+    graders = Graders(
+        sandbox=SandboxClient(urls["sandbox"], timeout_s=float(ev["test_timeout_s"])) if "sandbox" in urls else None,
+        judge=LLMJudge(judge_cfg["url"], judge_cfg["model"], judge_cfg.get("api_key_env")) if judge_cfg.get("url") else None,
+    )
+    engine = await build_engine(cfg["engine"], hf_dir, tokenizer)
+    loops: dict[str, tuple[AgentLoop, SamplingConfig]] = {}
+    for bench in benchmarks:
+        s = benchmark_settings(ev, bench)
+        agent = AgentConfig(max_turns=int(ev["max_turns"]), max_tool_calls=int(s["max_tool_calls"]),
+                            max_response_tokens=int(s["max_response_tokens"]), timeout_s=ev.get("timeout_s"))  # fmt: skip
+        sampling = SamplingConfig(temperature=float(s["temperature"]), top_p=float(s["top_p"]),
+                                  max_tokens=int(s["max_response_tokens"]))  # fmt: skip
+        loops[bench.name] = (AgentLoop(engine, tokenizer, pool, agent, sampling), sampling)
+
+    async def grade_and_write(rollout: Rollout) -> None:
+        task = rollout.task
+        grade = await graders.grade(task.meta["grader"], rollout.response_text, gold=task.answer,
+                                    question=task.question, meta=task.meta)  # fmt: skip
+        writer.write(sample_record(rollout, grade))
+
+    async def run_benchmark_items() -> None:
+        from tqdm import tqdm
+
+        slots = asyncio.Semaphore(int(ev["concurrency"]))
+        bar = tqdm(total=len(todo), desc="eval", unit="sample", dynamic_ncols=True)
+
+        async def one(task: AgentTask, sample: int) -> None:
+            async with slots:
+                if _stop_requested:
+                    return
+                loop, sampling = loops[task.meta["benchmark"]]
+                rollout = await loop.run(task, sample, seed=None)
+                await grade_and_write(rollout)
+                bar.update(1)
+
+        try:
+            await asyncio.gather(*(one(task, sample) for task, sample in todo))
+        finally:
+            bar.close()
+
+    started = time.monotonic()
+    if pool is not None:
+        await pool.start()
+    try:
+        work = asyncio.ensure_future(run_benchmark_items())
+        while not work.done():
+            await asyncio.wait({work}, timeout=0.5)
+            if _stop_requested and not work.done():
+                log.warning("stop requested: dropping the samples in flight (they are redone on resume)")
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await work
+        if not work.cancelled():
+            work.result()
+    finally:
+        tool_metrics = pool.metrics_snapshot() if pool is not None else {}
+        if pool is not None:
+            await pool.close()
+        await graders.close()
+        await engine.close()
+    return {"seconds": time.monotonic() - started, "tool_metrics": tool_metrics}
+
+
+def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """Evaluate ``cfg.model`` on ``cfg.benchmarks`` + ``cfg.benchmark_files`` into ``cfg.run_dir``.
+
+    Returns:
+        ``{"metrics": {benchmark: {...}}, "stopped_early": bool, "samples": int, ...}``.
+
+    Raises:
+        ValueError: bad benchmark settings (names the key).
+    """
+    global _stop_requested
+    _stop_requested = False
+    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_dir = Path(cfg["run_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    benchmarks = load_benchmarks(cfg)
+    samples_path = run_dir / "samples.jsonl"
+    done = {sample_key(r) for r in read_samples(samples_path)}
+    todo = [(task, sample) for bench in benchmarks for sample in range(int(benchmark_settings(cfg["eval"], bench)["k"]))
+            for task in bench.tasks if (bench.name, str(task.meta["problem_id"]), sample) not in done]  # fmt: skip
+    skipped = {b.name: b.skipped for b in benchmarks if b.skipped}
+    total = sum(len(b.tasks) * int(benchmark_settings(cfg["eval"], b)["k"]) for b in benchmarks)
+    print(f"[eval] {', '.join(f'{b.name} ({len(b.tasks)})' for b in benchmarks)}: {total} samples, "
+          f"{total - len(todo)} already done, {len(todo)} to run; skipped records: "
+          f"{sum(map(len, skipped.values()))}; run dir {run_dir}", flush=True)  # fmt: skip
+    info: dict[str, Any] = {}
+    if todo:
+        writer = SampleWriter(samples_path)
+        try:
+            with tool_servers(cfg, _needed_servers(benchmarks, cfg["tools"]), run_dir / "logs" / "tool_servers") as urls:
+                info = asyncio.run(_evaluate(cfg, benchmarks, todo, writer, urls))
+        finally:
+            writer.close()
+    records = read_samples(samples_path)
+    metrics = {}
+    for bench in benchmarks:
+        k = int(benchmark_settings(cfg["eval"], bench)["k"])
+        mine = [r for r in records if r["benchmark"] == bench.name]
+        metrics[bench.name] = {**benchmark_metrics(mine, k), "skipped_records": len(bench.skipped)}
+    model = cfg["model"].get("hf_path") or cfg["model"]["name"]
+    write_report(run_dir, metrics, {"model": model, "engine": cfg["engine"].get("backend"),
+                                    "temperature": cfg["eval"]["temperature"], "samples": len(records)})  # fmt: skip
+    if info.get("tool_metrics"):
+        atomic_write_json(run_dir / "tool_metrics.json", info["tool_metrics"])
+    if skipped:
+        atomic_write_json(run_dir / "skipped_records.json", skipped)
+    complete = len(records) >= total
+    summary = {"metrics": metrics, "samples": len(records), "total": total, "stopped_early": _stop_requested and not complete,
+               "seconds": round(info.get("seconds", 0.0), 1), "run_dir": str(run_dir), "skipped_records": skipped}  # fmt: skip
+    return summary

@@ -1,0 +1,124 @@
+"""An LLM judge behind an OpenAI-compatible ``/v1/chat/completions`` endpoint (AFM's web reward and evaluation).
+
+The prompt and the ``correct``/``incorrect`` JSON verdict follow upstream AFM's
+``verl/verl/utils/reward_score/grm_simple.py`` (system message "You are an expert evaluator."; the
+labelled/predicted answer prompt below; 3 attempts, 1 s apart). Unlike upstream, which scores a judge
+failure as a silent 0, a failure grades ``judge_error`` with ``error=True`` and is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from afm_core.rewards.base import Grade, extract_answer
+
+JUDGE_SYSTEM = "You are an expert evaluator."
+JUDGE_PROMPT = """Please determine if the predicted answer is equivalent to the labeled answer. 
+Question:  {question} 
+Labeled Answer:  {gt_answer} 
+Predicted Answer: {pred_answer}  
+
+**Rules**:
+If the prediction and answer are semantically equivalent despite the expression order, the description format, \
+and the use of measurement units and the order, then your judgement will be correct.
+{{  
+"rationale": "your rationale for the judgement, as a text", 
+"judgement": "your judgement result, can only be 'correct' or 'incorrect' 
+}}"""
+
+_JSON_RE = re.compile(r"\{.*\}", re.DOTALL)
+
+
+def parse_verdict(text: str) -> tuple[bool, str]:
+    """``(correct, rationale)`` from the judge's reply: the JSON object's ``judgement`` field, else a bare word.
+
+    Raises:
+        ValueError: no verdict in the reply.
+    """
+    match = _JSON_RE.search(text)
+    if match:
+        try:
+            data = json.loads(match.group(0))
+            verdict = str(data.get("judgement", "")).strip().lower()
+            if verdict in ("correct", "incorrect"):
+                return verdict == "correct", str(data.get("rationale", ""))
+        except json.JSONDecodeError:
+            pass
+    found = re.findall(r"\b(incorrect|correct)\b", text.lower())
+    if found:
+        return found[-1] == "correct", text[:300]
+    raise ValueError(f"no verdict in the judge's reply: {text[:200]!r}")
+
+
+@dataclass
+class LLMJudge:
+    """Grades an answer against the labelled answer with an LLM.
+
+    Args:
+        url: base URL of an OpenAI-compatible server, ending in ``/v1``.
+        model: the served model name.
+        api_key_env: environment variable holding the API key (None: no key).
+        attempts: tries per question (upstream: 3).
+        retry_delay_s: seconds between tries.
+        timeout_s: seconds per request.
+    """
+
+    url: str
+    model: str
+    api_key_env: str | None = None
+    attempts: int = 3
+    retry_delay_s: float = 1.0
+    timeout_s: float = 120.0
+    temperature: float = 0.0
+    failures: int = 0
+    _session: aiohttp.ClientSession | None = field(default=None, repr=False)
+
+    async def judge(self, question: str, gold: str, prediction: str) -> Grade:
+        """``correct`` (1.0) / ``wrong`` (0.0); after ``attempts`` failures ``judge_error`` with ``error=True``."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession()
+        headers = {}
+        if self.api_key_env and os.environ.get(self.api_key_env):
+            headers["Authorization"] = f"Bearer {os.environ[self.api_key_env]}"
+        body = {
+            "model": self.model,
+            "messages": [
+                {"role": "system", "content": JUDGE_SYSTEM},
+                {"role": "user", "content": JUDGE_PROMPT.format(question=question, gt_answer=gold, pred_answer=prediction)},
+            ],
+            "temperature": self.temperature,
+        }
+        last = ""
+        for attempt in range(self.attempts):
+            try:
+                async with self._session.post(
+                    f"{self.url.rstrip('/')}/chat/completions", json=body, headers=headers,
+                    timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                ) as resp:
+                    resp.raise_for_status()
+                    reply = (await resp.json())["choices"][0]["message"]["content"]
+                correct, rationale = parse_verdict(reply)
+                return Grade(float(correct), "correct" if correct else "wrong", extra={"rationale": rationale[:300]})
+            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, TypeError, ValueError) as e:
+                last = f"{e.__class__.__name__}: {e}"
+                if attempt + 1 < self.attempts:
+                    await asyncio.sleep(self.retry_delay_s)
+        self.failures += 1
+        return Grade(0.0, "judge_error", error=True, extra={"message": last[:300]})
+
+    async def grade(self, response: str, question: str, gold: str) -> Grade:
+        """Judge the last ``<answer>`` of a CoA response (``no_answer`` without calling the judge)."""
+        answer = extract_answer(response)
+        if answer is None or not answer.strip():
+            return Grade(0.0, "no_answer")
+        return await self.judge(question, gold, answer)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()

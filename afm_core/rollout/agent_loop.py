@@ -1,0 +1,325 @@
+"""The one agent loop: a CoA trajectory generated turn by turn, with real tool calls in between.
+
+Shared by evaluation (``jobs.eval``), RL rollouts and distillation. Per trajectory (an ``asyncio`` task):
+
+1. generate from ``prompt_ids + response_ids`` until a tool's closing tag or ``</answer>`` (stop strings,
+   kept in the output: :func:`afm_core.coa.stop_strings`);
+2. parse the calls in the new segment (:func:`afm_core.coa.parse_tool_calls`) and run them concurrently
+   through :class:`~afm_core.tools.ToolPool` (which never raises: a failed call is an error observation);
+3. append the observation in the canonical layout (:func:`afm_core.coa.render_observation`), tokenized on
+   its own (:func:`afm_core.data.tokenize.encode_text`), with mask 0;
+4. continue until an answer, the model's end of turn, ``max_turns``, the response-token budget, or the
+   per-trajectory timeout.
+
+Token-in/token-out: the sampled ids and their logprobs are kept as sampled; model text is never
+re-tokenized. SFT tokenizes a trajectory the same way, segment by segment
+(:func:`afm_core.data.tokenize.tokenize_sft_example`), so a model meets the same ids in RL as in SFT.
+This follows the multi-turn rollout of upstream AFM's verl fork (``verl/workers/rollout`` tool agent:
+stop at a tool's closing tag, call, append ``\\n<observation>…</observation>\\n\\n``, generate on) and
+slime's token-level ``Sample`` contract.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import re
+import time
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from afm_core.coa import TOOL_TAGS, TagGrammarError, Trajectory, parse_steps, parse_tool_calls, stop_strings
+from afm_core.coa.grammar import validate_text
+from afm_core.coa.prompts import TASK_TOOLS, TASKS
+from afm_core.coa.render import render_observation
+from afm_core.data.tokenize import encode_prompt, encode_text
+from afm_core.rollout.engine import EngineError, GenerationEngine, SamplingConfig
+from afm_core.rollout.types import AgentTask, FinishReason, Rollout, ToolCallRecord
+
+# The pool's error observations start "[<tool> error: <kind>]" (afm_core.tools.pool.error_observation).
+_ERROR_OBSERVATION_RE = re.compile(r"^\[(?P<tool>\w+) error: (?P<kind>\w+)\]")
+
+
+def observation_error_kind(observation: str) -> str | None:
+    """The error kind of an error observation written by the tool pool, or None for a normal observation."""
+    match = _ERROR_OBSERVATION_RE.match(observation)
+    return match.group("kind") if match else None
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Limits of one trajectory.
+
+    Attributes:
+        max_turns: generation calls per trajectory.
+        max_tool_calls: tool calls per trajectory (the paper's evaluation allows 12); a call past the limit
+            is not run: its observation says so, and the model may still answer.
+        max_response_tokens: tokens after the prompt (model + observation tokens), the RL ``max_response_len``.
+        timeout_s: wall-clock seconds per trajectory (None: no limit).
+        tools: the tools the model may call (their closing tags are stop strings); None: the task family's
+            tools (:data:`afm_core.coa.prompts.TASK_TOOLS`).
+    """
+
+    max_turns: int = 16
+    max_tool_calls: int = 12
+    max_response_tokens: int = 4096
+    timeout_s: float | None = 600.0
+    tools: tuple[str, ...] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_response_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"agent.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_tool_calls < 0:
+            raise ValueError(f"agent.max_tool_calls must be >= 0, got {self.max_tool_calls}")
+        unknown = set(self.tools or ()) - set(TOOL_TAGS)
+        if unknown:
+            raise ValueError(f"agent.tools: unknown tools {sorted(unknown)}; known: {', '.join(TOOL_TAGS)}")
+
+
+@dataclass
+class _State:
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    tool_calls: list[ToolCallRecord] = field(default_factory=list)
+    turns: int = 0
+    finish: FinishReason | None = None
+    error: str | None = None
+
+    def add(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None, text: str) -> None:
+        self.response_ids += ids
+        self.response_mask += [1 if sampled else 0] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.text_parts.append(text)
+
+
+def sample_seed(task_id: str, sample: int, base: int = 0) -> int:
+    """A stable per-(task, sample) sampling seed, so a resumed or repeated evaluation draws the same samples."""
+    return (zlib.crc32(f"{task_id}#{sample}".encode()) + 1_000_003 * base) % (2**31 - 1)
+
+
+class ToolRunner(Protocol):
+    """What the loop needs of a tool pool: ``call(name, content, trajectory_id, context) -> observation``."""
+
+    async def call(self, name: str, content: str, trajectory_id: str | None = None, context: Any = None) -> str: ...
+
+    def end_trajectory(self, trajectory_id: str) -> None: ...
+
+
+class AgentLoop:
+    """Runs CoA trajectories against a generation engine and a tool pool.
+
+    Args:
+        engine: a :class:`~afm_core.rollout.engine.GenerationEngine`.
+        tokenizer: the model's HF tokenizer (the same one SFT uses).
+        tools: a started :class:`~afm_core.tools.ToolPool` (or anything with its ``call``), or None for
+            no tools (every tool call then gets an error observation).
+        config: :class:`AgentConfig`.
+        sampling: default sampling settings; ``max_tokens`` is the cap per generation call and ``stop`` is
+            filled in from the tools.
+    """
+
+    def __init__(
+        self,
+        engine: GenerationEngine,
+        tokenizer: Any,
+        tools: ToolRunner | None,
+        config: AgentConfig = AgentConfig(),
+        sampling: SamplingConfig = SamplingConfig(),
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.config = config
+        self.sampling = sampling
+        eos = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+        self._end_of_turn_ids = {i for i in eos if isinstance(i, int) and i >= 0}
+
+    def tool_names(self, task: AgentTask) -> tuple[str, ...]:
+        return self.config.tools if self.config.tools is not None else TASK_TOOLS.get(task.task, TOOL_TAGS)
+
+    async def run(
+        self, task: AgentTask, sample: int = 0, *, sampling: SamplingConfig | None = None, seed: int | None = None
+    ) -> Rollout:
+        """Generate one trajectory for ``task``.
+
+        Args:
+            sample: the sample index (0..k-1) of this trajectory for the task.
+            sampling: overrides the loop's default sampling settings.
+            seed: the base sampling seed of this trajectory (turn t samples with ``seed + t``); None:
+                :func:`sample_seed` of the task id and sample, so repeated runs draw the same samples.
+
+        Returns:
+            A :class:`~afm_core.rollout.types.Rollout`; it never raises for engine or tool failures (they
+            end the trajectory with finish reason ``error``, or become error observations).
+        """
+        started = time.monotonic()
+        state = _State(prompt_ids=encode_prompt(self.tokenizer, task.prompt, task.system))
+        base_seed = sample_seed(task.id, sample) if seed is None else seed
+        try:
+            if self.config.timeout_s is None:
+                await self._loop(task, sample, state, sampling or self.sampling, base_seed)
+            else:
+                await asyncio.wait_for(
+                    self._loop(task, sample, state, sampling or self.sampling, base_seed), self.config.timeout_s
+                )
+        except TimeoutError:
+            state.finish = FinishReason.TIMEOUT
+        finally:
+            if self.tools is not None:
+                self.tools.end_trajectory(_trajectory_id(task, sample))
+        return self._rollout(task, sample, state, time.monotonic() - started)
+
+    async def _loop(self, task: AgentTask, sample: int, state: _State, sampling: SamplingConfig, seed: int) -> None:
+        tools = self.tool_names(task)
+        stop = tuple(stop_strings(tools))
+        answer_stop = stop[-1]
+        while state.finish is None:
+            if state.turns >= self.config.max_turns:
+                state.finish = FinishReason.MAX_TURNS
+                break
+            budget = min(
+                self.config.max_response_tokens - len(state.response_ids),
+                self.engine.max_model_len - len(state.prompt_ids) - len(state.response_ids),
+                sampling.max_tokens,
+            )
+            if budget <= 0:
+                state.finish = FinishReason.LENGTH
+                break
+            params = replace(sampling, max_tokens=budget, stop=stop, seed=seed + state.turns)
+            try:
+                gen = await self.engine.generate(
+                    state.prompt_ids + state.response_ids, params, f"{_trajectory_id(task, sample)}-t{state.turns}"
+                )
+            except EngineError as e:
+                state.finish, state.error = FinishReason.ERROR, str(e)
+                break
+            state.turns += 1
+            ids = gen.token_ids
+            shown = ids[:-1] if ids and ids[-1] in self._end_of_turn_ids else ids
+            state.add(ids, True, gen.logprobs, self.tokenizer.decode(shown, skip_special_tokens=False))
+            if gen.finish_reason == "abort":
+                state.finish = FinishReason.ABORT
+            elif gen.finish_reason == "length":
+                state.finish = FinishReason.LENGTH
+            elif gen.stop_reason == answer_stop:
+                state.finish = FinishReason.ANSWER
+            elif gen.stop_reason in stop:
+                await self._call_tools(task, sample, state, gen.text, gen.stop_reason, tools)
+            else:
+                state.finish = FinishReason.EOS
+
+    async def _call_tools(
+        self, task: AgentTask, sample: int, state: _State, segment: str, stop: str, tools: Sequence[str]
+    ) -> None:
+        turn = state.turns - 1
+        tag = stop[2:-1]
+        calls = [call for call in parse_tool_calls(segment, tools) if call.name == tag] or [None]
+        records: list[ToolCallRecord] = []
+        pending = []
+        for call in calls:
+            if call is None:
+                records.append(ToolCallRecord(turn, tag, "", f"[{tag} error: bad_input] no non-empty <{tag}> call "
+                                              f"before </{tag}>", 0.0, "bad_input"))
+            elif len(state.tool_calls) + len(records) >= self.config.max_tool_calls:
+                records.append(ToolCallRecord(turn, call.name, call.query, f"[{call.name} error: call_limit] "
+                                              f"the limit of {self.config.max_tool_calls} tool calls is reached; "
+                                              "give your final answer now", 0.0, "call_limit"))
+            elif self.tools is None:
+                records.append(ToolCallRecord(turn, call.name, call.query, f"[{call.name} error: bad_input] no tools "
+                                              "are available", 0.0, "bad_input"))
+            else:
+                record = ToolCallRecord(turn, call.name, call.query, "", 0.0)
+                records.append(record)
+                pending.append((record, call))
+        if pending:
+            await asyncio.gather(*(self._run_call(task, sample, record, call) for record, call in pending))
+        state.tool_calls += records
+        text = render_observation("\n\n".join(record.observation for record in records))
+        ids = encode_text(self.tokenizer, text)
+        room = self.config.max_response_tokens - len(state.response_ids)
+        room = min(room, self.engine.max_model_len - len(state.prompt_ids) - len(state.response_ids))
+        if len(ids) > room:
+            ids = ids[: max(room, 0)]
+            text = self.tokenizer.decode(ids)
+            state.finish = FinishReason.LENGTH
+        state.add(ids, False, None, text)
+
+    async def _run_call(self, task: AgentTask, sample: int, record: ToolCallRecord, call: Any) -> None:
+        started = time.monotonic()
+        context = {"task": task.question or task.prompt}
+        assert self.tools is not None
+        record.observation = await self.tools.call(call.name, call.query, _trajectory_id(task, sample), context)
+        record.seconds = time.monotonic() - started
+        record.error = observation_error_kind(record.observation)
+
+    def _rollout(self, task: AgentTask, sample: int, state: _State, seconds: float) -> Rollout:
+        text = "".join(state.text_parts)
+        issues = [issue.code for issue in validate_text(text)]
+        trajectory = None
+        if task.task in TASKS:
+            try:
+                steps = parse_steps(text)
+                trajectory = Trajectory(
+                    id=_trajectory_id(task, sample), task=task.task, question=task.question, prompt=task.prompt,
+                    steps=steps, answer=task.answer, source="rollout", source_id=task.id,
+                )
+            except TagGrammarError:
+                trajectory = None
+        return Rollout(
+            task=task, sample=sample, prompt_ids=state.prompt_ids, response_ids=state.response_ids,
+            response_mask=state.response_mask, logprobs=state.logprobs, response_text=text, turns=state.turns,
+            tool_calls=state.tool_calls, finish_reason=state.finish or FinishReason.ERROR, trajectory=trajectory,
+            format_issues=issues, seconds=seconds, error=state.error,
+        )
+
+    async def run_many(
+        self,
+        items: Iterable[tuple[AgentTask, int]],
+        *,
+        concurrency: int = 64,
+        sampling: SamplingConfig | Callable[[AgentTask], SamplingConfig] | None = None,
+        on_result: Callable[[Rollout], Any] | None = None,
+        progress: str | None = "rollouts",
+    ) -> list[Rollout]:
+        """Run ``(task, sample)`` pairs with at most ``concurrency`` trajectories in flight.
+
+        Args:
+            sampling: settings for every task, or a function of the task (per-benchmark settings).
+            on_result: called (in the event loop) as each trajectory finishes, e.g. to grade it and append it to a
+                file; a coroutine result is awaited (the trajectory's slot is held until it finishes).
+            progress: a progress-bar label (tqdm on stderr), or None for no bar.
+
+        Returns:
+            The rollouts in the order of ``items``.
+        """
+        from tqdm import tqdm
+
+        items = list(items)
+        slots = asyncio.Semaphore(max(1, concurrency))
+        bar = tqdm(total=len(items), desc=progress, unit="traj", disable=progress is None, dynamic_ncols=True)
+
+        async def one(task: AgentTask, sample: int) -> Rollout:
+            async with slots:
+                params = sampling(task) if callable(sampling) else sampling
+                rollout = await self.run(task, sample, sampling=params)
+                if on_result is not None:
+                    result = on_result(rollout)
+                    if inspect.isawaitable(result):
+                        await result
+            bar.update(1)
+            return rollout
+
+        try:
+            return list(await asyncio.gather(*(one(task, sample) for task, sample in items)))
+        finally:
+            bar.close()
+
+
+def _trajectory_id(task: AgentTask, sample: int) -> str:
+    return f"{task.id}#{sample}"

