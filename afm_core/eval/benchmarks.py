@@ -26,7 +26,7 @@ import yaml
 from afm_core.coa.prompts import TASKS, user_prompt
 from afm_core.data.formats import rl_task_from_row
 from afm_core.data.io import DataFormatError, Where, require
-from afm_core.rewards.code import BadTestsError, humaneval_tests, mbpp_tests, tests_from_ground_truth
+from afm_core.rewards.code import BadTestsError, humaneval_tests, mbpp_tests, code_tests_from_ground_truth
 from afm_core.rewards.grader import GRADER_KINDS, grader_kind
 from afm_core.rollout.types import AgentTask
 from afm_core.utils.paths import repo_root, shared_data_dir
@@ -195,7 +195,7 @@ def _rl_record(where: Where, r: Mapping[str, Any], name: str, task: str | None, 
     answer = rl.ground_truth
     if kind == "code":
         try:
-            meta["tests"] = tests_from_ground_truth(rl.ground_truth).to_dict()
+            meta["tests"] = code_tests_from_ground_truth(rl.ground_truth).to_dict()
         except BadTestsError as e:
             raise where.error(f"field 'reward_model.ground_truth': {e}") from None
         answer = ""

@@ -54,8 +54,17 @@ def request_stop() -> None:
 
 
 def benchmark_settings(eval_cfg: Mapping[str, Any], bench: Benchmark) -> dict[str, Any]:
-    """The run's ``eval.*`` defaults overridden by the benchmark preset's own settings."""
-    return {**{key: eval_cfg.get(key) for key in SAMPLING_KEYS}, **bench.settings}
+    """The run's ``eval.*`` defaults, overridden by the benchmark preset's settings, overridden by
+    ``eval.per_benchmark.<name>`` (e.g. ``eval.per_benchmark.humaneval.limit=null``).
+
+    Raises:
+        ValueError: an unknown key under ``eval.per_benchmark.<name>``.
+    """
+    overrides = dict((eval_cfg.get("per_benchmark") or {}).get(bench.name) or {})
+    unknown = sorted(set(overrides) - set(SAMPLING_KEYS))
+    if unknown:
+        raise ValueError(f"eval.per_benchmark.{bench.name}.{unknown[0]}: unknown setting; known: {', '.join(SAMPLING_KEYS)}")
+    return {**{key: eval_cfg.get(key) for key in SAMPLING_KEYS}, **bench.settings, **overrides}
 
 
 def load_benchmarks(cfg: Mapping[str, Any]) -> list[Benchmark]:

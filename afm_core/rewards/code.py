@@ -80,7 +80,7 @@ class CodeTests:
                    test_code=data.get("test_code", ""), prefix=data.get("prefix", ""))  # fmt: skip
 
 
-def tests_from_ground_truth(ground_truth: Any) -> CodeTests:
+def code_tests_from_ground_truth(ground_truth: Any) -> CodeTests:
     """Tests from an AFM/verl code ``reward_model.ground_truth`` (a JSON string or its decoded object).
 
     Accepted: ``{"stdin": [...], "expected_output": [...]}``, ``{"inputs": [...], "outputs": [...]}`` and
@@ -230,5 +230,5 @@ def task_tests(meta: Mapping[str, Any]) -> CodeTests | None:
 
 __all__ = [
     "BadTestsError", "CodeTests", "SandboxClient", "extract_program", "grade_code", "humaneval_tests", "mbpp_tests",
-    "run_tests", "task_tests", "tests_from_ground_truth",
+    "run_tests", "task_tests", "code_tests_from_ground_truth",
 ]  # fmt: skip
