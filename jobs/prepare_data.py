@@ -10,7 +10,7 @@ an AFM/verl RL parquet (:func:`afm_core.data.prepare.export_prepared`).
 Examples::
 
     python -m jobs.prepare_data
-    python -m jobs.prepare_data data.sources.gsm8k=50 data.out_dir=/tmp/coa force=true
+    python -m jobs.prepare_data data.sources.gsm8k.limit=50 data.out_dir=/tmp/coa force=true
     python -m jobs.prepare_data input.format=llamafactory input.path=sft.json data.out_dir=/tmp/imported
     python -m jobs.prepare_data export=afm_rl export_dir=/tmp/rl
 """
@@ -18,15 +18,23 @@ Examples::
 from __future__ import annotations
 
 import json
+import sys
 
 import hydra
 from omegaconf import DictConfig
 
+from afm_core.config import ConfigError, check_config
+from afm_core.config.data import PrepareDataConfig
 from afm_core.data.prepare import PrepareInput, ensure_prepared, export_prepared, read_report
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="prepare_data")
 def main(cfg: DictConfig) -> None:
+    try:
+        check_config(cfg, PrepareDataConfig)
+    except ConfigError as err:
+        print(f"jobs.prepare_data: bad config: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     source = PrepareInput(format=cfg.input.format, path=cfg.input.path, task=cfg.input.task)
     out_dir = ensure_prepared(cfg.data, source=source, strict=cfg.strict, force=cfg.force)
     report = read_report(out_dir)

@@ -7,23 +7,33 @@
     python -m jobs.sft hydra.run.dir=runs/sft/X               # continue runs/sft/X from its latest checkpoint
     python -m jobs.sft resume=runs/sft/X                      # start a new run dir from X's latest checkpoint
 
-Each rank runs ``afm_core.train.sft.run_sft(cfg)``; on SIGUSR2 (Slurm timeout or preemption) the trainer
+The composed config is checked against its typed schema (:mod:`afm_core.config`) before anything is built or
+submitted: a bad value exits with status 2 and one line naming the key and the valid values. Each rank runs
+``afm_core.train.sft.run_sft(cfg)``; on SIGUSR2 (Slurm timeout or preemption) the trainer
 checkpoints at the next step boundary and the job is requeued (afm_core.launch.requeue).
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig
 
+from afm_core.config import ConfigError, check_config
+from afm_core.config.sft import SFTConfig
 from afm_core.launch import submit
 
 
 @hydra.main(config_path="../conf", config_name="sft", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
+    try:
+        check_config(cfg, SFTConfig)
+    except ConfigError as err:
+        print(f"jobs.sft: bad config: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     summary = submit("afm_core.train.sft.run_sft", cfg, on_preempt="afm_core.train.trainer.request_checkpoint",
                      job_name="sft")
     if summary is not None:

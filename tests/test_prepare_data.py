@@ -11,6 +11,7 @@ from afm_core.coa.grammar import validate_text
 from afm_core.coa.prompts import user_prompt
 from afm_core.coa.trajectory import Step, Trajectory
 from afm_core.data import prepare as prepare_module
+from afm_core.data.converters.r1searcher import R1SEARCHER
 from afm_core.data.formats import read_rl_tasks
 from afm_core.data.prepare import (
     DataFilters, ensure_prepared, export_prepared, filter_trajectories, is_error_correction, prepare,
@@ -59,7 +60,8 @@ def test_report(prepared):
     assert set(report["sources"]) == set(SOURCES)
     assert report["sources"]["gsm8k"]["converted"] == 40
     assert report["sources"]["r1searcher"]["rejected"]["wrong_answer"] > 0
-    assert report["config"]["sources"] == SOURCES and report["config"]["filters"] == vars(DataFilters())
+    assert report["config"]["sources"] == {name: {"limit": limit, "files": None} for name, limit in SOURCES.items()}
+    assert report["config"]["filters"] == vars(DataFilters())
     converted = sum(s["converted"] for s in report["sources"].values())
     assert report["filters"]["input"] == converted
     assert report["filters"]["kept"] + sum(report["filters"]["dropped"].values()) == converted
@@ -190,11 +192,32 @@ def test_failure_midway_leaves_no_out_dir(tmp_path, monkeypatch):
 
 
 def test_bad_config(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown converter\(s\) \['hotpot'\]"):
+    with pytest.raises(ValueError, match=r"data.sources.hotpot: unknown converter"):
         prepare(data_cfg(tmp_path / "x", sources={"hotpot": 3}))
     with pytest.raises(FileNotFoundError, match="missing input file"):
         prepare(data_cfg(tmp_path / "x", sources={"tora": 3}, shared_dir=str(tmp_path / "nowhere")))
+    with pytest.raises(FileNotFoundError, match=r"data.sources.tora.path='nothing-\*.jsonl': no such file"):
+        prepare(data_cfg(tmp_path / "x", sources={"tora": {"path": "nothing-*.jsonl"}}))
+    with pytest.raises(ValueError, match=r"data.sources.tora: unknown key\(s\) \['paths'\]"):
+        prepare(data_cfg(tmp_path / "x", sources={"tora": {"paths": ["a"]}}))
     assert not (tmp_path / "x").exists()
+
+
+@needs_data
+def test_a_source_reads_the_users_own_file_and_prepares_again_when_it_changes(tmp_path):
+    default = SHARED / R1SEARCHER.files[0]
+    mine = tmp_path / "my_rollouts.jsonl"
+    mine.write_text("".join(default.read_text().splitlines(keepends=True)[:30]))
+    cfg = data_cfg(tmp_path / "coa", sources={"r1searcher": {"limit": None, "path": str(mine)}})
+    out = ensure_prepared(cfg)
+    report = json.loads((out / "report.json").read_text())
+    assert report["sources"]["r1searcher"]["files"] == [str(mine)] and report["sources"]["r1searcher"]["read"] == 30
+    assert report["config"]["sources"]["r1searcher"]["files"][0]["path"] == str(mine)
+    first = (out / "train.parquet").stat().st_mtime_ns
+    assert ensure_prepared(cfg) == out and (out / "train.parquet").stat().st_mtime_ns == first  # cached
+    mine.write_text("".join(default.read_text().splitlines(keepends=True)[:20]))
+    ensure_prepared(cfg)
+    assert json.loads((out / "report.json").read_text())["sources"]["r1searcher"]["read"] == 20
 
 
 @needs_data
@@ -216,8 +239,9 @@ def test_exports(prepared, tmp_path):
 @needs_data
 def test_cli(tmp_path):
     out = tmp_path / "cli"
-    args = [sys.executable, "-m", "jobs.prepare_data", f"data.out_dir={out}", "data.sources.gsm8k=10",
-            "data.sources.fireact=10", "data.sources.r1searcher=10", "data.sources.tora=5", "export=afm_rl"]  # fmt: skip
+    args = [sys.executable, "-m", "jobs.prepare_data", f"data.out_dir={out}", "data.sources.gsm8k.limit=10",
+            "data.sources.fireact.limit=10", "data.sources.r1searcher=10", "data.sources.tora.limit=5",
+            "export=afm_rl"]  # fmt: skip
     result = subprocess.run(args, cwd=repo_root(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout)

@@ -5,8 +5,9 @@ atomically (a complete directory or none); ``ensure_prepared(data_cfg)`` does so
 directory is missing or was prepared from another config. ``data_cfg`` is the ``data`` config group
 (``conf/data/coa_traces.yaml``):
 
-* ``sources``: converter name -> max trajectories taken from it (null: all), see
-  :mod:`afm_core.data.converters`;
+* ``sources``: converter name -> ``{limit, path}``: at most ``limit`` trajectories (null: all) from ``path``
+  (the user's own file or glob, e.g. ``data.sources.r1searcher.path=my_rollouts.jsonl``; null: the
+  converter's files under ``shared_dir``), see :mod:`afm_core.data.converters`; a bare number is a limit;
 * ``shared_dir``: the real data folder (null: :func:`~afm_core.utils.paths.shared_data_dir`);
 * ``out_dir``: where to write (null: ``$AFM_CACHE/data/<name>``);
 * ``heldout_fraction``, ``split_seed``: the held-out split, by question (see :func:`split_by_task`);
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import json
 import os
 import random
@@ -226,23 +228,72 @@ def resolve_out_dir(data_cfg: Mapping[str, Any]) -> Path:
     return cache_dir() / "data" / str(data_cfg.get("name") or "coa_traces")
 
 
-def recorded_config(data_cfg: Mapping[str, Any], source: PrepareInput = PrepareInput()) -> dict[str, Any]:
-    """The config that determines the prepared data's content, as written to ``report.json``.
+def normalize_sources(sources: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """``data.sources`` as ``{converter: {"limit": int | None, "path": str | None}}``; a bare number (or null)
+    is a limit.
 
     Raises:
-        ValueError: an unknown converter in ``sources``, or bad ``filters``.
+        ValueError: an unknown converter, an unknown key, or a bad limit or path (the key is named).
+    """
+    normalized = {}
+    for name, spec in dict(_plain(sources) or {}).items():
+        if name not in CONVERTERS:
+            raise ValueError(f"data.sources.{name}: unknown converter; known: {', '.join(sorted(CONVERTERS))}")
+        spec = {"limit": spec} if spec is None or isinstance(spec, int) else dict(spec)
+        if unknown := sorted(set(spec) - {"limit", "path"}):
+            raise ValueError(f"data.sources.{name}: unknown key(s) {unknown}; valid: limit, path")
+        limit, path = spec.get("limit"), spec.get("path")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(f"data.sources.{name}.limit={limit!r}: an integer >= 0, or null (all)")
+        if path is not None and (not isinstance(path, str) or not path):
+            raise ValueError(f"data.sources.{name}.path={path!r}: a file or glob, or null (the shared files)")
+        normalized[name] = {"limit": limit, "path": path}
+    return normalized
+
+
+def source_files(name: str, path: str | None, shared_dir: Path) -> list[Path]:
+    """The input files of converter ``name``: ``path`` (a file or glob, ``~`` expanded, relative to the current
+    directory) when set, else the converter's default files under ``shared_dir``.
+
+    Raises:
+        FileNotFoundError: a default file is missing, or ``path`` matches no file.
+    """
+    if path is None:
+        paths = [shared_dir / f for f in CONVERTERS[name].files]
+        if missing := [str(p) for p in paths if not p.exists()]:
+            raise FileNotFoundError(f"source {name!r}: missing input file(s) {missing} (shared_dir={shared_dir})")
+        return paths
+    pattern = str(Path(path).expanduser().absolute())
+    paths = sorted(Path(p) for p in glob.glob(pattern) if Path(p).is_file())
+    if not paths:
+        raise FileNotFoundError(f"data.sources.{name}.path={path!r}: no such file ({pattern})")
+    return paths
+
+
+def recorded_config(data_cfg: Mapping[str, Any], source: PrepareInput = PrepareInput()) -> dict[str, Any]:
+    """The config that determines the prepared data's content, as written to ``report.json``. A source read
+    from the user's ``path`` records each file's absolute path, size and mtime, so that editing it prepares again.
+
+    Raises:
+        ValueError: bad ``sources`` (see :func:`normalize_sources`) or ``filters``.
+        FileNotFoundError: a source's ``path`` matches no file.
     """
     data_cfg = _plain(data_cfg)
-    sources = dict(data_cfg.get("sources") or {})
-    if source.format == "converters":
-        if unknown := sorted(set(sources) - set(CONVERTERS)):
-            raise ValueError(f"data.sources: unknown converter(s) {unknown}; known: {sorted(CONVERTERS)}")
     shared = data_cfg.get("shared_dir")
+    shared_dir = Path(shared).expanduser() if shared else shared_data_dir()
+    sources = {}
+    if source.format == "converters":
+        for name, spec in normalize_sources(data_cfg.get("sources")).items():
+            files = None
+            if spec["path"] is not None:
+                files = [{"path": str(p), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+                         for p in source_files(name, spec["path"], shared_dir)]
+            sources[name] = {"limit": spec["limit"], "files": files}
     return {
         "format_version": FORMAT_VERSION,
         "input": asdict(source),
-        "sources": sources if source.format == "converters" else {},
-        "shared_dir": str(Path(shared).expanduser() if shared else shared_data_dir()),
+        "sources": sources,
+        "shared_dir": str(shared_dir),
         "heldout_fraction": float(data_cfg.get("heldout_fraction", 0.05)),
         "split_seed": int(data_cfg.get("split_seed", 0)),
         "filters": asdict(DataFilters.from_config(data_cfg.get("filters"))),
@@ -259,12 +310,10 @@ def _convert(config: dict[str, Any], strict: bool) -> list[Conversion]:
         return [alpaca_converter(source.task)([source.path], strict=strict)]
     shared = Path(config["shared_dir"])
     conversions = []
-    for name, limit in config["sources"].items():
-        converter = CONVERTERS[name]
-        paths = [shared / f for f in converter.files]
-        if missing := [str(p) for p in paths if not p.exists()]:
-            raise FileNotFoundError(f"source {name!r}: missing input file(s) {missing} (shared_dir={shared})")
-        conversions.append(converter(paths, limit=limit, strict=strict))
+    for name, spec in config["sources"].items():
+        files = spec["files"]
+        paths = [Path(f["path"]) for f in files] if files is not None else source_files(name, None, shared)
+        conversions.append(CONVERTERS[name](paths, limit=spec["limit"], strict=strict))
     return conversions
 
 
@@ -280,7 +329,7 @@ def prepare(data_cfg: Mapping[str, Any], *, source: PrepareInput = PrepareInput(
 
     Raises:
         ValueError: bad config (unknown converter, filter key, fraction out of range).
-        FileNotFoundError: a source file is missing.
+        FileNotFoundError: a source file is missing (the shared file, or the user's ``path``).
         DataFormatError: a malformed source record (message names file, line and field).
         TagGrammarError: ``strict`` and a trajectory with broken tags.
     """
@@ -335,9 +384,9 @@ def is_prepared(out_dir: Path, config: dict[str, Any]) -> bool:
 
 
 @contextlib.contextmanager
-def _lock(out_dir: Path) -> Iterator[None]:
+def dir_lock(out_dir: Path) -> Iterator[None]:
     """An exclusive lock (``flock``) on ``.<out_dir name>.lock`` next to ``out_dir``, so that concurrent
-    callers (e.g. several ranks of one job) prepare once."""
+    callers (e.g. several ranks of one job) write ``out_dir`` once."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(out_dir.parent / f".{out_dir.name}.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -358,7 +407,7 @@ def ensure_prepared(
     """
     out_dir = resolve_out_dir(data_cfg)
     config = recorded_config(data_cfg, source)
-    with _lock(out_dir):
+    with dir_lock(out_dir):
         if force or not is_prepared(out_dir, config):
             prepare(data_cfg, source=source, strict=strict)
     return out_dir

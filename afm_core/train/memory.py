@@ -13,7 +13,6 @@ Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Larg
   * with full recomputation a layer keeps only its input, ``2 * s * b * h / t`` bytes (Sec. 4.1), and one
     layer's full activations are live during its recomputation;
   * the 1F1B pipeline schedule keeps ``pp`` micro batches in flight on the first stage (Sec. 4.2.3);
-  * context parallelism divides the sequence, so ``s`` becomes ``s / cp``;
   * the output layer holds bf16 logits and fp32 cross-entropy workspace: ``6 * s * b * V / t`` bytes.
 This is an estimate (no allocator fragmentation, CUDA context ~1 GiB, or communication buffers); budget
 10-15% headroom on top.
@@ -78,7 +77,6 @@ def estimate_memory(
     tp: int,
     pp: int,
     dp: int,
-    cp: int = 1,
     seq_length: int,
     micro_batch_size: int = 1,
     recompute: str | None = "full",
@@ -88,7 +86,7 @@ def estimate_memory(
 
     Args:
         model: a ``conf/model`` preset (architecture keys).
-        tp, pp, dp, cp: tensor, pipeline, data and context parallel sizes.
+        tp, pp, dp: tensor, pipeline and data parallel sizes (context parallelism is not implemented).
         seq_length: tokens per sequence (the cutoff); micro_batch_size: sequences per micro batch.
         recompute: ``"full"`` (store layer inputs only) or ``None``/``"selective"`` (store all activations;
             selective recompute only drops the attention scores, which flash attention never stores).
@@ -109,7 +107,7 @@ def estimate_memory(
     weights_and_grads = 6 * params
     optimizer = 12 * params // (dp if distributed_optimizer else 1)
 
-    s, b, h = seq_length // cp, micro_batch_size, model["hidden_size"]
+    s, b, h = seq_length, micro_batch_size, model["hidden_size"]
     full_layer = 34 * s * b * h // tp
     in_flight = pp  # 1F1B: the first stage holds pp micro batches
     if recompute == "full":
@@ -122,7 +120,7 @@ def estimate_memory(
 
 def estimate_from_config(cfg: Any) -> MemoryEstimate:
     """Estimate from a composed ``conf/sft.yaml`` (model, parallel, trainer and cluster groups)."""
-    model_parallel = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    model_parallel = cfg.parallel.tp * cfg.parallel.pp
     if cfg.cluster.name == "slurm":
         dp = max(1, cfg.cluster.nodes * cfg.cluster.tasks_per_node // model_parallel)
     else:
@@ -132,7 +130,6 @@ def estimate_from_config(cfg: Any) -> MemoryEstimate:
         tp=cfg.parallel.tp,
         pp=cfg.parallel.pp,
         dp=dp,
-        cp=cfg.parallel.cp,
         seq_length=cfg.trainer.seq_length,
         micro_batch_size=cfg.trainer.micro_batch_size,
         recompute=cfg.parallel.recompute,
@@ -149,7 +146,7 @@ def main(argv: list[str]) -> None:
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="sft", overrides=argv)
     est = estimate_from_config(cfg)
-    print(f"model={cfg.model.name} tp={cfg.parallel.tp} pp={cfg.parallel.pp} cp={cfg.parallel.cp} "
+    print(f"model={cfg.model.name} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
           f"seq_length={cfg.trainer.seq_length} params/GPU={est.params_per_gpu / 1e9:.2f}B")
     for key, gib in est.as_gib().items():
         print(f"  {key:>18}: {gib:6.1f} GiB")

@@ -1,0 +1,53 @@
+"""The error, the one-line check every schema's ``__post_init__`` uses, and plain values -> a checked dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value cannot be used; the message names the key (``trainer.eval_interval``) and the valid values."""
+
+
+def require(ok: bool, key: str, value: Any, valid: str) -> None:
+    """Raise ``ConfigError("<key>=<value>: <valid>")`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {valid}")
+
+
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending (the valid TP/PP sizes for ``n`` heads or layers)."""
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def instantiate(schema: type[T], plain: Any, prefix: str = "") -> T:
+    """``plain`` (dicts, lists, scalars; ``${...}`` interpolations resolve in the caller's context) merged onto
+    a fresh structured config of ``schema`` and turned into the dataclass, so every ``__post_init__`` runs.
+
+    Args:
+        prefix: prepended to the key in OmegaConf's messages (``"cluster."`` for a group checked on its own);
+            the ``__post_init__`` checks name the full key themselves.
+    Raises:
+        ConfigError: an unknown key (the message lists the known ones), a value of the wrong type, or a failed
+            ``__post_init__`` check.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(schema), plain)
+        return OmegaConf.to_object(typed)  # type: ignore[return-value]
+    except ConfigError:
+        raise  # a __post_init__ check: its message names the full key already
+    except OmegaConfBaseException as err:
+        if isinstance(err.__cause__, ConfigError):
+            raise err.__cause__ from None
+        key = f"{prefix}{err.full_key}" if getattr(err, "full_key", None) else prefix.rstrip(".")
+        message = str(err).split("\n")[0]
+        owner = getattr(err, "object_type", None)
+        if isinstance(err, ConfigKeyError) and owner is not None and dataclasses.is_dataclass(owner):
+            message += f"; valid keys: {', '.join(f.name for f in dataclasses.fields(owner))}"
+        raise ConfigError(f"{key}: {message}" if key else message) from None

@@ -1,0 +1,193 @@
+"""The schema of ``conf/sft.yaml``: trainer, optim, parallel and model groups, and the checks across them.
+
+Each group's ``__post_init__`` checks its own ranges; :class:`SFTConfig` checks what spans groups: attention
+heads and KV heads divisible by ``parallel.tp``, layers by ``parallel.pp * parallel.vpp`` (Megatron-core's
+``TransformerConfig`` and ``get_num_layers_to_build`` fail on the same conditions, but only once the model is
+built), and ``trainer.global_batch_size`` divisible by ``trainer.micro_batch_size * dp``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+from afm_core.config.checks import ConfigError, divisors, require
+from afm_core.config.cluster import cluster_schema
+from afm_core.config.data import DataConfig
+
+ENGINES = ("megatron", "deepspeed")
+PRECISIONS = ("auto", "fp32", "bf16")
+LR_SCHEDULES = ("cosine", "constant")
+RECOMPUTE = (None, "selective", "full")
+
+
+def _at_least(key: str, value: Any, low: int | float) -> None:
+    require(value >= low, key, value, f"must be >= {low}")
+
+
+@dataclass
+class TrainerConfig:
+    engine: str = "megatron"
+    deepspeed_config: Optional[str] = None
+    seed: int = 1234
+    max_steps: Optional[int] = None
+    epochs: Optional[float] = None
+    seq_length: int = 1024
+    micro_batch_size: int = 1
+    global_batch_size: int = 1
+    precision: str = "auto"
+    grad_clip: float = 1.0
+    log_interval: int = 1
+    eval_interval: int = 1
+    eval_sequences: int = 1
+    save_interval: int = 1
+    keep_last: int = 1
+    export_hf: bool = True
+    num_threads: Optional[int] = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.engine in ENGINES, "trainer.engine", self.engine, f"one of {', '.join(ENGINES)}")
+        require(self.precision in PRECISIONS, "trainer.precision", self.precision, f"one of {', '.join(PRECISIONS)}")
+        require(self.seq_length > 0, "trainer.seq_length", self.seq_length, "a positive integer (tokens)")
+        for key in ("micro_batch_size", "global_batch_size", "log_interval", "eval_interval", "eval_sequences",
+                    "save_interval", "keep_last"):
+            _at_least(f"trainer.{key}", getattr(self, key), 1)
+        require(self.global_batch_size % self.micro_batch_size == 0, "trainer.global_batch_size",
+                self.global_batch_size, f"a multiple of trainer.micro_batch_size={self.micro_batch_size}")
+        require(self.max_steps is not None or self.epochs is not None, "trainer.max_steps", self.max_steps,
+                "set trainer.max_steps or trainer.epochs")
+        if self.max_steps is not None:
+            _at_least("trainer.max_steps", self.max_steps, 1)
+        if self.epochs is not None:
+            require(self.epochs > 0, "trainer.epochs", self.epochs, "a positive number, or null")
+        _at_least("trainer.grad_clip", self.grad_clip, 0.0)
+        if self.num_threads is not None:
+            _at_least("trainer.num_threads", self.num_threads, 1)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1.0e-4
+    min_lr: float = 0.0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1.0e-8
+    warmup_ratio: float = 0.0
+    lr_schedule: str = "cosine"
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, "optim.lr", self.lr, "a positive learning rate")
+        require(0 <= self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"in [0, optim.lr={self.lr}]")
+        _at_least("optim.weight_decay", self.weight_decay, 0.0)
+        for key in ("adam_beta1", "adam_beta2"):
+            value = getattr(self, key)
+            require(0 <= value < 1, f"optim.{key}", value, "in [0, 1)")
+        require(self.adam_eps > 0, "optim.adam_eps", self.adam_eps, "a positive number")
+        require(0 <= self.warmup_ratio <= 1, "optim.warmup_ratio", self.warmup_ratio, "in [0, 1] (of the steps)")
+        require(self.lr_schedule in LR_SCHEDULES, "optim.lr_schedule", self.lr_schedule,
+                f"one of {', '.join(LR_SCHEDULES)}")
+
+
+@dataclass
+class ParallelConfig:
+    """``dp = world_size / (tp * pp)``. ``cp`` (context parallelism) is not implemented: nothing slices the
+    sequence per CP rank, so only ``cp=1`` is accepted and ``conf/parallel`` does not list it."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    sequence_parallel: bool = False
+    recompute: Optional[str] = None
+    distributed_optimizer: bool = False
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        _at_least("parallel.tp", self.tp, 1)
+        _at_least("parallel.pp", self.pp, 1)
+        require(self.cp == 1, "parallel.cp", self.cp, "context parallelism is not implemented (no per-rank "
+                "sequence slicing); the only valid value is 1")
+        if self.vpp is not None:
+            _at_least("parallel.vpp", self.vpp, 1)
+            require(self.pp > 1, "parallel.vpp", self.vpp, "virtual pipeline stages need parallel.pp > 1; "
+                    "valid: null with pp=1")
+        require(self.recompute in RECOMPUTE, "parallel.recompute", self.recompute, "null, selective or full")
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks per model replica: ``tp * pp``."""
+        return self.tp * self.pp
+
+
+@dataclass
+class ModelConfig:
+    """A ``conf/model`` preset; the value checks are :func:`afm_core.models.presets.load_preset`'s."""
+
+    name: str = MISSING
+    source: str = MISSING
+    hf_path: Optional[str] = None
+    family: str = MISSING
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    ffn_hidden_size: int = MISSING
+    num_attention_heads: int = MISSING
+    num_query_groups: int = MISSING
+    vocab_size: int = MISSING
+    max_position_embeddings: int = MISSING
+    rope_theta: float = MISSING
+    norm_epsilon: float = MISSING
+    qkv_bias: bool = MISSING
+    tied_embeddings: bool = MISSING
+
+    def __post_init__(self) -> None:
+        from afm_core.models.presets import PresetError, load_preset
+
+        try:
+            load_preset(asdict(self))
+        except PresetError as err:
+            raise ConfigError(str(err)) from None
+
+
+@dataclass
+class SFTConfig:
+    """``conf/sft.yaml`` as composed (model, data, parallel, cluster, trainer, optim)."""
+
+    run_dir: str = MISSING
+    resume: Optional[str] = None
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    parallel: ParallelConfig = MISSING
+    cluster: Any = MISSING  # conf/cluster/<name>.yaml: checked against its schema by name (config.cluster)
+    trainer: TrainerConfig = MISSING
+    optim: OptimConfig = MISSING
+
+    def __post_init__(self) -> None:
+        self.cluster = cluster_schema(self.cluster)
+        m, p, t = self.model, self.parallel, self.trainer
+        groups = math.gcd(m.num_attention_heads, m.num_query_groups)
+        require(groups % p.tp == 0, "parallel.tp", p.tp,
+                f"must divide model.num_attention_heads={m.num_attention_heads} and model.num_query_groups="
+                f"{m.num_query_groups} ({m.name}); valid: {divisors(groups)}")
+        require(m.num_layers % p.pp == 0, "parallel.pp", p.pp,
+                f"must divide model.num_layers={m.num_layers} ({m.name}); valid: {divisors(m.num_layers)}")
+        if p.vpp is not None:
+            per_stage = m.num_layers // p.pp
+            require(per_stage % p.vpp == 0, "parallel.vpp", p.vpp,
+                    f"must divide the {per_stage} layers per pipeline stage; valid: {divisors(per_stage)}")
+        if t.engine == "deepspeed":
+            require(p.tp == 1 and p.pp == 1, "parallel.tp", p.tp, "trainer.engine=deepspeed is data parallel only "
+                    "(ZeRO-3): parallel.tp=1 and parallel.pp=1")
+        dp = self.cluster.data_parallel(p.model_parallel)
+        per_pass = t.micro_batch_size * dp
+        require(t.global_batch_size % per_pass == 0, "trainer.global_batch_size", t.global_batch_size,
+                f"must be a multiple of trainer.micro_batch_size * dp = {t.micro_batch_size} * {dp} = {per_pass}")
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks of the job."""
+        return self.cluster.data_parallel(self.parallel.model_parallel)
+
