@@ -17,7 +17,7 @@ import torch
 
 from afm_core.coa.render import render_response
 from afm_core.coa.trajectory import Step
-from afm_core.data.loader import SFTDataModule, read_sft_examples
+from afm_core.data.loader import SFTDataModule, StepMicroBatches, read_sft_examples
 from afm_core.data.packing import block_causal_attention_mask
 from afm_core.data.tokenize import IGNORE_INDEX
 from afm_core.utils.paths import shared_data_dir
@@ -203,3 +203,82 @@ def test_bad_parquet_names_file_row_and_field(tmp_path, smollm2_tokenizer):  # n
         read_sft_examples([null], smollm2_tokenizer)
     with pytest.raises(FileNotFoundError, match="nope"):
         read_sft_examples([tmp_path / "nope.parquet"], smollm2_tokenizer)
+
+
+def _open_cached(train_paths, tokenizer_dir, seq_length, barrier, results):
+    barrier.wait()  # every "rank" asks for the data at the same moment
+    module = SFTDataModule(train_paths, tokenizer_dir, seq_length)
+    data = module.train
+    results.put((module.built["train"], isinstance(data.input_ids, np.memmap), data.input_ids.sum(dtype=np.int64),
+                 "tokenizer" in module.__dict__))
+
+
+def test_only_one_process_tokenizes_and_every_process_maps_the_cache(tmp_path, data_files, smollm2_tokenizer):  # noqa: F811
+    import multiprocessing
+    import shutil
+
+    tokenizer_dir = tmp_path / "tokenizer"
+    smollm2_tokenizer.save_pretrained(tokenizer_dir)
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    train = [shutil.copy(p, prepared) for p in data_files["train"]]
+    context = multiprocessing.get_context("fork")
+    barrier, results = context.Barrier(3), context.Queue()
+    ranks = [context.Process(target=_open_cached, args=(train, tokenizer_dir, 256, barrier, results)) for _ in range(3)]
+    for rank in ranks:
+        rank.start()
+    outcomes = [results.get(timeout=300) for _ in ranks]
+    for rank in ranks:
+        rank.join(timeout=60)
+    assert sorted(built for built, *_ in outcomes) == [False, False, True], "exactly one process tokenized"
+    assert all(mapped for _, mapped, _, _ in outcomes) and len({total for _, _, total, _ in outcomes}) == 1
+    assert [loaded for built, _, _, loaded in outcomes if not built] == [False, False], "no tokenizer loaded"
+    entries = lambda: [p for p in (prepared / "tokenized").iterdir() if not p.name.startswith(".")]  # noqa: E731
+    (entry,) = entries()
+    assert sorted(p.name for p in entry.iterdir()) == ["cu_offsets.npy", "cu_seqlens.npy", "input_ids.npy",
+                                                       "labels.npy", "meta.json", "position_ids.npy", "stats.json"]
+
+    # A requeued job maps the same arrays; another seq_length, or a re-prepared file, tokenizes again.
+    again = SFTDataModule(train, tokenizer_dir, 256)
+    reference = SFTDataModule(train, smollm2_tokenizer, 256, cache=False).train
+    assert np.array_equal(again.train.input_ids, reference.input_ids) and not again.built["train"]
+    assert [a.tolist() for a in again.train.cu_seqlens] == [a.tolist() for a in reference.cu_seqlens]
+    assert again.train.stats == reference.stats
+    assert SFTDataModule(train, tokenizer_dir, 128).train and len(entries()) == 2
+    pq.write_table(pq.read_table(train[0]).slice(0, 10), train[0])
+    rebuilt = SFTDataModule(train, tokenizer_dir, 256)
+    assert rebuilt.train.stats.num_examples == 70 and rebuilt.built["train"]
+
+
+def test_packed_batches_without_a_dense_mask_carry_cu_seqlens_only(packed_module, data_files, smollm2_tokenizer):  # noqa: F811
+    lean = SFTDataModule(data_files["train"], smollm2_tokenizer, SEQ_LENGTH, dense_mask=False)
+    dense, sparse = next(packed_module.train_iterator(seed=5, micro_batch_size=2)), next(
+        lean.train_iterator(seed=5, micro_batch_size=2))
+    assert sparse["attention_mask"] is None and dense["attention_mask"] is not None
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        assert torch.equal(dense[key], sparse[key])
+    assert all(torch.equal(a, b) for a, b in zip(dense["cu_seqlens"], sparse["cu_seqlens"]))
+    heldout = lean.heldout_batches(micro_batch_size=2)
+    assert all(batch["attention_mask"] is None for batch in heldout) and len(heldout) == len(list(heldout))
+
+
+class _CountingSource:
+    def __init__(self):
+        self.taken = 0
+
+    def __next__(self):
+        self.taken += 1
+        return {"index": self.taken - 1}
+
+
+def test_a_step_takes_each_micro_batch_only_when_the_schedule_reaches_it():
+    source, checked = _CountingSource(), []
+    step = StepMicroBatches(source, 4, check=checked.append)
+    chunks = [iter(step), iter(step)]  # an interleaved schedule: one iterator per model chunk
+    assert len(step) == 4 and source.taken == 0, "nothing is built before the schedule asks"
+    assert next(chunks[0])["index"] == 0 and next(chunks[0])["index"] == 1 and source.taken == 2
+    assert next(chunks[1])["index"] == 0 and len(step._held) == 1, "batch 0 is released once both chunks had it"
+    assert [b["index"] for b in chunks[1]] == [1, 2, 3] and [b["index"] for b in chunks[0]] == [2, 3]
+    assert source.taken == 4 and [b["index"] for b in checked] == [0, 1, 2, 3] and not step._held
+    with pytest.raises(RuntimeError, match="created after"):
+        iter(step)

@@ -9,8 +9,10 @@ is computed exactly as if it were alone (checked numerically in ``tests/test_pac
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -51,24 +53,56 @@ class PackingStats:
         return self.num_target_tokens / self.capacity if self.capacity else 0.0
 
 
+class RaggedArray:
+    """``n`` variable-length int32 rows stored flat: row ``i`` is ``values[offsets[i]:offsets[i + 1]]`` (a view).
+
+    Args:
+        values: ``[total]`` concatenated rows.
+        offsets: ``[n + 1]`` int64 row starts in ``values``, from 0 to ``total``.
+    """
+
+    def __init__(self, values: np.ndarray, offsets: np.ndarray):
+        self.values, self.offsets = values, offsets
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[np.ndarray]) -> RaggedArray:
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(r) for r in rows])
+        values = np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, dtype=np.int32)
+        return cls(values, offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.values[self.offsets[i] : self.offsets[i + 1]]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        return (self[i] for i in range(len(self)))
+
+
+_ARRAYS = ("input_ids", "labels", "position_ids")
+
+
 @dataclass(frozen=True)
 class PackedSequences:
-    """``n`` packed sequences of ``s = seq_length`` tokens, held in memory.
+    """``n`` packed sequences of ``s = seq_length`` tokens, in memory or memory-mapped (:meth:`load`).
 
     Attributes:
         input_ids: ``[n, s]`` int32 token ids; padding holds ``pad_id``.
         labels: ``[n, s]`` int32, aligned with ``input_ids`` (NOT shifted: ``labels[i, t]`` labels token
             ``t`` itself), -100 on prompt, observation and padding tokens.
         position_ids: ``[n, s]`` int32, 0, 1, 2… restarting at every document and at the padding.
-        cu_seqlens: ``n`` int32 arrays ``[d_i + 1]``: cumulative document lengths ``[0, l1, l1+l2, …]``
-            in tokens (TE / flash-attn ``cu_seqlens`` convention). Padding lies after ``cu_seqlens[-1]``.
+        cu_seqlens: ``n`` int32 arrays ``[d_i + 1]`` (a list or a :class:`RaggedArray`): cumulative document
+            lengths ``[0, l1, l1+l2, …]`` in tokens (TE / flash-attn ``cu_seqlens`` convention). Padding lies
+            after ``cu_seqlens[-1]``.
         stats: :class:`PackingStats`.
     """
 
     input_ids: np.ndarray
     labels: np.ndarray
     position_ids: np.ndarray
-    cu_seqlens: list[np.ndarray]
+    cu_seqlens: Sequence[np.ndarray]
     stats: PackingStats
 
     def __len__(self) -> int:
@@ -77,6 +111,34 @@ class PackedSequences:
     @property
     def seq_length(self) -> int:
         return self.input_ids.shape[1]
+
+    def save(self, directory: str | Path) -> None:
+        """Write ``input_ids.npy``, ``labels.npy``, ``position_ids.npy``, ``cu_seqlens.npy`` (flat),
+        ``cu_offsets.npy`` and ``stats.json`` into ``directory`` (created; make it atomic from outside)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in _ARRAYS:
+            np.save(directory / f"{name}.npy", np.ascontiguousarray(getattr(self, name), dtype=np.int32))
+        ragged = self.cu_seqlens if isinstance(self.cu_seqlens, RaggedArray) else RaggedArray.from_rows(
+            list(self.cu_seqlens))
+        np.save(directory / "cu_seqlens.npy", ragged.values)
+        np.save(directory / "cu_offsets.npy", ragged.offsets)
+        (directory / "stats.json").write_text(json.dumps(asdict(self.stats)) + "\n", encoding="utf-8")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> PackedSequences:
+        """The sequences :meth:`save` wrote, memory-mapped read-only (pages are shared by every process that maps
+        them, and only the rows a micro batch touches are read)."""
+        directory = Path(directory)
+        arrays = {name: _load_mapped(directory / f"{name}.npy") for name in _ARRAYS}
+        cu_seqlens = RaggedArray(np.load(directory / "cu_seqlens.npy"), np.load(directory / "cu_offsets.npy"))
+        stats = PackingStats(**json.loads((directory / "stats.json").read_text(encoding="utf-8")))
+        return cls(cu_seqlens=cu_seqlens, stats=stats, **arrays)
+
+
+def _load_mapped(path: Path) -> np.ndarray:
+    array = np.load(path, mmap_mode="r")
+    return array if array.size else np.load(path)  # an empty array has nothing to map
 
 
 def pack_examples(

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from afm_core.data.loader import full_micro_batches
 from afm_core.train.checkpoint import rng_state, set_rng_state
 from afm_core.train.checkpoint_dirs import (
     checkpoint_dir_name, publish_checkpoint, read_marker, stage_checkpoint, staging_dir,
@@ -46,7 +47,6 @@ from afm_core.train.checkpoint_dirs import (
 from afm_core.train.distributed import ParallelLayout, set_num_threads, training_dtype
 from afm_core.train.loss import masked_token_loss, reduce_reports
 from afm_core.train.optim import build_lr_scheduler
-from afm_core.train.sft import full_micro_batches
 from afm_core.train.trainer import MicroBatchSource, Progress, SFTLoop
 from afm_core.utils.atomic import atomic_dir, atomic_path
 from afm_core.utils.paths import repo_root

@@ -6,7 +6,8 @@ MASTER_PORT and calls :func:`run_sft` on each rank with the composed ``conf/sft.
 1. the HF checkpoint of ``cfg.model`` (``ensure_hf_checkpoint``: SmolLM2-135M converted from its GGUF once)
    and the prepared CoA trajectories of ``cfg.data`` (``ensure_prepared``: train / held-out parquet);
 2. tokenization with the observation loss mask and packing into ``trainer.seq_length`` sequences
-   (``SFTDataModule``);
+   (``SFTDataModule``), done once by the first rank and cached next to the prepared parquet: the other ranks
+   and a requeued or resumed job memory-map the cached arrays;
 3. ``trainer.engine=megatron`` (default): megatron parallel state (TP/PP/DP), the GPTModel chunks of this
    rank with the HF weights loaded (mbridge), then :class:`~afm_core.train.trainer.SFTTrainer` (resume from
    the latest complete checkpoint of ``run_dir``, or of ``resume``); ``trainer.engine=deepspeed``: ZeRO-3 on the
@@ -22,9 +23,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
+from afm_core.config.sft import ENGINES
+from afm_core.data.loader import full_micro_batches
+
 log = logging.getLogger(__name__)
 
-ENGINES = ("megatron", "deepspeed")
 _RECOMPUTE = {
     None: {},
     "selective": {"recompute_granularity": "selective"},
@@ -51,31 +54,29 @@ def resolve_max_steps(trainer: Any, num_train_sequences: int) -> int:
     return steps
 
 
-def full_micro_batches(batches: Any, micro_batch_size: int) -> list[dict[str, Any]]:
-    """The held-out micro batches with exactly ``micro_batch_size`` sequences (pipeline shapes are fixed).
+def needs_dense_mask(cfg: DictConfig) -> bool:
+    """Whether packed micro batches must carry the dense ``[b, 1, s, s]`` block-causal mask: for the DeepSpeed
+    engine (HF attention takes a 4-D mask) and for Megatron's local spec unless its core attention reads
+    ``packed_seq_params`` (``cu_seqlens``); never on transformer-engine (``thd``)."""
+    if not cfg.data.pack:
+        return False
+    if cfg.trainer.engine == "deepspeed":
+        return True
+    from afm_core.models import bridge
 
-    Raises:
-        ValueError: none is left (too few held-out sequences for one micro batch per DP rank).
-    """
-    full = [b for b in batches if b["tokens"].shape[0] == micro_batch_size]
-    if not full:
-        raise ValueError(f"no full held-out micro batch of trainer.micro_batch_size={micro_batch_size}: raise "
-                         "trainer.eval_sequences or data.heldout_fraction")
-    return full
+    if bridge.transformer_engine_available():
+        return False
+    return not getattr(bridge, "LOCAL_ATTENTION_READS_CU_SEQLENS", False)
 
 
 def _data_module(cfg: DictConfig, hf_dir: Path):
-    from transformers import AutoTokenizer
-
     from afm_core.data.loader import SFTDataModule
     from afm_core.data.prepare import ensure_prepared
 
     data_dir = ensure_prepared(cfg.data)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    data = SFTDataModule([data_dir / "train.parquet"], tokenizer, int(cfg.trainer.seq_length),
+    return SFTDataModule([data_dir / "train.parquet"], hf_dir, int(cfg.trainer.seq_length),
                          heldout_paths=[data_dir / "heldout.parquet"], pack=bool(cfg.data.pack),
-                         mask_observations=bool(cfg.data.mask_observations))
-    return data, tokenizer
+                         mask_observations=bool(cfg.data.mask_observations), dense_mask=needs_dense_mask(cfg))
 
 
 def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_steps: int) -> dict[str, Any]:
@@ -91,16 +92,15 @@ def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_s
     if p.recompute not in _RECOMPUTE:
         raise ValueError(f"parallel.recompute={p.recompute!r}: expected null, selective or full")
     te = transformer_engine_available()
-    if not te and (p.sequence_parallel or p.get("cp", 1) > 1):
-        raise ValueError("parallel.sequence_parallel and parallel.cp > 1 need transformer-engine (GPU)")
+    if not te and p.sequence_parallel:
+        raise ValueError("parallel.sequence_parallel needs transformer-engine (GPU)")
     if p.distributed_optimizer and not layout.on_gpu:
         raise ValueError("parallel.distributed_optimizer needs a GPU: on CPU megatron-core 0.16.1 falls back to "
                          "torch AdamW, whose state the DistributedOptimizer cannot checkpoint")
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     mcore_config = mcore_config_from_hf(
         hf_config, tp=layout.tp, pp=layout.pp, params_dtype=training_dtype(t.precision),
-        virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=int(p.get("cp", 1)),
-        sequence_parallel=bool(p.sequence_parallel), **_RECOMPUTE[p.recompute],
+        virtual_pipeline_model_parallel_size=layout.vpp, sequence_parallel=bool(p.sequence_parallel), **_RECOMPUTE[p.recompute],
     )
 
     def provider(pre_process: bool, post_process: bool, vp_stage: int | None):
@@ -149,7 +149,7 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
     if t.engine not in ENGINES:
         raise ValueError(f"trainer.engine={t.engine!r}: expected one of {ENGINES}")
     hf_dir = ensure_hf_checkpoint(cfg.model)
-    data, tokenizer = _data_module(cfg, hf_dir)
+    data = _data_module(cfg, hf_dir)
     max_steps = resolve_max_steps(t, len(data.train))
     if t.engine == "deepspeed":
         from afm_core.train.deepspeed_engine import init_deepspeed_distributed, train_deepspeed
@@ -165,7 +165,7 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
                   f"{stats.num_sequences} packed sequences from {stats.num_examples} trajectories, "
                   f"{stats.num_target_tokens} target tokens; run dir {cfg.run_dir}", flush=True)
         if t.engine == "deepspeed":
-            summary = train_deepspeed(cfg, layout, data, hf_dir, tokenizer, cfg.run_dir, max_steps,
+            summary = train_deepspeed(cfg, layout, data, hf_dir, data.tokenizer, cfg.run_dir, max_steps,
                                       resume_from=cfg.get("resume"))
         else:
             summary = _train_megatron(cfg, layout, data, hf_dir, max_steps)

@@ -39,6 +39,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 from tqdm import tqdm
 
+from afm_core.data.loader import StepMicroBatches
 from afm_core.train.checkpoint import Checkpointer
 from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
 from afm_core.train.distributed import ParallelLayout
@@ -385,14 +386,14 @@ class SFTTrainer(SFTLoop):
         loss_mask = batch["loss_mask"].to(device, non_blocking=True)
         position_ids = batch["position_ids"].to(device, non_blocking=True)
         attention_mask, packed_seq_params = batch.get("attention_mask"), None
-        if attention_mask is not None and self.thd_packing:
+        if self.thd_packing:  # the loader builds no dense mask then: documents come as cu_seqlens
             attention_mask, packed_seq_params = None, thd_packed_seq_params(batch["cu_seqlens"], self.seq_length, device)
         elif attention_mask is not None:
             attention_mask = attention_mask.to(device, non_blocking=True)
         output = model(tokens, position_ids, attention_mask, labels=labels, packed_seq_params=packed_seq_params)
         return output, partial(masked_token_loss, loss_mask)
 
-    def _run_schedule(self, micro_batches: list[dict[str, torch.Tensor]], forward_only: bool):
+    def _run_schedule(self, micro_batches: Any, forward_only: bool):
         iterators = [iter(micro_batches) for _ in self.model]
         return self.forward_backward(
             forward_step_func=self._forward_step,
@@ -406,9 +407,8 @@ class SFTTrainer(SFTLoop):
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the next global batch; returns loss, tokens, lr and grad_norm."""
-        micro_batches = [next(self.train_data) for _ in range(self.num_microbatches)]
-        for batch in micro_batches:
-            self._check_batch(batch)
+        # Each micro batch is built when the schedule asks for it, not all of the step's up front.
+        micro_batches = StepMicroBatches(self.train_data, self.num_microbatches, check=self._check_batch)
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
