@@ -1,0 +1,175 @@
+"""DAPO dynamic sampling: drop prompt groups whose rewards are all equal, keep generating until the batch is full.
+
+DAPO (arXiv 2503.14476, section 3.2, eq. 11: ``0 < |{o_i | is_equivalent(a, o_i)}| < G``): a group of
+``rollout.n`` samples whose rewards are all equal has zero GRPO advantage for every sample and only dilutes the
+gradient. The trainer over-samples: it generates batch after batch, keeps the groups with reward spread, and
+stops once ``train_batch_size`` groups are kept; the surplus of the last batch is discarded; after
+``max_num_gen_batches`` generation batches without a full batch it gives up (verl / AFM
+``recipe/dapo/dapo_ray_trainer.py::fit``, ``algorithm.filter_groups``; a group of one sample is always kept,
+as there).
+
+The driver feeds every generation batch of one rollout step into a :class:`DynamicSampler` and takes the train
+batch when it is full::
+
+    sampler = DynamicSampler(train_batch_size=64, max_num_gen_batches=10)
+    while not sampler.is_full:
+        batch = generate(next(prompts))                      # all n samples of each prompt
+        sampler.add(batch.uids, batch.scores, batch.samples)  # raises DynamicSamplingExhausted when it must stop
+    samples, stats = sampler.take()                          # train_batch_size groups, in arrival order
+
+With data parallelism, feed the same (gathered) generation batches on every rank, so that all ranks keep the
+same groups. :meth:`DynamicSampler.state_dict` holds everything (kept samples included, which must then be
+picklable), so a checkpoint taken mid-step resumes the accumulation exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+class DynamicSamplingExhausted(RuntimeError):
+    """``max_num_gen_batches`` generation batches did not yield ``train_batch_size`` groups with reward spread."""
+
+
+@dataclass(frozen=True)
+class DynamicSamplingStats:
+    """One rollout step: generation batches used, groups/samples generated, groups kept (reward spread),
+    groups trained on, kept groups discarded as surplus; ``kept_group_ratio`` = groups_kept / groups_generated."""
+
+    gen_batches: int
+    groups_generated: int
+    samples_generated: int
+    groups_kept: int
+    groups_trained: int
+    groups_surplus: int
+
+    @property
+    def kept_group_ratio(self) -> float:
+        return self.groups_kept / self.groups_generated if self.groups_generated else float("nan")
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "kept_group_ratio": self.kept_group_ratio}
+
+
+class DynamicSampler:
+    """Accumulates generation batches into one train batch of ``train_batch_size`` prompt groups.
+
+    Args:
+        train_batch_size: prompt groups per train batch (``data.train_batch_size``; samples = groups x n).
+        max_num_gen_batches: generation batches allowed per train batch; <= 0 means unlimited.
+        filter_groups: drop groups whose scores are all equal (DAPO); False keeps every group (plain GRPO/PPO,
+            where the first generation batch is the train batch).
+        allow_partial: when ``max_num_gen_batches`` is reached, let :meth:`take` return the groups kept so far
+            instead of raising :class:`DynamicSamplingExhausted`.
+    """
+
+    def __init__(self, train_batch_size: int, max_num_gen_batches: int = 10, *, filter_groups: bool = True,
+                 allow_partial: bool = False):
+        if train_batch_size < 1:
+            raise ValueError(f"train_batch_size={train_batch_size}: must be >= 1")
+        self.train_batch_size = int(train_batch_size)
+        self.max_num_gen_batches = int(max_num_gen_batches)
+        self.filter_groups = bool(filter_groups)
+        self.allow_partial = bool(allow_partial)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.gen_batches = 0
+        self.groups_generated = 0
+        self.samples_generated = 0
+        self.kept: list[tuple[Hashable, list[Any]]] = []  # (group id, its samples), in arrival order
+        self.seen: set[Hashable] = set()
+
+    # -- feeding ---------------------------------------------------------------------------------------
+    @property
+    def is_full(self) -> bool:
+        """Enough groups are kept for one train batch."""
+        return len(self.kept) >= self.train_batch_size
+
+    @property
+    def exhausted(self) -> bool:
+        """The generation budget of this step is used up (only reachable with ``allow_partial``)."""
+        return 0 < self.max_num_gen_batches <= self.gen_batches and not self.is_full
+
+    @property
+    def ready(self) -> bool:
+        """:meth:`take` may be called: full, or exhausted with ``allow_partial``."""
+        return self.is_full or (self.allow_partial and self.exhausted)
+
+    def add(self, group_ids: Sequence[Hashable], scores: Sequence[float], samples: Sequence[Any]) -> int:
+        """Add one generation batch: ``group_ids[i]``, ``scores[i]`` (the filter metric, e.g. the final reward
+        or accuracy) and ``samples[i]`` (any object: a trajectory) of each sample.
+
+        A group must arrive whole in one batch; group ids must not repeat across the batches of one step.
+
+        Returns:
+            Groups kept from this batch.
+        Raises:
+            ValueError: lengths differ, the sampler is already full, or a group id was seen in an earlier batch.
+            DynamicSamplingExhausted: this was batch ``max_num_gen_batches`` and the batch is still not full
+                (unless ``allow_partial``).
+        """
+        if not len(group_ids) == len(scores) == len(samples):
+            raise ValueError(f"one generation batch needs as many group ids ({len(group_ids)}), scores "
+                             f"({len(scores)}) and samples ({len(samples)})")
+        if self.ready:
+            raise ValueError("the train batch is already complete: call take() before adding more")
+        groups: dict[Hashable, list[int]] = {}
+        for i, gid in enumerate(group_ids):
+            groups.setdefault(gid, []).append(i)
+        repeated = [gid for gid in groups if gid in self.seen]
+        if repeated:
+            raise ValueError(f"group id(s) {repeated[:5]} already came in an earlier generation batch of this step; "
+                             "group uids must be unique per prompt and generation batch")
+        kept = 0
+        for gid, members in groups.items():
+            self.seen.add(gid)
+            values = [float(scores[i]) for i in members]
+            if not self.filter_groups or len(members) == 1 or max(values) > min(values):
+                self.kept.append((gid, [samples[i] for i in members]))
+                kept += 1
+        self.gen_batches += 1
+        self.groups_generated += len(groups)
+        self.samples_generated += len(group_ids)
+        if self.exhausted and not self.allow_partial:
+            raise DynamicSamplingExhausted(
+                f"{self.gen_batches} generation batches (max_num_gen_batches={self.max_num_gen_batches}) kept only "
+                f"{len(self.kept)} of {self.train_batch_size} groups with unequal rewards "
+                f"({self.groups_generated} generated): the data may be too hard or too easy for the policy; raise "
+                "max_num_gen_batches (<= 0: unlimited) or filter the data (python -m jobs.filter_rl)")
+        return kept
+
+    def take(self) -> tuple[list[Any], DynamicSamplingStats]:
+        """The samples of the first ``train_batch_size`` kept groups (group after group, in arrival order) and
+        this step's statistics; the sampler is then empty for the next step.
+
+        Raises:
+            RuntimeError: not :attr:`ready`.
+        """
+        if not self.ready:
+            raise RuntimeError(f"take(): only {len(self.kept)} of {self.train_batch_size} groups kept so far")
+        used = self.kept[: self.train_batch_size]
+        stats = DynamicSamplingStats(
+            gen_batches=self.gen_batches, groups_generated=self.groups_generated,
+            samples_generated=self.samples_generated, groups_kept=len(self.kept), groups_trained=len(used),
+            groups_surplus=len(self.kept) - len(used),
+        )
+        samples = [sample for _, members in used for sample in members]
+        self._reset()
+        return samples, stats
+
+    # -- checkpointing ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume mid-step (the kept samples by reference: they must be picklable)."""
+        return {"gen_batches": self.gen_batches, "groups_generated": self.groups_generated,
+                "samples_generated": self.samples_generated, "kept": [(g, list(m)) for g, m in self.kept],
+                "seen": list(self.seen)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.gen_batches = int(state["gen_batches"])
+        self.groups_generated = int(state["groups_generated"])
+        self.samples_generated = int(state["samples_generated"])
+        self.kept = [(g, list(m)) for g, m in state["kept"]]
+        self.seen = set(state["seen"])

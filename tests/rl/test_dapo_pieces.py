@@ -1,0 +1,246 @@
+"""The DAPO pieces against hand-computed values: clip-higher loss, token-mean over sequences of different lengths,
+the group filter and refill, the overlong penalty, GRPO and GAE advantages, k3 KL, truncated IS."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from afm_core.launch.distributed import free_port
+from afm_core.rl.advantages import broadcast_to_tokens, gae_advantages, grpo_advantages
+from afm_core.rl.batch import response_values, rollout_micro_batch
+from afm_core.rl.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted
+from afm_core.rl.losses import PolicyLossConfig, global_token_count, low_var_kl, policy_loss, reduce_stats, value_loss
+from afm_core.rl.reward_shaping import overlong_penalty
+
+
+def _loss(ratios, advantages, *, config=PolicyLossConfig(), mask=None, global_num_tokens=None, **extra):
+    ratios = torch.tensor([ratios], dtype=torch.float32)
+    old = torch.zeros_like(ratios)
+    logp = torch.log(ratios).requires_grad_(True)
+    mask = torch.ones_like(ratios) if mask is None else torch.tensor([mask], dtype=torch.float32)
+    n = int(mask.sum()) if global_num_tokens is None else global_num_tokens
+    loss, stats = policy_loss(logp, old, torch.tensor([advantages]), mask, global_num_tokens=n, config=config,
+                              **extra)
+    loss.backward()
+    return loss.item(), stats, logp.grad[0]
+
+
+# -- clip-higher ------------------------------------------------------------------------------------------
+def test_clip_higher_loss_equals_hand_computed_values():
+    # token: ratio, A  ->  max(-A r, -A clip(r, 0.8, 1.28))
+    #   1.5, +1 -> max(-1.5, -1.28) = -1.28  (clipped high)
+    #   1.1, +1 -> -1.1
+    #   0.5, -1 -> max(0.5, 0.8)    =  0.8   (clipped low)
+    #   1.2, -1 -> 1.2
+    loss, stats, grad = _loss([1.5, 1.1, 0.5, 1.2], [1.0, 1.0, -1.0, -1.0])
+    assert loss == pytest.approx((-1.28 - 1.1 + 0.8 + 1.2) / 4, abs=1e-6)
+    assert float(stats["clip_frac_sum"]) == 2 and float(stats["tokens"]) == 4
+    # d loss / d logp = -A r / N where unclipped, 0 where the clip is active
+    torch.testing.assert_close(grad, torch.tensor([0.0, -1.1 / 4, 0.0, 1.2 / 4]))
+
+
+def test_clip_higher_differs_from_symmetric_clip_only_above_one_plus_eps_low():
+    higher, _, _ = _loss([1.25, 1.5], [1.0, 1.0])
+    symmetric, _, _ = _loss([1.25, 1.5], [1.0, 1.0], config=PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.2))
+    assert higher == pytest.approx((-1.25 - 1.28) / 2, abs=1e-6)
+    assert symmetric == pytest.approx((-1.2 - 1.2) / 2, abs=1e-6)
+
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages_at_c():
+    # ratio 5, A = -1: max(5, 0.8) = 5 -> min(5, c * 1) = 3
+    loss, stats, grad = _loss([5.0, 2.0], [-1.0, -1.0], config=PolicyLossConfig(clip_ratio_c=3.0))
+    assert loss == pytest.approx((3.0 + 2.0) / 2, abs=1e-6)
+    assert float(stats["clip_frac_dual_sum"]) == 1
+    assert grad[0].item() == 0.0 and grad[1].item() == pytest.approx(2.0 / 2)
+
+
+# -- token-mean -------------------------------------------------------------------------------------------
+def test_token_mean_over_sequences_of_different_lengths_weights_every_token_equally():
+    # ratio 1 -> per-token loss -A. Sequence 1: 1 valid token, A=2; sequence 2: 3 valid tokens, A=1.
+    mask = [[1, 0, 0], [1, 1, 1]]
+    adv = torch.tensor([[2.0, 0, 0], [1.0, 1.0, 1.0]])
+    logp = torch.zeros(2, 3, requires_grad=True)
+    loss, _ = policy_loss(logp, torch.zeros(2, 3), adv, torch.tensor(mask), global_num_tokens=4)
+    assert loss.item() == pytest.approx((-2 - 3) / 4)  # token-mean, not the sequence mean (-2 - 1) / 2
+
+
+def test_token_mean_over_micro_batches_divides_by_the_global_count_not_per_micro_batch():
+    # the same two sequences in two micro batches: summing micro-batch losses / global count = the token mean
+    l1, _, _ = _loss([1.0], [2.0], global_num_tokens=4)
+    l2, _, _ = _loss([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], global_num_tokens=4)
+    assert l1 + l2 == pytest.approx(-1.25)
+    per_micro_batch_mean = (_loss([1.0], [2.0])[0] + _loss([1.0] * 3, [1.0] * 3)[0]) / 2
+    assert per_micro_batch_mean == pytest.approx(-1.5)  # what DAPO's token-mean must not be
+
+
+def _dp_worker(rank: int, world: int, port: int) -> None:
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        masks = [torch.ones(1, 1)] if rank == 0 else [torch.ones(1, 2), torch.tensor([[1.0, 0.0]])]
+        assert global_token_count(masks) == 4
+        # rank 0: one token with A = 2; rank 1: three tokens with A = 1 -> global token mean -1.25
+        adv = [torch.full_like(m, 2.0 if rank == 0 else 1.0) for m in masks]
+        total, stats = 0.0, []
+        for m, a in zip(masks, adv):
+            loss, s = policy_loss(torch.zeros_like(m), torch.zeros_like(m), a, m, global_num_tokens=4)
+            total += loss.item()
+            stats.append(s)
+        summed = torch.tensor([total])
+        torch.distributed.all_reduce(summed)
+        assert summed.item() == pytest.approx(-1.25)
+        reduced = reduce_stats(stats)
+        assert reduced["tokens"] == 4 and reduced["pg_loss"] == pytest.approx(-1.25)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_global_token_count_and_stats_are_reduced_over_data_parallel_ranks():
+    mp.start_processes(_dp_worker, args=(2, free_port()), nprocs=2, join=True, start_method="spawn")
+
+
+# -- KL, TIS, value loss ------------------------------------------------------------------------------------
+def test_low_var_kl_is_the_k3_estimate():
+    kl = low_var_kl(torch.tensor([-1.0, -1.0]), torch.tensor([-2.0, -1.0]))
+    torch.testing.assert_close(kl, torch.tensor([math.exp(-1) + 1 - 1, 0.0]))
+
+
+def test_kl_is_added_only_when_its_coefficient_is_set():
+    ref = torch.tensor([[-1.0]])
+    base, _, _ = _loss([1.0], [1.0], ref_log_prob=ref)
+    with_kl, stats, _ = _loss([1.0], [1.0], ref_log_prob=ref, config=PolicyLossConfig(kl_coef=0.5))
+    k3 = math.exp(-1) + 1 - 1  # logp = 0, ref = -1
+    assert base == pytest.approx(-1.0) and with_kl == pytest.approx(-1.0 + 0.5 * k3, abs=1e-6)
+    assert float(stats["kl_sum"]) == pytest.approx(k3, abs=1e-6)
+
+
+def test_truncated_importance_sampling_caps_the_trainer_over_rollout_ratio_and_reports_the_gap():
+    # old (trainer) logprob 0; rollout logprobs -1 and -0.1 -> weights min(e^1, 2) = 2 and e^0.1
+    rollout = torch.tensor([[-1.0, -0.1]])
+    loss, stats, _ = _loss([1.0, 1.0], [1.0, 1.0], rollout_log_prob=rollout, config=PolicyLossConfig(tis_cap=2.0))
+    assert loss == pytest.approx((-2.0 - math.exp(0.1)) / 2, abs=1e-6)
+    assert float(stats["tis_clipped_sum"]) == 1
+    assert float(stats["logprob_gap_sum"]) == pytest.approx(1.1, abs=1e-6)
+    assert float(stats["logprob_gap_max"]) == pytest.approx(1.0)
+
+
+def test_clipped_value_loss_equals_hand_computed_values():
+    values = torch.tensor([[1.0, 0.0]], requires_grad=True)
+    old = torch.tensor([[0.0, 0.0]])
+    returns = torch.tensor([[0.0, 1.0]])
+    loss, stats = value_loss(values, old, returns, torch.ones(1, 2), global_num_tokens=2, clip_range_value=0.5)
+    # token 0: max((1-0)^2, (0.5-0)^2) = 1; token 1: max(1, 1) = 1  -> 0.5 * (1 + 1) / 2
+    assert loss.item() == pytest.approx(0.5)
+    assert float(stats["vf_clip_frac_sum"]) == 0
+
+
+# -- dynamic sampling -----------------------------------------------------------------------------------------
+def test_group_filter_drops_equal_reward_groups_and_refills_until_the_batch_is_full():
+    sampler = DynamicSampler(train_batch_size=3, max_num_gen_batches=3)
+    kept = sampler.add(["a", "a", "b", "b", "c", "c", "d"], [1, 0, 1, 1, 0, 0, 0.5],
+                       ["a0", "a1", "b0", "b1", "c0", "c1", "d0"])
+    assert kept == 2 and not sampler.is_full  # a (spread) and d (a single sample) kept; b, c dropped
+    kept = sampler.add(["e", "e", "f", "f", "f"], [0, 1, 1, 0, 1], ["e0", "e1", "f0", "f1", "f2"])
+    assert kept == 2 and sampler.is_full
+    samples, stats = sampler.take()
+    assert samples == ["a0", "a1", "d0", "e0", "e1"]  # first 3 kept groups; f is surplus
+    assert stats.as_dict() == {"gen_batches": 2, "groups_generated": 6, "samples_generated": 12, "groups_kept": 4,
+                               "groups_trained": 3, "groups_surplus": 1, "kept_group_ratio": 4 / 6}
+    assert not sampler.is_full and sampler.gen_batches == 0  # ready for the next step
+
+
+def test_group_filter_gives_up_after_max_num_gen_batches():
+    sampler = DynamicSampler(train_batch_size=2, max_num_gen_batches=2)
+    sampler.add(["a", "a"], [1, 1], [0, 1])
+    with pytest.raises(DynamicSamplingExhausted, match="2 generation batches"):
+        sampler.add(["b", "b"], [0, 0], [2, 3])
+    partial = DynamicSampler(train_batch_size=2, max_num_gen_batches=2, allow_partial=True)
+    partial.add(["a", "a"], [1, 0], [0, 1])
+    partial.add(["b", "b"], [0, 0], [2, 3])
+    assert partial.ready and partial.take()[0] == [0, 1]
+
+
+def test_group_filter_rejects_a_group_id_seen_earlier_in_the_step():
+    sampler = DynamicSampler(train_batch_size=4)
+    sampler.add(["a", "a"], [1, 0], [0, 1])
+    with pytest.raises(ValueError, match="already came"):
+        sampler.add(["a", "a"], [1, 0], [2, 3])
+
+
+def test_group_filter_state_round_trips_mid_step():
+    sampler = DynamicSampler(train_batch_size=2)
+    sampler.add(["a", "a", "b", "b"], [1, 0, 1, 1], [0, 1, 2, 3])
+    resumed = DynamicSampler(train_batch_size=2)
+    resumed.load_state_dict(sampler.state_dict())
+    for s in (sampler, resumed):
+        s.add(["c", "c"], [0, 1], [4, 5])
+    assert sampler.take() == resumed.take()
+
+
+def test_without_filtering_the_first_generation_batch_is_the_train_batch():
+    sampler = DynamicSampler(train_batch_size=2, filter_groups=False)
+    sampler.add(["a", "a", "b", "b"], [1, 1, 0, 0], [0, 1, 2, 3])
+    assert sampler.take()[0] == [0, 1, 2, 3]
+
+
+# -- overlong penalty -------------------------------------------------------------------------------------
+def test_overlong_penalty_is_zero_then_linear_in_the_buffer_then_minus_one():
+    lengths = torch.tensor([10, 16, 17, 18, 20, 21])
+    penalty = overlong_penalty(lengths, max_length=20, buffer_length=4)
+    torch.testing.assert_close(penalty, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
+    torch.testing.assert_close(overlong_penalty(lengths, 20, 4, factor=0.5), penalty * 0.5)
+    with pytest.raises(ValueError):
+        overlong_penalty(lengths, 20, 0)
+
+
+# -- advantages -------------------------------------------------------------------------------------------
+def test_grpo_advantages_equal_hand_computed_group_normalised_rewards():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 1.0, 1.0, 1.0])
+    groups = ["a", "a", "a", "a", "b", "c", "c", "c"]
+    std_a = math.sqrt(4 * 0.25 / 3)  # unbiased std of [1, 0, 0, 1]
+    expected = [0.5 / (std_a + 1e-6), -0.5 / (std_a + 1e-6), -0.5 / (std_a + 1e-6), 0.5 / (std_a + 1e-6),
+                2.0 / (1 + 1e-6), 0.0, 0.0, 0.0]  # b: a single sample (mean 0, std 1); c: all equal
+    torch.testing.assert_close(grpo_advantages(rewards, groups), torch.tensor(expected))
+    dr_grpo = grpo_advantages(rewards, groups, norm_by_std=False)
+    torch.testing.assert_close(dr_grpo, torch.tensor([0.5, -0.5, -0.5, 0.5, 2.0, 0.0, 0.0, 0.0]))
+
+
+def test_advantages_are_broadcast_to_response_tokens_only():
+    tokens = broadcast_to_tokens(torch.tensor([0.5, -1.0]), torch.tensor([[1, 1, 0], [0, 1, 1]]))
+    torch.testing.assert_close(tokens, torch.tensor([[0.5, 0.5, 0.0], [0.0, -1.0, -1.0]]))
+
+
+def test_gae_skips_observation_tokens_and_equals_hand_computed_values():
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 0.6, 9.9, 0.8]])  # position 2 is a tool observation: its value is ignored
+    mask = torch.tensor([[1, 1, 0, 1]])
+    adv, ret = gae_advantages(rewards, values, mask, gamma=1.0, lam=1.0, whiten=False)
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.4, 0.0, 0.2]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 0.0, 1.0]]))
+    # gamma = lam = 0.5: d3 = 0.2, A3 = 0.2; d1 = 0.5*0.8 - 0.6 = -0.2, A1 = -0.2 + 0.25*0.2 = -0.15;
+    # d0 = 0.5*0.6 - 0.5 = -0.2, A0 = -0.2 + 0.25*(-0.15) = -0.2375
+    adv, _ = gae_advantages(rewards, values, mask, gamma=0.5, lam=0.5, whiten=False)
+    torch.testing.assert_close(adv, torch.tensor([[-0.2375, -0.15, 0.0, 0.2]]))
+    whitened, _ = gae_advantages(rewards, values, mask, gamma=0.5, lam=0.5)
+    kept = torch.tensor([-0.2375, -0.15, 0.2], dtype=torch.float64)
+    expected = ((kept - kept.mean()) / torch.sqrt(kept.var() + 1e-8)).float()
+    torch.testing.assert_close(whitened[0, [0, 1, 3]], expected)
+
+
+# -- batch layout ----------------------------------------------------------------------------------------------
+def test_rollout_micro_batch_aligns_response_values_with_their_targets():
+    batch = rollout_micro_batch([[7, 8], [9]], [[1, 2, 3], [4, 5]], [[1, 0, 1], [1, 1]],
+                                per_token={"lp": [[-1.0, -2.0, -3.0], [-4.0, -5.0]]}, pad_token_id=0)
+    assert batch["tokens"].tolist() == [[7, 8, 1, 2, 3], [9, 4, 5, 0, 0]]
+    assert batch["labels"].tolist() == [[8, 1, 2, 3, 0], [4, 5, 0, 0, 0]]
+    assert batch["response_mask"].tolist() == [[0, 1, 0, 1, 0], [1, 1, 0, 0, 0]]
+    assert batch["lp"].tolist() == [[0, -1, -2, -3, 0], [-4, -5, 0, 0, 0]]
+    assert [v.tolist() for v in response_values(batch["lp"], batch)] == [[-1, -2, -3], [-4, -5]]
+    with pytest.raises(ValueError, match="seq_length"):
+        rollout_micro_batch([[1]], [[2, 3]], [[1, 1]], seq_length=2)
