@@ -1,7 +1,9 @@
-"""The command line that runs one Python snippet in a jail: bubblewrap by default, nsjail when configured.
+"""The command lines of the jails: bubblewrap by default, nsjail when configured.
 
-Both backends build the same jail (the upstream AFM code tool runs nsjail with a similar recipe,
-``verl/verl/tools/code_executor.py``; see /work/shared/notes/afm-reference.md §5.3):
+Two shapes: a one-shot jail that runs one snippet (``python /code/main.py``, the cold path), and a warm jail
+whose process 1 is the zygote (:mod:`sandbox.zygote`) that forks one fresh child per snippet. Both backends
+build the same jail (the upstream AFM code tool runs nsjail with a similar recipe:
+OPPO-PersonalAI/Agent_Foundation_Models, ``verl/verl/tools/code_executor.py``):
 
 - namespaces: user, pid, net (only a loopback of its own: no network), ipc, uts, mount, cgroup;
 - a read-only root holding only ``/usr`` (plus the ``/bin``, ``/lib``, ``/lib64``, ``/sbin`` links),
@@ -11,6 +13,8 @@ Both backends build the same jail (the upstream AFM code tool runs nsjail with a
   size-capped ``/dev/shm``), a fresh ``/proc`` that shows only the jail's own processes;
 - an empty environment apart from ``PATH``, ``HOME`` and ``LANG``, no capabilities,
   ``no_new_privs``, a new session, and SIGKILL of the jail when its parent dies;
+- a seccomp filter (:mod:`sandbox.seccomp`: no new namespaces, mounts, ptrace, keyrings, eBPF, ...), and on
+  bubblewrap >= 0.8 ``--disable-userns`` as well: no nested user namespace;
 - rlimits: CPU seconds (soft limit sends SIGXCPU, hard limit one second later sends SIGKILL), address
   space, processes, file size, open files, no core dumps.
 
@@ -22,16 +26,24 @@ those of other sandbox servers on the host, cannot signal or ptrace each other, 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import shutil
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from sandbox.seccomp import kafel_policy
 
 # Uids reserved per sandbox server process (its max_concurrency must not exceed this).
 UIDS_PER_SERVER = 1024
 # Where the snippet file appears inside the jail.
+CODE_DIR_IN_JAIL = "/code"
 CODE_PATH_IN_JAIL = "/code/main.py"
+# The zygote of warm jails (sandbox/zygote.py), bound read-only into the jail.
+ZYGOTE_FILE = Path(__file__).with_name("zygote.py")
+ZYGOTE_PATH_IN_JAIL = "/sandbox/zygote.py"
 _PATH_ENV = "/usr/local/bin:/usr/bin:/bin"
 
 
@@ -123,11 +135,11 @@ def _prefix_binds(cfg: JailConfig) -> list[str]:
     return paths
 
 
-def _rlimit_args(limits: Limits) -> list[str]:
+def _rlimit_args(limits: Limits, cpu: bool = True) -> list[str]:
     """``prlimit(1)`` options (values in the units the kernel uses: bytes, seconds, counts)."""
-    cpu = max(1, math.ceil(limits.cpu_s))
+    seconds = max(1, math.ceil(limits.cpu_s))
     return [
-        f"--cpu={cpu}:{cpu + 1}",
+        *([f"--cpu={seconds}:{seconds + 1}"] if cpu else []),
         f"--as={limits.memory_mb << 20}",
         f"--nproc={limits.max_processes}",
         f"--fsize={limits.max_file_mb << 20}",
@@ -136,7 +148,8 @@ def _rlimit_args(limits: Limits) -> list[str]:
     ]
 
 
-def _env() -> dict[str, str]:
+def jail_env() -> dict[str, str]:
+    """The snippet's whole environment."""
     return {"PATH": _PATH_ENV, "HOME": "/tmp", "LANG": "C.UTF-8"}
 
 
@@ -145,14 +158,30 @@ def _python_argv(cfg: JailConfig) -> list[str]:
     return [cfg.python, "-I", "-u", "-B", CODE_PATH_IN_JAIL]
 
 
-def bwrap_argv(cfg: JailConfig, limits: Limits, code_file: Path) -> list[str]:
-    """argv for ``prlimit … bwrap … python -I -u -B /code/main.py``.
+def _zygote_argv(cfg: JailConfig, ctrl_fd: int) -> list[str]:
+    return [cfg.python, "-I", "-u", "-B", ZYGOTE_PATH_IN_JAIL, str(ctrl_fd)]
 
-    Args:
-        code_file: host path of the snippet (must be readable by the slot uid).
-    """
-    argv = ["prlimit", *_rlimit_args(limits), "--", cfg.bwrap_path]
-    argv += ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+
+def bwrap_supports_disable_userns(cfg: JailConfig) -> bool:
+    """Whether this bubblewrap has ``--disable-userns`` (0.8.0 and later)."""
+    return _bwrap_has_flag(cfg.bwrap_path, "--disable-userns")
+
+
+@functools.cache
+def _bwrap_has_flag(bwrap: str, flag: str) -> bool:
+    try:
+        out = subprocess.run([bwrap, "--help"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return flag in out.stdout + out.stderr
+
+
+def _bwrap_jail(cfg: JailConfig, tmp_size_mb: int, seccomp_fd: int) -> list[str]:
+    """bubblewrap options shared by the one-shot and the warm jail (everything but the snippet's files)."""
+    argv = [cfg.bwrap_path, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    if bwrap_supports_disable_userns(cfg):
+        argv.append("--disable-userns")  # no nested user namespace (seccomp refuses unshare/clone too)
+    argv += ["--seccomp", str(seccomp_fd)]
     argv += ["--uid", "65534", "--gid", "65534", "--hostname", "sandbox"]
     argv += ["--ro-bind", "/usr", "/usr"]
     for link in ("bin", "lib", "lib64", "sbin"):
@@ -163,26 +192,53 @@ def bwrap_argv(cfg: JailConfig, limits: Limits, code_file: Path) -> list[str]:
     argv += ["--ro-bind-try", "/etc/ld.so.cache", "/etc/ld.so.cache"]
     for path in _prefix_binds(cfg):
         argv += ["--ro-bind", path, path]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.tmp_size_mb << 20), "--tmpfs", "/tmp"]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_size_mb << 20), "--tmpfs", "/tmp"]
     # /dev is a tmpfs too: read-only but for a size-capped /dev/shm (POSIX semaphores of multiprocessing)
-    argv += ["--size", str(limits.tmp_size_mb << 20), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
-    argv += ["--ro-bind", str(code_file), CODE_PATH_IN_JAIL, "--remount-ro", "/"]
-    argv += ["--clearenv"]
-    for key, value in _env().items():
-        argv += ["--setenv", key, value]
-    argv += ["--chdir", "/tmp", "--", *_python_argv(cfg)]
+    argv += ["--size", str(tmp_size_mb << 20), "--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
     return argv
 
 
-def nsjail_argv(cfg: JailConfig, limits: Limits, code_file: Path) -> list[str]:
-    """argv for ``nsjail --mode o … python -I -u -B /code/main.py`` (the upstream recipe's backend)."""
+def _bwrap_tail(binds: list[str]) -> list[str]:
+    argv = [*binds, "--remount-ro", "/", "--clearenv"]
+    for key, value in jail_env().items():
+        argv += ["--setenv", key, value]
+    return [*argv, "--chdir", "/tmp"]
+
+
+def bwrap_argv(cfg: JailConfig, limits: Limits, code_file: Path, *, seccomp_fd: int) -> list[str]:
+    """argv for ``prlimit … bwrap … python -I -u -B /code/main.py`` (one jail per snippet: the cold path).
+
+    Args:
+        code_file: host path of the snippet (must be readable by the slot uid).
+        seccomp_fd: an fd the jail inherits, holding :func:`sandbox.seccomp.bpf_program`.
+    """
+    argv = ["prlimit", *_rlimit_args(limits), "--", *_bwrap_jail(cfg, limits.tmp_size_mb, seccomp_fd)]
+    argv += _bwrap_tail(["--ro-bind", str(code_file), CODE_PATH_IN_JAIL])
+    return [*argv, "--", *_python_argv(cfg)]
+
+
+def bwrap_zygote_argv(cfg: JailConfig, limits: Limits, code_dir: Path, ctrl_fd: int, *, seccomp_fd: int) -> list[str]:
+    """argv of a warm jail: ``bwrap … python -I -u -B /sandbox/zygote.py CTRL_FD`` as the jail's process 1.
+
+    Args:
+        limits: the most any snippet may ask for (the zygote lowers them per snippet); its CPU limit is unused.
+        code_dir: host folder holding the slot's ``main.py``, bound read-only at ``/code``.
+        ctrl_fd: the zygote's end of the control socket (inherited).
+    """
+    argv = ["prlimit", *_rlimit_args(limits, cpu=False), "--", *_bwrap_jail(cfg, limits.tmp_size_mb, seccomp_fd)]
+    argv.append("--as-pid-1")
+    argv += _bwrap_tail(["--ro-bind", str(code_dir), CODE_DIR_IN_JAIL, "--ro-bind", str(ZYGOTE_FILE), ZYGOTE_PATH_IN_JAIL])
+    return [*argv, "--", *_zygote_argv(cfg, ctrl_fd)]
+
+
+def _nsjail_jail(cfg: JailConfig, limits: Limits, warm: bool) -> list[str]:
     cpu = max(1, math.ceil(limits.cpu_s))
     argv = [cfg.nsjail_path, "--mode", "o", "--really_quiet", "--hostname", "sandbox"]
-    argv += ["--user", "65534", "--group", "65534"]
-    argv += ["--rlimit_as", str(limits.memory_mb), "--rlimit_cpu", str(cpu)]
+    argv += ["--user", "65534", "--group", "65534", "--seccomp_string", kafel_policy()]
+    argv += ["--rlimit_as", str(limits.memory_mb), "--rlimit_cpu", "inf" if warm else str(cpu)]
     argv += ["--rlimit_nproc", str(limits.max_processes), "--rlimit_fsize", str(limits.max_file_mb)]
     argv += ["--rlimit_nofile", str(limits.max_open_files), "--rlimit_core", "0"]
-    argv += ["--time_limit", str(math.ceil(limits.timeout_s) + 1)]
+    argv += ["--time_limit", "0" if warm else str(math.ceil(limits.timeout_s) + 1)]
     argv += ["--bindmount_ro", "/usr:/usr"]
     for link in ("bin", "lib", "lib64", "sbin"):
         if os.path.islink(f"/{link}"):
@@ -196,11 +252,24 @@ def nsjail_argv(cfg: JailConfig, limits: Limits, code_file: Path) -> list[str]:
     for dev in ("null", "zero", "urandom", "random"):
         argv += ["--bindmount", f"/dev/{dev}:/dev/{dev}"]
     argv += ["--mount", f"none:/tmp:tmpfs:size={limits.tmp_size_mb << 20}"]
-    argv += ["--bindmount_ro", f"{code_file}:{CODE_PATH_IN_JAIL}"]
-    for key, value in _env().items():
+    for key, value in jail_env().items():
         argv += ["--env", f"{key}={value}"]
-    argv += ["--cwd", "/tmp", "--", *_python_argv(cfg)]
     return argv
+
+
+def nsjail_argv(cfg: JailConfig, limits: Limits, code_file: Path) -> list[str]:
+    """argv for ``nsjail --mode o … python -I -u -B /code/main.py`` (the upstream recipe's backend; cold path)."""
+    argv = _nsjail_jail(cfg, limits, warm=False)
+    argv += ["--bindmount_ro", f"{code_file}:{CODE_PATH_IN_JAIL}"]
+    return [*argv, "--cwd", "/tmp", "--", *_python_argv(cfg)]
+
+
+def nsjail_zygote_argv(cfg: JailConfig, limits: Limits, code_dir: Path, ctrl_fd: int) -> list[str]:
+    """argv of a warm nsjail jail running the zygote as its process 1 (see :func:`bwrap_zygote_argv`)."""
+    argv = _nsjail_jail(cfg, limits, warm=True)
+    argv += ["--bindmount_ro", f"{code_dir}:{CODE_DIR_IN_JAIL}", "--bindmount_ro", f"{ZYGOTE_FILE}:{ZYGOTE_PATH_IN_JAIL}"]
+    argv += ["--pass_fd", str(ctrl_fd)]
+    return [*argv, "--cwd", "/tmp", "--", *_zygote_argv(cfg, ctrl_fd)]
 
 
 def launcher_env() -> dict[str, str]:

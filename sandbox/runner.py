@@ -1,6 +1,9 @@
 """Run Python snippets in jails without blocking the event loop: bounded concurrency, a bounded queue,
 capped output and a wall-clock kill.
 
+Each slot keeps a warm jail (:mod:`sandbox.warm`) whose zygote forks a fresh child per snippet; with
+``RunnerConfig.warm=False`` (``--cold``) every snippet gets a jail and an interpreter of its own instead.
+
 The upstream code tool runs one snippet at a time on the rollout's event loop (a blocking
 ``p.join()`` inside ``async def``; OPPO-PersonalAI/Agent_Foundation_Models, ``verl/verl/tools/code_executor.py``). Here every snippet is
 an asyncio subprocess; at most ``max_concurrency`` run at once, up to ``max_queue`` more wait for a slot,
@@ -16,12 +19,13 @@ import signal
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import psutil
 
 from sandbox.jail import UIDS_PER_SERVER, JailConfig, Limits, bwrap_argv, launcher_env, nsjail_argv, slot_identity
+from sandbox.warm import JailStartError, WarmJail, seccomp_memfd
 
 #: Every status a run can end with.
 STATUSES = ("ok", "error", "timeout", "memory_limit", "output_limit", "killed", "sandbox_error")
@@ -60,9 +64,13 @@ class RunResult:
 
 @dataclass
 class RunnerConfig:
-    """Server-wide limits and defaults (bytes, seconds, MiB as named)."""
+    """Server-wide limits and defaults (bytes, seconds, MiB as named).
+
+    ``warm``: keep a warm jail per slot (a zygote forks each snippet); False: a new jail per snippet.
+    """
 
     jail: JailConfig = field(default_factory=JailConfig)
+    warm: bool = True
     max_concurrency: int = 4
     max_queue: int = 256
     max_output_bytes: int = 64 << 10
@@ -121,9 +129,24 @@ class SnippetRunner:
         self._work_dir = Path(tempfile.mkdtemp(prefix="afm-sandbox-"))
         # Slot uids must reach the snippet files, but not list the folder.
         self._work_dir.chmod(0o711)
+        self._jails: list[WarmJail] = []
+        if cfg.warm:
+            ceiling = self.limits(cfg.max_timeout_s, cfg.max_memory_mb)
+            ceiling = replace(ceiling, max_processes=ceiling.max_processes + 8)
+            self._jails = [WarmJail(cfg.jail, slot, self._work_dir, ceiling) for slot in range(cfg.max_concurrency)]
+
+    async def start(self) -> None:
+        """Start the warm jails (else each starts before its slot's first snippet).
+
+        Raises:
+            JailStartError: a jail could not start (the message holds bubblewrap's or nsjail's).
+        """
+        await asyncio.gather(*(jail.start() for jail in self._jails))
 
     def close(self) -> None:
-        """Remove the folder of snippet files."""
+        """Kill the warm jails and remove the folder of snippet files."""
+        for jail in self._jails:
+            jail.kill()
         shutil.rmtree(self._work_dir, ignore_errors=True)
 
     @property
@@ -167,17 +190,44 @@ class SnippetRunner:
         finally:
             self._waiting -= 1
         try:
-            return await self._run_in_slot(slot, code, stdin, self.limits(timeout_s, memory_mb))
+            limits = self.limits(timeout_s, memory_mb)
+            if self._jails:
+                return await self._run_warm(self._jails[slot], code, stdin, limits)
+            return await self._run_cold(slot, code, stdin, limits)
         finally:
             self._free_slots.put_nowait(slot)
 
-    async def _run_in_slot(self, slot: int, code: str, stdin: str | None, limits: Limits) -> RunResult:
+    def _readers(self, out_stream, err_stream, kill) -> tuple[_CappedReader, _CappedReader]:
+        keep, flood = self.cfg.max_output_bytes, self.cfg.kill_output_bytes
+        return _CappedReader(out_stream, keep, flood, kill), _CappedReader(err_stream, keep, flood, kill)
+
+    async def _run_warm(self, jail: WarmJail, code: str, stdin: str | None, limits: Limits) -> RunResult:
+        readers: list[_CappedReader] = []
+
+        def make_readers(out_stream, err_stream, kill):
+            readers.extend(self._readers(out_stream, err_stream, kill))
+            return readers
+
+        try:
+            exit_code, timed_out, duration = await jail.run(code, stdin, limits, make_readers)
+        except JailStartError as e:
+            return RunResult("sandbox_error", "", str(e), None, 0.0, False)
+        out, err = readers
+        if exit_code is None and not timed_out:
+            return RunResult("sandbox_error", "", f"the jail died during the snippet: {jail.stderr_tail()[-500:]}", None, round(duration, 4), False)
+        return self._result(exit_code, timed_out, out, err, limits, duration, jail_may_fail=False)
+
+    async def _run_cold(self, slot: int, code: str, stdin: str | None, limits: Limits) -> RunResult:
         code_file = self._work_dir / f"{uuid.uuid4().hex}.py"
         code_file.write_text(code, encoding="utf-8")
         code_file.chmod(0o644)
         jail = self.cfg.jail
-        argv = bwrap_argv(jail, limits, code_file) if jail.backend == "bwrap" else nsjail_argv(jail, limits, code_file)
+        seccomp_fd = seccomp_memfd() if jail.backend == "bwrap" else None
         try:
+            if jail.backend == "bwrap":
+                argv = bwrap_argv(jail, limits, code_file, seccomp_fd=seccomp_fd)
+            else:
+                argv = nsjail_argv(jail, limits, code_file)
             start = time.perf_counter()
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -186,10 +236,16 @@ class SnippetRunner:
                 stderr=asyncio.subprocess.PIPE,
                 env=launcher_env(),
                 start_new_session=True,
+                pass_fds=() if seccomp_fd is None else (seccomp_fd,),
                 **slot_identity(jail, slot),
             )
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
+                seccomp_fd = None
             return await self._supervise(proc, stdin, limits, start)
         finally:
+            if seccomp_fd is not None:
+                os.close(seccomp_fd)
             code_file.unlink(missing_ok=True)
 
     async def _supervise(self, proc, stdin: str | None, limits: Limits, start: float) -> RunResult:
@@ -200,8 +256,7 @@ class SnippetRunner:
                 except (ProcessLookupError, PermissionError):
                     pass
 
-        out = _CappedReader(proc.stdout, self.cfg.max_output_bytes, self.cfg.kill_output_bytes, kill)
-        err = _CappedReader(proc.stderr, self.cfg.max_output_bytes, self.cfg.kill_output_bytes, kill)
+        out, err = self._readers(proc.stdout, proc.stderr, kill)
         tasks = [asyncio.create_task(out.run()), asyncio.create_task(err.run())]
         tasks.append(asyncio.create_task(_feed_stdin(proc, stdin)))
         timed_out = False
@@ -219,13 +274,16 @@ class SnippetRunner:
             _, pending = await asyncio.wait(tasks, timeout=2.0)
             for task in pending:
                 task.cancel()
-        duration = time.perf_counter() - start
+        return self._result(proc.returncode, timed_out, out, err, limits, time.perf_counter() - start, jail_may_fail=True)
+
+    def _result(self, exit_code: int | None, timed_out: bool, out: _CappedReader, err: _CappedReader, limits: Limits, duration: float, jail_may_fail: bool) -> RunResult:
         stdout, cut_out = out.text()
         stderr, cut_err = err.text()
-        status = _classify(proc.returncode, stdout, stderr, timed_out, out.flooded or err.flooded, self.cfg.jail)
+        jail_failed = jail_may_fail and _jail_failed(exit_code, stdout, stderr, self.cfg.jail)
+        status = _classify(exit_code, stderr, timed_out, out.flooded or err.flooded, jail_failed)
         if status == "timeout" and not stderr:
             stderr = f"Timed out after {limits.timeout_s:g} s. Check for infinite loops, blocked I/O (e.g., input()), or deadlocks."
-        return RunResult(status, stdout, stderr, proc.returncode, round(duration, 4), cut_out or cut_err)
+        return RunResult(status, stdout, stderr, exit_code, round(duration, 4), cut_out or cut_err)
 
 
 def _tasks_of_this_uid() -> int:
@@ -261,12 +319,12 @@ def _jail_failed(exit_code: int | None, stdout: str, stderr: str, jail: JailConf
     return exit_code == 255 and not stderr
 
 
-def _classify(exit_code: int | None, stdout: str, stderr: str, timed_out: bool, flooded: bool, jail: JailConfig) -> str:
+def _classify(exit_code: int | None, stderr: str, timed_out: bool, flooded: bool, jail_failed: bool) -> str:
     if timed_out:
         return "timeout"
     if flooded:
         return "output_limit"
-    if _jail_failed(exit_code, stdout, stderr, jail):
+    if jail_failed:
         return "sandbox_error"
     if exit_code == 0:
         return "ok"

@@ -7,8 +7,11 @@ API
   whatever the snippet did. 400: a malformed request, naming the field. 503: the queue is full (retry later).
 - ``GET /health``: ``{"status": "ok", "backend", "running", "queued", "max_concurrency", "max_queue"}``.
 
-At start-up the server runs ``print(1)`` in a jail and exits with a clear error when that fails (no
-bubblewrap, user namespaces disabled, ...): it never falls back to running code unjailed.
+Each of the ``--max-concurrency`` slots keeps a warm jail whose zygote forks a fresh child per snippet
+(:mod:`sandbox.warm`); ``--cold`` starts a new jail and interpreter per snippet instead (slower; kept for
+comparison, ``benchmarks/tools_load.py``). At start-up the server starts the jails, runs ``print(1)`` in one
+and exits with a clear error when that fails (no bubblewrap, user namespaces disabled, ...): it never falls
+back to running code unjailed.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from aiohttp import web
 from afm_core.tools.serving import add_server_args, serve
 from sandbox.jail import JailConfig
 from sandbox.runner import QueueFullError, RunnerConfig, SnippetRunner
+from sandbox.warm import JailStartError
 
 log = logging.getLogger(__name__)
 
@@ -92,11 +96,15 @@ async def handle_health(request: web.Request) -> web.Response:
 
 
 async def self_test(runner: SnippetRunner) -> None:
-    """Run ``print(1)`` in a jail.
+    """Start the warm jails and run ``print(1)`` in one.
 
     Raises:
         RuntimeError: the jail does not work on this host (with bubblewrap's or nsjail's message).
     """
+    try:
+        await runner.start()
+    except JailStartError as e:
+        raise RuntimeError(f"sandbox self-test failed ({runner.cfg.jail.backend}): a jail did not start: {str(e)[:500]}") from e
     result = await runner.run("print(1)", None, 10.0, runner.cfg.default_memory_mb)
     if result.status != "ok" or result.stdout.strip() != "1":
         raise RuntimeError(
@@ -138,12 +146,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-output-bytes", type=int, default=defaults.max_output_bytes, help="kept per stream")
     parser.add_argument("--max-timeout-s", type=float, default=defaults.max_timeout_s)
     parser.add_argument("--max-memory-mb", type=int, default=defaults.max_memory_mb)
+    parser.add_argument("--cold", action="store_true", help="a new jail per snippet instead of a warm jail per slot")
     parser.add_argument("--nsjail-path", default=None, help="use nsjail (the upstream recipe's jail) instead of bubblewrap")
     parser.add_argument("--python", default=JailConfig.python, help="interpreter inside the jail")
     parser.add_argument("--ro-path", action="append", default=[], help="extra host path bound read-only (repeatable)")
     args = parser.parse_args(argv)
     cfg = RunnerConfig(
         jail=JailConfig(nsjail_path=args.nsjail_path, python=args.python, ro_paths=args.ro_path),
+        warm=not args.cold,
         max_concurrency=args.max_concurrency,
         max_queue=args.max_queue,
         max_output_bytes=args.max_output_bytes,

@@ -7,11 +7,20 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import pytest
 
-from sandbox.jail import JailConfig, Limits, bwrap_argv, nsjail_argv
+from sandbox.jail import (
+    JailConfig,
+    Limits,
+    bwrap_argv,
+    bwrap_supports_disable_userns,
+    bwrap_zygote_argv,
+    nsjail_argv,
+    nsjail_zygote_argv,
+)
 from sandbox.runner import RunnerConfig, SnippetRunner
 from tests.tools.conftest import jail_unavailable, sandbox_server
 
@@ -95,13 +104,36 @@ def test_server_refuses_to_start_without_a_working_jail(tmp_path):
 
 def test_jail_command_lines():
     limits = Limits(timeout_s=3, memory_mb=128, cpu_s=3)
-    argv = bwrap_argv(JailConfig(), limits, "/x/code.py")  # type: ignore[arg-type]
+    argv = bwrap_argv(JailConfig(), limits, Path("/x/code.py"), seccomp_fd=7)
     assert argv[:1] == ["prlimit"] and "--cpu=3:4" in argv and f"--as={128 << 20}" in argv
     for flag in ("--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--remount-ro"):
         assert flag in argv
+    assert argv[argv.index("--seccomp") + 1] == "7"
     assert "--share-net" not in argv and "/home" not in argv
-    ns = nsjail_argv(JailConfig(nsjail_path="/opt/nsjail"), limits, "/x/code.py")  # type: ignore[arg-type]
+    ns = nsjail_argv(JailConfig(nsjail_path="/opt/nsjail"), limits, Path("/x/code.py"))
     assert ns[0] == "/opt/nsjail" and ns[ns.index("--rlimit_as") + 1] == "128" and "--time_limit" in ns
+    assert "clone_flags & 0x10000000" in ns[ns.index("--seccomp_string") + 1]
+    warm = bwrap_zygote_argv(JailConfig(), limits, Path("/x/slot-0"), 5, seccomp_fd=7)
+    assert "--as-pid-1" in warm and not any(a.startswith("--cpu") for a in warm) and warm[-2:] == ["/sandbox/zygote.py", "5"]
+    assert ("--disable-userns" in warm) == bwrap_supports_disable_userns(JailConfig())
+    warm_ns = nsjail_zygote_argv(JailConfig(nsjail_path="/opt/nsjail"), limits, Path("/x/slot-0"), 5)
+    assert warm_ns[warm_ns.index("--pass_fd") + 1] == "5" and warm_ns[warm_ns.index("--time_limit") + 1] == "0"
+
+
+def test_cold_jails_still_work(tmp_path_factory):
+    """``--cold`` (a jail per snippet, the benchmark's baseline) runs snippets with the same results."""
+    with sandbox_server(tmp_path_factory, extra_args=("--cold",)) as (url, _):
+        (s1, ok), (s2, err), (s3, slow) = run_all(
+            url,
+            [
+                {"code": "import sys\nprint(sys.stdin.read()[::-1])", "stdin": "abc"},
+                {"code": "import ctypes\nprint(ctypes.CDLL(None).unshare(0x10000000))\n1/0"},
+                {"code": "while True: pass", "timeout_s": 1},
+            ],
+        )
+    assert ok["status"] == "ok" and ok["stdout"] == "cba\n"
+    assert err["status"] == "error" and err["stdout"] == "-1\n" and "ZeroDivisionError" in err["stderr"]
+    assert slow["status"] == "timeout"
 
 
 @pytest.mark.skipif(jail_unavailable() is not None, reason="bubblewrap cannot create namespaces here")
