@@ -116,11 +116,17 @@ class ServerGroup:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def launch(self, name: str, args: list[str], port: int = 0, env: Mapping[str, str] | None = None) -> None:
-        """Start server ``name`` (not waiting for it; see :meth:`wait`); ``env`` adds environment variables."""
+    def launch(
+        self, name: str, args: list[str], port: int = 0, env: Mapping[str, str] | None = None, module: str | None = None
+    ) -> None:
+        """Start server ``name`` (not waiting for it; see :meth:`wait`); ``env`` adds environment variables.
+
+        ``module`` runs another server module under this name (default: :data:`SERVER_MODULES` ``[name]``),
+        e.g. two sandbox servers side by side.
+        """
         ready = self.log_dir / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", SERVER_MODULES[name], "--host", self.host, "--port", str(port), "--ready-file", str(ready), *args]
+        argv = [sys.executable, "-m", module or SERVER_MODULES[name], "--host", self.host, "--port", str(port), "--ready-file", str(ready), *args]
         logfile = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child process
         log.info("starting %s: %s", name, " ".join(argv))
         self._procs[name] = subprocess.Popen(
