@@ -1,4 +1,4 @@
-"""The tool interface and the errors a tool call can end with.
+"""The tool interface (the errors a tool call can end with are in :mod:`afm_core.tools.errors`).
 
 A tool is one CoA tag (``<web_search>``, ``<crawl_page>``, ``<wiki_search>``, ``<code>``). The CoA format
 module (``afm_core.coa.parse_tool_calls``) finds ``<tag>content</tag>`` in the model's text; the tool
@@ -15,37 +15,12 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-if TYPE_CHECKING:
-    from afm_core.tools.http import ToolHttp
+from afm_core.tools.errors import ERROR_KINDS, ToolError, ToolInputError
+from afm_core.tools.http import ToolHttp
 
-#: Error kinds counted by the pool (``ToolPool.metrics``) and shown in error observations.
-ERROR_KINDS = ("bad_input", "connect", "timeout", "http_5xx", "http_4xx", "bad_json", "bad_response")
-
-
-class ToolError(Exception):
-    """A tool call failed; ``kind`` is one of :data:`ERROR_KINDS`.
-
-    Attributes:
-        kind: the error class (what the metrics count).
-        attempts: HTTP attempts made before giving up (0 when the input was rejected).
-    """
-
-    def __init__(self, kind: str, message: str, attempts: int = 0) -> None:
-        if kind not in ERROR_KINDS:
-            raise ValueError(f"unknown tool error kind {kind!r}")
-        super().__init__(message)
-        self.kind = kind
-        self.attempts = attempts
-
-
-class ToolInputError(ToolError):
-    """The tag's content cannot be turned into a call (empty query, no code block, no URL, ...)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__("bad_input", message)
-
+__all__ = ["ERROR_KINDS", "Tool", "ToolError", "ToolInputError"]  # the errors live in afm_core.tools.errors
 
 class Tool(ABC):
     """One tool: its name, its CoA tag, how to parse the tag's content, and the async call.

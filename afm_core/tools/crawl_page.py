@@ -6,7 +6,9 @@ markdown link ``[title](url)`` or text containing a URL. The crawl server
 trafilatura, and, when ``summarize`` is on, asks an OpenAI-compatible LLM for a summary toward the task
 (the trajectory's ``context["task"]``). Observation per page, joined by blank lines, as upstream:
 ``Page i [url] Summary:\\n…``; without summaries ``Page i [url] Title: …\\n<main text>``; a failed page
-gives ``Page i [url]: [Page content not accessible: …]``.
+gives ``Page i [url]: [Page content not accessible: …]``. The crawl server refuses non-public addresses
+(:mod:`afm_core.tools.url_guard`); when it refuses every URL of a call, the call fails with a ``blocked_url``
+error observation.
 """
 
 from __future__ import annotations
@@ -93,6 +95,8 @@ class CrawlPageTool(Tool):
 
     async def call(self, args: list[str], http: ToolHttp, context: Mapping[str, str]) -> str:
         pages = await self.crawl(args, http, context.get("task", ""))
+        if all(page.get("blocked") for page in pages):
+            raise ToolError("blocked_url", "; ".join(page["error"] for page in pages))
         return format_pages(pages, self.max_chars_per_page)
 
     async def crawl(self, urls: list[str], http: ToolHttp, task: str = "") -> list[dict]:

@@ -1,14 +1,17 @@
 """HTTP for tools: one request with a per-attempt timeout, a rate limit, and retries with exponential
-backoff on connection errors, timeouts, 5xx answers and malformed JSON.
+backoff on connection errors, timeouts, 5xx answers, 429 (too many requests) and malformed JSON.
 
 Backoff: attempt ``k`` (0-based) waits ``min(backoff_max_s, backoff_s * 2**k)`` seconds, times a jitter
 factor in [0.5, 1.0] ("equal jitter", Brooker 2015, *Exponential Backoff And Jitter*), before attempt
-``k + 1``. A 4xx answer is not retried: the request itself is wrong.
+``k + 1``. A 429 or 503 answer with a ``Retry-After`` header (seconds or an HTTP date, RFC 9110 §10.2.3)
+waits that long instead, at most ``retry_after_max_s``. Any other 4xx answer is not retried: the request
+itself is wrong.
 """
 
 from __future__ import annotations
 
 import asyncio
+import email.utils
 import json
 import random
 import time
@@ -17,10 +20,10 @@ from typing import Any
 
 import aiohttp
 
-from afm_core.tools.base import ToolError
+from afm_core.tools.errors import ToolError
 from afm_core.tools.metrics import ToolMetrics
 
-RETRYABLE = frozenset({"connect", "timeout", "http_5xx", "bad_json"})
+RETRYABLE = frozenset({"connect", "timeout", "http_5xx", "rate_limited", "bad_json"})
 
 
 @dataclass
@@ -36,6 +39,10 @@ class ToolLimits:
         rate_per_s: HTTP attempts started per second (token bucket); None: unlimited.
         burst: token-bucket capacity (attempts that may start back to back).
         cache_ttl_s: how long a successful observation is reused; None or 0: no caching.
+        retry_after_max_s: cap on a wait asked for by ``Retry-After``.
+        circuit_failures: consecutive calls failing to connect that open the tool's circuit in the pool
+            (see :class:`~afm_core.tools.pool.ToolPool`); None: no circuit.
+        circuit_cooldown_s: how long an open circuit refuses calls before one probe call may try again.
     """
 
     timeout_s: float = 30.0
@@ -46,10 +53,15 @@ class ToolLimits:
     rate_per_s: float | None = None
     burst: int = 1
     cache_ttl_s: float | None = 3600.0
+    retry_after_max_s: float = 60.0
+    circuit_failures: int | None = 5
+    circuit_cooldown_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.retries < 0 or self.concurrency < 1 or self.burst < 1:
             raise ValueError(f"invalid ToolLimits {self}: need timeout_s > 0, retries >= 0, concurrency >= 1, burst >= 1")
+        if self.circuit_failures is not None and self.circuit_failures < 1 or self.circuit_cooldown_s < 0:
+            raise ValueError(f"invalid ToolLimits {self}: circuit_failures must be >= 1 or None, circuit_cooldown_s >= 0")
         if self.rate_per_s is not None and self.rate_per_s <= 0:
             raise ValueError(f"invalid ToolLimits {self}: rate_per_s must be > 0 or None")
 
@@ -88,8 +100,8 @@ class ToolHttp:
         """Send one request (with retries) and return the decoded JSON body.
 
         Raises:
-            ToolError: kind ``connect``, ``timeout``, ``http_5xx`` or ``bad_json`` after the last attempt,
-                or ``http_4xx`` / ``bad_input`` (invalid URL) at once.
+            ToolError: kind ``connect``, ``timeout``, ``http_5xx``, ``rate_limited`` (429) or ``bad_json``
+                after the last attempt, or ``http_4xx`` / ``bad_input`` (invalid URL) at once.
         """
         attempts = self.limits.retries + 1
         for attempt in range(attempts):
@@ -102,8 +114,11 @@ class ToolHttp:
                 if e.kind not in RETRYABLE or attempt + 1 == attempts:
                     raise
                 self.metrics.retries += 1
-                delay = min(self.limits.backoff_max_s, self.limits.backoff_s * 2**attempt)
-                await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+                if e.retry_after_s is not None:
+                    delay = min(e.retry_after_s, self.limits.retry_after_max_s)
+                else:
+                    delay = min(self.limits.backoff_max_s, self.limits.backoff_s * 2**attempt) * random.uniform(0.5, 1.0)
+                await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 
     async def _attempt(self, method: str, url: str, json_body: Any, headers: dict | None) -> Any:
@@ -111,6 +126,10 @@ class ToolHttp:
         try:
             async with self.session.request(method, url, json=json_body, headers=headers, timeout=timeout) as resp:
                 body = await resp.text(errors="replace")
+                if resp.status in (429, 503):
+                    kind = "rate_limited" if resp.status == 429 else "http_5xx"
+                    wait = retry_after_s(resp.headers.get("Retry-After"))
+                    raise ToolError(kind, f"HTTP {resp.status} from {url}: {body[:200]}", retry_after_s=wait)
                 if resp.status >= 500:
                     raise ToolError("http_5xx", f"HTTP {resp.status} from {url}: {body[:200]}")
                 if resp.status >= 400:
@@ -126,3 +145,22 @@ class ToolHttp:
         except aiohttp.ClientError as e:
             # refused, reset, DNS failure, the server closed mid-answer, too many redirects
             raise ToolError("connect", f"cannot reach {url}: {e.__class__.__name__}: {e}") from e
+
+
+def retry_after_s(value: str | None, now: float | None = None) -> float | None:
+    """Seconds to wait from a ``Retry-After`` header: delay-seconds or an HTTP date (RFC 9110 §10.2.3).
+
+    Returns None when the header is absent or unreadable (the exponential backoff applies then).
+    """
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))

@@ -11,7 +11,7 @@ Config of the servers (``conf/tool_servers.yaml`` → ``servers``); relative dat
     wiki:       {port: 0, corpus: mhqa/hotpotqa500/corpus.jsonl, topk: 3}
     pages:      {port: 0, pages: webpages/readability, corpus: mhqa/hotpotqa500/corpus.jsonl}
     web_search: {port: 0, corpus: ..., pages: ..., link_base: null}   # null: the pages server's URL
-    crawl:      {port: 0, extract_workers: 2, llm_url: null, llm_model: null}
+    crawl:      {port: 0, extract_workers: 2, llm_url: null, llm_model: null, allow: []}
 
 A server entry set to null (or with ``enabled: false``) is not started.
 """
@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
@@ -45,7 +46,7 @@ _PR_SET_PDEATHSIG = 1
 # Keys whose values are data paths (resolved against data_dir).
 _PATH_FLAGS = {"corpus", "pages"}
 # List-valued keys and the repeatable flag each item becomes.
-_REPEATED_FLAGS = {"ro_paths": "--ro-path"}
+_REPEATED_FLAGS = {"ro_paths": "--ro-path", "allow": "--allow"}
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -194,10 +195,18 @@ class ServerGroup:
         self._procs.clear()
 
 
+def allow_entry(url: str) -> str:
+    """The crawl allow-list entry (``IPv4:PORT`` or ``[IPv6]:PORT``) of a server's base URL."""
+    parsed = urllib.parse.urlsplit(url)
+    host = parsed.hostname or ""
+    return f"[{host}]:{parsed.port}" if ":" in host else f"{host}:{parsed.port}"
+
+
 def start_servers(group: ServerGroup, servers_cfg: Mapping, data_dir: Path) -> dict[str, str]:
     """Start every enabled server of ``servers_cfg`` in ``group``; returns ``{name: url}`` once all are healthy.
 
-    The pages server starts first when web search needs its URL as ``link_base``.
+    The pages server starts first when web search needs its URL as ``link_base`` or the crawler must be
+    allowed to fetch it (its address joins the crawler's allow-list).
     """
     entries = {n: dict(e) for n, e in servers_cfg.items() if e is not None and e.get("enabled", True)}
     args = {name: server_args(name, entry, data_dir) for name, entry in entries.items()}
@@ -205,9 +214,11 @@ def start_servers(group: ServerGroup, servers_cfg: Mapping, data_dir: Path) -> d
     needs_pages = search is not None and search.get("link_base") is None
     if needs_pages and "pages" not in entries:
         raise ValueError("servers.web_search.link_base is null but no pages server is configured")
-    first = ["pages"] if needs_pages else []
+    first = ["pages"] if needs_pages or ("pages" in entries and "crawl" in entries) else []
     for name in first:
         group.launch(name, args[name], entries[name].get("port", 0))
+    if "pages" in first and "crawl" in entries:  # the crawler may fetch the local pages server
+        args["crawl"] += ["--allow", allow_entry(group.wait(["pages"])["pages"])]
     for name in entries:
         if name not in first and name != "web_search":
             group.launch(name, args[name], entries[name].get("port", 0))

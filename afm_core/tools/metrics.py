@@ -66,6 +66,7 @@ class ToolMetrics:
         retries: HTTP attempts repeated after a retryable failure.
         cache_hits: calls answered from the cache.
         duplicates: calls answered by the per-trajectory duplicate guard.
+        circuit_opens: times the tool's circuit opened (outages; refused calls count as ``circuit_open`` errors).
         latency: wall-clock latency of every call, seconds.
     """
 
@@ -75,6 +76,7 @@ class ToolMetrics:
     retries: int = 0
     cache_hits: int = 0
     duplicates: int = 0
+    circuit_opens: int = 0
     latency: LatencyHistogram = field(default_factory=LatencyHistogram)
 
     def snapshot(self) -> dict:
@@ -85,5 +87,6 @@ class ToolMetrics:
             "retries": self.retries,
             "cache_hits": self.cache_hits,
             "duplicates": self.duplicates,
+            "circuit_opens": self.circuit_opens,
             "latency": self.latency.snapshot(),
         }

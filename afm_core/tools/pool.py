@@ -10,6 +10,13 @@ the same trajectory gets a canned observation instead of a call; OPPO-PersonalAI
 
 :meth:`ToolPool.call` never raises (except :class:`asyncio.CancelledError`): a failure becomes an error
 observation, so one bad tool call cannot end a rollout.
+
+A circuit breaker per tool (:class:`~afm_core.tools.circuit.Circuit`, ``ToolLimits.circuit_failures`` and
+``circuit_cooldown_s``) stops calling a server after that many consecutive calls failed to connect: one
+ERROR log line per outage, ``circuit_opens`` in the metrics, and until a probe call after the cool-down
+reaches the server again, every call returns a ``[tool error: circuit_open]`` observation at once, or, with
+``fail_fast=True``, raises :class:`~afm_core.tools.errors.ToolCircuitOpenError` (end the job rather than fill
+its trajectories with error observations).
 """
 
 from __future__ import annotations
@@ -22,8 +29,10 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import aiohttp
 
-from afm_core.tools.base import Tool, ToolError
+from afm_core.tools.base import Tool
 from afm_core.tools.cache import ToolCache
+from afm_core.tools.circuit import OPENED, RECOVERED, REOPENED, Circuit
+from afm_core.tools.errors import ToolCircuitOpenError, ToolError
 from afm_core.tools.http import ToolHttp, ToolLimits
 from afm_core.tools.metrics import ToolMetrics
 
@@ -49,6 +58,8 @@ class ToolPool:
         connection_limit: open connections in total (aiohttp ``TCPConnector(limit=...)``).
         connection_limit_per_host: open connections per host:port.
         max_trajectories: trajectories the duplicate guard remembers (oldest forgotten first).
+        fail_fast: :meth:`call` raises :class:`ToolCircuitOpenError` instead of returning a ``circuit_open``
+            error observation while a tool's circuit is open.
     """
 
     def __init__(
@@ -61,6 +72,7 @@ class ToolPool:
         connection_limit: int = 512,
         connection_limit_per_host: int = 256,
         max_trajectories: int = 100_000,
+        fail_fast: bool = False,
     ) -> None:
         self.tools: dict[str, Tool] = {}
         for tool in tools:
@@ -75,6 +87,12 @@ class ToolPool:
         self.limits = {name: limits.get(name, default_limits) for name in self.tools}
         self.cache = cache
         self.metrics = {name: ToolMetrics() for name in self.tools}
+        self.fail_fast = fail_fast
+        self.circuits = {
+            name: Circuit(lim.circuit_failures, lim.circuit_cooldown_s)
+            for name, lim in self.limits.items()
+            if lim.circuit_failures is not None
+        }
         self._connection_limit = connection_limit
         self._connection_limit_per_host = connection_limit_per_host
         self._max_trajectories = max_trajectories
@@ -118,6 +136,9 @@ class ToolPool:
 
         Returns:
             The observation, or an error observation (:func:`error_observation`) when the call failed.
+
+        Raises:
+            ToolCircuitOpenError: only with ``fail_fast``, when the tool's circuit is open.
         """
         if self._session is None:
             raise RuntimeError("ToolPool.call before start(): use 'async with ToolPool(...)'")
@@ -131,6 +152,8 @@ class ToolPool:
             return await self._call(tool, content, trajectory_id, context or {}, metrics)
         except ToolError as e:
             metrics.errors[e.kind] += 1
+            if e.kind == "circuit_open" and self.fail_fast:
+                raise ToolCircuitOpenError(name, f"{name}: {e}") from e
             return error_observation(name, e)
         except asyncio.CancelledError:
             raise
@@ -152,8 +175,12 @@ class ToolPool:
         self._seen.pop(trajectory_id, None)
 
     def metrics_snapshot(self) -> dict[str, dict]:
-        """``{tool name: counters and latency histogram}`` as plain JSON-able dicts."""
-        return {name: m.snapshot() for name, m in self.metrics.items()}
+        """``{tool name: counters, latency histogram and circuit state}`` as plain JSON-able dicts."""
+        snapshot = {}
+        for name, m in self.metrics.items():
+            circuit = self.circuits.get(name)
+            snapshot[name] = {**m.snapshot(), "circuit": circuit.state if circuit is not None else None}
+        return snapshot
 
     async def _call(
         self, tool: Tool, content: str, trajectory_id: str | None, context: Mapping[str, str], metrics: ToolMetrics
@@ -170,13 +197,47 @@ class ToolPool:
             metrics.cache_hits += 1
         else:
             async with self._slots[tool.name]:
-                observation = await tool.call(args, self._http[tool.name], context)
+                observation = await self._guarded_call(tool, args, context, metrics)
             metrics.ok += 1
             if self.cache is not None and ttl:
                 self.cache.put(tool.name, key, observation, ttl)
         if guarded:  # only a call that worked counts as done: a failed one may be repeated
             self._trajectory(trajectory_id).add((tool.name, key))
         return observation
+
+    async def _guarded_call(self, tool: Tool, args, context: Mapping[str, str], metrics: ToolMetrics) -> str:
+        """``tool.call`` behind the tool's circuit breaker."""
+        circuit = self.circuits.get(tool.name)
+        if circuit is None:
+            return await tool.call(args, self._http[tool.name], context)
+        admitted = circuit.admit()
+        if admitted is None:
+            raise ToolError(
+                "circuit_open",
+                f"{tool.name} is not called: its server refused {circuit.consecutive} connections in a row "
+                f"(next try in {circuit.retry_in_s():.0f} s)",
+            )
+        outcome = "neutral"
+        try:
+            observation = await tool.call(args, self._http[tool.name], context)
+            outcome = "answered"
+            return observation
+        except ToolError as e:
+            outcome = "connect" if e.kind == "connect" else "neutral" if e.kind == "timeout" else "answered"
+            raise
+        finally:
+            change = circuit.record(outcome, probe=admitted == "probe")
+            if change == OPENED:
+                metrics.circuit_opens += 1
+                log.error(
+                    "tool %s: circuit OPEN after %d consecutive connection failures (is its server down?); "
+                    "calls fail at once%s, next probe in %g s",
+                    tool.name, circuit.consecutive, " and raise (fail_fast)" if self.fail_fast else "", circuit.cooldown_s,
+                )
+            elif change == REOPENED:
+                log.info("tool %s: probe failed, circuit stays open for %g s", tool.name, circuit.cooldown_s)
+            elif change == RECOVERED:
+                log.warning("tool %s: circuit closed, its server answers again", tool.name)
 
     def _trajectory(self, trajectory_id: str) -> set[tuple[str, str]]:
         seen = self._seen.get(trajectory_id)

@@ -6,6 +6,7 @@ Config (``conf/tools/default.yaml``; plain dicts or OmegaConf nodes)::
     cache: {path: ~/.cache/afm/tool_cache.sqlite, max_entries: 100000}   # or null: no cache
     connection_limit: 512
     connection_limit_per_host: 256
+    fail_fast: false                                   # true: ToolPool.call raises while a circuit is open
     tools:
       wiki_search: {server: wiki, topk: 3, limits: {timeout_s: 10, retries: 3, ...}}
       web_search: {url: https://google.serper.dev, num_results: 10}     # url instead of server: fixed endpoint
@@ -99,4 +100,5 @@ def build_tool_pool(cfg: Mapping, addresses: Mapping[str, str] | None = None, wa
         cache=cache,
         connection_limit=cfg.get("connection_limit", 512),
         connection_limit_per_host=cfg.get("connection_limit_per_host", 256),
+        fail_fast=bool(cfg.get("fail_fast", False)),
     )

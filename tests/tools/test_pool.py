@@ -41,6 +41,9 @@ class Backend:
                     return web.Response(status=500, text="internal error")
                 if mode == "http_404":
                     return web.Response(status=404, text="no such route")
+                if mode in ("http_429", "http_503"):
+                    status = 429 if mode == "http_429" else 503
+                    return web.Response(status=status, text="slow down", headers={"Retry-After": "1"})
                 if mode == "bad_json":
                     return web.Response(text='{"result": [[{"document": ', content_type="application/json")
                 if mode == "wrong_shape":
@@ -254,3 +257,118 @@ def test_metrics_snapshot_is_plain_json():
     w = snapshot["wiki_search"]
     assert w["calls"] == 2 and w["ok"] == 2 and w["latency"]["count"] == 2
     assert w["latency"]["buckets_le_s"]["+Inf"] == 2 and w["latency"]["p50_le_s"] <= 0.25
+
+
+@pytest.mark.parametrize("mode, kind", [("http_429", "rate_limited"), ("http_503", "http_5xx")])
+def test_429_and_503_are_retried_after_the_servers_retry_after(mode, kind):
+    """The first answer says Retry-After: 1 (the backoff alone would wait 10 ms); the retry then succeeds."""
+
+    async def main():
+        backend = Backend(mode, fail_first=1)
+        async with serve_app(backend.app()) as url:
+            start = time.monotonic()
+            observation, pool = await one_call(url, ToolLimits(**FAST_RETRY))
+            elapsed = time.monotonic() - start
+            backend.fail_first, backend.hits = 0, 0
+            backend.mode = mode  # always refuse: the error observation names the kind
+            refused, _ = await one_call(url, ToolLimits(timeout_s=5, retries=1, backoff_s=0.01, retry_after_max_s=0.2))
+        return observation, pool, elapsed, refused
+
+    observation, pool, elapsed, refused = asyncio.run(main())
+    assert observation.startswith("Doc 1 (Title: ") and pool.metrics["wiki_search"].retries == 1
+    assert 0.9 <= elapsed < 5
+    assert refused.startswith(f"[wiki_search error: {kind}] HTTP {mode[-3:]}") and "(2 attempts)" in refused
+
+
+def test_retry_after_reads_seconds_and_http_dates():
+    from afm_core.tools.http import retry_after_s
+
+    assert retry_after_s("3") == 3.0
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412470.0) == 10.0
+    assert retry_after_s("Wed, 21 Oct 2015 07:28:00 GMT", now=1445412490.0) == 0.0
+    assert retry_after_s("soon") is None and retry_after_s(None) is None
+
+
+def test_circuit_states_with_one_probe_at_a_time():
+    from afm_core.tools.circuit import OPENED, RECOVERED, REOPENED, Circuit
+
+    now = [0.0]
+    circuit = Circuit(failures=2, cooldown_s=10.0, clock=lambda: now[0])
+    assert circuit.admit() == "call" and circuit.record("connect") is None
+    assert circuit.record("timeout") is None and circuit.consecutive == 1  # a timeout is neutral
+    assert circuit.record("connect") == OPENED and circuit.state == "open"
+    assert circuit.admit() is None and circuit.retry_in_s() == 10.0
+    now[0] = 10.0
+    assert circuit.admit() == "probe" and circuit.admit() is None  # one probe at a time
+    assert circuit.record("connect", probe=True) == REOPENED and circuit.admit() is None
+    now[0] = 20.0
+    assert circuit.admit() == "probe"
+    assert circuit.record("answered", probe=True) == RECOVERED and circuit.state == "closed"
+    assert circuit.admit() == "call" and circuit.consecutive == 0
+
+
+def test_fail_fast_raises_a_dedicated_error_once_the_circuit_is_open():
+    from afm_core.tools.errors import ToolCircuitOpenError
+
+    url = f"http://127.0.0.1:{free_port_nobody_listens_on()}"
+    limits = ToolLimits(timeout_s=1, retries=0, circuit_failures=2, circuit_cooldown_s=60)
+
+    async def main():
+        async with ToolPool([WikiSearchTool(url)], {"wiki_search": limits}, fail_fast=True) as pool:
+            first = [await pool.call("wiki_search", f"q{i}") for i in range(2)]
+            with pytest.raises(ToolCircuitOpenError, match="wiki_search") as raised:
+                await pool.call("wiki_search", "q3")
+            return first, raised.value, pool
+
+    first, error, pool = asyncio.run(main())
+    assert all(o.startswith("[wiki_search error: connect]") for o in first)
+    assert error.tool == "wiki_search"
+    assert pool.metrics["wiki_search"].circuit_opens == 1
+
+
+def test_a_killed_tool_server_opens_its_circuit_once_then_recovers(data_dir, tmp_path, caplog):
+    """A real wiki server is SIGKILLed mid-run: after N=3 calls that cannot connect the circuit opens (one
+    ERROR log line, counted in the metrics), later calls get circuit_open observations at once; the server
+    comes back on the same port and the probe after the cool-down closes the circuit."""
+    import logging
+    import os
+    import signal
+
+    from afm_core.tools.launcher import ServerGroup
+
+    corpus = str(data_dir / "mhqa" / "hotpotqa500" / "corpus.jsonl")
+    limits = ToolLimits(timeout_s=5, retries=1, backoff_s=0.01, cache_ttl_s=None, circuit_failures=3, circuit_cooldown_s=1.0)
+    caplog.set_level(logging.INFO, logger="afm_core.tools.pool")
+    with ServerGroup(log_dir=tmp_path) as group:
+        group.launch("wiki", ["--corpus", corpus])
+        url = group.wait()["wiki"]
+        port = int(url.rsplit(":", 1)[1])
+
+        async def main():
+            async with ToolPool([WikiSearchTool(url)], {"wiki_search": limits}) as pool:
+                before = await pool.call("wiki_search", "Shirley Temple")
+                [proc] = group.processes()
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+                start = time.monotonic()
+                during = [await pool.call("wiki_search", f"question {i}") for i in range(6)]
+                refused_s = time.monotonic() - start
+                opened = pool.metrics_snapshot()["wiki_search"]
+                group.urls.pop("wiki")
+                group.launch("wiki", ["--corpus", corpus], port=port)
+                await asyncio.to_thread(group.wait)
+                await asyncio.sleep(1.2)  # past the cool-down
+                after = await pool.call("wiki_search", "Shirley Temple Black")
+                return before, during, refused_s, opened, after, pool.metrics_snapshot()["wiki_search"]
+
+        before, during, refused_s, opened, after, final = asyncio.run(main())
+    assert before.startswith("Doc 1 (Title:")
+    assert all(o.startswith("[wiki_search error: connect]") for o in during[:3])
+    assert all(o.startswith("[wiki_search error: circuit_open]") for o in during[3:]), during
+    assert refused_s < 2.0  # refused calls do not wait for connections
+    assert opened["circuit_opens"] == 1 and opened["circuit"] == "open"
+    assert opened["errors"] == {"connect": 3, "circuit_open": 3}
+    loud = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(loud) == 1 and "circuit OPEN after 3 consecutive connection failures" in loud[0].getMessage()
+    assert after.startswith("Doc 1 (Title:") and final["circuit"] == "closed" and final["circuit_opens"] == 1
+    assert any("circuit closed" in r.getMessage() for r in caplog.records)

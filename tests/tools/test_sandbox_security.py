@@ -473,7 +473,7 @@ DIRTY = """
     os.umask(0o077)
     os.chdir("/")
     start = time.process_time()
-    while time.process_time() - start < 1.0:
+    while time.process_time() - start < 0.5:
         pass
     print("dirty")
 """
@@ -506,15 +506,15 @@ def test_each_snippet_starts_from_clean_state(one_slot_server):
     the next one in the same warm jail."""
     url, _ = one_slot_server
     for _ in range(2):
-        dirty = post_run(url, DIRTY, timeout_s=10)
+        dirty = post_run(url, DIRTY, timeout_s=30)  # 0.5 CPU seconds may take long on a loaded machine
         assert dirty["status"] == "ok" and dirty["stdout"] == "dirty\n", dirty
-        check = post_run(url, CHECK, timeout_s=10)
+        check = post_run(url, CHECK, timeout_s=30)
         assert check["status"] == "ok", check
         lines = dict(line.split(" ", 1) for line in check["stdout"].splitlines())
-        assert float(lines["cpu"]) < 0.5, lines  # CPU seconds count from this snippet's start
+        assert float(lines["cpu"]) < 0.3, lines  # CPU seconds count from this snippet's start
         assert lines["state"] == "False False False False False", lines
         assert lines["files"] == "[] []", lines
         assert int(lines["procs"]) <= 2, lines  # itself and the jail's init
-        assert lines["rlimits"] == "(64, 64) (10, 11)", lines
+        assert lines["rlimits"] == "(64, 64) (30, 31)", lines
         assert lines["cwd"] == "0o22 /tmp", lines
         assert lines["forked"] == "24", lines

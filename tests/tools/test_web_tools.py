@@ -19,7 +19,7 @@ from afm_core.tools.crawl_page import REPEATED_CRAWL, parse_urls
 from afm_core.tools.base import ToolInputError
 from afm_core.tools.http import ToolHttp
 from afm_core.tools.metrics import ToolMetrics
-from afm_core.tools.launcher import ServerGroup
+from afm_core.tools.launcher import ServerGroup, allow_entry
 from afm_core.tools.servers import crawl as crawl_server
 from afm_core.tools.servers import pages as pages_server
 from afm_core.tools.web_search import format_results
@@ -49,8 +49,8 @@ def servers(data_dir, readability, tmp_path_factory):
     corpus = data_dir / "mhqa" / "hotpotqa500" / "corpus.jsonl"
     with ServerGroup(log_dir=tmp_path_factory.mktemp("web")) as group:
         group.launch("pages", ["--pages", str(folder), "--corpus", str(corpus)])
-        group.launch("crawl", ["--extract-workers", "2"])
         pages_url = group.wait(["pages"])["pages"]
+        group.launch("crawl", ["--extract-workers", "2", "--allow", allow_entry(pages_url)])
         search_args = ["--pages", str(folder), "--corpus", str(corpus), "--link-base", pages_url, "--api-key-env", "SEARCH_KEY"]
         group.launch("web_search", search_args, env={"SEARCH_KEY": "k"})
         yield group.wait()
@@ -144,7 +144,9 @@ def test_summaries_through_an_openai_compatible_endpoint(readability):
 
     async def main():
         async with serve_app(llm) as llm_url, serve_app(pages_server.build_app(pages_server.find_pages(folder), [])) as pages_url:
-            cfg = crawl_server.CrawlConfig(llm_url=llm_url + "/v1", llm_model="stub", extract_workers=1)
+            cfg = crawl_server.CrawlConfig(
+                    llm_url=llm_url + "/v1", llm_model="stub", extract_workers=1, allow=(allow_entry(pages_url),)
+                )
             async with serve_app(crawl_server.build_app(cfg)) as crawl_url:
                 async with ToolPool([CrawlPageTool(crawl_url, summarize=True)]) as pool:
                     url = f"{pages_url}/pages/wikipedia-3"
@@ -157,3 +159,100 @@ def test_summaries_through_an_openai_compatible_endpoint(readability):
     prompt = requests[0]["messages"][1]["content"]
     assert requests[0]["model"] == "stub" and "What is a Hermitian matrix?" in prompt and "Hermitian" in prompt.split("titled")[1]
     assert "Title: Hermitian matrix" in failed  # a failed summary falls back to the extracted text
+
+
+class Victim:
+    """A local server standing in for the sandbox (``POST /run``) and the tool servers; counts what reaches it."""
+
+    def __init__(self) -> None:
+        self.hits = 0
+
+    def app(self) -> web.Application:
+        async def anything(request: web.Request) -> web.Response:
+            self.hits += 1
+            return web.Response(text="<html><title>secret</title><body>internal answer</body></html>", content_type="text/html")
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", anything)
+        return app
+
+
+def redirector(target: str) -> web.Application:
+    async def go(request: web.Request) -> web.Response:
+        raise web.HTTPFound(target)
+
+    app = web.Application()
+    app.router.add_get("/go", go)
+    return app
+
+
+def test_crawl_refuses_loopback_private_and_metadata_addresses(servers, tmp_path):
+    """SSRF: the sandbox-like local server, the metadata address, a host name resolving to loopback, a mapped
+    IPv6 form, and an allowed URL that redirects to loopback all give error observations, and no request
+    reaches the local server. Allow-listed servers (the pages server, the redirector) stay reachable."""
+    from afm_core.launch.distributed import free_port
+
+    redirector_port = free_port()
+    with ServerGroup(log_dir=tmp_path) as group:
+        group.launch("crawl", ["--allow", allow_entry(servers["pages"]), "--allow", f"127.0.0.1:{redirector_port}"])
+        crawl_url = group.wait()["crawl"]
+
+        async def main():
+            victim = Victim()
+            async with serve_app(victim.app()) as victim_url:
+                port = victim_url.rsplit(":", 1)[1]
+                runner = web.AppRunner(redirector(f"{victim_url}/run"))
+                await runner.setup()
+                await web.TCPSite(runner, "127.0.0.1", redirector_port).start()
+                try:
+                    tool = CrawlPageTool(crawl_url)
+                    async with ToolPool([tool], default_limits=ToolLimits(retries=0, cache_ttl_s=None)) as pool:
+                        refused = {
+                            name: await pool.call("crawl_page", url)
+                            for name, url in {
+                                "sandbox": f"{victim_url}/run",
+                                "metadata": "http://169.254.169.254/latest/meta-data/",
+                                "localhost": f"http://localhost:{port}/run",
+                                "mapped": f"http://[::ffff:127.0.0.1]:{port}/run",
+                                "private": "http://10.0.0.1/",
+                                "redirect": f"http://127.0.0.1:{redirector_port}/go",
+                            }.items()
+                        }
+                        mixed = await pool.call("crawl_page", f"{servers['pages']}/pages/wikipedia-3 | {victim_url}/run")
+                        snapshot = pool.metrics_snapshot()["crawl_page"]
+                finally:
+                    await runner.cleanup()
+            return refused, mixed, snapshot, victim.hits
+
+        refused, mixed, snapshot, hits = asyncio.run(main())
+    for name, observation in refused.items():
+        assert observation.startswith("[crawl_page error: blocked_url] ") and "refused" in observation, (name, observation)
+    assert "a loopback address" in refused["sandbox"] and "link-local" in refused["metadata"]
+    assert "localhost resolves only to refused addresses" in refused["localhost"]
+    assert "a private address" in refused["private"] and "a loopback address" in refused["redirect"]
+    assert mixed.startswith("Page 1 [") and "Title: Hermitian matrix" in mixed
+    assert "Page 2 [" in mixed and "[Page content not accessible: refused to fetch 127.0.0.1" in mixed
+    assert snapshot["errors"] == {"blocked_url": 6}
+    assert hits == 0
+
+
+def test_url_guard_addresses_and_allow_list():
+    import ipaddress
+
+    from afm_core.tools.url_guard import BlockedAddressError, UrlGuard, refusal
+    from yarl import URL
+
+    for address in ("127.0.0.1", "::1", "10.1.2.3", "192.168.0.1", "172.16.0.1", "169.254.169.254", "fe80::1",
+                    "fd00:ec2::254", "100.100.100.200", "0.0.0.0", "224.0.0.1", "::ffff:10.0.0.1"):
+        assert refusal(ipaddress.ip_address(address)) is not None, address
+    assert refusal(ipaddress.ip_address("8.8.8.8")) is None and refusal(ipaddress.ip_address("2606:4700::1111")) is None
+    guard = UrlGuard(["127.0.0.1:8080", "10.1.0.0/16", "[::1]:9000"])
+    guard.check_url(URL("http://127.0.0.1:8080/x"))
+    guard.check_url(URL("http://10.1.200.3:1234/"))
+    guard.check_url(URL("http://[::1]:9000/"))
+    guard.check_url(URL("https://example.org/"))  # a host name: checked at resolution
+    for url in ("http://127.0.0.1:8081/", "http://10.2.0.1/", "http://[::1]:9001/", "file:///etc/passwd", "gopher://x/"):
+        with pytest.raises(BlockedAddressError):
+            guard.check_url(URL(url))
+    with pytest.raises(ValueError, match="allow-list entry 'nonsense'"):
+        UrlGuard(["nonsense"])

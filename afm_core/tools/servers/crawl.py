@@ -1,13 +1,17 @@
 """Crawl server: ``python -m afm_core.tools.servers.crawl --port N [--llm-url U --llm-model M]``.
 
 ``POST /crawl_page`` ``{"urls": [str], "task": str, "summarize": bool}`` →
-``{"pages": [{"url", "title", "text", "summary", "summary_error", "error"}, ...], "processing_time": float}``.
+``{"pages": [{"url", "title", "text", "summary", "summary_error", "error", "blocked"}, ...], "processing_time": float}``.
 Each URL is fetched with aiohttp (redirects followed, at most ``max_page_bytes``), its title and main text are
 extracted in a process pool (:func:`~afm_core.tools.extract.extract_page`: trafilatura, Readability's title
 rules), and with ``summarize`` an OpenAI-compatible ``/chat/completions`` endpoint summarises the page toward
 ``task`` (the upstream server does this with Jina Reader and a hosted Qwen2.5-72B: OPPO-PersonalAI/Agent_Foundation_Models,
 ``AFM/tool_servers/web_server/v2/crawl_page_server_v2.py``). A page that cannot be fetched gets ``error`` and no text; a failed
 summary keeps the text and sets ``summary_error``. ``GET /health``.
+
+Pages are fetched only from public addresses (:mod:`afm_core.tools.url_guard`: checked after DNS
+resolution and again at every redirect, which the server follows itself) and from ``--allow`` entries; a
+refused page gets ``blocked: true`` and an ``error`` that says why, and no request leaves the server.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
+from yarl import URL
 
 from afm_core.tools.extract import extract_page
 from afm_core.tools.serving import add_server_args, serve
+from afm_core.tools.url_guard import BlockedAddressError, GuardedResolver, UrlGuard
 
 SUMMARY_SYSTEM = "You are a summary agent robot."
 SUMMARY_PROMPT = (
@@ -38,9 +44,14 @@ SUMMARY_PROMPT = (
 
 @dataclass
 class CrawlConfig:
-    """Fetch, extraction and summary settings (seconds, bytes, characters as named)."""
+    """Fetch, extraction and summary settings (seconds, bytes, characters as named).
+
+    ``allow``: addresses the guard lets through although they are not public (``UrlGuard`` entries).
+    """
 
     fetch_timeout_s: float = 20.0
+    max_redirects: int = 10
+    allow: tuple[str, ...] = ()
     max_page_bytes: int = 5 << 20
     max_urls: int = 10
     extract_workers: int = 2
@@ -55,52 +66,79 @@ class PageError(Exception):
     """The page could not be fetched or read."""
 
 
+class PageBlocked(PageError):
+    """The URL, or a redirect, points at an address the guard refuses."""
+
+
 class Crawler:
     """Fetches, extracts and summarises pages; owns the HTTP session and the extraction process pool."""
 
     def __init__(self, cfg: CrawlConfig) -> None:
         self.cfg = cfg
-        self.session: aiohttp.ClientSession | None = None
+        self.guard = UrlGuard(cfg.allow)
+        self.pages: aiohttp.ClientSession | None = None  # guarded: fetches what the model asks for
+        self.session: aiohttp.ClientSession | None = None  # the configured summary endpoint
         self.pool: ProcessPoolExecutor | None = None
 
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=256, limit_per_host=32),
+        self.pages = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=256, limit_per_host=32, resolver=GuardedResolver(self.guard)),
             headers={"User-Agent": "afm-crawl/0.1"},
         )
+        self.session = aiohttp.ClientSession(headers={"User-Agent": "afm-crawl/0.1"})
         # forkserver: workers do not inherit the event loop's threads
         self.pool = ProcessPoolExecutor(self.cfg.extract_workers, mp_context=multiprocessing.get_context("forkserver"))
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        for session in (self.pages, self.session):
+            if session is not None:
+                await session.close()
         if self.pool is not None:
             self.pool.shutdown(cancel_futures=True)
 
     async def fetch(self, url: str) -> tuple[str, str]:
-        """``(html or text, content type)`` of ``url``.
+        """``(html or text, content type)`` of ``url``, following redirects one hop at a time.
 
         Raises:
-            PageError: network error, timeout, HTTP status >= 400, unsupported content type, or too large.
+            PageBlocked: the URL or a redirect target is an address the guard refuses (nothing was sent there).
+            PageError: network error, timeout, HTTP status >= 400, unsupported content type, too large, or
+                too many redirects.
         """
-        timeout = aiohttp.ClientTimeout(total=self.cfg.fetch_timeout_s)
         try:
-            async with self.session.get(url, timeout=timeout) as resp:
-                if resp.status >= 400:
-                    raise PageError(f"HTTP {resp.status}")
-                ctype = resp.content_type or "text/html"
-                if not (ctype.startswith("text/") or ctype in ("application/xhtml+xml", "application/xml")):
-                    raise PageError(f"unsupported content type {ctype}")
-                data = bytearray()
-                async for chunk in resp.content.iter_chunked(1 << 16):
-                    data += chunk
-                    if len(data) > self.cfg.max_page_bytes:
-                        raise PageError(f"page larger than {self.cfg.max_page_bytes} bytes")
-                return data.decode(resp.get_encoding(), errors="replace"), ctype
-        except asyncio.TimeoutError as e:
+            async with asyncio.timeout(self.cfg.fetch_timeout_s):
+                target = URL(url)
+                for _ in range(self.cfg.max_redirects + 1):
+                    self.guard.check_url(target)
+                    async with self.pages.get(target, allow_redirects=False) as resp:
+                        location = resp.headers.get("Location")
+                        if resp.status in (301, 302, 303, 307, 308) and location:
+                            target = target.join(URL(location))
+                            continue
+                        return await self._read(resp)
+                raise PageError(f"more than {self.cfg.max_redirects} redirects")
+        except BlockedAddressError as e:
+            raise PageBlocked(str(e)) from e
+        except TimeoutError as e:
             raise PageError(f"timed out after {self.cfg.fetch_timeout_s:g} s") from e
+        except aiohttp.ClientConnectorError as e:
+            if isinstance(e.os_error, BlockedAddressError):
+                raise PageBlocked(str(e.os_error)) from e
+            raise PageError(f"{e.__class__.__name__}: {e}") from e
         except (aiohttp.ClientError, LookupError, ValueError) as e:  # LookupError: unknown charset
             raise PageError(f"{e.__class__.__name__}: {e}") from e
+
+    async def _read(self, resp: aiohttp.ClientResponse) -> tuple[str, str]:
+        if resp.status >= 400:
+            raise PageError(f"HTTP {resp.status}")
+        ctype = resp.content_type or "text/html"
+        if not (ctype.startswith("text/") or ctype in ("application/xhtml+xml", "application/xml")):
+            raise PageError(f"unsupported content type {ctype}")
+        data = bytearray()
+        async for chunk in resp.content.iter_chunked(1 << 16):
+            data += chunk
+            if len(data) > self.cfg.max_page_bytes:
+                raise PageError(f"page larger than {self.cfg.max_page_bytes} bytes")
+        return data.decode(resp.get_encoding(), errors="replace"), ctype
 
     async def summarize(self, task: str, url: str, title: str, text: str) -> str:
         """A summary of the page toward ``task`` from the configured ``/chat/completions`` endpoint.
@@ -128,11 +166,12 @@ class Crawler:
             raise PageError(f"summary endpoint failed: {e.__class__.__name__}: {e}") from e
 
     async def crawl_one(self, url: str, task: str, summarize: bool) -> dict:
-        page = {"url": url, "title": "", "text": "", "summary": None, "summary_error": None, "error": None}
+        page = {"url": url, "title": "", "text": "", "summary": None, "summary_error": None, "error": None, "blocked": False}
         try:
             body, ctype = await self.fetch(url)
         except PageError as e:
             page["error"] = str(e)
+            page["blocked"] = isinstance(e, PageBlocked)
             return page
         if ctype == "text/plain":
             page["text"] = body
@@ -191,6 +230,10 @@ def main(argv: list[str] | None = None) -> None:
     defaults = CrawlConfig()
     parser.add_argument("--fetch-timeout-s", type=float, default=defaults.fetch_timeout_s)
     parser.add_argument("--max-urls", type=int, default=defaults.max_urls)
+    parser.add_argument(
+        "--allow", action="append", default=[],
+        help="a non-public address the crawler may fetch: ADDRESS[/PREFIX], IPv4:PORT or [IPv6]:PORT (repeatable)",
+    )
     parser.add_argument("--extract-workers", type=int, default=defaults.extract_workers, help="extraction processes")
     parser.add_argument("--llm-url", default=None, help="OpenAI-compatible base URL for summaries, e.g. http://host:8000/v1")
     parser.add_argument("--llm-model", default=None, help="model name sent to the summary endpoint")
@@ -199,6 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = CrawlConfig(
         fetch_timeout_s=args.fetch_timeout_s,
         max_urls=args.max_urls,
+        allow=tuple(args.allow),
         extract_workers=args.extract_workers,
         llm_url=args.llm_url,
         llm_model=args.llm_model,
