@@ -41,7 +41,8 @@ class ToolLimits:
         cache_ttl_s: how long a successful observation is reused; None or 0: no caching.
         retry_after_max_s: cap on a wait asked for by ``Retry-After``.
         circuit_failures: consecutive calls failing to connect that open the tool's circuit in the pool
-            (see :class:`~afm_core.tools.pool.ToolPool`); None: no circuit.
+            (see :class:`~afm_core.tools.pool.ToolPool`); None (the default here): no circuit.
+            ``conf/tools/default.yaml`` sets 5 for every tool.
         circuit_cooldown_s: how long an open circuit refuses calls before one probe call may try again.
     """
 
@@ -54,7 +55,7 @@ class ToolLimits:
     burst: int = 1
     cache_ttl_s: float | None = 3600.0
     retry_after_max_s: float = 60.0
-    circuit_failures: int | None = 5
+    circuit_failures: int | None = None
     circuit_cooldown_s: float = 30.0
 
     def __post_init__(self) -> None:
