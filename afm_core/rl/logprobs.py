@@ -1,0 +1,148 @@
+"""Trainer-side per-token logprobs and entropy of given tokens from the Megatron policy (vocab-parallel at TP > 1).
+
+The logits of a Megatron ``GPTModel`` are split over the vocabulary at TP > 1 (``[b, s, V / tp]`` per rank).
+Nothing here gathers the full vocabulary: the target logprob is megatron-core's
+``tensor_parallel.vocab_parallel_cross_entropy`` (max and sum-exp all-reduced over the TP group, fused
+backward), and the entropy ``H = log Z - sum_v p_v z_v`` needs two more all-reduced sums
+(``reduce_from_tensor_model_parallel_region``: all-reduce forward, identity backward, which is the exact
+gradient because every TP rank computes the same loss from the reduced values).
+
+Temperature: logprobs are of ``softmax(logits / temperature)``, the distribution the sampler drew from. vLLM
+reports the same quantity with ``logprobs_mode="processed_logprobs"`` (its default ``raw_logprobs`` is before
+temperature), which is what the trainer/engine comparison needs (verl ``rollout.yaml`` sets it too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+
+
+def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
+                            with_entropy: bool = False, entropy_grad: bool = True
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of ``labels`` and entropy under ``softmax(logits / temperature)``, differentiable.
+
+    Args:
+        logits: ``[b, s, V / tp]`` this TP rank's vocabulary slice (any float dtype; computed in fp32; not
+            modified).
+        labels: ``[b, s]`` int64 target token ids in ``[0, V)`` (any valid id at masked positions).
+        temperature: sampling temperature (> 0).
+        with_entropy: also return the entropy.
+        entropy_grad: keep the entropy's autograd graph (an entropy bonus); False saves its activations.
+    Returns:
+        ``(logprobs [b, s] fp32, entropy [b, s] fp32 or None)``, identical on every TP rank.
+    Raises:
+        ValueError: ``temperature <= 0``.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: must be > 0")
+    scaled = logits.float() / temperature  # a new tensor: the cross entropy below works on it in place
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(torch.is_grad_enabled() and entropy_grad):
+            entropy = _vocab_parallel_entropy(scaled)
+    logprobs = -vocab_parallel_cross_entropy(scaled, labels)
+    return logprobs, entropy
+
+
+def _vocab_parallel_entropy(scaled: torch.Tensor) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    with torch.no_grad():
+        shift = scaled.max(dim=-1, keepdim=True).values
+        if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+            torch.distributed.all_reduce(shift, op=torch.distributed.ReduceOp.MAX,
+                                         group=ps.get_tensor_model_parallel_group())
+    z = scaled - shift
+    e = torch.exp(z)
+    if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+        total = reduce_from_tensor_model_parallel_region(e.sum(dim=-1).contiguous())
+        weighted = reduce_from_tensor_model_parallel_region((e * z).sum(dim=-1).contiguous())
+    else:
+        total, weighted = e.sum(dim=-1), (e * z).sum(dim=-1)
+    return torch.log(total) - weighted / total
+
+
+@torch.no_grad()
+def compute_logprobs(model_chunks: Sequence[torch.nn.Module], micro_batches: Sequence[dict[str, torch.Tensor]], *,
+                     temperature: float = 1.0, with_entropy: bool = False) -> list[dict[str, torch.Tensor]]:
+    """Per-token logprobs (and entropy) of each micro batch's ``labels`` under the current Megatron weights.
+
+    Runs megatron-core's forward-only schedule (``get_forward_backward_func``: no pipelining at PP=1,
+    1F1B / interleaved at PP>1) over the micro batches, so it works on any TP/PP/VPP layout and on wrapped
+    (DDP, Float16Module) or bare chunks. Collective over the model-parallel group: every TP/PP rank of one
+    data-parallel replica calls it with the same micro batches. Used for the old logprobs of a rollout step
+    (before its first update) and, with the reference model's chunks, for the reference logprobs.
+
+    Args:
+        model_chunks: this rank's model chunk(s), one per virtual pipeline stage.
+        micro_batches: dicts with ``tokens``, ``labels``, ``position_ids`` ``[b, s]`` (CPU or device; see
+            :func:`afm_core.rl.batch.rollout_micro_batch`); all of the same ``[b, s]``.
+        temperature: the rollout's sampling temperature.
+        with_entropy: also compute the entropy.
+    Returns:
+        One dict per micro batch, ``{"logprobs": [b, s] fp32, "entropy": [b, s] fp32 (if asked)}`` on CPU, on
+        every rank (the last pipeline stage broadcasts them over the pipeline group).
+    Raises:
+        ValueError: micro batches of different shapes.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not micro_batches:
+        return []
+    shape = tuple(micro_batches[0]["tokens"].shape)
+    for batch in micro_batches:
+        if tuple(batch["tokens"].shape) != shape or tuple(batch["labels"].shape) != shape:
+            raise ValueError(f"compute_logprobs: micro batches must share one [b, s] shape, got "
+                             f"{tuple(batch['tokens'].shape)} and {shape}")
+    device = next(model_chunks[0].parameters()).device
+    iterators = [iter(micro_batches) for _ in model_chunks]
+    outputs = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, device=device, temperature=temperature,
+                                  with_entropy=with_entropy),
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=list(model_chunks),
+        num_microbatches=len(micro_batches),
+        seq_length=shape[1],
+        micro_batch_size=shape[0],
+        forward_only=True,
+    )
+    keys = ["logprobs"] + (["entropy"] if with_entropy else [])
+    b, s = shape
+    stacked = torch.zeros(len(keys), len(micro_batches), b, s, dtype=torch.float32, device=device)
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        for m, out in enumerate(outputs):
+            for k, key in enumerate(keys):
+                stacked[k, m] = out[key]
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.broadcast(stacked, src=ps.get_pipeline_model_parallel_last_rank(),
+                                    group=ps.get_pipeline_model_parallel_group())
+    stacked = stacked.cpu()
+    return [{key: stacked[k, m] for k, key in enumerate(keys)} for m in range(len(micro_batches))]
+
+
+def _forward_step(data_iterator: Any, model: torch.nn.Module, *, device: torch.device, temperature: float,
+                  with_entropy: bool):
+    batch = next(data_iterator)
+    tokens = batch["tokens"].to(device, non_blocking=True)
+    position_ids = batch["position_ids"].to(device, non_blocking=True)
+    labels = batch["labels"].to(device, non_blocking=True)
+    logits = model(tokens, position_ids, None)
+
+    def loss_func(output: torch.Tensor):
+        logprobs, entropy = vocab_parallel_logprobs(output, labels, temperature=temperature,
+                                                    with_entropy=with_entropy)
+        report = {"logprobs": logprobs}
+        if entropy is not None:
+            report["entropy"] = entropy
+        return torch.zeros((), device=output.device), torch.tensor(0, dtype=torch.int), report
+
+    return logits, loss_func

@@ -1,0 +1,48 @@
+"""The Megatron policy (or reference) model of an RL run: this rank's GPTModel chunks with the HF weights loaded.
+
+The same build as the SFT engine (``afm_core.train.sft``): ``mcore_config_from_hf`` -> ``build_gpt_model`` per
+virtual stage (``afm_core.train.trainer.build_model_chunks``) -> ``afm_core.models.bridge.load_hf_weights``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+
+def build_policy_model(hf_dir: str | os.PathLike, layout: Any, *, params_dtype: torch.dtype = torch.float32,
+                       load_weights: bool = True, **config_overrides: Any) -> tuple[list[torch.nn.Module], Any]:
+    """This rank's model chunks of the HF checkpoint ``hf_dir``, on ``layout.device``.
+
+    ``torch.distributed`` and megatron's parallel state must be initialised
+    (:func:`afm_core.train.distributed.init_distributed`). Collective when ``load_weights`` (TP rank 0 reads
+    and scatters).
+
+    Args:
+        hf_dir: an HF checkpoint directory (``afm_core.models.hf_checkpoint.ensure_hf_checkpoint``).
+        layout: :class:`afm_core.train.distributed.ParallelLayout` of this rank.
+        params_dtype: parameter dtype (fp32 for logprob checks on CPU, bf16 on GPU).
+        load_weights: load the HF weights (False: random init, e.g. before a checkpoint load).
+        config_overrides: extra ``TransformerConfig`` fields (recompute, sequence parallel...).
+    Returns:
+        ``(chunks, hf_config)``: unwrapped ``GPTModel`` chunks (one per virtual stage) and the HF config.
+    """
+    from transformers import AutoConfig
+
+    from afm_core.models.bridge import build_gpt_model, load_hf_weights, mcore_config_from_hf
+    from afm_core.train.trainer import build_model_chunks
+
+    hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+    config = mcore_config_from_hf(hf_config, tp=layout.tp, pp=layout.pp, params_dtype=params_dtype,
+                                  virtual_pipeline_model_parallel_size=layout.vpp, **config_overrides)
+
+    def provider(pre_process: bool, post_process: bool, vp_stage: int | None):
+        return build_gpt_model(hf_config, config, pre_process=pre_process, post_process=post_process,
+                               vp_stage=vp_stage).to(layout.device)
+
+    chunks = build_model_chunks(provider, layout)
+    if load_weights:
+        load_hf_weights(chunks, hf_dir)
+    return chunks, hf_config

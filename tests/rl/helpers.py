@@ -1,0 +1,53 @@
+"""Shared by the RL tests' spawned ranks: the env:// variables, a layout-independent weight perturbation, and
+an in-process vLLM-CPU engine with the weight-sync extension."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import torch
+
+
+def set_rank_env(rank: int, world: int, port: int) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+@torch.no_grad()
+def perturb_weights(chunks, scale: float, seed: int) -> None:
+    """Add noise drawn per GLOBAL tensor (by checkpoint key), so every TP/PP layout gets the same new model:
+    a stand-in for a policy update."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    for chunk in chunks:
+        for sharded in chunk.sharded_state_dict().values():
+            if not isinstance(sharded, ShardedTensor) or not sharded.data.is_floating_point():
+                continue
+            g = torch.Generator().manual_seed(zlib.crc32(sharded.key.encode()) + seed)
+            noise = torch.randn(sharded.global_shape, generator=g) * scale
+            local = (1,) * sharded.prepend_axis_num + tuple(sharded.data.shape)
+            part = noise[tuple(slice(o, o + n) for o, n in zip(sharded.global_offset, local))]
+            sharded.data.add_(part.reshape(sharded.data.shape).to(sharded.data.dtype))
+
+
+def vllm_engine(hf_dir, *, seed: int = 0, max_model_len: int = 512):
+    """An in-process vLLM-CPU engine (fp32, eager, small KV cache) with our weight-sync extension, reporting
+    logprobs after temperature. vLLM replaces ``torch.set_num_threads`` with a no-op and drops torch to one
+    thread; the original is called afterwards to give the trainer its threads back."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    llm = LLM(model=str(hf_dir), dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=seed,
+              worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
+              logprobs_mode="processed_logprobs", kv_cache_memory_bytes=128 * 2**20)
+    set_num_threads(threads)
+    return llm
+
+
+def shutdown_engine(llm) -> None:
+    """Tear the in-process engine down before megatron's groups: vLLM's cleanup destroys the default process
+    group (``cleanup_dist_env_and_memory``), so it must come last but for ``destroy_distributed``."""
+    llm.llm_engine.engine_core.shutdown()
