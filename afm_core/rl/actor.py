@@ -1,0 +1,65 @@
+"""The policy update on Megatron: a ``forward_step_func`` for megatron-core's schedules computing the DAPO loss.
+
+One optimizer step (one mini-batch) of the actor runs ``get_forward_backward_func()(forward_step_func=
+policy_forward_step(config, temperature=...), ...)`` over the mini-batch's micro batches, with the model
+wrapped as in SFT (``afm_core.train.trainer.SFTTrainer._wrap``: Megatron DDP with
+``TransformerConfig.calculate_per_token_loss=True``). In that mode megatron sums the micro-batch losses,
+all-reduces the returned token counts over data-parallel ranks and divides the gradients by the total
+(``megatron/core/distributed/finalize_model_grads.py``), so :func:`megatron_policy_loss` returns the masked
+token SUM and the local token count, and the result is DAPO's token-mean over the global mini-batch.
+
+A micro batch is :func:`afm_core.rl.batch.rollout_micro_batch`'s dict plus ``old_log_prob`` and
+``advantages`` ``[b, s]`` (and ``ref_log_prob`` / ``rollout_log_prob`` when the config uses them), all aligned
+with ``labels``. The loss reports come back from the schedule as ``{"policy": stats}`` per micro batch; reduce
+them with :func:`afm_core.rl.losses.reduce_stats` over the data-parallel group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import torch
+
+from afm_core.rl.logprobs import vocab_parallel_logprobs
+from afm_core.rl.losses import PolicyLossConfig, policy_loss
+
+STATS_KEY = "policy"
+
+
+def megatron_policy_loss(batch: dict[str, torch.Tensor], config: PolicyLossConfig, temperature: float,
+                         logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Megatron ``loss_func`` (3-tuple, per-token-loss mode) of one micro batch.
+
+    Args:
+        batch: the micro batch on the logits' device (see the module docstring).
+        config: :class:`~afm_core.rl.losses.PolicyLossConfig`.
+        temperature: the rollout's sampling temperature (the logprobs are of ``softmax(logits / T)``).
+        logits: ``[b, s, V / tp]`` from the last pipeline stage.
+    Returns:
+        ``(masked loss sum, valid tokens (int), {"policy": additive stats})``.
+    """
+    log_prob, entropy = vocab_parallel_logprobs(logits, batch["labels"], temperature=temperature,
+                                                with_entropy=True, entropy_grad=config.entropy_coeff > 0)
+    loss_sum, stats = policy_loss(
+        log_prob, batch["old_log_prob"], batch["advantages"], batch["response_mask"], global_num_tokens=1,
+        config=config, ref_log_prob=batch.get("ref_log_prob"), rollout_log_prob=batch.get("rollout_log_prob"),
+        entropy=entropy,
+    )
+    num_tokens = batch["response_mask"].to(torch.bool).sum().to(torch.int)
+    return loss_sum, num_tokens, {STATS_KEY: stats}
+
+
+def policy_forward_step(config: PolicyLossConfig, *, temperature: float = 1.0
+                        ) -> Callable[[Iterator[dict[str, torch.Tensor]], torch.nn.Module], tuple[torch.Tensor, Any]]:
+    """A megatron ``forward_step_func``: next micro batch -> (logits, loss_func) with :func:`megatron_policy_loss`."""
+
+    def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+        batch = next(data_iterator)
+        device = next(model.parameters()).device
+        batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        logits = model(batch["tokens"], batch["position_ids"], None)
+        return logits, partial(megatron_policy_loss, batch, config, temperature)
+
+    return forward_step
