@@ -55,7 +55,7 @@ class Limits:
         timeout_s: wall-clock seconds before the whole jail is killed.
         memory_mb: address-space limit (``RLIMIT_AS``) in MiB.
         cpu_s: CPU seconds (``RLIMIT_CPU`` soft limit; the hard limit is one second more).
-        max_processes: ``RLIMIT_NPROC`` (processes and threads of the snippet's uid).
+        max_processes: ``RLIMIT_NPROC`` (processes and threads of the snippet's uid); None: unchanged.
         max_file_mb: largest file the snippet may write (``RLIMIT_FSIZE``), MiB.
         max_open_files: ``RLIMIT_NOFILE``.
         tmp_size_mb: size of the private ``/tmp`` tmpfs, MiB.
@@ -64,7 +64,7 @@ class Limits:
     timeout_s: float
     memory_mb: int
     cpu_s: int
-    max_processes: int = 32
+    max_processes: int | None = 32
     max_file_mb: int = 16
     max_open_files: int = 64
     tmp_size_mb: int = 64
@@ -141,7 +141,7 @@ def _rlimit_args(limits: Limits, cpu: bool = True) -> list[str]:
     return [
         *([f"--cpu={seconds}:{seconds + 1}"] if cpu else []),
         f"--as={limits.memory_mb << 20}",
-        f"--nproc={limits.max_processes}",
+        *([f"--nproc={limits.max_processes}"] if limits.max_processes is not None else []),
         f"--fsize={limits.max_file_mb << 20}",
         f"--nofile={limits.max_open_files}",
         "--core=0",
@@ -236,7 +236,8 @@ def _nsjail_jail(cfg: JailConfig, limits: Limits, warm: bool) -> list[str]:
     argv = [cfg.nsjail_path, "--mode", "o", "--really_quiet", "--hostname", "sandbox"]
     argv += ["--user", "65534", "--group", "65534", "--seccomp_string", kafel_policy()]
     argv += ["--rlimit_as", str(limits.memory_mb), "--rlimit_cpu", "inf" if warm else str(cpu)]
-    argv += ["--rlimit_nproc", str(limits.max_processes), "--rlimit_fsize", str(limits.max_file_mb)]
+    nproc = "hard" if limits.max_processes is None else str(limits.max_processes)  # hard: keep the user's
+    argv += ["--rlimit_nproc", nproc, "--rlimit_fsize", str(limits.max_file_mb)]
     argv += ["--rlimit_nofile", str(limits.max_open_files), "--rlimit_core", "0"]
     argv += ["--time_limit", "0" if warm else str(math.ceil(limits.timeout_s) + 1)]
     argv += ["--bindmount_ro", "/usr:/usr"]

@@ -131,8 +131,10 @@ class SnippetRunner:
         self._work_dir.chmod(0o711)
         self._jails: list[WarmJail] = []
         if cfg.warm:
-            ceiling = self.limits(cfg.max_timeout_s, cfg.max_memory_mb)
-            ceiling = replace(ceiling, max_processes=ceiling.max_processes + 8)
+            # The jail's own limits: the most a snippet may ask for. Its process limit is checked against the
+            # slot uid's tasks on the host: as root that is the jail alone; else leave the user's limit.
+            nproc = cfg.max_processes + 8 if os.geteuid() == 0 else None
+            ceiling = replace(self.limits(cfg.max_timeout_s, cfg.max_memory_mb), max_processes=nproc)
             self._jails = [WarmJail(cfg.jail, slot, self._work_dir, ceiling) for slot in range(cfg.max_concurrency)]
 
     async def start(self) -> None:
@@ -144,10 +146,15 @@ class SnippetRunner:
         await asyncio.gather(*(jail.start() for jail in self._jails))
 
     def close(self) -> None:
-        """Kill the warm jails and remove the folder of snippet files."""
+        """Kill the warm jails and remove the folder of snippet files (see :meth:`aclose` in a running loop)."""
         for jail in self._jails:
             jail.kill()
         shutil.rmtree(self._work_dir, ignore_errors=True)
+
+    async def aclose(self) -> None:
+        """:meth:`close`, then wait until the jails have exited."""
+        self.close()
+        await asyncio.gather(*(jail.wait_exit(5.0) for jail in self._jails))
 
     @property
     def running(self) -> int:
@@ -160,11 +167,14 @@ class SnippetRunner:
     def limits(self, timeout_s: float, memory_mb: int) -> Limits:
         """Limits of one snippet; the CPU limit equals the wall-clock timeout.
 
-        ``RLIMIT_NPROC`` counts every task of the real uid. As root each slot has its own uid; otherwise the
-        server's uid is shared with everything else its user runs, so the tasks it already has are added.
+        ``RLIMIT_NPROC`` counts the tasks of the real uid in the task's user namespace (and checks each
+        enclosing namespace against the limit its creator had). In a warm jail the snippet's namespace holds
+        only the zygote and the snippet, so the limit bounds the snippet alone. A one-shot jail's limit is set
+        on the host (``prlimit``): as root each slot has its own uid; otherwise the server's uid is shared with
+        everything else its user runs, so the tasks it already has are added.
         """
         max_processes = self.cfg.max_processes
-        if os.geteuid() != 0:
+        if os.geteuid() != 0 and not self._jails:
             max_processes += _tasks_of_this_uid()
         return Limits(
             timeout_s=timeout_s,

@@ -5,7 +5,7 @@ API
   (``stdin``, ``timeout_s`` and ``memory_mb`` are optional; defaults from :class:`~sandbox.runner.RunnerConfig`).
   200: ``{"status", "stdout", "stderr", "exit_code", "duration_s", "truncated"}`` (:class:`~sandbox.runner.RunResult`),
   whatever the snippet did. 400: a malformed request, naming the field. 503: the queue is full (retry later).
-- ``GET /health``: ``{"status": "ok", "backend", "running", "queued", "max_concurrency", "max_queue"}``.
+- ``GET /health``: ``{"status": "ok", "backend", "warm", "running", "queued", "max_concurrency", "max_queue"}``.
 
 Each of the ``--max-concurrency`` slots keeps a warm jail whose zygote forks a fresh child per snippet
 (:mod:`sandbox.warm`); ``--cold`` starts a new jail and interpreter per snippet instead (slower; kept for
@@ -87,6 +87,7 @@ async def handle_health(request: web.Request) -> web.Response:
         {
             "status": "ok",
             "backend": runner.cfg.jail.backend,
+            "warm": runner.cfg.warm,
             "running": runner.running,
             "queued": runner.queued,
             "max_concurrency": runner.cfg.max_concurrency,
@@ -129,7 +130,7 @@ def build_app(cfg: RunnerConfig) -> web.Application:
             await self_test(runner)
             yield
         finally:
-            runner.close()
+            await runner.aclose()
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/run", handle_run)

@@ -106,7 +106,7 @@ class WarmJail:
         except TimeoutError:
             hello = b""
         if not hello or not json.loads(hello).get("ready"):
-            await self._wait_exit(2.0)
+            await self.wait_exit(2.0)
             message = self.stderr_tail() or f"no hello from the zygote within {START_TIMEOUT_S:g} s"
             self.kill()
             raise JailStartError(message)
@@ -196,7 +196,10 @@ class WarmJail:
             self._stderr += chunk
             del self._stderr[:-_STDERR_TAIL]
 
-    async def _wait_exit(self, timeout_s: float) -> None:
+    async def wait_exit(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for the jail process to exit and its stderr to close."""
+        if self._proc is None:
+            return
         try:
             await asyncio.wait_for(self._proc.wait(), timeout_s)
             if self._stderr_task is not None:
@@ -211,7 +214,7 @@ def _rlimits(limits: Limits) -> dict:
     return {
         "cpu": [cpu, cpu + 1],  # soft: SIGXCPU; hard, a second later: SIGKILL
         "as": limits.memory_mb << 20,
-        "nproc": limits.max_processes + 1,  # the zygote runs under the same uid
+        "nproc": (limits.max_processes or 0) + 1,  # the zygote runs under the same uid
         "fsize": limits.max_file_mb << 20,
         "nofile": limits.max_open_files,
         "core": 0,
