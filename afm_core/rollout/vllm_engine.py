@@ -21,6 +21,7 @@ survive the process hop).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import os
@@ -201,6 +202,9 @@ class VLLMEngine:
         await self.llm.reset_prefix_cache()
 
     async def close(self) -> None:
+        """Shut the engine down; its ``__del__`` then runs now, not at interpreter exit (where it fails noisily)."""
         if self.llm is not None:
-            self.llm.shutdown()
-            self.llm = None
+            llm, self.llm = self.llm, None
+            llm.shutdown()
+            del llm
+            gc.collect()
