@@ -383,7 +383,10 @@ def collate(data: PackedSequences, indices: Sequence[int] | np.ndarray, *, pack:
     loss_mask = (labels != IGNORE_INDEX).float()
     attention_mask = None
     if pack and (pack if dense_mask is None else dense_mask):
-        attention_mask = torch.cat([block_causal_attention_mask(c, data.seq_length) for c in cu_seqlens])
+        s = data.seq_length
+        attention_mask = torch.empty(len(indices), 1, s, s, dtype=torch.bool)
+        for row, offsets in enumerate(cu_seqlens):
+            block_causal_attention_mask(offsets, s, out=attention_mask[row : row + 1])
     return {
         "tokens": tokens,
         "labels": labels,

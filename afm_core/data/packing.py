@@ -228,21 +228,25 @@ def _first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]
     return bins
 
 
-def block_causal_attention_mask(cu_seqlens: Sequence[int] | np.ndarray | torch.Tensor, seq_length: int) -> torch.Tensor:
+def block_causal_attention_mask(
+    cu_seqlens: Sequence[int] | np.ndarray | torch.Tensor, seq_length: int, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Dense block-diagonal causal mask for one packed sequence, megatron convention (True = masked out).
 
     Token ``q`` may attend to token ``k`` iff ``k <= q`` and both lie in the same document
     ``[cu_seqlens[j], cu_seqlens[j+1])``; padding tokens (from ``cu_seqlens[-1]`` on) attend to
     themselves only, so no softmax row is empty. This is the ``attention_mask`` that megatron's
     local-spec ``DotProductAttention`` fills with -10000 (``attention_mask_func``); with TE, pass
-    ``cu_seqlens`` through ``PackedSeqParams`` instead. Memory: ``s * s`` bytes.
+    ``cu_seqlens`` through ``PackedSeqParams`` instead. Memory: ``s * s`` bytes, written in place (each
+    document's block is cut to its strict upper triangle with ``triu_``), no ``s * s`` temporaries.
 
     Args:
         cu_seqlens: ``[d + 1]`` cumulative document lengths in tokens, starting at 0, at most ``seq_length``.
         seq_length: ``s``, tokens in the sequence.
+        out: a ``[1, 1, s, s]`` (or ``[s, s]``) bool tensor to fill instead of allocating one.
 
     Returns:
-        ``[1, 1, s, s]`` bool tensor.
+        ``[1, 1, s, s]`` bool tensor (``out`` when given).
 
     Raises:
         ValueError: ``cu_seqlens`` does not start at 0, decreases, or exceeds ``seq_length``.
@@ -250,10 +254,12 @@ def block_causal_attention_mask(cu_seqlens: Sequence[int] | np.ndarray | torch.T
     offsets = torch.as_tensor(np.asarray(cu_seqlens), dtype=torch.int64)
     if offsets.numel() == 0 or offsets[0] != 0 or bool((offsets.diff() < 0).any()) or offsets[-1] > seq_length:
         raise ValueError(f"cu_seqlens must rise from 0 to at most seq_length={seq_length}, got {offsets.tolist()}")
-    positions = torch.arange(seq_length)
-    document = torch.bucketize(positions, offsets[1:], right=True)  # document index of each token
-    padding = positions >= offsets[-1]
-    document[padding] = -1 - positions[padding]  # each padding token is a document of its own
-    same_document = document[:, None] == document[None, :]
-    causal = positions[None, :] <= positions[:, None]
-    return ~(same_document & causal)[None, None]
+    mask = torch.empty(1, 1, seq_length, seq_length, dtype=torch.bool) if out is None else out
+    square = mask.view(seq_length, seq_length)
+    square.fill_(True)
+    bounds = offsets.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        square[start:end, start:end].triu_(diagonal=1)  # in the document: k <= q attends (False)
+    padding = torch.arange(bounds[-1], seq_length)
+    square[padding, padding] = False  # each padding token attends to itself
+    return mask
