@@ -22,7 +22,9 @@ For each interrupt it prints, from timestamps on the one machine clock (unix sec
   ``time`` of the first resumed train step's ``metrics.jsonl`` line; split into Slurm's restart delay (to the
   attempt's ``Start`` in ``sacct -D``, whole seconds; at least ``cred_expire`` + 1 s after the requeue), the job's
   boot (srun, interpreter, imports, up to the next ``start`` event) and the trainer's restart (model build,
-  checkpoint load, one step);
+  checkpoint load, one step); the data's share of that restart (rank 0's ``[sft] data:`` line: mapping the cached
+  token arrays) is shown next to what the first attempt spent tokenizing and packing, which a restart no longer
+  pays;
 - steps lost: train steps logged before the job stopped that the checkpoint does not hold (they are trained again
   after the resume); 0 with checkpoint-on-signal, since the step in flight at the signal is finished and saved.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -119,6 +122,15 @@ def train_lines(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in read_metrics(run_dir / "metrics.jsonl") if r["split"] == "train"]
 
 
+def data_open_times(run_dir: Path) -> list[tuple[str, float]]:
+    """``(how, seconds)`` of each attempt's ``[sft] data: <how> in <s> s`` line in rank 0's log, in order."""
+    record = read_job_record(run_dir / "logs") or {}
+    log = Path(record.get("stdout") or "")
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    found = [re.match(r"\[sft\] data: (.+) in ([\d.]+) s", line) for line in lines]
+    return [(m.group(1), float(m.group(2))) for m in found if m]
+
+
 def wait_for(condition, what: str, timeout_s: float, poll_s: float = 0.2) -> Any:
     """Poll ``condition()`` until it returns something truthy; that value.
 
@@ -153,6 +165,8 @@ def measure(kind: str, number: int, job_id: str, cpus: int, run_dir: Path, timeo
                               and r["time"] >= restart["time"]], f"first step after restart {number}", timeout_s)[0]
     slurm_start = wait_for(lambda: slurm_starts(job_id)[number:number + 1], f"sacct's start of attempt {number + 1}",
                            timeout_s)[0]
+    data = wait_for(lambda: data_open_times(run_dir)[number:number + 1] and data_open_times(run_dir),
+                    f"rank 0's data line of attempt {number + 1}", timeout_s)
     return {
         "interrupt": kind,
         "reason": requeued["reason"],
@@ -164,6 +178,10 @@ def measure(kind: str, number: int, job_id: str, cpus: int, run_dir: Path, timeo
         "requeue_to_slurm_start_s": slurm_start - requeued["time"],
         "slurm_start_to_job_start_s": restart["time"] - slurm_start,
         "job_start_to_first_step_s": first["time"] - restart["time"],
+        "data_open_s": data[number][1],
+        "data_open_how": data[number][0],
+        "first_attempt_data_open_s": data[0][1],
+        "first_attempt_data_open_how": data[0][0],
         "step_at_signal": max(before_signal, default=0),
         "checkpoint_step": ckpt_step,
         "last_step_before_requeue": max((r["step"] for r in stopped), default=0),
@@ -187,6 +205,8 @@ ROWS = [  # (label, key, format): one table row per figure, one column per inter
     ("  Slurm restart delay (sacct, ±1 s)", "requeue_to_slurm_start_s", "{:.1f} s"),
     ("  srun, python, imports", "slurm_start_to_job_start_s", "{:.1f} s"),
     ("  model build, load, 1 step", "job_start_to_first_step_s", "{:.2f} s"),
+    ("    of which opening the data (cache mapped)", "data_open_s", "{:.2f} s"),
+    ("first start: tokenize + pack (not repeated)", "first_attempt_data_open_s", "{:.2f} s"),
     ("last step logged before the signal", "step_at_signal", "{}"),
     ("checkpoint step", "checkpoint_step", "{}"),
     ("steps lost", "steps_lost", "{}"),

@@ -73,6 +73,7 @@ def test_run_sft_trains_exports_and_resumes_into_a_new_run(tmp_path, capfd):
     second_dir = tmp_path / "second"
     second = run_sft_spawned([*OVERRIDES, f"run_dir={second_dir}", "trainer.max_steps=3", f"resume={first_dir}",
                               "trainer.export_hf=false"], tmp_path / "second.json")
+    assert "[sft] data: mapped the token cache in" in capfd.readouterr().out  # tokenized once, by the first run
     assert second["resumed_from"] == str(first_dir / "checkpoints" / "step_00000002")
     assert second["step"] == 3 and second["hf_dir"] is None
     assert second["eval_loss_before"] == first["eval_loss_before"]  # the history came along

@@ -18,6 +18,8 @@ MASTER_PORT and calls :func:`run_sft` on each rank with the composed ``conf/sft.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +140,7 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
         (unmasked target tokens per second of training in this process; ``input_tokens_per_s``: all positions),
         ``train_time_s`` (over all restarts),
         ``checkpoint`` (the last complete checkpoint), ``hf_dir`` (the HF export, or None), ``step``,
+        ``data_open_s`` (seconds to tokenize and pack the data, or to map the cached arrays: a restart's share),
         ``max_steps``, ``resumed_from``, ``stopped_early``, ``engine``, ``run_dir``.
     Raises:
         ValueError: a bad config value (the message names the field).
@@ -150,7 +153,13 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
         raise ValueError(f"trainer.engine={t.engine!r}: expected one of {ENGINES}")
     hf_dir = ensure_hf_checkpoint(cfg.model)
     data = _data_module(cfg, hf_dir)
-    max_steps = resolve_max_steps(t, len(data.train))
+    start = time.perf_counter()
+    num_train, _ = len(data.train), data.heldout  # open both splits (tokenize once, or map the cache)
+    data_open_s = time.perf_counter() - start
+    if int(os.environ.get("RANK", "0")) == 0:
+        how = "tokenized and packed" if data.built["train"] else "mapped the token cache"
+        print(f"[sft] data: {how} in {data_open_s:.2f} s", flush=True)
+    max_steps = resolve_max_steps(t, num_train)
     if t.engine == "deepspeed":
         from afm_core.train.deepspeed_engine import init_deepspeed_distributed, train_deepspeed
 
@@ -172,7 +181,7 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
     finally:
         destroy_distributed()
     before, after = summary.get("eval_loss_before"), summary.get("eval_loss_after")
-    summary = {**summary, "max_steps": max_steps, "run_dir": str(cfg.run_dir),
+    summary = {**summary, "max_steps": max_steps, "run_dir": str(cfg.run_dir), "data_open_s": data_open_s,
                "eval_loss_drop": 1.0 - after / before if before and after is not None else None}
     if layout.is_rank0:
         print_summary(summary)
