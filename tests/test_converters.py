@@ -174,3 +174,12 @@ def test_gsm8k_rejects_bad_calculations(tmp_path):
     }  # fmt: skip
     (kept,) = conversion.trajectories
     assert kept.answer == "1001" and kept.steps[-1].content == "\\boxed{1001}"
+
+
+@needs_data
+def test_tora_keeps_answers_that_math_verify_finds_equal_and_counts_the_rescues():
+    conversion = convert("tora")
+    assert conversion.report.rejected["wrong_answer"] == 1  # only '-2x - 1, 2x + 1' vs gt '-2x-1' stays wrong
+    rescued = [t for t in conversion.trajectories if t.meta.get("answer_check") == "math_verify_rescued"]
+    assert len(rescued) == conversion.report.answer_checks["math_verify_rescued"] == 2
+    assert conversion.report.to_dict()["answer_checks"] == {"math_verify_rescued": 2}

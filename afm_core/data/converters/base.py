@@ -32,6 +32,8 @@ class ConversionReport:
         read: records read.
         converted: trajectories produced (every one passes the tag grammar).
         rejected: rejected records by reason code (``wrong_answer``, ``grammar:<code>``...).
+        answer_checks: converted trajectories by their ``meta["answer_check"]`` note (e.g. ``math_verify_rescued``:
+            kept because math-verify found the answer equal where a plain string/number check did not).
     """
 
     source: str
@@ -39,6 +41,7 @@ class ConversionReport:
     read: int = 0
     converted: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
+    answer_checks: Counter[str] = field(default_factory=Counter)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -47,6 +50,7 @@ class ConversionReport:
             "read": self.read,
             "converted": self.converted,
             "rejected": dict(sorted(self.rejected.items())),
+            "answer_checks": dict(sorted(self.answer_checks.items())),
         }
 
 
@@ -113,4 +117,6 @@ class Converter:
                     continue
                 trajectories.append(trajectory)
                 report.converted += 1
+                if note := trajectory.meta.get("answer_check"):
+                    report.answer_checks[note] += 1
         return Conversion(trajectories, report)

@@ -6,7 +6,9 @@ their recorded ```` ```output ```` blocks, and ends with ``\\boxed{answer}``.
 
 Mapping: prose -> ``<think>``; each program -> ``<code>`` (query ```` ```py ...``` ````); its recorded
 output -> ``<observation>``; the last ``\\boxed{}`` -> ``<answer>\\boxed{...}``. Correct when that answer
-equals ``gt`` (numerically, or as normalized LaTeX); otherwise rejected as ``wrong_answer``.
+equals ``gt`` under math-verify (:func:`afm_core.rewards.math_equal`); otherwise rejected as ``wrong_answer``.
+An answer that the plain string/number check would have rejected but math-verify accepts (``\\frac12`` vs
+``0.5``) is kept and marked ``meta["answer_check"] = "math_verify_rescued"``; the conversion report counts them.
 
 Rejection reasons: ``bad_turn_order``, ``missing_output``, ``no_answer``, ``wrong_answer``.
 """
@@ -22,6 +24,7 @@ from afm_core.coa.trajectory import Step, Trajectory
 from afm_core.data.converters.answer_check import boxed_content, math_answers_equal
 from afm_core.data.converters.base import Converter, Rejected
 from afm_core.data.io import Where, require
+from afm_core.rewards.math import math_equal
 
 _PROGRAM_RE = re.compile(r"```python\n(.*?)```(?:\s*```output\n(.*?)```)?", re.DOTALL)
 
@@ -53,8 +56,9 @@ def convert_record(where: Where, record: dict[str, Any]) -> Trajectory:
     answer = boxed_content(tail)
     if answer is None:
         raise Rejected("no_answer", "no \\boxed{} after the last program")
-    if not math_answers_equal(answer, gold):
+    if not math_equal(answer, gold):
         raise Rejected("wrong_answer", f"boxed {answer!r}, gt {gold!r}")
+    rescued = not math_answers_equal(answer, gold)
     steps.append(Step("think", tail))
     steps.append(Step("answer", f"\\boxed{{{answer}}}"))
     source_id = str(record.get("id") or f"{where.path.stem}:{where.line}")
@@ -68,7 +72,8 @@ def convert_record(where: Where, record: dict[str, Any]) -> Trajectory:
         correct=True,
         source="tora",
         source_id=source_id,
-        meta={"file": where.path.name, "dataset": record.get("dataset"), "level": record.get("level")},
+        meta={"file": where.path.name, "dataset": record.get("dataset"), "level": record.get("level"),
+              **({"answer_check": "math_verify_rescued"} if rescued else {})},
     )
 
 
