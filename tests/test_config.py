@@ -73,6 +73,16 @@ def test_a_bad_value_is_rejected_naming_the_key_and_the_valid_values(overrides, 
         check_config(_compose(*overrides), SFTConfig)
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["export=sharegpt"], r"export='sharegpt': null or one of llamafactory, afm_rl"),
+    (["input.format=llamafactory"], r"input.format=llamafactory needs input.path"),
+    (["data.sources.tora.limit=-1"], r"data.sources.tora.limit=-1: an integer >= 0, or null"),
+])
+def test_prepare_data_rejects_a_bad_value_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        check_config(_compose(*overrides, config="prepare_data"), PrepareDataConfig)
+
+
 @pytest.mark.parametrize("override, message", [
     ("trainer.eval_interval=0", "trainer.eval_interval=0: must be >= 1"),
     ("trainer.global_batch_size=0", "trainer.global_batch_size=0: must be >= 1"),
