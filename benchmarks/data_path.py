@@ -14,8 +14,8 @@ measured in fresh processes, one per rank, all started together like the ranks o
 - each rank then draws one optimizer step of ``--micro-batches`` micro batches of ``--micro-batch-size``
   sequences (``trainer.seq_length=--seq-length``) through :class:`~afm_core.data.loader.StepMicroBatches`, the
   way the pipeline schedule asks for them (built one at a time, dropped after its forward and backward), without
-  the dense mask (attention reads ``cu_seqlens``) unless ``--dense-mask``, and reports its peak RSS (``ru_maxrss``, the whole process: interpreter,
-  torch, numpy, the mapped pages it touched);
+  the dense mask (attention reads ``cu_seqlens``) unless ``--dense-mask``, and reports its peak RSS
+  (``ru_maxrss``, the whole process: interpreter, torch, numpy, the mapped pages it touched);
 - warm: one more process opens the same data again, as a requeued or resumed job does: it maps the cache.
 
 "requeue saving" is cold open (the builder's) minus warm open: the re-tokenization a restart no longer pays. The

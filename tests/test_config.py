@@ -90,7 +90,8 @@ def test_prepare_data_rejects_a_bad_value_naming_the_key(overrides, message):
                                "    full_key: trainer.seq_length"),
     ("parallel.tp=2", "parallel.tp=2: must divide model.num_attention_heads=9 and model.num_query_groups=3 "
                       "(smollm2-135m); valid: [1, 3]"),
-    ("parallel.pp=7", "parallel.pp=7: must divide model.num_layers=30 (smollm2-135m); valid: [1, 2, 3, 5, 6, 10, 15, 30]"),
+    ("parallel.pp=7", "parallel.pp=7: must divide model.num_layers=30 (smollm2-135m); "
+                      "valid: [1, 2, 3, 5, 6, 10, 15, 30]"),
     ("trainer.eval_every=5", "Key 'eval_every' not in 'TrainerConfig'\n    full_key: trainer.eval_every"),
     ("+trainer.eval_every=5", "trainer.eval_every: Key 'eval_every' not in 'TrainerConfig'; valid keys: engine"),
 ])

@@ -213,7 +213,8 @@ def _open_cached(train_paths, tokenizer_dir, seq_length, barrier, results):
                  "tokenizer" in module.__dict__))
 
 
-def test_only_one_process_tokenizes_and_every_process_maps_the_cache(tmp_path, data_files, smollm2_tokenizer):  # noqa: F811
+def test_only_one_process_tokenizes_and_every_process_maps_the_cache(
+        tmp_path, data_files, smollm2_tokenizer):  # noqa: F811
     import multiprocessing
     import shutil
 
@@ -250,7 +251,8 @@ def test_only_one_process_tokenizes_and_every_process_maps_the_cache(tmp_path, d
     assert rebuilt.train.stats.num_examples == 70 and rebuilt.built["train"]
 
 
-def test_packed_batches_without_a_dense_mask_carry_cu_seqlens_only(packed_module, data_files, smollm2_tokenizer):  # noqa: F811
+def test_packed_batches_without_a_dense_mask_carry_cu_seqlens_only(
+        packed_module, data_files, smollm2_tokenizer):  # noqa: F811
     lean = SFTDataModule(data_files["train"], smollm2_tokenizer, SEQ_LENGTH, dense_mask=False)
     dense, sparse = next(packed_module.train_iterator(seed=5, micro_batch_size=2)), next(
         lean.train_iterator(seed=5, micro_batch_size=2))
