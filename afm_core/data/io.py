@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -51,25 +52,40 @@ def require(record: Mapping[str, Any], name: str, kind: type | tuple[type, ...],
     return value
 
 
-def read_jsonl(path: str | os.PathLike[str]) -> Iterator[tuple[Where, dict[str, Any]]]:
-    """Yield ``(where, record)`` for each non-blank line of a JSON-lines file (lines counted from 1).
+def read_jsonl(path: str | os.PathLike[str], skipped: list[str] | None = None) -> Iterator[tuple[Where, dict[str, Any]]]:
+    """Yield ``(where, record)`` for each non-blank line of a JSON-lines file (lines counted from 1; ``.gz`` read too).
+
+    Args:
+        skipped: when given, a malformed line is appended to it as ``"file:line: reason"`` and skipped instead
+            of raising (evaluation skips and counts bad records; data preparation stops on them).
 
     Raises:
-        DataFormatError: a line is not valid JSON or not a JSON object (``file.jsonl:17: invalid JSON ...``).
+        DataFormatError: a line is not valid JSON or not a JSON object (``file.jsonl:17: invalid JSON ...``),
+            unless ``skipped`` is given.
         FileNotFoundError: no such file.
     """
     path = Path(path)
-    with path.open(encoding="utf-8") as handle:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
             where = Where(path, line=number)
             try:
                 record = json.loads(line)
+                if not isinstance(record, dict):
+                    raise where.error(f"expected a JSON object, got {type(record).__name__}")
             except json.JSONDecodeError as err:
-                raise where.error(f"invalid JSON ({err.msg} at column {err.colno})") from None
-            if not isinstance(record, dict):
-                raise where.error(f"expected a JSON object, got {type(record).__name__}")
+                error = where.error(f"invalid JSON ({err.msg} at column {err.colno})")
+                if skipped is None:
+                    raise error from None
+                skipped.append(str(error))
+                continue
+            except DataFormatError as error:
+                if skipped is None:
+                    raise
+                skipped.append(str(error))
+                continue
             yield where, record
 
 

@@ -12,7 +12,6 @@ and counted in :attr:`Benchmark.skipped`.
 
 from __future__ import annotations
 
-import gzip
 import json
 import logging
 import re
@@ -25,7 +24,7 @@ import yaml
 
 from afm_core.coa.prompts import TASKS, user_prompt
 from afm_core.data.formats import rl_task_from_row
-from afm_core.data.io import DataFormatError, Where, require
+from afm_core.data.io import DataFormatError, Where, read_jsonl, require
 from afm_core.rewards.code import BadTestsError, humaneval_tests, mbpp_tests, code_tests_from_ground_truth
 from afm_core.rewards.grader import GRADER_KINDS, grader_kind
 from afm_core.rollout.types import AgentTask
@@ -106,21 +105,7 @@ def _records(path: Path, skipped: list[str]) -> Iterator[tuple[Where, dict[str, 
             else:
                 skipped.append(f"{Where(path, record=index)}: expected a JSON object, got {type(record).__name__}")
     else:
-        opener = gzip.open if name.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                if not line.strip():
-                    continue
-                where = Where(path, line=number)
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as err:
-                    skipped.append(f"{where}: invalid JSON ({err.msg} at column {err.colno})")
-                    continue
-                if not isinstance(record, dict):
-                    skipped.append(f"{where}: expected a JSON object, got {type(record).__name__}")
-                    continue
-                yield where, record
+        yield from read_jsonl(path, skipped)
 
 
 def _task(name: str, index: Any, task: str, prompt: str, question: str, answer: str, grader: str, **meta: Any) -> AgentTask:
