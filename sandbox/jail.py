@@ -54,7 +54,7 @@ class Limits:
     Attributes:
         timeout_s: wall-clock seconds before the whole jail is killed.
         memory_mb: address-space limit (``RLIMIT_AS``) in MiB.
-        cpu_s: CPU seconds (``RLIMIT_CPU`` soft limit; the hard limit is one second more).
+        cpu_s: CPU seconds (``RLIMIT_CPU`` soft limit, rounded up; the hard limit is one second more).
         max_processes: ``RLIMIT_NPROC`` (processes and threads of the snippet's uid); None: unchanged.
         max_file_mb: largest file the snippet may write (``RLIMIT_FSIZE``), MiB.
         max_open_files: ``RLIMIT_NOFILE``.
@@ -63,7 +63,7 @@ class Limits:
 
     timeout_s: float
     memory_mb: int
-    cpu_s: int
+    cpu_s: float
     max_processes: int | None = 32
     max_file_mb: int = 16
     max_open_files: int = 64
@@ -232,6 +232,8 @@ def bwrap_zygote_argv(cfg: JailConfig, limits: Limits, code_dir: Path, ctrl_fd: 
 
 
 def _nsjail_jail(cfg: JailConfig, limits: Limits, warm: bool) -> list[str]:
+    if cfg.nsjail_path is None:
+        raise ValueError("nsjail command line without JailConfig.nsjail_path")
     cpu = max(1, math.ceil(limits.cpu_s))
     argv = [cfg.nsjail_path, "--mode", "o", "--really_quiet", "--hostname", "sandbox"]
     argv += ["--user", "65534", "--group", "65534", "--seccomp_string", kafel_policy()]

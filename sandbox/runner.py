@@ -234,7 +234,7 @@ class SnippetRunner:
         jail = self.cfg.jail
         seccomp_fd = seccomp_memfd() if jail.backend == "bwrap" else None
         try:
-            if jail.backend == "bwrap":
+            if seccomp_fd is not None:
                 argv = bwrap_argv(jail, limits, code_file, seccomp_fd=seccomp_fd)
             else:
                 argv = nsjail_argv(jail, limits, code_file)

@@ -78,7 +78,7 @@ class WarmJail:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         seccomp_fd = seccomp_memfd() if self.jail.backend == "bwrap" else None
         try:
-            if self.jail.backend == "bwrap":
+            if seccomp_fd is not None:
                 argv = bwrap_zygote_argv(self.jail, self.ceiling, self.code_dir, theirs.fileno(), seccomp_fd=seccomp_fd)
             else:
                 argv = nsjail_zygote_argv(self.jail, self.ceiling, self.code_dir, theirs.fileno())
@@ -141,13 +141,15 @@ class WarmJail:
         self._staging.write_text(code, encoding="utf-8")
         self._staging.chmod(0o644)
         os.replace(self._staging, self.code_dir / "main.py")
+        sock = self._sock
+        assert sock is not None  # started above
         request = {"limits": _rlimits(limits), "timeout_s": limits.timeout_s, "env": {**jail_env(), "PWD": "/tmp"}}
         loop = asyncio.get_running_loop()
         pipes = [os.pipe() for _ in range(3)]  # stdin, stdout, stderr: (read end, write end)
         child_ends = [pipes[0][0], pipes[1][1], pipes[2][1]]
         start = time.perf_counter()
         try:
-            socket.send_fds(self._sock, [json.dumps(request).encode()], child_ends)
+            socket.send_fds(sock, [json.dumps(request).encode()], child_ends)
         finally:
             for fd in child_ends:
                 os.close(fd)
@@ -159,7 +161,7 @@ class WarmJail:
         tasks.append(asyncio.create_task(_feed(loop, pipes[0][1], stdin.encode("utf-8") if stdin else b"")))
         exit_code, timed_out = None, False
         try:
-            reply = await asyncio.wait_for(loop.sock_recv(self._sock, 4096), limits.timeout_s + BACKSTOP_S)
+            reply = await asyncio.wait_for(loop.sock_recv(sock, 4096), limits.timeout_s + BACKSTOP_S)
             self._busy = False
             if reply:
                 answer = json.loads(reply)
@@ -192,6 +194,7 @@ class WarmJail:
                 self.kill()
 
     async def _drain_stderr(self, proc: asyncio.subprocess.Process) -> None:
+        assert proc.stderr is not None  # started with stderr=PIPE
         while chunk := await proc.stderr.read(1 << 12):
             self._stderr += chunk
             del self._stderr[:-_STDERR_TAIL]
@@ -237,7 +240,7 @@ async def _feed(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> None:
                 view = view[os.write(fd, view) :]
             except BlockingIOError:
                 ready = loop.create_future()
-                loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+                loop.add_writer(fd, lambda: None if ready.done() else ready.set_result(None))
                 try:
                     await ready
                 finally:

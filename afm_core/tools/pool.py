@@ -187,10 +187,11 @@ class ToolPool:
     ) -> str:
         args = tool.parse(content)
         key = tool.cache_key(args, context)
-        guarded = trajectory_id is not None and tool.duplicate_observation is not None
-        if guarded and (tool.name, key) in self._trajectory(trajectory_id):
+        duplicate = tool.duplicate_observation
+        guarded = trajectory_id if duplicate is not None else None  # the trajectory the guard watches
+        if guarded is not None and duplicate is not None and (tool.name, key) in self._trajectory(guarded):
             metrics.duplicates += 1
-            return tool.duplicate_observation
+            return duplicate
         ttl = self.limits[tool.name].cache_ttl_s
         observation = self.cache.get(tool.name, key) if self.cache is not None and ttl else None
         if observation is not None:
@@ -201,8 +202,8 @@ class ToolPool:
             metrics.ok += 1
             if self.cache is not None and ttl:
                 self.cache.put(tool.name, key, observation, ttl)
-        if guarded:  # only a call that worked counts as done: a failed one may be repeated
-            self._trajectory(trajectory_id).add((tool.name, key))
+        if guarded is not None:  # only a call that worked counts as done: a failed one may be repeated
+            self._trajectory(guarded).add((tool.name, key))
         return observation
 
     async def _guarded_call(self, tool: Tool, args, context: Mapping[str, str], metrics: ToolMetrics) -> str:

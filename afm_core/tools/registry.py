@@ -18,7 +18,7 @@ keys are the tool's constructor arguments, and ``limits`` are :class:`~afm_core.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -33,7 +33,7 @@ from afm_core.tools.pool import ToolPool
 from afm_core.tools.web_search import WebSearchTool
 from afm_core.tools.wiki_search import WikiSearchTool
 
-TOOL_CLASSES: dict[str, type[Tool]] = {
+TOOL_CLASSES: dict[str, Callable[..., Tool]] = {
     CodeTool.name: CodeTool,
     WikiSearchTool.name: WikiSearchTool,
     WebSearchTool.name: WebSearchTool,

@@ -24,6 +24,7 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -104,6 +105,8 @@ class Crawler:
             PageError: network error, timeout, HTTP status >= 400, unsupported content type, too large, or
                 too many redirects.
         """
+        if self.pages is None:
+            raise RuntimeError("Crawler.fetch before start()")
         try:
             async with asyncio.timeout(self.cfg.fetch_timeout_s):
                 target = URL(url)
@@ -152,6 +155,8 @@ class Crawler:
             "messages": [{"role": "system", "content": SUMMARY_SYSTEM}, {"role": "user", "content": prompt}],
             "temperature": 0.0,
         }
+        if self.session is None or self.cfg.llm_url is None:
+            raise RuntimeError("Crawler.summarize before start(), or without llm_url")
         headers = {"Authorization": f"Bearer {self.cfg.llm_api_key}"} if self.cfg.llm_api_key else None
         timeout = aiohttp.ClientTimeout(total=self.cfg.llm_timeout_s)
         try:
@@ -165,8 +170,8 @@ class Crawler:
         except (aiohttp.ClientError, json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
             raise PageError(f"summary endpoint failed: {e.__class__.__name__}: {e}") from e
 
-    async def crawl_one(self, url: str, task: str, summarize: bool) -> dict:
-        page = {"url": url, "title": "", "text": "", "summary": None, "summary_error": None, "error": None, "blocked": False}
+    async def crawl_one(self, url: str, task: str, summarize: bool) -> dict[str, Any]:
+        page: dict[str, Any] = {"url": url, "title": "", "text": "", "summary": None, "summary_error": None, "error": None, "blocked": False}
         try:
             body, ctype = await self.fetch(url)
         except PageError as e:

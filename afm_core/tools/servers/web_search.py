@@ -37,9 +37,12 @@ def link_documents(docs: list[Document], link_base: str | None) -> list[Document
     """
     linked = []
     for doc in docs:
-        if doc.url is None and link_base is None:
+        if doc.url:
+            linked.append(doc)
+        elif link_base is None:
             raise ValueError(f"document {doc.id!r} has no 'url' field; give --link-base (the pages server)")
-        linked.append(doc if doc.url else Document(doc.id, doc.title, doc.contents, f"{link_base.rstrip('/')}/doc/{doc.id}"))
+        else:
+            linked.append(Document(doc.id, doc.title, doc.contents, f"{link_base.rstrip('/')}/doc/{doc.id}"))
     return linked
 
 
