@@ -518,3 +518,26 @@ def test_each_snippet_starts_from_clean_state(one_slot_server):
         assert lines["rlimits"] == "(64, 64) (30, 31)", lines
         assert lines["cwd"] == "0o22 /tmp", lines
         assert lines["forked"] == "24", lines
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="finds the jail's processes by their slot uid (root only)")
+def test_a_dead_jail_is_replaced_before_the_next_snippet(one_slot_server):
+    """The zygote killed from the host mid-snippet: that snippet is a sandbox_error, the next one runs in a new jail."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, group = one_slot_server
+    [server_pid] = [p.pid for p in group.processes()]
+    with ThreadPoolExecutor(1) as ex:
+        sleeper = ex.submit(post_run, url, "import time\nprint('started')\ntime.sleep(20)", 30)
+        deadline = time.monotonic() + 10
+        while health(url)["running"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        # a snippet is a fork of the zygote (same command line): the zygote is the one whose parent is not
+        [zygote] = [p for p in sandbox_processes(server_pid) if is_zygote(p) and not is_zygote(p.parent())]
+        zygote.send_signal(signal.SIGKILL)
+        result = sleeper.result()
+    assert result["status"] == "sandbox_error" and "jail died" in result["stderr"], result
+    assert post_run(url, "print(6 * 7)")["stdout"] == "42\n"
+    assert health(url)["running"] == 0
