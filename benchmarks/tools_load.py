@@ -71,7 +71,7 @@ async def sandbox_phases(pools: dict[str, ToolPool], args) -> list[dict]:
     rows = []
     for pool in pools.values():
         await pool.call("code", "print(0)")  # warm up connections and the jails
-    for round_ in range(args.rounds):
+    for _ in range(args.rounds):
         for mode, pool in pools.items():
             latencies, failures, start = [], 0, time.perf_counter()
             for _ in range(args.trivial_calls):

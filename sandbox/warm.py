@@ -19,7 +19,15 @@ import socket
 import time
 from pathlib import Path
 
-from sandbox.jail import JailConfig, Limits, bwrap_zygote_argv, jail_env, launcher_env, nsjail_zygote_argv, slot_identity
+from sandbox.jail import (
+    JailConfig,
+    Limits,
+    bwrap_zygote_argv,
+    jail_env,
+    launcher_env,
+    nsjail_zygote_argv,
+    slot_identity,
+)
 from sandbox.seccomp import bpf_program
 
 log = logging.getLogger(__name__)
@@ -230,6 +238,11 @@ async def _read_pipe(loop: asyncio.AbstractEventLoop, fd: int) -> tuple[asyncio.
     return stream, transport
 
 
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 async def _feed(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> None:
     """Write ``data`` to the snippet's stdin pipe without blocking the loop, then close it."""
     os.set_blocking(fd, False)
@@ -239,8 +252,8 @@ async def _feed(loop: asyncio.AbstractEventLoop, fd: int, data: bytes) -> None:
             try:
                 view = view[os.write(fd, view) :]
             except BlockingIOError:
-                ready = loop.create_future()
-                loop.add_writer(fd, lambda: None if ready.done() else ready.set_result(None))
+                ready: asyncio.Future[None] = loop.create_future()
+                loop.add_writer(fd, _resolve, ready)
                 try:
                     await ready
                 finally:

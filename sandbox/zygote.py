@@ -68,13 +68,13 @@ def run_snippet() -> int:
         return 0
     except SystemExit as e:
         return _exit_status(e)
-    except BaseException as e:  # noqa: BLE001 - what the interpreter does with an uncaught exception
+    except BaseException as e:  # what the interpreter does with an uncaught exception
         tb = e.__traceback__
         while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
             tb = tb.tb_next  # hide the zygote's frames, as a traceback of `python main.py` has none
         try:
             sys.excepthook(type(e), e, e.with_traceback(tb).__traceback__)
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             pass
         if isinstance(e, KeyboardInterrupt):
             return 128 + signal.SIGINT
@@ -88,7 +88,7 @@ def _exit_status(e: SystemExit) -> int:
         return e.code & 0xFF
     try:
         print(e.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         pass
     return 1
 
@@ -102,12 +102,12 @@ def _finalize(status: int) -> None:
         import atexit
 
         atexit._run_exitfuncs()
-    except BaseException:  # noqa: BLE001
+    except BaseException:
         pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             pass
     os._exit(status)
 
@@ -130,7 +130,7 @@ def child(request: dict, fds: list[int]) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         _libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
         status = run_snippet()
-    except BaseException:  # noqa: BLE001 - a failure before the snippet ran
+    except BaseException:
         import traceback
 
         traceback.print_exc()

@@ -13,8 +13,8 @@ import json
 import re
 
 import lxml.html
-from lxml import etree
 import trafilatura
+from lxml import etree
 
 _SEPARATORS = r"|\-–—\\/>»"
 _HIERARCHICAL = r"\\/>»"

@@ -61,7 +61,7 @@ class ToolLimits:
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.retries < 0 or self.concurrency < 1 or self.burst < 1:
             raise ValueError(f"invalid ToolLimits {self}: need timeout_s > 0, retries >= 0, concurrency >= 1, burst >= 1")
-        if self.circuit_failures is not None and self.circuit_failures < 1 or self.circuit_cooldown_s < 0:
+        if (self.circuit_failures is not None and self.circuit_failures < 1) or self.circuit_cooldown_s < 0:
             raise ValueError(f"invalid ToolLimits {self}: circuit_failures must be >= 1 or None, circuit_cooldown_s >= 0")
         if self.rate_per_s is not None and self.rate_per_s <= 0:
             raise ValueError(f"invalid ToolLimits {self}: rate_per_s must be > 0 or None")
@@ -139,7 +139,7 @@ class ToolHttp:
                     return json.loads(body)
                 except json.JSONDecodeError as e:
                     raise ToolError("bad_json", f"malformed JSON from {url}: {e.msg} at char {e.pos}") from e
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             raise ToolError("timeout", f"no answer from {url} within {self.limits.timeout_s:g} s") from e
         except aiohttp.InvalidURL as e:
             raise ToolError("bad_input", f"invalid URL {url!r}") from e

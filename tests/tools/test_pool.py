@@ -16,7 +16,7 @@ from afm_core.tools.wiki_search import REPEATED_SEARCH
 from tests.tools.conftest import serve_app
 
 GOOD = {"result": [[{"document": {"id": "1", "title": "T", "contents": "\"T\"\nbody text"}, "score": 1.0}]]}
-FAST_RETRY = dict(timeout_s=0.5, retries=2, backoff_s=0.01, backoff_max_s=0.05)
+FAST_RETRY = {"timeout_s": 0.5, "retries": 2, "backoff_s": 0.01, "backoff_max_s": 0.05}
 
 
 class Backend:

@@ -123,7 +123,7 @@ def test_jail_command_lines():
 def test_cold_jails_still_work(tmp_path_factory):
     """``--cold`` (a jail per snippet, the benchmark's baseline) runs snippets with the same results."""
     with sandbox_server(tmp_path_factory, extra_args=("--cold",)) as (url, _):
-        (s1, ok), (s2, err), (s3, slow) = run_all(
+        (_, ok), (_, err), (_, slow) = run_all(
             url,
             [
                 {"code": "import sys\nprint(sys.stdin.read()[::-1])", "stdin": "abc"},

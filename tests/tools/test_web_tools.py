@@ -15,11 +15,11 @@ import pytest
 from aiohttp import web
 
 from afm_core.tools import CrawlPageTool, ToolLimits, ToolPool, WebSearchTool
-from afm_core.tools.crawl_page import REPEATED_CRAWL, parse_urls
 from afm_core.tools.base import ToolInputError
+from afm_core.tools.crawl_page import REPEATED_CRAWL, parse_urls
 from afm_core.tools.http import ToolHttp
-from afm_core.tools.metrics import ToolMetrics
 from afm_core.tools.launcher import ServerGroup, allow_entry
+from afm_core.tools.metrics import ToolMetrics
 from afm_core.tools.servers import crawl as crawl_server
 from afm_core.tools.servers import pages as pages_server
 from afm_core.tools.web_search import format_results
@@ -239,8 +239,9 @@ def test_crawl_refuses_loopback_private_and_metadata_addresses(servers, tmp_path
 def test_url_guard_addresses_and_allow_list():
     import ipaddress
 
-    from afm_core.tools.url_guard import BlockedAddressError, UrlGuard, refusal
     from yarl import URL
+
+    from afm_core.tools.url_guard import BlockedAddressError, UrlGuard, refusal
 
     for address in ("127.0.0.1", "::1", "10.1.2.3", "192.168.0.1", "172.16.0.1", "169.254.169.254", "fe80::1",
                     "fd00:ec2::254", "100.100.100.200", "0.0.0.0", "224.0.0.1", "::ffff:10.0.0.1"):

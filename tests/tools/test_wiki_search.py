@@ -84,7 +84,7 @@ def test_dense_retriever_on_a_tiny_encoder(tmp_path):
     """The optional dense path end to end with a tiny random BERT (the plumbing, not retrieval quality)."""
     from transformers import BertConfig, BertModel, BertTokenizerFast
 
-    from afm_core.tools.retrieval import Document, DenseRetriever
+    from afm_core.tools.retrieval import DenseRetriever, Document
     from afm_core.tools.servers.wiki import build_app
     from tests.tools.conftest import serve_app
 

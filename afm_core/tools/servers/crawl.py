@@ -165,7 +165,7 @@ class Crawler:
                 if resp.status >= 400:
                     raise PageError(f"summary endpoint HTTP {resp.status}: {str(answer)[:200]}")
             return answer["choices"][0]["message"]["content"]
-        except asyncio.TimeoutError as e:
+        except TimeoutError as e:
             raise PageError(f"summary endpoint timed out after {self.cfg.llm_timeout_s:g} s") from e
         except (aiohttp.ClientError, json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
             raise PageError(f"summary endpoint failed: {e.__class__.__name__}: {e}") from e
