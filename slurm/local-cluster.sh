@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
-# A real single-node Slurm cluster on 127.0.0.1 for development and CI (Debian 12, slurm-wlm 22.05).
+# A real Slurm cluster of one or more nodes on 127.0.0.1 for development and CI (Debian 12, slurm-wlm 22.05).
 #
-#   slurm/local-cluster.sh start    # install what is missing, write the config, start the daemons, wait for the node
-#   slurm/local-cluster.sh status   # our daemons, sinfo, squeue
-#   slurm/local-cluster.sh stop     # stop the daemons this script started (by PID file), nothing else
+#   slurm/local-cluster.sh start [--nodes N]  # install what is missing, write the config, start the daemons, wait
+#                                             # until every node is idle (N: default 1)
+#   slurm/local-cluster.sh status             # our daemons (one slurmd per node), sinfo, squeue
+#   slurm/local-cluster.sh stop               # stop the daemons this script started (by PID file), nothing else
 #
-# Daemons: munged, mariadbd + slurmdbd (so sacct works), slurmctld, slurmd. Partitions: `debug` (default) and
-# `high`, whose jobs preempt `debug` jobs by requeue; the preempted job gets its --signal (submitit: USR2) at once
-# (SlurmctldParameters=preempt_send_user_signal) and 30 s of grace. A requeued job may start again after ~11 s
-# (AuthInfo=cred_expire=10, sched/bf interval 2 s). The node advertises SLURM_CPUS CPUs (default 8, over-subscribing
-# the real cores through SlurmdParameters=config_overrides) so a few small jobs run at once.
+# Daemons: munged, mariadbd + slurmdbd (so sacct works), slurmctld, and one slurmd per node. One node is named
+# after this host (`hostname -s`); N > 1 nodes are afm-n1 .. afm-nN, each its own `slurmd -N afm-nI` listening on
+# port SLURMD_PORT_BASE + I (default 6830 + I), with per-node spool, PID and log paths (`%n` in slurm.conf). The
+# node names resolve through one line `127.0.0.1 afm-n1 ... # afm local-cluster` that start adds to /etc/hosts and
+# stop removes (jobs take MASTER_ADDR from the first node's name). Partitions over all nodes: `debug` (default)
+# and `high`, whose jobs preempt `debug` jobs by requeue; the preempted job gets its --signal (submitit: USR2) at
+# once (SlurmctldParameters=preempt_send_user_signal) and 30 s of grace. A requeued job may start again after ~11 s
+# (AuthInfo=cred_expire=10, sched/bf interval 2 s). Each node advertises SLURM_CPUS CPUs (default 8,
+# over-subscribing the real cores through SlurmdParameters=config_overrides) so a few small jobs run at once.
 # Settings: slurm.conf(5), https://slurm.schedmd.com/slurm.conf.html. Must run as root (it installs packages and
 # starts daemons under their own users). State (job ids, spool, logs, PID files) persists in $AFM_SLURM_STATE
 # (default /var/lib/afm-slurm) across stop/start, so job ids keep growing and sacct history stays consistent.
@@ -17,7 +22,11 @@ set -euo pipefail
 
 STATE=${AFM_SLURM_STATE:-/var/lib/afm-slurm}
 SLURM_CPUS=${SLURM_CPUS:-8}
-NODE=$(hostname -s)
+SLURMD_PORT_BASE=${SLURMD_PORT_BASE:-6830}
+NODE=$(hostname -s)          # the controller's host name
+NODES_FILE=$STATE/nodes      # the node names of the last start, one a line (read by stop and status)
+HOSTS=/etc/hosts
+HOSTS_MARK="# afm local-cluster"
 CONF_DIR=/etc/slurm
 MARK="# Written by afm slurm/local-cluster.sh; rewritten on every start."
 PACKAGES=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server)
@@ -26,19 +35,21 @@ DB_PASS=slurmpw
 log() { echo "[local-cluster] $*"; }
 die() { echo "[local-cluster] error: $*" >&2; exit 1; }
 
-# --- PID files: one per daemon this script started, under $STATE/pids (or written there by the daemon) -------
-pid_file() {
+# --- PID files: one per daemon this script started, under $STATE/run (or written there by the daemon) ---------
+pid_file() {  # pid_file NAME [NODE]  (slurmd: one per node)
   case $1 in
     munged) echo "$STATE/run/munge/munged.pid" ;;
     mariadbd) echo "$STATE/run/mysql/mariadbd.pid" ;;
+    slurmd) echo "$STATE/run/slurm/slurmd_$2.pid" ;;
     *) echo "$STATE/run/slurm/$1.pid" ;;
   esac
 }
 
-# The PID of our running daemon NAME, or nothing. The process name is checked so a reused PID is never taken.
+# The PID of our running daemon NAME (on NODE for slurmd), or nothing. The process name is checked so a reused PID
+# is never taken.
 our_pid() {
   local f pid
-  f=$(pid_file "$1")
+  f=$(pid_file "$1" "${2:-}")
   [ -s "$f" ] || return 0
   pid=$(tr -dc '0-9' <"$f")
   [ -n "$pid" ] && [ -r "/proc/$pid/comm" ] && [ "$(cat "/proc/$pid/comm")" = "$1" ] && echo "$pid"
@@ -74,15 +85,46 @@ install_missing() {
   return 0
 }
 
+# --- nodes ----------------------------------------------------------------------------------------------------------
+node_names() {  # node_names N: this host's name for one node, afm-n1 .. afm-nN for more
+  if [ "$1" -eq 1 ]; then echo "$NODE"; else seq -f 'afm-n%g' 1 "$1"; fi
+}
+
+started_nodes() {  # the nodes of the last start (none before the first)
+  [ -s "$NODES_FILE" ] && cat "$NODES_FILE"
+  return 0
+}
+
+# /etc/hosts is often a bind mount (containers): rewrite it in place, never by rename.
+hosts_remove() {
+  grep -qF "$HOSTS_MARK" "$HOSTS" 2>/dev/null || return 0
+  local kept
+  kept=$(grep -vF "$HOSTS_MARK" "$HOSTS")
+  printf '%s\n' "$kept" >"$HOSTS"
+}
+
+hosts_add() {  # hosts_add NODE...: one marked line mapping the node names to 127.0.0.1
+  hosts_remove
+  printf '127.0.0.1 %s %s\n' "$*" "$HOSTS_MARK" >>"$HOSTS"
+}
+
 # --- configuration ------------------------------------------------------------------------------------------------
-write_config() {
-  local conf=$CONF_DIR/slurm.conf real_cpus mem_mb overrides=""
+write_config() {  # write_config NODE...
+  local conf=$CONF_DIR/slurm.conf real_cpus mem_mb overrides="" node_lines="" i=0 n node_list
   if [ -e "$conf" ] && ! grep -qF "$MARK" "$conf"; then
     die "$conf exists and was not written by this script; refusing to replace it"
   fi
   real_cpus=$(nproc)
   [ "$SLURM_CPUS" != "$real_cpus" ] && overrides="SlurmdParameters=config_overrides"
-  mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) * 85 / 100 / 1024 ))
+  # The host's memory is split between the nodes (85% of it in all).
+  mem_mb=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) * 85 / 100 / 1024 / $# ))
+  for n in "$@"; do
+    i=$((i + 1))
+    node_lines+="NodeName=$n NodeAddr=127.0.0.1"
+    [ $# -gt 1 ] && node_lines+=" Port=$((SLURMD_PORT_BASE + i))"
+    node_lines+=" CPUs=$SLURM_CPUS RealMemory=$mem_mb State=UNKNOWN"$'\n'
+  done
+  node_list=$(IFS=,; echo "$*")
   mkdir -p "$CONF_DIR"
   cat >"$conf.tmp" <<EOF
 $MARK
@@ -98,11 +140,12 @@ MpiDefault=none
 MailProg=/bin/true
 ReturnToService=2
 StateSaveLocation=$STATE/ctld
-SlurmdSpoolDir=$STATE/spool
+# Per-node paths (%n: the node name), so several slurmd run side by side on this host.
+SlurmdSpoolDir=$STATE/spool/%n
 SlurmctldPidFile=$(pid_file slurmctld)
-SlurmdPidFile=$(pid_file slurmd)
+SlurmdPidFile=$(pid_file slurmd %n)
 SlurmctldLogFile=$STATE/log/slurmctld.log
-SlurmdLogFile=$STATE/log/slurmd.log
+SlurmdLogFile=$STATE/log/slurmd_%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 # No cgroups here.
@@ -131,9 +174,8 @@ InactiveLimit=0
 Waittime=0
 MessageTimeout=10
 $overrides
-NodeName=$NODE NodeAddr=127.0.0.1 CPUs=$SLURM_CPUS RealMemory=$mem_mb State=UNKNOWN
-PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=30
-PartitionName=high Nodes=$NODE Default=NO MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
+${node_lines}PartitionName=debug Nodes=$node_list Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime=30
+PartitionName=high Nodes=$node_list Default=NO MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 EOF
   mv "$conf.tmp" "$conf"
 
@@ -204,7 +246,8 @@ start_mariadbd() {
               GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';"
 }
 
-start_slurm_daemons() {
+start_slurm_daemons() {  # start_slurm_daemons NODE...
+  local n
   if [ -z "$(our_pid slurmdbd)" ]; then
     /usr/sbin/slurmdbd
     wait_for 30 "slurmdbd on port 6819" port_open 6819
@@ -214,47 +257,70 @@ start_slurm_daemons() {
     /usr/sbin/slurmctld -i
     wait_for 30 "slurmctld" bash -c 'scontrol ping | grep -q UP'
   fi
-  [ -n "$(our_pid slurmd)" ] || /usr/sbin/slurmd -N "$NODE"
-  wait_for 60 "node $NODE to be idle" bash -c "sinfo -h -n $NODE -o %t | grep -qE '^(idle|mix|alloc)'"
-}
-
-cmd_start() {
-  [ "$(id -u)" -eq 0 ] || die "run as root (it installs Debian packages and starts daemons)"
-  install_missing
-  local fresh
-  fresh=$(make_dirs)
-  write_config
-  start_munged
-  start_mariadbd "$fresh"
-  start_slurm_daemons
-  log "up: node $NODE with $SLURM_CPUS CPUs; partitions $(sinfo -h -o %P | tr '\n' ' ')"
-}
-
-# --- stop / status ----------------------------------------------------------------------------------------------
-cmd_stop() {
-  local name pid
-  for name in slurmd slurmctld slurmdbd mariadbd munged; do
-    pid=$(our_pid "$name")
-    if [ -z "$pid" ]; then
-      rm -f "$(pid_file "$name")"
-      continue
-    fi
-    kill -TERM "$pid"
-    for _ in $(seq 100); do [ -d "/proc/$pid" ] || break; sleep 0.2; done
-    if [ -d "/proc/$pid" ]; then
-      log "$name ($pid) still running after 20 s; killing it"
-      kill -KILL "$pid"
-    fi
-    rm -f "$(pid_file "$name")"
-    log "stopped $name ($pid)"
+  for n in "$@"; do
+    mkdir -p "$STATE/spool/$n"
+    [ -n "$(our_pid slurmd "$n")" ] || /usr/sbin/slurmd -N "$n"
+  done
+  for n in "$@"; do
+    wait_for 60 "node $n to be idle" bash -c "sinfo -h -n $n -o %t | grep -qE '^(idle|mix|alloc)'"
   done
 }
 
+cmd_start() {  # cmd_start N
+  [ "$(id -u)" -eq 0 ] || die "run as root (it installs Debian packages and starts daemons)"
+  [[ "$1" =~ ^[1-9][0-9]*$ ]] || die "--nodes must be a positive integer, got '$1'"
+  local fresh nodes running
+  mapfile -t nodes < <(node_names "$1")
+  running=$(started_nodes)
+  if [ -n "$(our_pid slurmctld)" ] && [ "$running" != "$(printf '%s\n' "${nodes[@]}")" ]; then
+    die "the cluster runs with node(s) $(echo $running); stop it before starting it with $1 node(s)"
+  fi
+  install_missing
+  fresh=$(make_dirs)
+  write_config "${nodes[@]}"
+  printf '%s\n' "${nodes[@]}" >"$NODES_FILE"
+  if [ "$1" -gt 1 ]; then hosts_add "${nodes[@]}"; else hosts_remove; fi
+  start_munged
+  start_mariadbd "$fresh"
+  start_slurm_daemons "${nodes[@]}"
+  log "up: $1 node(s) $(sinfo -h -N -o %N | sort -u | tr '\n' ' ')with $SLURM_CPUS CPUs each;" \
+    "partitions $(sinfo -h -o %P | tr '\n' ' ')"
+}
+
+# --- stop / status ----------------------------------------------------------------------------------------------
+stop_daemon() {  # stop_daemon NAME [NODE]
+  local pid label=$1${2:+ on $2}
+  pid=$(our_pid "$1" "${2:-}")
+  if [ -n "$pid" ]; then
+    kill -TERM "$pid"
+    for _ in $(seq 100); do [ -d "/proc/$pid" ] || break; sleep 0.2; done
+    if [ -d "/proc/$pid" ]; then
+      log "$label ($pid) still running after 20 s; killing it"
+      kill -KILL "$pid"
+    fi
+    log "stopped $label ($pid)"
+  fi
+  rm -f "$(pid_file "$1" "${2:-}")"
+}
+
+cmd_stop() {
+  local name n
+  for n in $(started_nodes); do stop_daemon slurmd "$n"; done
+  for name in slurmctld slurmdbd mariadbd munged; do stop_daemon "$name"; done
+  hosts_remove
+}
+
 cmd_status() {
-  local name pid up=1
-  for name in munged mariadbd slurmdbd slurmctld slurmd; do
+  local name pid up=1 n nodes
+  nodes=$(started_nodes)
+  [ -n "$nodes" ] || up=0
+  for name in munged mariadbd slurmdbd slurmctld; do
     pid=$(our_pid "$name")
     if [ -n "$pid" ]; then echo "$name: running (pid $pid)"; else echo "$name: not running"; up=0; fi
+  done
+  for n in $nodes; do
+    pid=$(our_pid slurmd "$n")
+    if [ -n "$pid" ]; then echo "slurmd $n: running (pid $pid)"; else echo "slurmd $n: not running"; up=0; fi
   done
   if [ $up -eq 1 ]; then
     sinfo
@@ -263,9 +329,21 @@ cmd_status() {
   [ $up -eq 1 ]
 }
 
+usage() { echo "usage: $0 start [--nodes N] | stop | status" >&2; exit 2; }
+
 case ${1:-} in
-  start) cmd_start ;;
-  stop) cmd_stop ;;
-  status) cmd_status ;;
-  *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+  start)
+    nodes=1
+    shift
+    while [ $# -gt 0 ]; do
+      case $1 in
+        --nodes) [ $# -ge 2 ] || usage; nodes=$2; shift 2 ;;
+        --nodes=*) nodes=${1#--nodes=}; shift ;;
+        *) usage ;;
+      esac
+    done
+    cmd_start "$nodes" ;;
+  stop) [ $# -eq 1 ] || usage; cmd_stop ;;
+  status) [ $# -eq 1 ] || usage; cmd_status ;;
+  *) usage ;;
 esac
