@@ -1,7 +1,7 @@
 """Status of submitted runs: ``python -m jobs.status [RUN_DIR|SWEEP_DIR|DIR] [--follow]``.
 
 Prints a table of the runs at or under the path (default ``runs/``): Slurm state (sacct), step, last train and
-held-out loss (metrics.jsonl), last complete checkpoint, restarts (requeues). ``--follow`` on one run streams its
+held-out loss (metrics.jsonl), last complete checkpoint, restarts (requeues), the nodes it runs on. ``--follow`` on one run streams its
 rank-0 log until the job ends; on several runs it refreshes the table until all have ended.
 """
 
@@ -30,8 +30,8 @@ def _num(value: float | None, fmt: str = ".4f") -> str:
 def table(rows: list[RunStatus], root: Path) -> Table:
     """A rich table with one line per run (checkpoint: the step of the newest complete one)."""
     out = Table(title=f"runs under {root}", box=box.SIMPLE_HEAD, pad_edge=False)
-    for column in ("run", "job", "state", "step", "loss", "eval@step", "ckpt", "requeues"):
-        out.add_column(column, no_wrap=True, justify="left" if column in ("run", "job", "state") else "right")
+    for column in ("run", "job", "state", "step", "loss", "eval@step", "ckpt", "requeues", "nodes"):
+        out.add_column(column, no_wrap=True, justify="left" if column in ("run", "job", "state", "nodes") else "right")
     for row in rows:
         name = str(row.run_dir.relative_to(root)) if row.run_dir != root and row.run_dir.is_relative_to(root) \
             else str(row.run_dir)
@@ -40,7 +40,7 @@ def table(rows: list[RunStatus], root: Path) -> Table:
         checkpoint = "-" if row.checkpoint is None else str(int(row.checkpoint.rpartition("_")[2]))
         style = STATE_STYLES.get(row.state, "red" if row.finished else "")
         out.add_row(name, f"{row.cluster}:{row.job_id}", f"[{style}]{row.state}[/]" if style else row.state, step,
-                    _num(row.train_loss), evals, checkpoint, str(row.restarts))
+                    _num(row.train_loss), evals, checkpoint, str(row.restarts), row.nodes or "-")
     return out
 
 
@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes with --follow")
     args = parser.parse_args(argv)
     root = Path(args.path).absolute()
-    console = Console()
+    # Piped (logs, CI): rich would assume 80 columns and cut cells; the table is only as wide as its content.
+    console = Console() if sys.stdout.isatty() else Console(width=250)
     rows = collect(root)
     if not rows:
         console.print(f"no runs under {root} (a run has logs/job.json)")

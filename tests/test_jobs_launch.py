@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +24,8 @@ from submitit.core.utils import FailedJobError
 
 from afm_core.launch import submit
 from afm_core.launch.executor import ClusterConfigError, make_executor, world_size
-from afm_core.launch.records import read_events, read_job_record
+from afm_core.launch.placement import compress_ranks, parse_tasks_per_node, rank_nodes
+from afm_core.launch.records import read_events, read_job_record, record_start, write_job_record
 from afm_core.launch.status import collect
 from afm_core.utils.paths import repo_root
 from jobs import status as status_cli
@@ -86,7 +88,7 @@ def test_slurm_executor_gets_every_cluster_field(tmp_path):
         "partition": "gpu", "nodes": 2, "ntasks_per_node": 4, "gpus_per_node": 4, "cpus_per_task": 8,
         "time": 240, "account": "proj", "qos": "high", "constraint": "h100", "exclusive": True, "job_name": "sft"}
     assert params["mem"] == "64G"
-    assert params["additional_parameters"] == {"reservation": "r1"}
+    assert params["additional_parameters"] == {"requeue": True, "reservation": "r1"}
     assert params["setup"] == ["module load cuda/12.4"]
     assert params["signal_delay_s"] == 120 and executor.max_num_timeout == 3
     assert params["srun_args"] == ["--kill-on-bad-exit=1"]
@@ -96,6 +98,28 @@ def test_slurm_config_selects_the_array_callback():
     out = subprocess.run([sys.executable, "-m", "jobs.sft", "cluster=slurm", "--cfg", "hydra", "-p",
                           "hydra.callbacks"], cwd=repo_root(), capture_output=True, text=True, check=True).stdout
     assert "afm_core.launch.sweep.SlurmArraySweep" in out
+
+
+# -- placement ----------------------------------------------------------------------------------------------------
+def test_rank_placement_follows_slurms_task_layout():
+    assert parse_tasks_per_node("8(x4)") == [8, 8, 8, 8]
+    assert parse_tasks_per_node("3,1") == [3, 1] and parse_tasks_per_node("2(x2),1") == [2, 2, 1]
+    with pytest.raises(ValueError, match="SLURM_TASKS_PER_NODE='x'"):
+        parse_tasks_per_node("x")
+    assert rank_nodes(["a", "b"], [3, 1]) == ["a", "a", "a", "b"]
+    assert rank_nodes(["a", "b"], [3, 1], "cyclic:block") == ["a", "b", "a", "a"]
+    assert compress_ranks([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+
+
+def test_a_start_recorded_before_the_submitters_record_is_kept(tmp_path):
+    """A job can start (rank 0 writes ``start``) before the submitter writes job.json: neither write is lost."""
+    write_job_record(tmp_path, {"cluster": "slurm", "job_id": "7"})  # an earlier job of this run dir
+    record_start(tmp_path, {"job_id": "8", "nodelist": "n[1-2]"})
+    write_job_record(tmp_path, {"cluster": "slurm", "job_id": "8"})
+    assert read_job_record(tmp_path) == {"cluster": "slurm", "job_id": "8",
+                                         "start": {"job_id": "8", "nodelist": "n[1-2]"}}
+    write_job_record(tmp_path, {"cluster": "slurm", "job_id": "9"})  # a later job: the old start is not its own
+    assert "start" not in read_job_record(tmp_path)
 
 
 # -- local jobs ----------------------------------------------------------------------------------------------
@@ -108,8 +132,14 @@ def test_local_two_ranks_stream_rank0_and_return_the_summary(tmp_path, capfd):
     assert summary["weight"] == expected_weight(5)
     out = capfd.readouterr()
     assert "stand-in: rank 0 of 2, starting at step 0" in out.out  # rank 0's stdout, streamed
+    host = socket.gethostname()
+    assert f"[afm]   {host}: rank(s) 0-1" in out.out and f"[afm] rank 0/2 on {host} (local rank 0)" in out.out
     record = read_job_record(run_dir / "logs")
     assert record["cluster"] == "local" and record["world_size"] == 2
+    start = record["start"]
+    assert start["job_id"] == record["job_id"] and start["master_addr"] == "127.0.0.1"
+    assert f"127.0.0.1:{start['master_port']}" == summary["master"]
+    assert start["ranks"] == {host: [0, 1]} and start["world_size"] == 2
     assert Path(record["stdout"]).parent == run_dir / "logs" and Path(record["stdout"]).is_file()
     assert [e["event"] for e in read_events(run_dir / "logs")] == ["start", "completed"]
 

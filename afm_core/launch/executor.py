@@ -4,8 +4,10 @@
   (``tp * pp * cp * cluster.dp`` tasks), with submitit's timeout signal and requeue-on-exit-code loop.
 - ``cluster=slurm``: :class:`submitit.SlurmExecutor`; ``sbatch`` gets ``--nodes``, ``--ntasks-per-node`` (one task
   per rank), ``--gpus-per-node``, ``--cpus-per-task``, ``--mem``, ``--time`` (minutes), ``--account``, ``--qos``,
-  ``--constraint``, ``--exclusive``, ``--signal=USR2@signal_delay_s`` and any ``additional_parameters``; the
-  ``setup`` lines run in the batch script before ``srun``.
+  ``--constraint``, ``--exclusive``, ``--signal=USR2@signal_delay_s``, ``--requeue`` (so the job can be requeued
+  after preemption or timeout even where the site's ``JobRequeue`` is 0) and any ``additional_parameters``; the
+  ``setup`` lines run in the batch script before ``srun``. With ``nodes > 1`` the ranks span the nodes
+  (``srun`` places ``tasks_per_node`` of them on each, block-wise); rank 0's node is ``MASTER_ADDR``.
 """
 
 from __future__ import annotations
@@ -114,8 +116,8 @@ def make_executor(cluster: Mapping[str, Any], parallel: Mapping[str, Any], folde
         "exclusive": True if cluster.get("exclusive") else None,
         "signal_delay_s": _field(cluster, "signal_delay_s"),
         "array_parallelism": _positive_int(cluster, "array_parallelism"),
-        "additional_parameters": dict(cluster.get("additional_parameters") or {}),
-        "setup": list(cluster.get("setup") or []),
+        "additional_parameters": {"requeue": True, **dict(cluster.get("additional_parameters") or {})},
+        "setup": list(cluster.get("setup") or []) or None,
         # One rank failing ends the step: the others would wait for it in a collective until the timeout.
         "srun_args": ["--kill-on-bad-exit=1"],
     }

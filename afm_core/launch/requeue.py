@@ -37,7 +37,8 @@ from omegaconf import OmegaConf
 from submitit.core.utils import UncompletedJobError
 
 from afm_core.launch.distributed import export_distributed_env
-from afm_core.launch.records import append_event
+from afm_core.launch.placement import check_own_rank, describe, job_placement
+from afm_core.launch.records import append_event, record_start
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,9 @@ class RequeueableJob(submitit.helpers.Checkpointable):
     - ``on_preempt()`` asks it to checkpoint at the next step boundary and return (signal-safe);
     - its result has ``"stopped_early": True`` when it returned for that reason before finishing.
 
-    Rank 0 records ``start`` / ``requeued`` / ``completed`` / ``failed`` in ``RUN_DIR/logs/events.jsonl``.
+    Rank 0 records ``start`` / ``requeued`` / ``completed`` / ``failed`` in ``RUN_DIR/logs/events.jsonl``. At each
+    start every rank prints where it runs; rank 0 prints the rank → node map, ``MASTER_ADDR`` and the world size
+    and records them in ``RUN_DIR/logs/job.json`` (:mod:`afm_core.launch.placement`).
 
     ``fn`` and ``on_preempt`` are dotted paths (``"afm_core.train.sft.run_sft"``) imported in the job only, so
     submitting does not import the trainer (torch, megatron).
@@ -138,9 +141,14 @@ class RequeueableJob(submitit.helpers.Checkpointable):
         dist = export_distributed_env(self.master_port)
         relay.connect(get_method(self.on_preempt))
         rank0 = dist.rank == 0
+        placement = job_placement(dist.world_size, dist.master_addr, dist.master_port)
+        print(check_own_rank(placement, dist.rank, dist.local_rank), flush=True)
         if rank0:
-            append_event(self.log_dir, "start", job_id=submitit.JobEnvironment().job_id, host=socket.gethostname(),
-                         world_size=dist.world_size)
+            print("\n".join(describe(placement)), flush=True)
+            record_start(self.log_dir, placement)
+            append_event(self.log_dir, "start", job_id=placement["job_id"], host=socket.gethostname(),
+                         world_size=dist.world_size, nodelist=placement["nodelist"],
+                         master_addr=placement["master_addr"])
         try:
             summary = get_method(self.fn)(OmegaConf.create(self.cfg))
         except Exception as err:

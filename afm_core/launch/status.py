@@ -8,7 +8,8 @@ A run is a directory with ``logs/job.json`` (:mod:`afm_core.launch.records`). It
   and ``trainer.max_steps`` from ``.hydra/config.yaml``;
 - the latest complete checkpoint ``checkpoints/step_N`` (holding the ``COMPLETE`` marker; found by
   ``afm_core.train.checkpoint_dirs``, which imports no torch);
-- restarts: ``start`` events after the first (requeues after preemption or timeout, and external requeues).
+- restarts: ``start`` events after the first (requeues after preemption or timeout, and external requeues);
+- the nodes of the job's latest start (``start.nodelist`` in ``job.json``, written by rank 0).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from afm_core.launch.records import read_events, read_job_record
+from afm_core.launch.records import current_start, read_events, read_job_record
 from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
 from afm_core.train.metrics import read_metrics
 
@@ -40,6 +41,7 @@ class RunStatus:
     eval_step: int | None
     checkpoint: str | None
     restarts: int
+    nodes: str | None  # Slurm's compressed node list of the latest start ("afm-n[1-2]"); None before it
     stdout: Path
     stderr: Path
 
@@ -49,12 +51,19 @@ class RunStatus:
 
 
 def find_runs(path: str | Path) -> list[Path]:
-    """Run dirs at or under ``path`` (a run, a sweep, or a tree of runs), oldest submission first."""
+    """Run dirs at or under ``path`` (a run, a sweep, or a tree of runs), oldest submission first.
+
+    A ``job.json`` without ``cluster`` holds only a job's ``start`` (the submitter has not written yet): skipped.
+    """
     path = Path(path)
-    if (path / "logs" / "job.json").is_file():
-        return [path]
-    runs = [p.parent.parent for p in path.glob("**/logs/job.json")]
-    return sorted(runs, key=lambda run: (run / "logs" / "job.json").stat().st_mtime)
+    candidates = [path] if (path / "logs" / "job.json").is_file() else \
+        [p.parent.parent for p in path.glob("**/logs/job.json")]
+    submitted = {}
+    for run in candidates:
+        record = read_job_record(run / "logs") or {}
+        if record.get("cluster"):
+            submitted[run] = record.get("submitted_at", 0.0)
+    return sorted(submitted, key=lambda run: (submitted[run], str(run)))
 
 
 def _run(cmd: list[str]) -> str | None:
@@ -136,6 +145,7 @@ def run_status(run_dir: Path, slurm: dict[str, str]) -> RunStatus:
         eval_loss=evals[-1].get("loss") if evals else None, eval_step=evals[-1]["step"] if evals else None,
         checkpoint=checkpoint.name if checkpoint else None,
         restarts=max(0, sum(e["event"] == "start" for e in events) - 1),
+        nodes=(current_start(record) or {}).get("nodelist"),
         stdout=Path(record["stdout"]), stderr=Path(record["stderr"]),
     )
 
