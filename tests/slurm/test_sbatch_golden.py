@@ -1,0 +1,48 @@
+"""The sbatch script of ``recipe=afm_web_sft_32b`` (4 nodes x 8 GPUs) against its recorded copy, without a cluster.
+
+Any change of resources (nodes, GPUs, tasks, CPUs, time, signal, requeue, srun flags) shows up as a line diff,
+so it is a deliberate decision, never silent drift. Pattern: submitit's ``submitit/slurm/test_slurm.py``
+(``test_make_sbatch_string`` with ``_sbatch_test_record.txt``). To accept a deliberate change:
+``AFM_UPDATE_GOLDEN=1 python -m pytest tests/slurm/test_sbatch_golden.py`` and commit the file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from afm_core.launch.executor import make_executor
+from afm_core.utils.paths import repo_root
+
+GOLDEN = Path(__file__).with_name("afm_web_sft_32b.sbatch")
+RUN_DIR = "/scratch/RUN_DIR"  # stands for the run dir (the submitter's absolute path)
+
+
+def sbatch_script(*overrides: str) -> str:
+    """The batch script ``python -m jobs.sft *overrides`` would submit (its python path replaced by ``python``)."""
+    with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
+        cfg = compose(config_name="sft", overrides=list(overrides))
+    cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
+    parallel = OmegaConf.to_container(cfg.parallel, resolve=True)
+    executor = make_executor(cluster, parallel, f"{RUN_DIR}/logs", "sft")
+    text = executor._make_submission_file_text(executor._submitit_command_str, uid="golden")
+    return text.replace(executor.python, "python")
+
+
+def test_web_sft_32b_sbatch_script_matches_the_recorded_one():
+    script = sbatch_script("recipe=afm_web_sft_32b")
+    if os.environ.get("AFM_UPDATE_GOLDEN") == "1":
+        GOLDEN.write_text(script)
+    recorded = GOLDEN.read_text()
+    diff = "".join(difflib.unified_diff(recorded.splitlines(True), script.splitlines(True),
+                                        str(GOLDEN), "generated"))
+    assert not diff, (f"the sbatch script of recipe=afm_web_sft_32b changed:\n{diff}\nIf deliberate: "
+                      f"AFM_UPDATE_GOLDEN=1 {Path(sys.executable).name} -m pytest {Path(__file__).name}")
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
+                 "#SBATCH --time=2880", "#SBATCH --signal=USR2@120", "#SBATCH --requeue"):
+        assert line in script.splitlines()
