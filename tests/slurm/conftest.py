@@ -1,4 +1,5 @@
-"""The real local Slurm cluster for tests marked ``slurm``: started once per session by slurm/local-cluster.sh.
+"""The real local Slurm cluster for tests marked ``slurm``: started once per session by slurm/local-cluster.sh,
+with two nodes (``afm-n1``, ``afm-n2``: two slurmd on this host) so multi-node jobs run for real.
 
 The script needs root on Debian (it installs slurm-wlm, munge and MariaDB when missing and starts the daemons);
 elsewhere these tests are skipped with the reason. A cluster this session started is stopped at its end; one
@@ -17,6 +18,7 @@ import pytest
 from afm_core.utils.paths import repo_root
 
 SCRIPT = repo_root() / "slurm" / "local-cluster.sh"
+NODES = 2
 
 
 def _why_not_here() -> str | None:
@@ -29,12 +31,15 @@ def _why_not_here() -> str | None:
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """Start (or reuse) the local cluster; jobs see the repo root on PYTHONPATH (they import tests.slurm.*)."""
+    """Start (or reuse) the local two-node cluster; jobs see the repo root on PYTHONPATH (they import tests.slurm.*).
+
+    A running cluster with another node count fails the start with the script's message (stop it first).
+    """
     reason = _why_not_here()
     if reason:
         pytest.skip(reason)
     was_running = subprocess.run([SCRIPT, "status"], capture_output=True).returncode == 0
-    started = subprocess.run([SCRIPT, "start"], capture_output=True, text=True, timeout=900)
+    started = subprocess.run([SCRIPT, "start", "--nodes", str(NODES)], capture_output=True, text=True, timeout=900)
     if started.returncode != 0:
         pytest.fail(f"slurm/local-cluster.sh start failed ({started.returncode}):\n{started.stdout}{started.stderr}")
     saved = os.environ.get("PYTHONPATH")
