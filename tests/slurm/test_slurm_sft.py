@@ -21,7 +21,7 @@ from afm_core.launch.records import read_job_record
 from afm_core.launch.status import slurm_states
 from afm_core.utils.paths import shared_data_dir
 from tests.slurm.tiny_sft import TINY, assert_resumed_bitwise, events_of, interrupt_with_usr2, jobs_sft, last_step, \
-    submit_slurm, train_losses, wait_finished
+    submit_slurm, train_losses, wait_finished, wait_until
 
 MAX_STEPS = 20
 pytestmark = [
@@ -63,9 +63,10 @@ def test_high_partition_preempts_and_the_job_resumes(tmp_path):
                     .stdout.split()[0])
     job_id = submit_slurm(run_dir, f"cluster.cpus_per_task={node_cpus}", f"trainer.max_steps={MAX_STEPS}")
     wait_until(lambda: last_step(run_dir) >= 2, "the SFT job to train")
-    nodes = len(subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True)
-                .stdout.split())  # the `high` job takes a CPU on every node, so also on the SFT job's
-    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N", str(nodes), "-c", "1",
+    # The `high` job takes a CPU on every node (%D: the partition's node count), so also on the SFT job's.
+    nodes = subprocess.run(["sinfo", "-h", "-p", "high", "-o", "%D"], capture_output=True, text=True,
+                           check=True).stdout.split()[0]
+    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N", nodes, "-c", "1",
                            "-o", str(tmp_path / "high.out"),
                            "--wrap", "sleep 2"], capture_output=True, text=True, check=True).stdout.strip()
     row = wait_finished(run_dir)
