@@ -1,8 +1,9 @@
 """Status of submitted runs: ``python -m jobs.status [RUN_DIR|SWEEP_DIR|DIR] [--follow]``.
 
 Prints a table of the runs at or under the path (default ``runs/``): Slurm state (sacct), step, last train and
-held-out loss (metrics.jsonl), last complete checkpoint, restarts (requeues), the nodes it runs on. ``--follow`` on one run streams its
-rank-0 log until the job ends; on several runs it refreshes the table until all have ended.
+held-out loss (metrics.jsonl), last complete checkpoint, restarts (requeues), the nodes of the latest start.
+``--follow`` on one run streams its rank-0 log until the job ends; on several runs it refreshes the table until
+all have ended.
 """
 
 from __future__ import annotations

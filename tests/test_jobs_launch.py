@@ -25,7 +25,12 @@ from submitit.core.utils import FailedJobError
 from afm_core.launch import submit
 from afm_core.launch.executor import ClusterConfigError, make_executor, world_size
 from afm_core.launch.placement import compress_ranks, parse_tasks_per_node, rank_nodes
-from afm_core.launch.records import read_events, read_job_record, record_start, write_job_record
+from afm_core.launch.records import (
+    read_events,
+    read_job_record,
+    record_start,
+    write_job_record,
+)
 from afm_core.launch.status import collect
 from afm_core.utils.paths import repo_root
 from jobs import status as status_cli

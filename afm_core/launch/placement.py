@@ -21,7 +21,9 @@ import time
 from typing import Any
 
 import submitit
-from submitit.slurm.slurm import _parse_node_list  # what submitit's SlurmJobEnvironment.hostnames uses
+from submitit.slurm.slurm import (
+    _parse_node_list,  # what submitit's SlurmJobEnvironment.hostnames uses
+)
 
 _TASKS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
@@ -109,9 +111,9 @@ def job_placement(world_size: int, master_addr: str, master_port: int) -> dict[s
 def describe(placement: dict[str, Any]) -> list[str]:
     """Log lines for rank 0: the rendezvous and world size, then one line per node with its ranks."""
     nodes = placement["nodes"]
-    lines = [f"[afm] job {placement['job_id']}: world size {placement['world_size']} on {len(nodes)} node(s) "
-             f"{placement['nodelist']}; MASTER_ADDR={placement['master_addr']} "
-             f"MASTER_PORT={placement['master_port']}"]
+    lines = [(f"[afm] job {placement['job_id']}: world size {placement['world_size']} on {len(nodes)} node(s) "
+              f"{placement['nodelist']}; MASTER_ADDR={placement['master_addr']} "
+              f"MASTER_PORT={placement['master_port']}")]
     lines += [f"[afm]   {node}: rank(s) {compress_ranks(placement['ranks'][node])}" for node in nodes]
     return lines
 

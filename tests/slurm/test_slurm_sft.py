@@ -20,8 +20,18 @@ import pytest
 from afm_core.launch.records import read_job_record
 from afm_core.launch.status import slurm_states
 from afm_core.utils.paths import shared_data_dir
-from tests.slurm.tiny_sft import TINY, assert_resumed_bitwise, events_of, interrupt_with_usr2, jobs_sft, last_step, \
-    submit_slurm, train_losses, wait_finished, wait_until
+from tests.slurm.tiny_sft import (
+    TINY,
+    assert_resumed_bitwise,
+    events_of,
+    interrupt_with_usr2,
+    jobs_sft,
+    last_step,
+    submit_slurm,
+    train_losses,
+    wait_finished,
+    wait_until,
+)
 
 MAX_STEPS = 20
 pytestmark = [

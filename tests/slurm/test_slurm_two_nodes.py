@@ -22,8 +22,15 @@ from omegaconf import OmegaConf
 
 from afm_core.launch.records import read_job_record
 from afm_core.utils.paths import repo_root, shared_data_dir
-from tests.slurm.tiny_sft import TINY, assert_resumed_bitwise, interrupt_with_usr2, jobs_sft, submit_slurm, \
-    train_losses, wait_finished
+from tests.slurm.tiny_sft import (
+    TINY,
+    assert_resumed_bitwise,
+    interrupt_with_usr2,
+    jobs_sft,
+    submit_slurm,
+    train_losses,
+    wait_finished,
+)
 
 MAX_STEPS = 12
 TWO_NODES = ["cluster.nodes=2", "cluster.tasks_per_node=1", "trainer.num_threads=1"]

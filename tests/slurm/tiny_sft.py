@@ -84,10 +84,10 @@ def interrupt_with_usr2(run_dir: Path, job_id: str, times: int) -> None:
     target = 0
     for attempt in range(1, times + 1):
         target += 3
-        wait_until(lambda: len(events_of(run_dir, "start")) == attempt and last_step(run_dir) >= target,
+        wait_until(lambda n=attempt, step=target: len(events_of(run_dir, "start")) == n and last_step(run_dir) >= step,
                    f"attempt {attempt} past step {target}")
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-        wait_until(lambda: len(events_of(run_dir, "requeued")) == attempt, f"requeue {attempt}")
+        wait_until(lambda n=attempt: len(events_of(run_dir, "requeued")) == n, f"requeue {attempt}")
         target = events_of(run_dir, "requeued")[-1]["step"]
 
 
