@@ -144,23 +144,23 @@ class WarmJail:
         Raises:
             JailStartError: the jail had to be (re)started and could not be.
         """
-        if not self.alive:
-            await self.start()
         self._staging.write_text(code, encoding="utf-8")
         self._staging.chmod(0o644)
         os.replace(self._staging, self.code_dir / "main.py")
-        sock = self._sock
-        assert sock is not None  # started above
         request = {"limits": _rlimits(limits), "timeout_s": limits.timeout_s, "env": {**jail_env(), "PWD": "/tmp"}}
         loop = asyncio.get_running_loop()
         pipes = [os.pipe() for _ in range(3)]  # stdin, stdout, stderr: (read end, write end)
         child_ends = [pipes[0][0], pipes[1][1], pipes[2][1]]
-        start = time.perf_counter()
         try:
-            socket.send_fds(sock, [json.dumps(request).encode()], child_ends)
+            sock = await self._send(json.dumps(request).encode(), child_ends)
+        except BaseException:
+            for fd in (pipes[0][1], pipes[1][0], pipes[2][0]):
+                os.close(fd)
+            raise
         finally:
             for fd in child_ends:
                 os.close(fd)
+        start = time.perf_counter()
         out_stream, out_transport = await _read_pipe(loop, pipes[1][0])
         err_stream, err_transport = await _read_pipe(loop, pipes[2][0])
         self._busy = True
@@ -169,7 +169,10 @@ class WarmJail:
         tasks.append(asyncio.create_task(_feed(loop, pipes[0][1], stdin.encode("utf-8") if stdin else b"")))
         exit_code, timed_out = None, False
         try:
-            reply = await asyncio.wait_for(loop.sock_recv(sock, 4096), limits.timeout_s + BACKSTOP_S)
+            try:
+                reply = await asyncio.wait_for(loop.sock_recv(sock, 4096), limits.timeout_s + BACKSTOP_S)
+            except OSError:  # the socket broke: as if the jail died
+                reply = b""
             self._busy = False
             if reply:
                 answer = json.loads(reply)
@@ -192,6 +195,23 @@ class WarmJail:
             out_transport.close()
             err_transport.close()
         return exit_code, timed_out, time.perf_counter() - start
+
+    async def _send(self, message: bytes, fds: list[int]) -> socket.socket:
+        """Hand a request to the zygote, starting the jail first if needed, and once more if it has died since."""
+        for attempt in range(2):
+            if not self.alive:
+                await self.start()
+            sock = self._sock
+            assert sock is not None  # started above
+            try:
+                socket.send_fds(sock, [message], fds)
+                return sock
+            except OSError as e:
+                log.warning("sandbox slot %d: the jail stopped taking snippets (%s); starting a new one", self.slot, e)
+                self.kill()
+                if attempt:
+                    raise JailStartError(f"the new jail did not take the snippet either: {e}") from e
+        raise AssertionError("unreachable")
 
     def _stop_snippet(self) -> None:
         """Ask the zygote to kill the running snippet (its output flooded)."""

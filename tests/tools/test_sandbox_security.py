@@ -522,7 +522,8 @@ def test_each_snippet_starts_from_clean_state(one_slot_server):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="finds the jail's processes by their slot uid (root only)")
 def test_a_dead_jail_is_replaced_before_the_next_snippet(one_slot_server):
-    """The zygote killed from the host mid-snippet: that snippet is a sandbox_error, the next one runs in a new jail."""
+    """The zygote killed from the host mid-snippet: that snippet is a sandbox_error, the next one runs in a new jail;
+    killed between snippets: the next snippet runs in a new jail."""
     import signal
     from concurrent.futures import ThreadPoolExecutor
 
@@ -540,4 +541,9 @@ def test_a_dead_jail_is_replaced_before_the_next_snippet(one_slot_server):
         result = sleeper.result()
     assert result["status"] == "sandbox_error" and "jail died" in result["stderr"], result
     assert post_run(url, "print(6 * 7)")["stdout"] == "42\n"
+    # killed between snippets: the next snippet finds out when it hands over its request
+    [zygote] = [p for p in sandbox_processes(server_pid) if is_zygote(p) and not is_zygote(p.parent())]
+    zygote.send_signal(signal.SIGKILL)
+    zygote.wait(5)
+    assert post_run(url, "print(7 * 6)")["stdout"] == "42\n"
     assert health(url)["running"] == 0
