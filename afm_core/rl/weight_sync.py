@@ -12,10 +12,12 @@ Trainer side (every rank of the model-parallel group calls it; it runs collectiv
    gathered tensors exists at a time, so on GPU the full model is never materialised a second time (slime
    ``slime/backends/megatron_utils/update_weight/hf_weight_iterator_direct.py`` streams the same way, 512 MB
    buckets by default).
-2. Each bucket goes to the engine with ``llm.collective_rpc``: as the tensors themselves when the engine runs in
-   this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or vLLM's ``external_launcher`` executor on GPU: the
-   worker gets references, nothing is copied on the way), else as one safetensors byte string (raw tensors do
-   not survive vLLM's msgpack hop to an EngineCore process).
+2. Each bucket goes to the engine with ``collective_rpc``: as the tensors themselves when the engine runs in
+   this process (a ``vllm.LLM`` with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or vLLM's ``external_launcher``
+   executor on GPU: the worker gets references, nothing is copied on the way), else as one safetensors byte
+   string (raw tensors do not survive vLLM's msgpack hop to an EngineCore process, e.g. ``AsyncLLM``'s).
+   :func:`sync_weights` drives a blocking ``vllm.LLM``, :func:`sync_weights_async` an ``AsyncLLM`` (or a
+   wrapper with the same coroutine methods).
 3. The engine's prefix cache is reset (KV computed with the old weights must not be reused).
 
 Engine side, :class:`WeightSyncExtension` (``vllm.LLM(..., worker_extension_cls=
@@ -41,9 +43,9 @@ engine) is the same code; it is written but untested here.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Generator, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,43 +222,39 @@ def hf_weight_buckets(model_chunks: Sequence[torch.nn.Module], bucket_bytes: int
         yield bucket
 
 
-def engine_in_process() -> bool:
-    """Whether vLLM engines created by this process run their worker in it (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
-    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+def engine_in_process(llm: Any) -> bool:
+    """Whether ``llm``'s worker runs in this process, so that tensors reach it by reference: a ``vllm.LLM`` with
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (its engine-core client is vLLM's ``InprocClient``). ``AsyncLLM``
+    always runs the engine core in a child process. Wrappers holding the engine as ``.llm`` are looked into."""
+    for holder in (llm, getattr(llm, "llm_engine", None), getattr(llm, "llm", None)):
+        core = getattr(holder, "engine_core", None)
+        if core is not None:
+            return type(core).__name__ == "InprocClient"
+    return False
 
 
-def sync_weights(llm: Any, model_chunks: Sequence[torch.nn.Module], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 transport: str = "auto") -> WeightSyncStats:
-    """Load this rank's Megatron weights into its vLLM engine ``llm`` (see the module docstring).
+_RESET = "reset_prefix_cache"
 
-    Args:
-        llm: a ``vllm.LLM`` created with ``worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension"``
-            (anything with ``collective_rpc(method, args=...)`` and ``reset_prefix_cache()``), or None on a rank
-            that only takes part in the gather (e.g. a TP rank whose engine another rank feeds).
-        model_chunks: this rank's model chunk(s) (unwrapped or DDP/Float16Module-wrapped).
-        bucket_bytes: bucket size in bytes.
-        transport: ``tensors`` (in-process engine: references, no copy), ``bytes`` (safetensors, any engine),
-            ``auto`` (``tensors`` when :func:`engine_in_process`, else ``bytes``).
-    Returns:
-        :class:`WeightSyncStats`.
-    Raises:
-        ValueError: an unknown ``transport``.
-        RuntimeError: the engine lacks the extension, or some engine parameter got no new weight.
-    """
+
+def _sync_protocol(in_process: bool | None, model_chunks: Sequence[torch.nn.Module], bucket_bytes: int,
+                   transport: str) -> Generator[tuple[str, tuple], Any, WeightSyncStats]:
+    """The calls of one sync as ``(method, args)`` requests, shared by the blocking and the async driver;
+    ``in_process`` None means no engine (gather only)."""
     if transport not in TRANSPORTS:
         raise ValueError(f"transport={transport!r}: expected one of {', '.join(TRANSPORTS)}")
     if transport == "auto":
-        transport = "tensors" if engine_in_process() else "bytes"
+        transport = "tensors" if in_process else "bytes"
+    engine = in_process is not None
     start = time.perf_counter()
     gather_s = 0.0
     sent_bytes = buckets = 0
-    if llm is not None:
-        _rpc(llm, "afm_begin_weight_update")
+    if engine:
+        yield "afm_begin_weight_update", ()
     stream = hf_weight_buckets(model_chunks, bucket_bytes)
     while True:
         t0 = time.perf_counter()
         bucket = next(stream, None)
-        if bucket is not None and transport == "bytes" and llm is not None:
+        if bucket is not None and transport == "bytes" and engine:
             from safetensors.torch import save
 
             payload: Any = save({name: t.detach().to("cpu").contiguous() for name, t in bucket})
@@ -267,20 +265,67 @@ def sync_weights(llm: Any, model_chunks: Sequence[torch.nn.Module], *, bucket_by
             break
         buckets += 1
         sent_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        if llm is not None:
-            method = "afm_load_weights_bytes" if transport == "bytes" else "afm_load_weights_from_tensors"
-            _rpc(llm, method, payload)
+        if engine:
+            yield ("afm_load_weights_bytes" if transport == "bytes" else "afm_load_weights_from_tensors"), (payload,)
         del bucket, payload
-    if llm is not None:
-        _rpc(llm, "afm_finish_weight_update")
-        llm.reset_prefix_cache()
+    if engine:
+        yield "afm_finish_weight_update", ()
+        yield _RESET, ()
     return WeightSyncStats(seconds=time.perf_counter() - start, gather_s=gather_s, bytes=sent_bytes,
                            buckets=buckets, transport=transport)
 
 
-def _rpc(llm: Any, method: str, *args: Any) -> list[Any]:
+def sync_weights(llm: Any, model_chunks: Sequence[torch.nn.Module], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 transport: str = "auto") -> WeightSyncStats:
+    """Load this rank's Megatron weights into its vLLM engine ``llm`` (see the module docstring).
+
+    Args:
+        llm: a ``vllm.LLM`` created with ``worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension"``
+            (anything with a blocking ``collective_rpc(method, args=...)`` and ``reset_prefix_cache()``), or
+            None on a rank that only takes part in the gather (e.g. a TP rank whose engine another rank feeds).
+        model_chunks: this rank's model chunk(s) (unwrapped or DDP/Float16Module-wrapped).
+        bucket_bytes: bucket size in bytes.
+        transport: ``tensors`` (in-process engine: references, no copy), ``bytes`` (safetensors, any engine),
+            ``auto`` (``tensors`` when :func:`engine_in_process`, else ``bytes``).
+    Returns:
+        :class:`WeightSyncStats`.
+    Raises:
+        ValueError: an unknown ``transport``.
+        RuntimeError: the engine lacks the extension, or some engine parameter got no new weight.
+    """
+    protocol = _sync_protocol(None if llm is None else engine_in_process(llm), model_chunks, bucket_bytes, transport)
+    result = None
+    while True:
+        try:
+            method, args = protocol.send(result)
+        except StopIteration as done:
+            return done.value
+        with _explain_missing_extension(method):
+            result = llm.reset_prefix_cache() if method == _RESET else llm.collective_rpc(method, args=args)
+
+
+async def sync_weights_async(engine: Any, model_chunks: Sequence[torch.nn.Module], *,
+                             bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto") -> WeightSyncStats:
+    """:func:`sync_weights` for an engine whose ``collective_rpc`` and ``reset_prefix_cache`` are coroutines
+    (vLLM's ``AsyncLLM``, :class:`afm_core.rollout.vllm_engine.VLLMEngine`). Pause generation first: the
+    weights change layer by layer while the buckets arrive."""
+    protocol = _sync_protocol(None if engine is None else engine_in_process(engine), model_chunks, bucket_bytes,
+                              transport)
+    result = None
+    while True:
+        try:
+            method, args = protocol.send(result)
+        except StopIteration as done:
+            return done.value
+        with _explain_missing_extension(method):
+            result = await (engine.reset_prefix_cache() if method == _RESET
+                            else engine.collective_rpc(method, args=args))
+
+
+@contextmanager
+def _explain_missing_extension(method: str) -> Iterator[None]:
     try:
-        return llm.collective_rpc(method, args=args)
+        yield
     except AttributeError as exc:
         if method in str(exc):
             raise RuntimeError(

@@ -5,6 +5,7 @@ gloo world where every rank holds its own vLLM engine at vLLM TP=1, the CPU colo
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -18,19 +19,40 @@ TEMPERATURE = 0.7
 PROMPTS = [[1, 2, 3, 4, 5, 6], [10, 20, 30], [100, 200, 300, 400], [7, 7, 7]]
 
 
-def _gap(llm, chunks, prompts, *, seed: int) -> float:
-    """Sample 2 x 12 tokens per prompt on this rank's engine, gather all ranks' trajectories, recompute their
-    logprobs with the (TP-sharded) Megatron model; mean |vLLM - trainer| over all sampled tokens."""
+def _sample(llm, prompts, *, seed: int) -> list[tuple[list[int], list[int], list[float]]]:
+    """2 x 12 tokens per prompt from a blocking ``vllm.LLM``: (prompt, sampled ids, their logprobs)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    params = SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=12, logprobs=0, seed=seed, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [(p, list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+            for p, out in zip(prompts, outputs) for c in out.outputs]
+
+
+async def _sample_async(engine, prompts, *, seed: int) -> list[tuple[list[int], list[int], list[float]]]:
+    """The same from an ``AsyncLLM`` (engine core in a child process)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    params = SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=12, logprobs=0, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    samples = []
+    for i, prompt in enumerate(prompts):
+        async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"{seed}-{i}"):
+            final = out
+        samples += [(prompt, list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+                    for c in final.outputs]
+    return samples
+
+
+def _gap(chunks, mine) -> float:
+    """Gather all ranks' sampled trajectories, recompute their logprobs with the (TP-sharded) Megatron model;
+    mean |vLLM - trainer| over all sampled tokens."""
     from afm_core.rl.batch import rollout_micro_batch
     from afm_core.rl.logprobs import compute_logprobs
 
-    params = SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=12, logprobs=0, seed=seed, ignore_eos=True)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    mine = [(p, list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-            for p, out in zip(prompts, outputs) for c in out.outputs]
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, mine)
     trajectories = [t for part in gathered for t in part]
@@ -58,12 +80,12 @@ def _sync_worker(rank: int, world: int, port: int, spec: dict) -> None:
         chunks, _ = build_policy_model(hf_dir, layout)
         llm = vllm_engine(hf_dir, seed=rank)
         prompts = PROMPTS[rank::world]  # each rank samples its share; the trainer sees all
-        result = {"initial": _gap(llm, chunks, prompts, seed=1)}  # same weights on both sides
+        result = {"initial": _gap(chunks, _sample(llm, prompts, seed=1))}  # same weights on both sides
         for step, transport in enumerate(spec["transports"], start=1):
             perturb_weights(chunks, scale=0.02, seed=step)  # a "policy update" vLLM has not seen
-            result[f"stale_{transport}"] = _gap(llm, chunks, prompts, seed=10 + step)
+            result[f"stale_{transport}"] = _gap(chunks, _sample(llm, prompts, seed=10 + step))
             stats = sync_weights(llm, chunks, bucket_bytes=spec["bucket_bytes"], transport=transport)
-            result[f"synced_{transport}"] = _gap(llm, chunks, prompts, seed=20 + step)
+            result[f"synced_{transport}"] = _gap(chunks, _sample(llm, prompts, seed=20 + step))
             result[f"buckets_{transport}"] = stats.buckets
         if rank == 0:
             Path(spec["out"]).write_text(json.dumps(result))
@@ -73,11 +95,55 @@ def _sync_worker(rank: int, world: int, port: int, spec: dict) -> None:
         destroy_distributed()
 
 
-def _run(tmp_path: Path, *, tp: int, model: str = "tiny-llama", transports=("tensors",),
+def _async_worker(rank: int, world: int, port: int, spec: dict) -> None:
+    """An ``AsyncLLM`` (engine core in its own process): buckets cross the process hop as bytes."""
+    import asyncio
+
+    set_rank_env(rank, world, port)
+    from omegaconf import OmegaConf
+
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.rl.policy_model import build_policy_model
+    from afm_core.rl.weight_sync import sync_weights_async
+    from afm_core.train.distributed import destroy_distributed, init_distributed
+
+    layout = init_distributed(OmegaConf.create({"tp": 1, "pp": 1}), seed=1, num_threads=1)
+    hf_dir = ensure_hf_checkpoint(spec["model"])
+    chunks, _ = build_policy_model(hf_dir, layout)
+
+    async def main() -> dict:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=str(hf_dir), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
+            worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension", logprobs_mode="processed_logprobs",
+            kv_cache_memory_bytes=128 * 2**20))
+        try:
+            result = {"initial": _gap(chunks, await _sample_async(engine, PROMPTS, seed=1))}
+            perturb_weights(chunks, scale=0.02, seed=1)
+            result["stale_bytes"] = _gap(chunks, await _sample_async(engine, PROMPTS, seed=2))
+            stats = await sync_weights_async(engine, chunks, bucket_bytes=spec["bucket_bytes"])
+            result["synced_bytes"] = _gap(chunks, await _sample_async(engine, PROMPTS, seed=3))
+            result["buckets_bytes"], result["transport"] = stats.buckets, stats.transport
+            return result
+        finally:
+            engine.shutdown()
+            del engine  # its __del__ shuts down again; at interpreter exit that fails noisily
+
+    try:
+        Path(spec["out"]).write_text(json.dumps(asyncio.run(main())))
+    finally:
+        destroy_distributed()
+
+
+def _run(tmp_path: Path, *, tp: int, worker=_sync_worker, model: str = "tiny-llama", transports=("tensors",),
          bucket_bytes: int = 4 * 2**20) -> dict:
     spec = {"tp": tp, "model": model, "transports": list(transports), "bucket_bytes": bucket_bytes,
             "out": str(tmp_path / "result.json")}
-    mp.start_processes(_sync_worker, args=(tp, free_port(), spec), nprocs=tp, join=True, start_method="spawn")
+    mp.start_processes(worker, args=(tp, free_port(), spec), nprocs=tp, join=True, start_method="spawn")
     result = json.loads((tmp_path / "result.json").read_text())
     print(result)
     return result
@@ -107,3 +173,10 @@ def test_after_a_weight_sync_vllm_logprobs_match_the_tp2_trainer_with_one_engine
 def test_after_a_weight_sync_vllm_logprobs_match_the_trainer_on_smollm2(tmp_path):
     result = _run(tmp_path, tp=1, model="smollm2-135m", bucket_bytes=128 * 2**20)
     _check(result, ("tensors",))
+
+
+@pytest.mark.slow
+def test_weight_sync_reaches_an_async_engine_in_another_process_as_bytes(tmp_path):
+    result = _run(tmp_path, tp=1, worker=_async_worker)
+    assert result["transport"] == "bytes"
+    _check(result, ("bytes",))

