@@ -26,7 +26,6 @@ dense ``[b, 1, s, s]`` mask the old path built for every micro batch of a step i
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import resource
 import sys

@@ -1,10 +1,11 @@
 """What a preemption costs an SFT job on the real local Slurm cluster (slurm/local-cluster.sh).
 
-    python benchmarks/resume_overhead.py                        # preempt by the high partition, then scancel USR2
-    python benchmarks/resume_overhead.py --interrupts preempt   # only the partition preemption
-    python benchmarks/resume_overhead.py --out resume.json      # also write the figures as JSON
+    python -m benchmarks.resume_overhead                        # preempt by the high partition, then scancel USR2
+    python -m benchmarks.resume_overhead --interrupts preempt   # only the partition preemption
+    python -m benchmarks.resume_overhead --out resume.json      # also write the figures as JSON
 
-Submits one tiny SFT job (``python -m jobs.sft cluster=slurm``, tiny-llama on the Slurm tests' data slice) to the
+Submits one tiny SFT job (``python -m jobs.sft cluster=slurm``, tiny-llama on a 120-trajectory slice of the real
+traces, :data:`TINY_JOB`) to the
 default ``debug`` partition, waits until it trains, and interrupts it once per ``--interrupts`` entry, each after
 the previous resume has trained a step:
 
@@ -46,17 +47,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rich.console import Console
+from rich.table import Table
 
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+from afm_core.launch.records import read_events, read_job_record
+from afm_core.train.metrics import read_metrics
+from afm_core.utils.atomic import atomic_write_json
+from afm_core.utils.paths import repo_root, shared_data_dir
 
-from afm_core.launch.records import read_events, read_job_record  # noqa: E402
-from afm_core.train.metrics import read_metrics  # noqa: E402
-from afm_core.utils.atomic import atomic_write_json  # noqa: E402
-from afm_core.utils.paths import repo_root, shared_data_dir  # noqa: E402
-from tests.slurm.tiny_sft import TINY  # noqa: E402
-
+TINY_JOB = [  # tiny-llama on a 120-trajectory slice of the real traces (its own prepared dir and token cache)
+    "model=tiny-llama", "data.name=resume-overhead", "data.sources.gsm8k.limit=60", "data.sources.fireact.limit=20",
+    "data.sources.r1searcher.limit=20", "data.sources.tora.limit=20", "trainer.global_batch_size=2",
+    "trainer.eval_interval=1000", "trainer.eval_sequences=2", "trainer.save_interval=1000", "trainer.keep_last=1",
+    "trainer.progress=false",
+]
 CLUSTER_SCRIPT = repo_root() / "slurm" / "local-cluster.sh"
 INTERRUPTS = ("preempt", "usr2")
 
@@ -67,10 +71,10 @@ def ensure_cluster() -> None:
     Raises:
         RuntimeError: the script failed (its output is in the message).
     """
-    if subprocess.run([CLUSTER_SCRIPT, "status"], capture_output=True).returncode == 0:
+    if subprocess.run([CLUSTER_SCRIPT, "status"], capture_output=True, check=False).returncode == 0:
         return
     print("starting the local Slurm cluster (slurm/local-cluster.sh start)...", flush=True)
-    started = subprocess.run([CLUSTER_SCRIPT, "start"], capture_output=True, text=True, timeout=900)
+    started = subprocess.run([CLUSTER_SCRIPT, "start"], capture_output=True, text=True, timeout=900, check=False)
     if started.returncode != 0:
         raise RuntimeError(f"{CLUSTER_SCRIPT} start failed ({started.returncode}):\n{started.stdout}{started.stderr}")
 
@@ -87,11 +91,11 @@ def submit_sft(run_dir: Path, cpus: int, max_steps: int) -> str:
     Raises:
         RuntimeError: ``jobs.sft`` failed (its output is in the message).
     """
-    overrides = [*TINY, "cluster=slurm", "cluster.time=20", f"cluster.cpus_per_task={cpus}",
+    overrides = [*TINY_JOB, "cluster=slurm", "cluster.time=20", f"cluster.cpus_per_task={cpus}",
                  f"trainer.max_steps={max_steps}", "trainer.keep_last=5", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root()), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", "jobs.sft", *overrides], cwd=repo_root(), env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"jobs.sft failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return read_job_record(run_dir / "logs")["job_id"]
@@ -110,7 +114,7 @@ def interrupt(kind: str, job_id: str, cpus: int, run_dir: Path) -> None:
 def slurm_starts(job_id: str) -> list[float]:
     """Start times (unix s, whole seconds) of the job's attempts in Slurm accounting, first attempt first."""
     out = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-o", "Start", "-j", job_id], capture_output=True,
-                         text=True).stdout
+                         text=True, check=False).stdout
     return [datetime.fromisoformat(line).timestamp() for line in out.split() if line[:1].isdigit()]
 
 

@@ -7,7 +7,7 @@ The job's data-parallel size follows from the cluster: ``cluster.dp`` locally (`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, cast
 
 from afm_core.config.checks import ConfigError, instantiate, require
 
@@ -26,7 +26,7 @@ class LocalClusterConfig:
     signal_delay_s: int = 120
     max_num_timeout: int = 3
     wait: bool = True
-    setup: List[str] = field(default_factory=list)
+    setup: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         require(self.dp >= 1, "cluster.dp", self.dp, "data-parallel ranks, an integer >= 1")
@@ -43,20 +43,20 @@ class LocalClusterConfig:
 @dataclass
 class SlurmClusterConfig:
     name: str = "slurm"
-    partition: Optional[str] = None
+    partition: str | None = None
     nodes: int = 1
     tasks_per_node: int = 1
     gpus_per_node: int = 0
     cpus_per_task: int = 1
-    mem: Optional[str] = None
+    mem: str | None = None
     time: int = 60
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    constraint: Optional[str] = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
     exclusive: bool = False
     array_parallelism: int = 16
-    additional_parameters: Dict[str, Any] = field(default_factory=dict)
-    setup: List[str] = field(default_factory=list)
+    additional_parameters: dict[str, Any] = field(default_factory=dict)
+    setup: list[str] = field(default_factory=list)
     wait: bool = False
     signal_delay_s: int = 120
     max_num_timeout: int = 3
@@ -76,7 +76,7 @@ class SlurmClusterConfig:
 
 
 CLUSTER_SCHEMAS = {"local": LocalClusterConfig, "slurm": SlurmClusterConfig}
-ClusterConfig = Union[LocalClusterConfig, SlurmClusterConfig]
+ClusterConfig = LocalClusterConfig | SlurmClusterConfig
 
 
 def cluster_schema(cluster: Any) -> ClusterConfig:
@@ -85,9 +85,9 @@ def cluster_schema(cluster: Any) -> ClusterConfig:
     Raises:
         ConfigError: an unknown ``cluster.name``, an unknown key, a wrong type or a value out of range.
     """
-    if isinstance(cluster, tuple(CLUSTER_SCHEMAS.values())):
+    if isinstance(cluster, (LocalClusterConfig, SlurmClusterConfig)):
         return cluster
     name = cluster.get("name") if isinstance(cluster, dict) else None
     if name not in CLUSTER_SCHEMAS:
         raise ConfigError(f"cluster.name={name!r}: one of {', '.join(CLUSTER_SCHEMAS)} (conf/cluster/<name>.yaml)")
-    return instantiate(CLUSTER_SCHEMAS[name], cluster, prefix="cluster.")
+    return cast(ClusterConfig, instantiate(CLUSTER_SCHEMAS[name], cluster, prefix="cluster."))

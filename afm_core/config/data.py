@@ -8,7 +8,7 @@ files under the shared data folder). The value checks are :mod:`afm_core.data.pr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -18,14 +18,14 @@ from afm_core.config.checks import ConfigError, require
 @dataclass
 class DataConfig:
     name: str = "coa_traces"
-    shared_dir: Optional[str] = None
-    out_dir: Optional[str] = None
-    sources: Dict[str, Any] = field(default_factory=dict)
+    shared_dir: str | None = None
+    out_dir: str | None = None
+    sources: dict[str, Any] = field(default_factory=dict)
     heldout_fraction: float = 0.05
     split_seed: int = 0
     mask_observations: bool = True
     pack: bool = True
-    filters: Dict[str, Any] = field(default_factory=dict)
+    filters: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from pathlib import Path
@@ -45,8 +45,8 @@ class DataConfig:
 @dataclass
 class InputConfig:
     format: str = "converters"
-    path: Optional[str] = None
-    task: Optional[str] = None
+    path: str | None = None
+    task: str | None = None
 
     def __post_init__(self) -> None:
         from afm_core.data.prepare import PrepareInput
@@ -63,8 +63,8 @@ class PrepareDataConfig:
 
     data: DataConfig = MISSING
     input: InputConfig = MISSING
-    export: Optional[str] = None
-    export_dir: Optional[str] = None
+    export: str | None = None
+    export_dir: str | None = None
     strict: bool = False
     force: bool = False
 

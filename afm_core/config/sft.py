@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -24,17 +24,17 @@ LR_SCHEDULES = ("cosine", "constant")
 RECOMPUTE = (None, "selective", "full")
 
 
-def _at_least(key: str, value: Any, low: int | float) -> None:
+def _at_least(key: str, value: Any, low: float) -> None:
     require(value >= low, key, value, f"must be >= {low}")
 
 
 @dataclass
 class TrainerConfig:
     engine: str = "megatron"
-    deepspeed_config: Optional[str] = None
+    deepspeed_config: str | None = None
     seed: int = 1234
-    max_steps: Optional[int] = None
-    epochs: Optional[float] = None
+    max_steps: int | None = None
+    epochs: float | None = None
     seq_length: int = 1024
     micro_batch_size: int = 1
     global_batch_size: int = 1
@@ -46,7 +46,7 @@ class TrainerConfig:
     save_interval: int = 1
     keep_last: int = 1
     export_hf: bool = True
-    num_threads: Optional[int] = None
+    num_threads: int | None = None
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -100,9 +100,9 @@ class ParallelConfig:
 
     tp: int = 1
     pp: int = 1
-    vpp: Optional[int] = None
+    vpp: int | None = None
     sequence_parallel: bool = False
-    recompute: Optional[str] = None
+    recompute: str | None = None
     distributed_optimizer: bool = False
     cp: int = 1
 
@@ -129,7 +129,7 @@ class ModelConfig:
 
     name: str = MISSING
     source: str = MISSING
-    hf_path: Optional[str] = None
+    hf_path: str | None = None
     family: str = MISSING
     num_layers: int = MISSING
     hidden_size: int = MISSING
@@ -157,7 +157,7 @@ class SFTConfig:
     """``conf/sft.yaml`` as composed (model, data, parallel, cluster, trainer, optim)."""
 
     run_dir: str = MISSING
-    resume: Optional[str] = None
+    resume: str | None = None
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     parallel: ParallelConfig = MISSING

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -221,6 +221,12 @@ def full_micro_batches(batches: Any, micro_batch_size: int) -> Any:
     return full
 
 
+class MicroBatchStream(Protocol):
+    """Anything ``next()`` gives micro batches from (a :class:`TrainIterator`)."""
+
+    def __next__(self) -> dict[str, Any]: ...
+
+
 class StepMicroBatches:
     """The ``count`` micro batches of one optimizer step, taken from ``source`` only when a schedule asks.
 
@@ -237,7 +243,7 @@ class StepMicroBatches:
         RuntimeError: an iterator created after another one has already passed a batch.
     """
 
-    def __init__(self, source: Iterator[dict[str, Any]], count: int,
+    def __init__(self, source: MicroBatchStream, count: int,
                  check: Callable[[dict[str, Any]], None] | None = None):
         self.source, self.count, self.check = source, count, check
         self._readers = 0
@@ -373,13 +379,13 @@ def collate(data: PackedSequences, indices: Sequence[int] | np.ndarray, *, pack:
     indices = np.asarray(indices)
     tokens = torch.from_numpy(data.input_ids[indices].astype(np.int64))
     unshifted = data.labels[indices]
-    labels = np.full_like(unshifted, IGNORE_INDEX, dtype=np.int64)
-    labels[:, :-1] = unshifted[:, 1:]
+    shifted = np.full_like(unshifted, IGNORE_INDEX, dtype=np.int64)
+    shifted[:, :-1] = unshifted[:, 1:]
     cu_seqlens = [torch.from_numpy(data.cu_seqlens[i]) for i in indices]
     for row, offsets in enumerate(cu_seqlens):
         ends = offsets[1:].numpy()
-        labels[row, ends[ends > 0] - 1] = IGNORE_INDEX
-    labels = torch.from_numpy(labels)
+        shifted[row, ends[ends > 0] - 1] = IGNORE_INDEX
+    labels = torch.from_numpy(shifted)
     loss_mask = (labels != IGNORE_INDEX).float()
     attention_mask = None
     if pack and (pack if dense_mask is None else dense_mask):

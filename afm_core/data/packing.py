@@ -9,6 +9,7 @@ is computed exactly as if it were alone (checked numerically in ``tests/test_pac
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -102,7 +103,7 @@ class PackedSequences:
     input_ids: np.ndarray
     labels: np.ndarray
     position_ids: np.ndarray
-    cu_seqlens: Sequence[np.ndarray]
+    cu_seqlens: Sequence[np.ndarray] | RaggedArray
     stats: PackingStats
 
     def __len__(self) -> int:
@@ -174,10 +175,10 @@ def _build(examples: Sequence[TokenizedExample], seq_length: int, pad_id: int, p
     docs: list[tuple[list[int], list[int]]] = []
     num_truncated = 0
     for example in examples:
-        ids, labels = example.input_ids[:seq_length], example.labels[:seq_length]
+        ids, doc_labels = example.input_ids[:seq_length], example.labels[:seq_length]
         num_truncated += len(example.input_ids) > seq_length
-        if any(label != IGNORE_INDEX for label in labels):
-            docs.append((ids, labels))
+        if any(label != IGNORE_INDEX for label in doc_labels):
+            docs.append((ids, doc_labels))
     lengths = np.array([len(ids) for ids, _ in docs], dtype=np.int64)
     bins = _first_fit_decreasing(lengths, seq_length) if pack else [[i] for i in range(len(docs))]
 
@@ -258,7 +259,7 @@ def block_causal_attention_mask(
     square = mask.view(seq_length, seq_length)
     square.fill_(True)
     bounds = offsets.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         square[start:end, start:end].triu_(diagonal=1)  # in the document: k <= q attends (False)
     padding = torch.arange(bounds[-1], seq_length)
     square[padding, padding] = False  # each padding token attends to itself

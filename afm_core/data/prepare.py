@@ -127,7 +127,9 @@ def filter_trajectories(trajectories: Sequence[Trajectory], filters: DataFilters
     Returns:
         ``(kept, dropped count by reason)``, ``kept`` in input order.
     """
-    kept, dropped, seen = [], Counter(), set()
+    kept: list[Trajectory] = []
+    dropped: Counter[str] = Counter()
+    seen: set[Any] = set()
     for trajectory in trajectories:
         key = (trajectory.prompt, tuple(trajectory.steps))
         if key in seen:
@@ -307,7 +309,7 @@ def recorded_config(data_cfg: Mapping[str, Any], source: PrepareInput = PrepareI
 def _convert(config: dict[str, Any], strict: bool) -> list[Conversion]:
     source = PrepareInput(**config["input"])
     if source.format == "llamafactory":
-        return [alpaca_converter(source.task)([source.path], strict=strict)]
+        return [alpaca_converter(source.task)([str(source.path)], strict=strict)]
     shared = Path(config["shared_dir"])
     conversions = []
     for name, spec in config["sources"].items():

@@ -30,7 +30,7 @@ from afm_core.data.loader import full_micro_batches
 
 log = logging.getLogger(__name__)
 
-_RECOMPUTE = {
+_RECOMPUTE: dict[str | None, dict[str, Any]] = {
     None: {},
     "selective": {"recompute_granularity": "selective"},
     "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
