@@ -10,8 +10,9 @@ token SUM and the local token count, and the result is DAPO's token-mean over th
 
 A micro batch is :func:`afm_core.rl.batch.rollout_micro_batch`'s dict plus ``old_log_prob`` and
 ``advantages`` ``[b, s]`` (and ``ref_log_prob`` / ``rollout_log_prob`` when the config uses them), all aligned
-with ``labels``. The loss reports come back from the schedule as ``{"policy": stats}`` per micro batch; reduce
-them with :func:`afm_core.rl.losses.reduce_stats` over the data-parallel group.
+with ``labels``. The loss reports come back from the schedule as ``{"policy": stats}`` per micro batch (on the
+last pipeline stage only; other stages get none); reduce them with :func:`afm_core.rl.losses.reduce_stats`
+over the data-parallel group, on the last stage.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def low_var_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tens
 
 
 def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                response_mask: torch.Tensor, *, global_num_tokens: int | float | torch.Tensor,
+                response_mask: torch.Tensor, *, global_num_tokens: float | torch.Tensor,
                 config: PolicyLossConfig = PolicyLossConfig(), ref_log_prob: torch.Tensor | None = None,
                 rollout_log_prob: torch.Tensor | None = None, entropy: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -116,9 +116,9 @@ def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: 
         ``(loss, stats)``: the scalar loss, and additive statistics over this micro batch's valid tokens (all
         detached fp32): ``tokens``, ``pg_loss_sum``, ``clip_frac_sum`` (tokens where clipping changed the
         loss, verl ``pg_clipfrac``), ``clip_frac_dual_sum`` (the dual clip did, verl ``pg_clipfrac_lower``),
-        ``ppo_kl_sum`` (``logp_old - logp``), and when applicable ``kl_sum``, ``entropy_sum``,
-        ``logprob_gap_sum`` (|logp_old - logp_rollout|), ``logprob_gap_max``, ``tis_weight_sum``,
-        ``tis_clipped_sum``.
+        ``ppo_kl_sum`` (``logp_old - logp``), and when applicable ``kl_sum``, ``entropy_sum``, the
+        trainer/engine gap of :func:`logprob_gap_stats` (``logprob_gap_sum``, ``logprob_gap_max``,
+        ``prob_ratio_error_sum``), ``tis_weight_sum``, ``tis_clipped_sum``.
     Raises:
         ValueError: shapes differ, or an input that the config needs is missing.
     """
@@ -155,8 +155,7 @@ def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: 
     if rollout_log_prob is not None:
         rollout = torch.where(mask, rollout_log_prob.float(), old)
         gap = (old - rollout).detach()
-        stats["logprob_gap_sum"] = _masked_sum(gap.abs(), mask)
-        stats["logprob_gap_max"] = torch.where(mask, gap.abs(), zero).max() if mask.any() else zero.clone()
+        stats.update(_gap_sums(gap, mask))
         if config.tis_cap is not None:
             raw = torch.exp(gap.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
             weight = raw.clamp(max=config.tis_cap)
@@ -188,7 +187,7 @@ def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: 
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor,
-               *, global_num_tokens: int | float | torch.Tensor, clip_range_value: float | None = 0.5
+               *, global_num_tokens: float | torch.Tensor, clip_range_value: float | None = 0.5
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss of a PPO critic, token-summed / ``global_num_tokens`` (see the module docstring).
 
@@ -222,6 +221,35 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
                   "vf_clip_frac_sum": _masked_sum(clipped.float(), mask)}
 
 
+def logprob_gap_stats(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
+                      ) -> dict[str, torch.Tensor]:
+    """The trainer/inference-engine mismatch of one micro batch, as additive statistics for :func:`reduce_stats`.
+
+    Args:
+        log_prob: ``[B, T]`` the trainer's recomputed logprobs (the old logprobs of the rollout step).
+        rollout_log_prob: ``[B, T]`` the engine's logprobs of the same sampled tokens (vLLM
+            ``processed_logprobs``: after temperature).
+        response_mask: ``[B, T]``.
+    Returns:
+        ``tokens``, ``logprob_gap_sum`` (sum of ``|log_prob - rollout_log_prob|``), ``logprob_gap_max`` and
+        ``prob_ratio_error_sum`` (sum of ``exp(|gap|) - 1``: NeMo RL's ``token_mult_prob_error`` minus one,
+        which should stay near 0; a steady climb means broken weight sync), over valid tokens.
+    """
+    _check_shapes(response_mask, log_prob=log_prob, rollout_log_prob=rollout_log_prob)
+    mask = response_mask.to(torch.bool)
+    trainer = log_prob.detach().float()
+    gap = trainer - torch.where(mask, rollout_log_prob.float(), trainer)
+    return {"tokens": mask.sum().float(), **_gap_sums(gap, mask)}
+
+
+def _gap_sums(gap: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    zero = torch.zeros((), dtype=torch.float32, device=gap.device)
+    size = gap.abs().clamp(max=LOG_RATIO_CLAMP)
+    return {"logprob_gap_sum": _masked_sum(size, mask),
+            "logprob_gap_max": torch.where(mask, size, zero).max() if mask.any() else zero.clone(),
+            "prob_ratio_error_sum": _masked_sum(torch.expm1(size), mask)}
+
+
 def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values.float(), torch.zeros((), dtype=torch.float32, device=values.device)).sum()
 
@@ -234,14 +262,24 @@ def global_token_count(response_masks: Iterable[torch.Tensor], group: torch.dist
     own micro batches); else the local count. Tensor-parallel ranks share micro batches: pass the DP group,
     not the world.
     """
-    count = torch.tensor(float(sum(int(m.to(torch.bool).sum()) for m in response_masks)), dtype=torch.float64)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        if torch.distributed.get_world_size(group) > 1:
-            device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"
-            on_device = count.to(device)
-            torch.distributed.all_reduce(on_device, group=group)
-            count = on_device.cpu()
-    return int(count)
+    count = torch.tensor([float(sum(int(m.to(torch.bool).sum()) for m in response_masks))], dtype=torch.float64)
+    return int(_all_reduce(count, group)[0])
+
+
+def _distributed(group: torch.distributed.ProcessGroup | None) -> bool:
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size(group) > 1)
+
+
+def _all_reduce(values: torch.Tensor, group: torch.distributed.ProcessGroup | None,
+                op: torch.distributed.ReduceOp = torch.distributed.ReduceOp.SUM) -> torch.Tensor:
+    """All-reduce a small CPU tensor over ``group`` (on the GPU for NCCL); a no-op outside a multi-rank world."""
+    if not _distributed(group) or not values.numel():
+        return values
+    device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"
+    on_device = values.to(device)
+    torch.distributed.all_reduce(on_device, op=op, group=group)
+    return on_device.cpu()
 
 
 def reduce_stats(stats: Iterable[dict[str, torch.Tensor]],
@@ -263,21 +301,15 @@ def reduce_stats(stats: Iterable[dict[str, torch.Tensor]],
             else:
                 sums[key] = sums.get(key, 0.0) + float(value)
     sum_keys, max_keys = sorted(sums), sorted(maxima)
-    if torch.distributed.is_available() and torch.distributed.is_initialized() \
-            and torch.distributed.get_world_size(group) > 1:
-        device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"
+    if _distributed(group):
         gathered: list[list[str]] = [None] * torch.distributed.get_world_size(group)  # type: ignore[list-item]
         torch.distributed.all_gather_object(gathered, sum_keys + ["|"] + max_keys, group=group)
         if any(g != gathered[0] for g in gathered):
             raise ValueError(f"reduce_stats: ranks report different statistics: {gathered}")
-        s = torch.tensor([sums[k] for k in sum_keys], dtype=torch.float64, device=device)
-        m = torch.tensor([maxima[k] for k in max_keys], dtype=torch.float64, device=device)
-        if s.numel():
-            torch.distributed.all_reduce(s, group=group)
-        if m.numel():
-            torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
-        sums = dict(zip(sum_keys, s.cpu().tolist()))
-        maxima = dict(zip(max_keys, m.cpu().tolist()))
+        s = _all_reduce(torch.tensor([sums[k] for k in sum_keys], dtype=torch.float64), group)
+        m = _all_reduce(torch.tensor([maxima[k] for k in max_keys], dtype=torch.float64), group,
+                        torch.distributed.ReduceOp.MAX)
+        sums, maxima = dict(zip(sum_keys, s.tolist())), dict(zip(max_keys, m.tolist()))
     tokens = sums.pop("tokens", 0.0)
     out: dict[str, float] = {"tokens": int(tokens)}
     for key, value in sums.items():

@@ -31,7 +31,11 @@ def build_policy_model(hf_dir: str | os.PathLike, layout: Any, *, params_dtype: 
     """
     from transformers import AutoConfig
 
-    from afm_core.models.bridge import build_gpt_model, load_hf_weights, mcore_config_from_hf
+    from afm_core.models.bridge import (
+        build_gpt_model,
+        load_hf_weights,
+        mcore_config_from_hf,
+    )
     from afm_core.train.trainer import build_model_chunks
 
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)

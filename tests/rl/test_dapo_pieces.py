@@ -13,18 +13,26 @@ from afm_core.launch.distributed import free_port
 from afm_core.rl.advantages import broadcast_to_tokens, gae_advantages, grpo_advantages
 from afm_core.rl.batch import response_values, rollout_micro_batch
 from afm_core.rl.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted
-from afm_core.rl.losses import PolicyLossConfig, global_token_count, low_var_kl, policy_loss, reduce_stats, value_loss
+from afm_core.rl.losses import (
+    PolicyLossConfig,
+    global_token_count,
+    logprob_gap_stats,
+    low_var_kl,
+    policy_loss,
+    reduce_stats,
+    value_loss,
+)
 from afm_core.rl.reward_shaping import overlong_penalty
 
 
-def _loss(ratios, advantages, *, config=PolicyLossConfig(), mask=None, global_num_tokens=None, **extra):
+def _loss(ratios, advantages, *, config=None, mask=None, global_num_tokens=None, **extra):
     ratios = torch.tensor([ratios], dtype=torch.float32)
     old = torch.zeros_like(ratios)
     logp = torch.log(ratios).requires_grad_(True)
     mask = torch.ones_like(ratios) if mask is None else torch.tensor([mask], dtype=torch.float32)
     n = int(mask.sum()) if global_num_tokens is None else global_num_tokens
-    loss, stats = policy_loss(logp, old, torch.tensor([advantages]), mask, global_num_tokens=n, config=config,
-                              **extra)
+    loss, stats = policy_loss(logp, old, torch.tensor([advantages]), mask, global_num_tokens=n,
+                              config=config or PolicyLossConfig(), **extra)
     loss.backward()
     return loss.item(), stats, logp.grad[0]
 
@@ -128,6 +136,15 @@ def test_truncated_importance_sampling_caps_the_trainer_over_rollout_ratio_and_r
     assert float(stats["tis_clipped_sum"]) == 1
     assert float(stats["logprob_gap_sum"]) == pytest.approx(1.1, abs=1e-6)
     assert float(stats["logprob_gap_max"]) == pytest.approx(1.0)
+
+
+def test_logprob_gap_statistics_reduce_to_the_mean_and_max_over_valid_tokens():
+    trainer = torch.tensor([[-1.0, -2.0, 5.0]])
+    engine = torch.tensor([[-1.5, -1.0, float("nan")]])  # the last position is masked
+    stats = reduce_stats([logprob_gap_stats(trainer, engine, torch.tensor([[1, 1, 0]]))])
+    assert stats["tokens"] == 2 and stats["logprob_gap"] == pytest.approx(0.75)
+    assert stats["logprob_gap_max"] == pytest.approx(1.0)
+    assert stats["prob_ratio_error"] == pytest.approx((math.expm1(0.5) + math.expm1(1.0)) / 2)
 
 
 def test_clipped_value_loss_equals_hand_computed_values():
