@@ -59,10 +59,12 @@ def plot_metrics(metrics: Mapping[str, Mapping[str, Any]], png_path: Path) -> No
     if not names:
         return
     fig, (left, right) = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(names) + 4), 4.5))
-    width = 0.25
+    width, top = 0.25, 5.0
     for i, (label, key) in enumerate((("avg@k", "avg"), ("pass@k", "pass"), ("maj@k", "maj"))):
         values = [100 * metrics[n][f"{key}@{metrics[n]['k']}"] for n in names]
+        top = max(top, *values)
         left.bar([x + (i - 1) * width for x in range(len(names))], values, width, label=label)
+    left.set_ylim(0, min(100.0, top * 1.15))
     left.set_xticks(range(len(names)), names, rotation=20)
     left.set_ylabel("score (%)")
     left.set_title("scores")
