@@ -60,8 +60,9 @@ class SyntheticBatches:
         loss_mask = torch.ones(self.mbs, SEQ)
         position_ids = torch.zeros(self.mbs, SEQ, dtype=torch.long)
         attention_mask = torch.ones(self.mbs, 1, SEQ, SEQ, dtype=torch.bool)
+        cu_seqlens = []
         for b in range(self.mbs):
-            start = 0
+            start, offsets = 0, [0]
             while start < SEQ:
                 length = min(SEQ - start, int(torch.randint(6, 20, (1,), generator=g)))
                 end = start + length
@@ -71,8 +72,11 @@ class SyntheticBatches:
                 obs = start + int(torch.randint(0, length, (1,), generator=g))
                 loss_mask[b, obs:obs + 3] = 0
                 start = end
+                offsets.append(end)
+            cu_seqlens.append(torch.tensor(offsets, dtype=torch.int32))
+        # the trainer reads cu_seqlens (thd); the hand-computed reference below uses the dense mask
         return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": loss_mask,
-                "position_ids": position_ids, "attention_mask": attention_mask}
+                "position_ids": position_ids, "attention_mask": attention_mask, "cu_seqlens": cu_seqlens}
 
     def __next__(self):
         if self.on_fetch is not None:
@@ -90,8 +94,9 @@ class SyntheticBatches:
 
 def tiny_provider(layout, *, params_dtype=torch.float32):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
+
+    from afm_core.models.bridge import gpt_layer_spec
 
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
@@ -105,7 +110,7 @@ def tiny_provider(layout, *, params_dtype=torch.float32):
     )
 
     def provider(pre_process, post_process, vp_stage=None):
-        model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=VOCAB,
+        model = GPTModel(config, gpt_layer_spec(), vocab_size=VOCAB,
                          max_sequence_length=SEQ, pre_process=pre_process, post_process=post_process,
                          position_embedding_type="rope", share_embeddings_and_output_weights=True,
                          vp_stage=vp_stage)

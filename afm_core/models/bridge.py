@@ -11,7 +11,9 @@ The weight name mapping, the q/k/v and gate/up (un)fusing and the TP split/merge
   ``pre_mlp_layernorm``) instead of being fused into ``linear_qkv`` / ``linear_fc1``: both names are mapped;
 - tied embeddings for Llama as for Qwen2 (the last pipeline stage's ``output_layer.weight`` is
   ``model.embed_tokens.weight``), without mutating mbridge's class-level mappings;
-- HF checkpoint export that is sharded, atomic and written by rank 0 only.
+- HF checkpoint export that is sharded, atomic and written by rank 0 only;
+- on the local spec, :class:`~afm_core.models.attention.SDPAttention` as ``core_attention`` (fused SDPA, packed
+  documents by ``cu_seqlens``), and at TP=1 the output layer and per-token loss fused, in chunks of rows.
 
 Megatron's fused QKV layout per query group g is ``[q_g (heads/groups * head_dim rows), k_g, v_g]``;
 TP ranks hold whole query groups, so TP must divide both the attention heads and the KV heads.
@@ -43,6 +45,8 @@ from afm_core.utils.atomic import atomic_dir
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # bytes per safetensors shard on export
+# The local spec's core attention (SDPAttention) reads packed_seq_params: packed micro batches need no dense mask.
+LOCAL_ATTENTION_READS_CU_SEQLENS = True
 
 
 def transformer_engine_available() -> bool:
@@ -77,16 +81,42 @@ def check_model_parallel_sizes(arch: ModelArch, tp: int) -> None:
         )
 
 
+def platform_fusions() -> dict[str, Any]:
+    """The ``TransformerConfig`` kernel-fusion fields, each on when this machine can run it.
+
+    On CPU every fusion is off (they are CUDA kernels or ``torch.jit`` fusers megatron only enables on CUDA).
+    With CUDA: bias+SwiGLU, bias+dropout+add and the masked-softmax fusion (megatron's own jit/CUDA kernels);
+    fused cross entropy (transformer-engine's when importable, else megatron's ``native`` one); RoPE fusion with
+    transformer-engine (its ``fused_apply_rotary_pos_emb``); weight-gradient accumulation into ``main_grad``
+    when apex's ``fused_weight_gradient_mlp_cuda`` is importable (megatron's ``ColumnParallelLinear`` output layer
+    raises without it); persistent layer norm never (apex-only, and the TE spec fuses its norms anyway).
+    Which fusions exist: megatron-core ``transformer/transformer_config.py`` and Megatron-LM
+    ``megatron/training/arguments.py`` (their defaults are on).
+    """
+    cuda = torch.cuda.is_available()
+    te = cuda and transformer_engine_available()
+    return dict(
+        masked_softmax_fusion=cuda,
+        bias_activation_fusion=cuda,
+        bias_dropout_fusion=cuda,
+        apply_rope_fusion=te,
+        cross_entropy_loss_fusion=cuda,
+        cross_entropy_fusion_impl="te" if te else "native",
+        gradient_accumulation_fusion=cuda and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+        persist_layer_norm=False,
+    )
+
+
 def mcore_config_from_hf(
     hf_config: Any, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32, **overrides: Any
 ) -> TransformerConfig:
     """The Megatron-core ``TransformerConfig`` of an HF Llama/Qwen2 config.
 
     Architecture from the HF config (layers, hidden, SwiGLU ffn, heads, query groups, head_dim as
-    ``kv_channels``, RMSNorm epsilon, q/k/v bias, dropouts 0 as in HF). CPU-safe by default: no kernel
-    fusions, ``sequence_parallel=False``, and ``use_cpu_initialization`` when CUDA is absent. ``overrides``
-    set any other ``TransformerConfig`` field (``sequence_parallel``, ``virtual_pipeline_model_parallel_size``,
-    ``recompute_granularity``, fusions on GPU...).
+    ``kv_channels``, RMSNorm epsilon, q/k/v bias, dropouts 0 as in HF). The kernel fusions the platform has are on
+    (:func:`platform_fusions`: none on CPU), ``sequence_parallel=False``, and ``use_cpu_initialization`` when CUDA
+    is absent. ``overrides`` set any other ``TransformerConfig`` field (``sequence_parallel``,
+    ``virtual_pipeline_model_parallel_size``, ``recompute_granularity``, a fusion...).
 
     Args:
         hf_config: a transformers ``LlamaConfig`` or ``Qwen2Config``.
@@ -128,12 +158,7 @@ def mcore_config_from_hf(
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=on_cpu,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        persist_layer_norm=False,
+        **platform_fusions(),
     )
     fields.update(overrides)
     if fields["use_cpu_initialization"] and not fields.get("perform_initialization", True):
@@ -154,30 +179,22 @@ def build_gpt_model(
 ) -> GPTModel:
     """A Megatron-core ``GPTModel`` (randomly initialised) shaped like ``hf_config``, for this PP/TP rank.
 
-    Layer spec: ``get_gpt_layer_with_transformer_engine_spec()`` when transformer-engine is importable,
-    else the local spec ``get_gpt_layer_local_spec(normalization="RMSNorm")``. RoPE base from the HF config;
-    embeddings shared with the output layer when ``hf_config.tie_word_embeddings``.
-    ``forward(input_ids [b, s], position_ids [b, s], attention_mask=None)`` returns logits [b, s, vocab/tp]
-    (vocab-parallel), or per-token cross entropy [b, s] when ``labels`` is given.
+    Layer spec: :func:`gpt_layer_spec`. RoPE base from the HF config; embeddings shared with the output layer
+    when ``hf_config.tie_word_embeddings``. ``forward(input_ids [b, s], position_ids [b, s], attention_mask=None,
+    packed_seq_params=None)`` returns logits [b, s, vocab/tp] (vocab-parallel), or per-token cross entropy
+    [b, s] fp32 when ``labels`` is given. Packed documents: ``packed_seq_params`` in the ``thd`` format with
+    ``b = 1`` (each document attends to itself only and its RoPE positions restart at 0; ``position_ids`` are
+    ignored, as everywhere in Megatron's ``GPTModel``).
 
     Args:
         pre_process / post_process: this stage holds the embedding / the final norm and output layer
             (``parallel_state.is_pipeline_first_stage()`` / ``is_pipeline_last_stage()``).
         vp_stage: virtual pipeline stage index with interleaved PP.
     """
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-
     arch = arch_from_hf_config(hf_config)
-    if transformer_engine_available():
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
-    else:
-        layer_spec = get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
-    return GPTModel(
+    return _GPTModel(
         config=transformer_config,
-        transformer_layer_spec=layer_spec,
+        transformer_layer_spec=gpt_layer_spec(),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -187,6 +204,53 @@ def build_gpt_model(
         rotary_base=arch.rope_theta,
         vp_stage=vp_stage,
     )
+
+
+def gpt_layer_spec() -> Any:
+    """The transformer layer spec of our GPT models (RMSNorm, SwiGLU, no qk layernorm).
+
+    ``get_gpt_layer_with_transformer_engine_spec()`` when transformer-engine is importable (GPU: fused attention,
+    ``thd`` packing); else megatron's local spec ``get_gpt_layer_local_spec(normalization="RMSNorm")`` with
+    :class:`~afm_core.models.attention.SDPAttention` as ``core_attention`` (both read ``packed_seq_params``).
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if transformer_engine_available():
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+    from afm_core.models.attention import SDPAttention
+
+    spec = get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+class _GPTModel(GPTModel):
+    """Megatron's ``GPTModel`` whose per-token loss at TP=1 is one fused linear + cross entropy.
+
+    With labels, Megatron computes the full ``[s, b, vocab]`` logits, then ``vocab_parallel_cross_entropy``
+    (``megatron/core/tensor_parallel/cross_entropy.py``): several passes over them, softmax and logits stored for
+    backward, and three all-reduces over the TP group, all work for nothing at TP=1. There the output layer and
+    the loss are :func:`afm_core.train.loss.linear_cross_entropy` instead (chunks of rows, logits never stored).
+    With TP > 1, megatron's fused cross entropy configured (GPU), multi-token prediction or inference, the
+    parent's ``_postprocess`` runs unchanged.
+    """
+
+    def _postprocess(self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None,
+                     **kwargs: Any) -> torch.Tensor:
+        if (labels is None or not self.post_process or kwargs.get("mtp_in_postprocess")
+                or self.config.mtp_num_layers is not None or kwargs.get("inference_context") is not None
+                or self.config.cross_entropy_loss_fusion or self.pg_collection.tp.size() > 1):
+            return super()._postprocess(hidden_states=hidden_states, labels=labels, **kwargs)
+        from afm_core.train.loss import linear_cross_entropy
+
+        weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                  else self.output_layer.weight)
+        s, b, h = hidden_states.shape
+        loss = linear_cross_entropy(hidden_states.reshape(s * b, h), weight, labels.transpose(0, 1).reshape(s * b))
+        return loss.view(s, b).transpose(0, 1).contiguous()  # [b, s]
 
 
 class _HFBridge(LLMBridge):

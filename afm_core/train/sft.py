@@ -118,8 +118,7 @@ def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_s
     eval_batches = full_micro_batches(
         data.heldout_batches(micro_batch_size=mbs, dp_rank=layout.dp_rank, dp_size=layout.dp,
                              max_sequences=int(t.eval_sequences)), mbs)
-    trainer = SFTTrainer(cfg, layout, chunks, train, eval_batches, cfg.run_dir, max_steps, resume_from=resume_from,
-                         thd_packing=te and bool(cfg.data.pack))
+    trainer = SFTTrainer(cfg, layout, chunks, train, eval_batches, cfg.run_dir, max_steps, resume_from=resume_from)
     summary = trainer.fit()
     export = None
     if t.export_hf and not summary["stopped_early"]:

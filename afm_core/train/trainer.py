@@ -11,8 +11,12 @@ A micro batch is a dict of CPU tensors (the data loader's contract):
     loss_mask [b, s] (1 = trained target token), position_ids [b, s] int64, and optionally
     attention_mask [b, 1, s, s] bool (True = masked out; block-causal for packed documents; absent: causal).
 ``b = trainer.micro_batch_size`` and ``s = trainer.seq_length`` are fixed (pipeline send/recv shapes).
-With the transformer-engine layer spec (GPU), packed documents go to TE's fused attention as the ``thd``
-format (``PackedSeqParams`` from the batch's ``cu_seqlens``, as Megatron-LM does), which needs ``b = 1``.
+When the model's attention reads ``PackedSeqParams`` (transformer-engine's on GPU, our
+:class:`~afm_core.models.attention.SDPAttention` on the local spec) and the batch has ``cu_seqlens``
+(``b`` int tensors ``[d_i + 1]`` of document offsets), the micro batch goes to the model in the ``thd`` format, as
+Megatron-LM packs it: the ``b`` rows laid end to end as one ``[1, b * s]`` row, each document (and each row's
+trailing padding) a sequence of its own with RoPE positions restarting at 0; no dense mask is needed or read.
+Otherwise the ``attention_mask`` (built from ``cu_seqlens`` when absent) goes to the attention.
 
 Exact resume: a checkpoint holds the model, optimizer, LR scheduler, step counters, data-loader and RNG
 states (:mod:`afm_core.train.checkpoint`); resuming reproduces the uninterrupted run's losses and weights
@@ -22,6 +26,7 @@ bitwise on CPU, and ``metrics.jsonl`` is cut back to the checkpoint's step.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -40,6 +45,7 @@ from megatron.core.utils import get_model_config
 from tqdm import tqdm
 
 from afm_core.data.loader import StepMicroBatches
+from afm_core.data.packing import block_causal_attention_mask
 from afm_core.train.checkpoint import Checkpointer
 from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
 from afm_core.train.distributed import ParallelLayout
@@ -88,21 +94,56 @@ class Progress:
 
 
 def thd_packed_seq_params(cu_seqlens: list[torch.Tensor], seq_length: int, device: torch.device) -> PackedSeqParams:
-    """TE ``thd`` parameters for one packed sequence (micro batch size 1): each document is a sequence, and the
-    trailing padding one more.
+    """``thd`` parameters for ``b`` packed sequences laid end to end as one row of ``b * seq_length`` tokens:
+    each document is a sequence, and each row's trailing padding one more.
 
     Args:
-        cu_seqlens: one int tensor ``[d + 1]`` of document offsets in tokens (the loader's ``cu_seqlens``).
-        seq_length: tokens in the packed sequence.
+        cu_seqlens: ``b`` int tensors ``[d_i + 1]`` of document offsets in tokens (the loader's ``cu_seqlens``).
+        seq_length: tokens in each packed sequence.
+    Raises:
+        ValueError: offsets that do not rise from 0 to at most ``seq_length``.
     """
-    (offsets,) = cu_seqlens
-    offsets = offsets.to(torch.int32)
-    if int(offsets[-1]) < seq_length:
-        offsets = torch.cat([offsets, torch.tensor([seq_length], dtype=torch.int32)])
+    parts = []
+    for row, offsets in enumerate(cu_seqlens):
+        offsets = torch.as_tensor(offsets, dtype=torch.int64).flatten()
+        if offsets.numel() == 0 or int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()) \
+                or int(offsets[-1]) > seq_length:
+            raise ValueError(f"cu_seqlens of row {row} must rise from 0 to at most seq_length={seq_length}, "
+                             f"got {offsets.tolist()}")
+        if int(offsets[-1]) < seq_length:
+            offsets = torch.cat([offsets, torch.tensor([seq_length])])
+        parts.append(offsets[int(row > 0):] + row * seq_length)
+    offsets = torch.cat(parts).to(torch.int32)
     max_len = int((offsets[1:] - offsets[:-1]).max())
     offsets = offsets.to(device)
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
                            max_seqlen_q=max_len, max_seqlen_kv=max_len)
+
+
+def reads_packed_seq_params(chunks: list[torch.nn.Module]) -> bool:
+    """Whether every attention of the model chunks reads ``thd`` ``PackedSeqParams``: transformer-engine's
+    ``TEDotProductAttention`` or :class:`~afm_core.models.attention.SDPAttention` (megatron's local
+    ``DotProductAttention`` rejects them)."""
+    from afm_core.models.attention import SDPAttention
+
+    kinds = [isinstance(m, SDPAttention) or type(m).__name__ == "TEDotProductAttention"
+             for chunk in chunks for m in chunk.modules() if type(m).__name__.endswith("DotProductAttention")
+             or isinstance(m, SDPAttention)]
+    return bool(kinds) and all(kinds)
+
+
+class _DistributedDataParallel(DistributedDataParallel):
+    """Megatron's DDP without the gradient collective when the data-parallel group has one rank.
+
+    At DP = 1, ``finish_grad_sync`` would still scan the fp32 grad buffer for NaNs and all-reduce it over a
+    one-rank group: passes over the whole buffer that change nothing. Gradient scaling by the token count
+    (``finalize_model_grads``) and the embedding/layernorm syncs over PP/TP are unaffected.
+    """
+
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        if self.ddp_config.use_distributed_optimizer or self.dp_cp_group.size() > 1 \
+                or self.expert_parallel_bucket_groups:
+            super().finish_grad_sync(force_all_reduce=force_all_reduce)
 
 
 def find_resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None) -> Path | None:
@@ -322,21 +363,23 @@ class SFTTrainer(SFTLoop):
         cfg, layout, train_data, eval_batches, run_dir, max_steps, resume_from: as for :class:`SFTLoop`.
         model_chunks: unwrapped GPTModel chunk(s) of this rank, weights already loaded, on ``layout.device``,
             in their training dtype (bf16 or fp32).
-        thd_packing: give packed documents to transformer-engine attention as ``PackedSeqParams`` (TE spec).
+        thd_packing: give batches with ``cu_seqlens`` to the model in the ``thd`` format (module docstring);
+            None: whenever the model's attention reads ``PackedSeqParams`` (:func:`reads_packed_seq_params`).
     Raises:
-        ValueError: the batch sizes do not divide (names the config fields), or ``thd_packing`` with
-            ``micro_batch_size > 1``.
+        ValueError: the batch sizes do not divide (names the config fields), or ``thd_packing=True`` on a model
+            whose attention ignores ``PackedSeqParams``.
     """
 
     def __init__(self, cfg: Any, layout: ParallelLayout, model_chunks: list[torch.nn.Module],
                  train_data: MicroBatchSource, eval_batches: list[dict[str, torch.Tensor]], run_dir: str | Path,
-                 max_steps: int, resume_from: str | Path | None = None, thd_packing: bool = False):
+                 max_steps: int, resume_from: str | Path | None = None, thd_packing: bool | None = None):
         super().__init__(cfg, layout, train_data, eval_batches, run_dir, max_steps, resume_from)
-        self.thd_packing = thd_packing
+        reads_thd = reads_packed_seq_params(model_chunks)
+        if thd_packing and not reads_thd:
+            raise ValueError("thd_packing=True, but the model's attention does not read PackedSeqParams (use "
+                             "afm_core.models.bridge.gpt_layer_spec)")
+        self.thd_packing = reads_thd if thd_packing is None else thd_packing
         t = cfg.trainer
-        if thd_packing and self.micro_batch_size != 1:
-            raise ValueError("packed sequences on transformer-engine (thd format) need trainer.micro_batch_size=1, "
-                             f"got {self.micro_batch_size}")
 
         self.model = self._wrap(model_chunks)
         self.optimizer, self.scheduler = build_optimizer(
@@ -348,6 +391,12 @@ class SFTTrainer(SFTLoop):
         config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
+        if self.ddp_config.overlap_grad_reduce:  # Megatron-LM's training.py: reduce each chunk as its grads are done
+            syncs = [m.start_grad_sync for m in self.model]
+            config.grad_sync_func = syncs if len(syncs) > 1 else syncs[0]
+        if self.ddp_config.overlap_param_gather:  # ... and gather each chunk's updated weights before its forward
+            syncs = [m.start_param_sync for m in self.model]
+            config.param_sync_func = syncs if len(syncs) > 1 else syncs[0]
         self.forward_backward = get_forward_backward_func()
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", t.keep_last, layout)
         self.report_groups = [ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()]
@@ -366,42 +415,74 @@ class SFTTrainer(SFTLoop):
             config.batch_p2p_comm = False
         if config.bf16:
             chunks = [Float16Module(config, m) for m in chunks]
-        ddp_config = DistributedDataParallelConfig(
+        # GPU with DP > 1: overlap the gradient reduce-scatter/all-reduce with backward, and with the distributed
+        # optimizer the parameter all-gather with the next forward (Megatron-LM's --overlap-grad-reduce /
+        # --overlap-param-gather). CPU (gloo): synchronous, and no NaN scan of the grad buffer (the grad norm,
+        # computed for clipping anyway, is checked instead in train_step).
+        distributed_optimizer = bool(self.cfg.parallel.distributed_optimizer)
+        overlap = self.layout.on_gpu and self.layout.dp > 1
+        self.ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=bool(self.cfg.parallel.distributed_optimizer),
-            check_for_nan_in_grad=True,
+            overlap_grad_reduce=overlap,
+            overlap_param_gather=overlap and distributed_optimizer,
+            use_distributed_optimizer=distributed_optimizer,
+            check_for_nan_in_grad=self.layout.on_gpu,
         )
         return [
-            DistributedDataParallel(config=config, ddp_config=ddp_config, module=m, disable_bucketing=i > 0)
+            _DistributedDataParallel(config=config, ddp_config=self.ddp_config, module=m, disable_bucketing=i > 0)
             for i, m in enumerate(chunks)
         ]
 
+    def sync_params(self) -> None:
+        """Finish the pending parameter all-gather of the distributed optimizer (``overlap_param_gather``), so the
+        weights are complete before an eval, a checkpoint or an export (Megatron-LM's ``force_param_sync``)."""
+        if self.ddp_config.overlap_param_gather:
+            for chunk in self.model:
+                chunk.start_param_sync(force_sync=True)
+
     # -- one step --------------------------------------------------------------------------------------
-    def _forward_step(self, data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
-        batch = next(data_iterator)
+    def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The ``GPTModel.forward`` arguments of a micro batch, on this rank's device (module docstring).
+
+        Returns:
+            ``input_ids``, ``position_ids``, ``labels`` (-100 clamped to 0), ``loss_mask`` (``[b, s]``, or
+            ``[1, b * s]`` in the ``thd`` format), ``attention_mask`` and ``packed_seq_params`` (one of them None).
+        """
         device = self.layout.device
-        tokens = batch["tokens"].to(device, non_blocking=True)
-        labels = batch["labels"].to(device, non_blocking=True).clamp(min=0)  # -100 where loss_mask is 0
-        loss_mask = batch["loss_mask"].to(device, non_blocking=True)
-        position_ids = batch["position_ids"].to(device, non_blocking=True)
-        attention_mask, packed_seq_params = batch.get("attention_mask"), None
-        if self.thd_packing:  # the loader builds no dense mask then: documents come as cu_seqlens
-            attention_mask, packed_seq_params = None, thd_packed_seq_params(batch["cu_seqlens"], self.seq_length, device)
-        elif attention_mask is not None:
-            attention_mask = attention_mask.to(device, non_blocking=True)
-        output = model(tokens, position_ids, attention_mask, labels=labels, packed_seq_params=packed_seq_params)
+        inputs = {key: batch[name].to(device, non_blocking=True) for key, name in (
+            ("input_ids", "tokens"), ("labels", "labels"), ("loss_mask", "loss_mask"), ("position_ids", "position_ids"))}
+        inputs["labels"] = inputs["labels"].clamp(min=0)  # -100 where loss_mask is 0
+        inputs["attention_mask"] = inputs["packed_seq_params"] = None
+        if self.thd_packing and batch.get("cu_seqlens") is not None:
+            b, s = inputs["input_ids"].shape
+            inputs.update({key: inputs[key].reshape(1, b * s)
+                           for key in ("input_ids", "labels", "loss_mask", "position_ids")})
+            inputs["packed_seq_params"] = thd_packed_seq_params(batch["cu_seqlens"], s, device)
+        elif batch.get("attention_mask") is not None:
+            inputs["attention_mask"] = batch["attention_mask"].to(device, non_blocking=True)
+        elif batch.get("cu_seqlens") is not None:
+            inputs["attention_mask"] = torch.cat(
+                [block_causal_attention_mask(c, self.seq_length) for c in batch["cu_seqlens"]]).to(device)
+        return inputs
+
+    def _forward_step(self, data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
+        inputs = self.model_inputs(next(data_iterator))
+        loss_mask = inputs.pop("loss_mask")
+        output = model(inputs.pop("input_ids"), inputs.pop("position_ids"), inputs.pop("attention_mask"), **inputs)
         return output, partial(masked_token_loss, loss_mask)
 
     def _run_schedule(self, micro_batches: Any, forward_only: bool):
         iterators = [iter(micro_batches) for _ in self.model]
+        # thd: the b rows of a micro batch travel as one [b * s, 1, hidden] activation between pipeline stages
+        shape = (self.micro_batch_size * self.seq_length, 1) if self.thd_packing else (
+            self.seq_length, self.micro_batch_size)
         return self.forward_backward(
             forward_step_func=self._forward_step,
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
             model=self.model,
             num_microbatches=len(micro_batches),
-            seq_length=self.seq_length,
-            micro_batch_size=self.micro_batch_size,
+            seq_length=shape[0],
+            micro_batch_size=shape[1],
             forward_only=forward_only,
         )
 
@@ -415,8 +496,9 @@ class SFTTrainer(SFTLoop):
         lr = self.optimizer.param_groups[0]["lr"]
         reports = self._run_schedule(micro_batches, forward_only=False)
         update_ok, grad_norm, _ = self.optimizer.step()
-        if not update_ok:
-            raise FloatingPointError(f"optimizer step {self.progress.step + 1} skipped: non-finite gradients")
+        if not update_ok or (grad_norm is not None and not math.isfinite(grad_norm)):
+            raise FloatingPointError(f"optimizer step {self.progress.step + 1}: non-finite gradients "
+                                     f"(grad norm {grad_norm})")
         self.scheduler.step(increment=1)
         loss, tokens = reduce_reports(reports, self.report_groups)
         return {"loss": loss, "tokens": tokens, "lr": lr, "grad_norm": float(grad_norm)}
@@ -424,6 +506,7 @@ class SFTTrainer(SFTLoop):
     @torch.no_grad()
     def evaluate(self) -> tuple[float, int]:
         """Masked token-mean loss and unmasked token count over the held-out micro batches of all DP ranks."""
+        self.sync_params()
         for chunk in self.model:
             chunk.eval()
         reports = self._run_schedule(self.eval_batches, forward_only=True)
@@ -433,6 +516,7 @@ class SFTTrainer(SFTLoop):
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
+        self.sync_params()
         common = {"progress": asdict(self.progress), "scheduler": self.scheduler.state_dict()}
         shared = [common]
         torch.distributed.broadcast_object_list(shared, src=0)  # dist_checkpointing wants identical commons

@@ -1,0 +1,112 @@
+"""Core attention for Megatron's local (non transformer-engine) layer spec: fused SDPA, packed documents by
+``cu_seqlens``, no dense mask.
+
+Megatron-core's local ``DotProductAttention`` (``megatron/core/transformer/dot_product_attention.py``) computes
+``softmax(QK^T)`` explicitly: a ``[b, heads, s, s]`` fp32 score matrix per layer, stored for backward, with packed
+documents confined by a dense ``[b, 1, s, s]`` mask; it rejects ``packed_seq_params``. :class:`SDPAttention` is a
+drop-in ``core_attention`` for ``SelfAttentionSubmodules`` that calls
+``torch.nn.functional.scaled_dot_product_attention`` instead (on CPU the fused flash kernel
+``_scaled_dot_product_flash_attention_for_cpu``: O(s) memory, no stored scores, GQA without repeating K/V), and
+that reads the ``thd`` ``PackedSeqParams`` exactly like transformer-engine's ``TEDotProductAttention``: one causal
+attention per document ``[cu_seqlens[i], cu_seqlens[i+1])``. With ``thd`` params, Megatron's ``Attention`` also
+restarts RoPE at every document (``rope_utils._apply_rotary_pos_emb_thd``), so a packed document computes what
+it computes alone (Megatron's ``GPTModel`` otherwise builds RoPE from the sequence length and ignores
+``position_ids``).
+
+Shapes (Megatron's conventions): ``thd``: query ``[t, np, hn]``, key/value ``[t, ng, hn]`` (``t`` tokens of the
+packed micro batch, ``np``/``ng`` attention heads / query groups of this TP rank, ``hn`` head dim), output
+``[t, np * hn]``. Otherwise (``sbhd``): query ``[s, b, np, hn]``, key/value ``[s, b, ng, hn]``, output
+``[s, b, np * hn]``; causal, or the boolean ``attention_mask [b, 1, s, s]`` (True = masked out) when one is given.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+class SDPAttention(MegatronModule):
+    """``core_attention`` of the local layer spec on ``F.scaled_dot_product_attention`` (see the module docstring).
+
+    Constructor arguments are those Megatron's ``SelfAttention`` passes to any ``core_attention``.
+
+    Raises:
+        NotImplementedError: context parallelism, sliding-window attention or a non-vanilla softmax (those need
+            transformer-engine), or an ``attention_bias`` at forward time.
+        ValueError: ``packed_seq_params`` with a format other than ``thd``, or ``cu_seqlens`` that do not cover
+            the ``t`` tokens of the micro batch.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise NotImplementedError("context parallelism needs transformer-engine attention (TE layer spec)")
+        if config.window_size is not None:
+            raise NotImplementedError("sliding-window attention needs transformer-engine attention (TE layer spec)")
+        if config.softmax_type != "vanilla":
+            raise NotImplementedError(f"softmax_type={config.softmax_type!r} needs transformer-engine attention")
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+        tp = pg_collection.tp.size()
+        self.attn_mask_type = attn_mask_type
+        self.num_heads = divide(config.num_attention_heads, tp)
+        self.num_groups = divide(config.num_query_groups, tp)
+        head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
+        # Megatron's DotProductAttention: 1/sqrt(hn), divided by the layer number with query-key layer scaling.
+        self.softmax_scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else softmax_scale
+        if config.apply_query_key_layer_scaling:
+            self.softmax_scale /= max(1, layer_number)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``[b, np, sq, hn]`` attention of ``q`` over ``k``/``v`` ``[b, ng, sk, hn]``; causal when ``mask`` is None."""
+        dropout = self.dropout_p if self.training else 0.0
+        kwargs = dict(attn_mask=mask, is_causal=mask is None, dropout_p=dropout, scale=self.softmax_scale,
+                      enable_gqa=self.num_heads != self.num_groups)
+        if dropout and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():  # as Megatron's DotProductAttention
+                return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
+                attention_bias: torch.Tensor | None = None,
+                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
+        if attention_bias is not None:
+            raise NotImplementedError("attention_bias is not supported by SDPAttention")
+        if packed_seq_params is not None:
+            return self._forward_thd(query, key, value, packed_seq_params)
+        # [s, b, n, hn] -> [b, n, s, hn]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+        mask = None if attention_mask is None else ~attention_mask.to(torch.bool)
+        out = self._sdpa(q, k, v, mask)  # [b, np, s, hn]
+        s, b = query.shape[:2]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _forward_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     params: PackedSeqParams) -> torch.Tensor:
+        if params.qkv_format != "thd":
+            raise ValueError(f"SDPAttention reads packed_seq_params in the 'thd' format, got {params.qkv_format!r}")
+        t = query.shape[0]
+        offsets = (params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None
+                   else params.cu_seqlens_q).tolist()
+        if offsets[0] != 0 or offsets[-1] != t:
+            raise ValueError(f"cu_seqlens must run from 0 to the {t} tokens of the micro batch, got "
+                             f"{offsets[0]}..{offsets[-1]}")
+        # [t, n, hn] -> [1, n, t, hn]; each document is a causal attention of its own
+        q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+        outs = [self._sdpa(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None)
+                for a, e in zip(offsets[:-1], offsets[1:]) if e > a]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, np, t, hn]
+        return out.squeeze(0).permute(1, 0, 2).reshape(t, -1)

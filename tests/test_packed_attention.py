@@ -1,0 +1,150 @@
+"""Packed documents on Megatron's GPTModel: SDPA core attention reading cu_seqlens (afm_core.models.attention),
+RoPE restarting per document, per-document losses equal to each document alone, at TP=1 and TP=2 (gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from afm_core.launch.distributed import free_port
+from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+
+DOC_LENGTHS = (37, 50, 20)  # three documents, then 21 padding tokens
+SEQ = 128
+PER_DOC_ATOL = 1e-5  # fp32 per-token loss, packed vs alone
+HF_ATOL = 1e-4  # fp32 per-token loss, Megatron vs transformers
+
+
+def _packed_sample(vocab: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, vocab, (1, SEQ), generator=g)
+    labels = torch.randint(0, vocab, (1, SEQ), generator=g)
+    offsets = torch.tensor([0, *torch.tensor(DOC_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    return {"tokens": tokens, "labels": labels, "cu_seqlens": offsets}
+
+
+def _worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from transformers import AutoConfig
+
+    from afm_core.models.attention import SDPAttention
+    from afm_core.models.bridge import build_gpt_model, load_hf_weights, mcore_config_from_hf
+    from afm_core.train.cpu_shims import apply_cpu_shims
+    from afm_core.train.trainer import thd_packed_seq_params
+
+    apply_cpu_shims()
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    try:
+        hf_config = AutoConfig.from_pretrained(hf_dir)
+        config = mcore_config_from_hf(hf_config, tp=world, params_dtype=torch.float32)
+        model = build_gpt_model(hf_config, config, pre_process=True, post_process=True)
+        load_hf_weights([model], hf_dir)
+        model.eval()
+        queries: list[torch.Tensor] = []
+        attention = next(m for m in model.modules() if isinstance(m, SDPAttention))
+        attention.register_forward_pre_hook(lambda _, args: queries.append(args[0].detach().clone()))
+
+        sample = _packed_sample(hf_config.vocab_size)
+        offsets = sample["cu_seqlens"].tolist()
+        with torch.no_grad():
+            params = thd_packed_seq_params([sample["cu_seqlens"]], SEQ, torch.device("cpu"))
+            positions = torch.zeros(1, SEQ, dtype=torch.long)  # ignored by GPTModel: RoPE must come from cu_seqlens
+            packed = model(sample["tokens"], positions, None, labels=sample["labels"], packed_seq_params=params)[0]
+            packed_query = queries.pop()  # [t, heads/tp, head_dim], after RoPE
+            result = {"packed_vs_alone": [], "query_vs_alone": []}
+            for a, e in zip(offsets[:-1], offsets[1:]):
+                alone = model(sample["tokens"][:, a:e], torch.arange(e - a)[None], None,
+                              labels=sample["labels"][:, a:e])[0]
+                alone_query = queries.pop()[:, 0]  # [s, b=1, heads/tp, head_dim] -> [s, heads/tp, head_dim]
+                result["packed_vs_alone"].append((packed[a:e] - alone).abs().max().item())
+                result["query_vs_alone"].append((packed_query[a:e] - alone_query).abs().max().item())
+                result.setdefault("alone", []).append(alone.tolist())
+        (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_packed_documents_have_the_losses_they_have_alone(tmp_path, tp):
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = ensure_hf_checkpoint("tiny-llama")
+    mp.start_processes(_worker, args=(tp, free_port(), str(hf_dir), str(tmp_path)), nprocs=tp, start_method="spawn")
+    hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    sample = _packed_sample(hf_model.config.vocab_size)
+    offsets = sample["cu_seqlens"].tolist()
+    for rank in range(tp):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert max(result["packed_vs_alone"]) <= PER_DOC_ATOL, result["packed_vs_alone"]
+        # RoPE restarts per document: the rotated queries of a packed document are those it has alone
+        assert max(result["query_vs_alone"]) <= 1e-6, result["query_vs_alone"]
+        for (a, e), alone in zip(zip(offsets[:-1], offsets[1:]), result["alone"]):
+            with torch.no_grad():
+                logits = hf_model(sample["tokens"][:, a:e]).logits[0]
+            reference = torch.nn.functional.cross_entropy(logits, sample["labels"][0, a:e], reduction="none")
+            assert (torch.tensor(alone) - reference).abs().max().item() <= HF_ATOL
+
+
+def _attention(heads: int, groups: int, head_dim: int):
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from afm_core.models.attention import SDPAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
+                               num_query_groups=groups, attention_dropout=0.0, use_cpu_initialization=True)
+    tp = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))
+    return SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=tp)
+
+
+def _reference(q, k, v, mask):
+    """Explicit softmax attention: q [s, np, hn], k/v [s, ng, hn], mask [s, s] True = masked out."""
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).reshape(q.shape[0], -1)
+
+
+def test_sdp_attention_per_document_equals_explicit_block_causal_softmax():
+    from afm_core.data.packing import block_causal_attention_mask
+    from afm_core.train.trainer import thd_packed_seq_params
+
+    torch.manual_seed(0)
+    s, heads, groups, dim = 40, 6, 2, 16
+    attention = _attention(heads, groups, dim)
+    q, k, v = torch.randn(s, heads, dim), torch.randn(s, groups, dim), torch.randn(s, groups, dim)
+    offsets = torch.tensor([0, 9, 25, 33], dtype=torch.int32)  # three documents, 7 padding tokens
+    mask = block_causal_attention_mask(offsets, s)[0, 0]
+    expected = _reference(q, k, v, mask)
+    thd = attention(q, k, v, None, packed_seq_params=thd_packed_seq_params([offsets], s, torch.device("cpu")))
+    # padding rows differ (causal among themselves in thd, each to itself in the mask) and are never trained
+    torch.testing.assert_close(thd[:33], expected[:33], rtol=1e-5, atol=1e-6)
+    # the sbhd path with the dense mask computes the same
+    dense = attention(q[:, None], k[:, None], v[:, None], mask[None, None])
+    torch.testing.assert_close(dense[:, 0], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_thd_params_lay_micro_batch_rows_end_to_end():
+    from afm_core.train.trainer import thd_packed_seq_params
+
+    params = thd_packed_seq_params([torch.tensor([0, 3, 7]), torch.tensor([0, 10])], 10, torch.device("cpu"))
+    assert params.cu_seqlens_q.tolist() == [0, 3, 7, 10, 20]
+    assert params.max_seqlen_q == 10 and params.qkv_format == "thd"
+    with pytest.raises(ValueError, match="row 1"):
+        thd_packed_seq_params([torch.tensor([0, 3]), torch.tensor([0, 12])], 10, torch.device("cpu"))
