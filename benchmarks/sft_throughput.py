@@ -148,8 +148,12 @@ def megatron_step(cfg: Any, hf_dir: Path, data: PackedSequences, max_steps: int,
     from transformers import AutoConfig
 
     from afm_core.data.loader import TrainIterator
-    from afm_core.models.bridge import build_gpt_model, load_hf_weights, mcore_config_from_hf
-    from afm_core.models.bridge import transformer_engine_available
+    from afm_core.models.bridge import (
+        build_gpt_model,
+        load_hf_weights,
+        mcore_config_from_hf,
+        transformer_engine_available,
+    )
     from afm_core.train.trainer import SFTTrainer, build_model_chunks
 
     layout = join_single_process_group(cfg, threads)
@@ -185,7 +189,10 @@ def hf_step(cfg: Any, hf_dir: Path, data: PackedSequences, max_steps: int, threa
     from transformers import AutoModelForCausalLM
 
     from afm_core.data.loader import TrainIterator
-    from afm_core.train.deepspeed_engine import adamw_param_groups, per_token_cross_entropy
+    from afm_core.train.deepspeed_engine import (
+        adamw_param_groups,
+        per_token_cross_entropy,
+    )
     from afm_core.train.loss import masked_token_loss
     from afm_core.train.optim import build_lr_scheduler
 

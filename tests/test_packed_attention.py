@@ -3,6 +3,7 @@ RoPE restarting per document, per-document losses equal to each document alone, 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -41,7 +42,11 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
     from transformers import AutoConfig
 
     from afm_core.models.attention import SDPAttention
-    from afm_core.models.bridge import build_gpt_model, load_hf_weights, mcore_config_from_hf
+    from afm_core.models.bridge import (
+        build_gpt_model,
+        load_hf_weights,
+        mcore_config_from_hf,
+    )
     from afm_core.train.cpu_shims import apply_cpu_shims
     from afm_core.train.trainer import thd_packed_seq_params
 
@@ -66,7 +71,7 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
             packed = model(sample["tokens"], positions, None, labels=sample["labels"], packed_seq_params=params)[0]
             packed_query = queries.pop()  # [t, heads/tp, head_dim], after RoPE
             result = {"packed_vs_alone": [], "query_vs_alone": []}
-            for a, e in zip(offsets[:-1], offsets[1:]):
+            for a, e in itertools.pairwise(offsets):
                 alone = model(sample["tokens"][:, a:e], torch.arange(e - a)[None], None,
                               labels=sample["labels"][:, a:e])[0]
                 alone_query = queries.pop()[:, 0]  # [s, b=1, heads/tp, head_dim] -> [s, heads/tp, head_dim]
@@ -93,7 +98,7 @@ def test_packed_documents_have_the_losses_they_have_alone(tmp_path, tp):
         assert max(result["packed_vs_alone"]) <= PER_DOC_ATOL, result["packed_vs_alone"]
         # RoPE restarts per document: the rotated queries of a packed document are those it has alone
         assert max(result["query_vs_alone"]) <= 1e-6, result["query_vs_alone"]
-        for (a, e), alone in zip(zip(offsets[:-1], offsets[1:]), result["alone"]):
+        for (a, e), alone in zip(itertools.pairwise(offsets), result["alone"], strict=True):
             with torch.no_grad():
                 logits = hf_model(sample["tokens"][:, a:e]).logits[0]
             reference = torch.nn.functional.cross_entropy(logits, sample["labels"][0, a:e], reduction="none")

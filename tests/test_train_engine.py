@@ -146,7 +146,11 @@ def train_worker(rank: int, world: int, port: int, spec: dict) -> None:
     """Train the tiny model per ``spec`` and dump the final weights of this rank under spec['out']."""
     _set_env(rank, world, port)
     from afm_core.train.distributed import destroy_distributed, init_distributed
-    from afm_core.train.trainer import SFTTrainer, build_model_chunks, request_checkpoint
+    from afm_core.train.trainer import (
+        SFTTrainer,
+        build_model_chunks,
+        request_checkpoint,
+    )
 
     cfg = OmegaConf.create(spec["cfg"])
     layout = init_distributed(cfg.parallel, seed=cfg.trainer.seed, num_threads=1)
@@ -299,7 +303,7 @@ def straight_run(tmp_path_factory):
 
 def assert_same_run(resumed: dict, straight: dict) -> None:
     keys = ("step", "split", "loss", "tokens", "lr", "grad_norm")
-    project = lambda result: [{k: r.get(k) for k in keys} for r in result["records"]]  # noqa: E731
+    project = lambda result: [{k: r.get(k) for k in keys} for r in result["records"]]
     assert project(resumed) == project(straight)  # every (step, split) exactly once, equal values
     for rank in (0, 1):
         a = torch.load(resumed["out"] / f"weights_rank{rank}.pt")
@@ -327,7 +331,10 @@ def test_exact_resume_after_preemption_signal(tmp_path, straight_run):
 
 @pytest.mark.slow
 def test_crash_during_checkpoint_write_keeps_previous(tmp_path, straight_run):
-    from afm_core.train.checkpoint_dirs import complete_checkpoints, latest_complete_checkpoint
+    from afm_core.train.checkpoint_dirs import (
+        complete_checkpoints,
+        latest_complete_checkpoint,
+    )
 
     run_dir = tmp_path / "run"
     with pytest.raises(mp.ProcessRaisedException, match="No space left on device"):
@@ -357,5 +364,5 @@ def test_bf16_tensor_parallel_resumes_exactly(tmp_path):
     shutil.rmtree(run_dir / "checkpoints" / "step_00000004")  # as if killed after the step-2 checkpoint
     resumed = run(tmp_path, "resumed", world=2, run_dir=run_dir, cfg=cfg, bf16=True)
     assert resumed["summary"]["resumed_from"].endswith("step_00000002")
-    project = lambda result: [(r["step"], r["split"], r["loss"], r.get("grad_norm")) for r in result["records"]]  # noqa: E731
+    project = lambda result: [(r["step"], r["split"], r["loss"], r.get("grad_norm")) for r in result["records"]]
     assert project(resumed) == project(straight)

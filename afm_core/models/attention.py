@@ -21,6 +21,7 @@ packed micro batch, ``np``/``ng`` attention heads / query groups of this TP rank
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -72,8 +73,8 @@ class SDPAttention(MegatronModule):
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``[b, np, sq, hn]`` attention of ``q`` over ``k``/``v`` ``[b, ng, sk, hn]``; causal when ``mask`` is None."""
         dropout = self.dropout_p if self.training else 0.0
-        kwargs = dict(attn_mask=mask, is_causal=mask is None, dropout_p=dropout, scale=self.softmax_scale,
-                      enable_gqa=self.num_heads != self.num_groups)
+        kwargs = {"attn_mask": mask, "is_causal": mask is None, "dropout_p": dropout, "scale": self.softmax_scale,
+                  "enable_gqa": self.num_heads != self.num_groups}
         if dropout and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():  # as Megatron's DotProductAttention
                 return F.scaled_dot_product_attention(q, k, v, **kwargs)
@@ -107,6 +108,6 @@ class SDPAttention(MegatronModule):
         # [t, n, hn] -> [1, n, t, hn]; each document is a causal attention of its own
         q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
         outs = [self._sdpa(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None)
-                for a, e in zip(offsets[:-1], offsets[1:]) if e > a]
+                for a, e in itertools.pairwise(offsets) if e > a]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, np, t, hn]
         return out.squeeze(0).permute(1, 0, 2).reshape(t, -1)

@@ -28,7 +28,7 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,7 @@ def transformer_engine_available() -> bool:
         return False
     try:
         import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # a broken TE install (e.g. no CUDA) behaves as absent
+    except (ImportError, OSError, RuntimeError):  # a broken TE install (e.g. no CUDA) behaves as absent
         return False
     return True
 
@@ -95,16 +95,16 @@ def platform_fusions() -> dict[str, Any]:
     """
     cuda = torch.cuda.is_available()
     te = cuda and transformer_engine_available()
-    return dict(
-        masked_softmax_fusion=cuda,
-        bias_activation_fusion=cuda,
-        bias_dropout_fusion=cuda,
-        apply_rope_fusion=te,
-        cross_entropy_loss_fusion=cuda,
-        cross_entropy_fusion_impl="te" if te else "native",
-        gradient_accumulation_fusion=cuda and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
-        persist_layer_norm=False,
-    )
+    return {
+        "masked_softmax_fusion": cuda,
+        "bias_activation_fusion": cuda,
+        "bias_dropout_fusion": cuda,
+        "apply_rope_fusion": te,
+        "cross_entropy_loss_fusion": cuda,
+        "cross_entropy_fusion_impl": "te" if te else "native",
+        "gradient_accumulation_fusion": cuda and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+        "persist_layer_norm": False,
+    }
 
 
 def mcore_config_from_hf(
@@ -261,8 +261,8 @@ class _HFBridge(LLMBridge):
     """
 
     # Local spec: RMSNorm modules of their own. TE spec: fused layer_norm_weight (mapped by LLMBridge).
-    _OTHER_MAPPING = {"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
-    _MLP_MAPPING = {
+    _OTHER_MAPPING: ClassVar[dict[str, list[str]]] = {"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
+    _MLP_MAPPING: ClassVar[dict[str, list[str]]] = {
         **LLMBridge._MLP_MAPPING,
         "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
     }

@@ -38,7 +38,8 @@ Patches (in the order :func:`apply_cpu_shims` installs them):
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
