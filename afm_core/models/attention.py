@@ -16,7 +16,8 @@ it computes alone (Megatron's ``GPTModel`` otherwise builds RoPE from the sequen
 Shapes (Megatron's conventions): ``thd``: query ``[t, np, hn]``, key/value ``[t, ng, hn]`` (``t`` tokens of the
 packed micro batch, ``np``/``ng`` attention heads / query groups of this TP rank, ``hn`` head dim), output
 ``[t, np * hn]``. Otherwise (``sbhd``): query ``[s, b, np, hn]``, key/value ``[s, b, ng, hn]``, output
-``[s, b, np * hn]``; causal, or the boolean ``attention_mask [b, 1, s, s]`` (True = masked out) when one is given.
+``[s, b, np * hn]``; causal, or the boolean ``attention_mask [b, 1, s, s]`` (True = masked out) when one is given
+(a query row masked everywhere attends everywhere, never NaN).
 """
 
 from __future__ import annotations
@@ -90,7 +91,12 @@ class SDPAttention(MegatronModule):
             return self._forward_thd(query, key, value, packed_seq_params)
         # [s, b, n, hn] -> [b, n, s, hn]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
-        mask = None if attention_mask is None else ~attention_mask.to(torch.bool)
+        mask = None
+        if attention_mask is not None:
+            # SDPA: True = attend. A row masked everywhere (e.g. left padding) attends everywhere instead of giving
+            # NaN, as Megatron's -10000 fill (transformer/utils.py attention_mask_func) makes it near uniform.
+            masked = attention_mask.to(torch.bool)
+            mask = ~masked | masked.all(dim=-1, keepdim=True)
         out = self._sdpa(q, k, v, mask)  # [b, np, s, hn]
         s, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
