@@ -86,8 +86,8 @@ def platform_fusions() -> dict[str, Any]:
 
     On CPU every fusion is off (they are CUDA kernels or ``torch.jit`` fusers megatron only enables on CUDA).
     With CUDA: bias+SwiGLU, bias+dropout+add and the masked-softmax fusion (megatron's own jit/CUDA kernels);
-    fused cross entropy (transformer-engine's when importable, else megatron's ``native`` one); RoPE fusion with
-    transformer-engine (its ``fused_apply_rotary_pos_emb``); weight-gradient accumulation into ``main_grad``
+    fused cross entropy (transformer-engine's when its version has it, else megatron's ``native`` one); RoPE
+    fusion with transformer-engine (its ``fused_apply_rotary_pos_emb``); weight-gradient accumulation into ``main_grad``
     when apex's ``fused_weight_gradient_mlp_cuda`` is importable (megatron's ``ColumnParallelLinear`` output layer
     raises without it); persistent layer norm never (apex-only, and the TE spec fuses its norms anyway).
     Which fusions exist: megatron-core ``transformer/transformer_config.py`` and Megatron-LM
@@ -95,13 +95,18 @@ def platform_fusions() -> dict[str, Any]:
     """
     cuda = torch.cuda.is_available()
     te = cuda and transformer_engine_available()
+    te_cross_entropy = False
+    if te:  # defined only by TE versions that have it (megatron-core extensions/transformer_engine.py)
+        from megatron.core.models.common.language_module import language_module
+
+        te_cross_entropy = language_module.te_parallel_cross_entropy is not None
     return {
         "masked_softmax_fusion": cuda,
         "bias_activation_fusion": cuda,
         "bias_dropout_fusion": cuda,
         "apply_rope_fusion": te,
         "cross_entropy_loss_fusion": cuda,
-        "cross_entropy_fusion_impl": "te" if te else "native",
+        "cross_entropy_fusion_impl": "te" if te_cross_entropy else "native",
         "gradient_accumulation_fusion": cuda and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
         "persist_layer_norm": False,
     }
@@ -261,7 +266,9 @@ class _HFBridge(LLMBridge):
     """
 
     # Local spec: RMSNorm modules of their own. TE spec: fused layer_norm_weight (mapped by LLMBridge).
-    _OTHER_MAPPING: ClassVar[dict[str, list[str]]] = {"input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]}
+    _OTHER_MAPPING: ClassVar[dict[str, list[str]]] = {
+        "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
+    }
     _MLP_MAPPING: ClassVar[dict[str, list[str]]] = {
         **LLMBridge._MLP_MAPPING,
         "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],

@@ -453,8 +453,8 @@ class SFTTrainer(SFTLoop):
             ``[1, b * s]`` in the ``thd`` format), ``attention_mask`` and ``packed_seq_params`` (one of them None).
         """
         device = self.layout.device
-        inputs = {key: batch[name].to(device, non_blocking=True) for key, name in (
-            ("input_ids", "tokens"), ("labels", "labels"), ("loss_mask", "loss_mask"), ("position_ids", "position_ids"))}
+        names = {"input_ids": "tokens", "labels": "labels", "loss_mask": "loss_mask", "position_ids": "position_ids"}
+        inputs = {key: batch[name].to(device, non_blocking=True) for key, name in names.items()}
         inputs["labels"] = inputs["labels"].clamp(min=0)  # -100 where loss_mask is 0
         inputs["attention_mask"] = inputs["packed_seq_params"] = None
         if self.thd_packing and batch.get("cu_seqlens") is not None:
