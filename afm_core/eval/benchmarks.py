@@ -119,7 +119,8 @@ def _gsm8k(where: Where, r: Mapping[str, Any], name: str, task: str, grader: str
     if "####" not in answer:
         raise where.error("field 'answer' has no '####' final answer")
     gold = answer.rsplit("####", 1)[1].strip().replace(",", "")
-    return _task(name, index, task, user_prompt(task, question), question, gold, grader)
+    return _task(name, index, task, user_prompt(task, question), question, gold, grader,
+                 calculator_steps=answer.count("<<"))  # the reference's <<a*b=c>> annotations
 
 
 def _math_jsonl(where: Where, r: Mapping[str, Any], name: str, task: str, grader: str, index: int) -> AgentTask:

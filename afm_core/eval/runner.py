@@ -25,7 +25,6 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from afm_core.coa.prompts import TASK_TOOLS
 from afm_core.eval.benchmarks import SAMPLING_KEYS, Benchmark, load_file, load_preset
 from afm_core.eval.metrics import benchmark_metrics, double_check_score
 from afm_core.eval.report import write_report
@@ -35,16 +34,14 @@ from afm_core.rewards.base import extract_answer
 from afm_core.rewards.code import extract_program
 from afm_core.rewards.math import _normalize as normalize_math
 from afm_core.rollout import AgentConfig, AgentLoop, AgentTask, Rollout, SamplingConfig
+from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
 from afm_core.utils.atomic import atomic_write_json
-from afm_core.utils.paths import repo_root, shared_data_dir
+from afm_core.utils.paths import shared_data_dir
 
 log = logging.getLogger(__name__)
 
 _stop_requested = False
 
-#: The tool server each tool talks to (``conf/tool_servers.yaml``); web search needs the pages server too.
-TOOL_SERVERS = {"code": ("sandbox",), "wiki_search": ("wiki",), "web_search": ("web_search", "pages"),
-                "crawl_page": ("crawl", "pages")}  # fmt: skip
 
 
 def request_stop() -> None:
@@ -129,34 +126,8 @@ def sample_record(rollout: Rollout, grade: Grade) -> dict[str, Any]:
 
 
 def _needed_servers(benchmarks: list[Benchmark], tools_cfg: Mapping[str, Any]) -> list[str]:
-    tools = {tool for b in benchmarks for t in b.tasks for tool in TASK_TOOLS.get(t.task, ())}
-    if any(t.meta.get("grader") == "code" for b in benchmarks for t in b.tasks):
-        tools.add("code")
-    tools &= {name for name, entry in (tools_cfg.get("tools") or {}).items() if entry is not None}
-    return sorted({server for tool in tools for server in TOOL_SERVERS[tool]})
-
-
-@contextlib.contextmanager
-def tool_servers(cfg: Mapping[str, Any], names: list[str], log_dir: Path):
-    """Yield ``{server: url}``: from ``tools.addresses_file`` when it exists (``tool_servers.start: auto``),
-    else servers started here for the job's lifetime (``conf/tool_servers.yaml`` settings)."""
-    from afm_core.tools.addresses import read_addresses
-    from afm_core.tools.launcher import ServerGroup, start_servers
-
-    start = cfg["tool_servers"]["start"]
-    addresses_file = Path(cfg["tools"]["addresses_file"])
-    if start == "never" or (start == "auto" and addresses_file.is_file()):
-        yield read_addresses(addresses_file, wait_s=float(cfg["tool_servers"].get("wait_s", 0)))
-        return
-    if not names:
-        yield {}
-        return
-    servers_cfg = OmegaConf.to_container(OmegaConf.load(repo_root() / "conf" / "tool_servers.yaml").servers, resolve=True)
-    for name, override in (cfg["tool_servers"].get("servers") or {}).items():
-        servers_cfg[name] = None if override is None else {**(servers_cfg.get(name) or {}), **override}
-    data_dir = Path(cfg["data_dir"]) if cfg.get("data_dir") else shared_data_dir()
-    with ServerGroup(log_dir=log_dir) as group:
-        yield start_servers(group, {n: servers_cfg[n] for n in names if servers_cfg.get(n) is not None}, data_dir)
+    return needed_servers({t.task for b in benchmarks for t in b.tasks},
+                          {t.meta.get("grader") for b in benchmarks for t in b.tasks}, tools_cfg)
 
 
 async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: list[tuple[AgentTask, int]],
@@ -168,8 +139,7 @@ async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: l
     ev = cfg["eval"]
     hf_dir = ensure_hf_checkpoint(cfg["model"])
     tokenizer = load_tokenizer(hf_dir)
-    tools_cfg = {**cfg["tools"], "tools": {n: e for n, e in cfg["tools"]["tools"].items()
-                                           if e is not None and e.get("server", "") in urls or (e or {}).get("url")}}  # fmt: skip
+    tools_cfg = reachable_tools_cfg(cfg["tools"], urls)
     pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
     judge_cfg = cfg.get("judge") or {}
     graders = Graders(

@@ -74,3 +74,28 @@ def plot_losses(metrics_path: str | Path, png_path: str | Path) -> None:
     with atomic_path(png_path) as temp:
         fig.savefig(temp, format="png")
     plt.close(fig)
+
+
+def plot_panels(metrics_path: str | Path, png_path: str | Path, panels: list[tuple[str, str]], *,
+                xlabel: str = "step", split: str = "train") -> None:
+    """One panel per ``(metric key, label)`` against ``step`` from the ``split`` lines of ``metrics.jsonl``,
+    side by side in ``png_path`` (atomic); missing or null values are skipped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [r for r in read_metrics(metrics_path) if r.get("split") == split]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), dpi=110, squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
+        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        if points:
+            steps, values = zip(*points)
+            ax.plot(steps, values, marker="o", ms=3, lw=1.4)
+        ax.set_xlabel(xlabel)
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    with atomic_path(png_path) as temp:
+        fig.savefig(temp, format="png")
+    plt.close(fig)

