@@ -1,4 +1,5 @@
-"""What one RL rollout step costs on this machine. Part 1 (here): the weight sync Megatron -> vLLM.
+"""What one RL rollout step costs on this machine: the weight sync Megatron -> vLLM, and the time split of whole
+rollout steps of the RL driver (``--step``).
 
 For the embedded model (SmolLM2-135M, fp32, TP=1) and an in-process vLLM-CPU engine holding the weight-sync
 extension, one sync (``afm_core.rl.weight_sync.sync_weights``: gather to HF names, buckets, load in place,
@@ -12,12 +13,18 @@ round-robin so that the machine's load hits them alike:
 
 It prints seconds (median and min over the repeats) and GB/s (HF tensor bytes / seconds), the gather and
 serialisation share, and the trainer/vLLM logprob agreement after the last sync (mean |delta| over sampled
-tokens; ~1e-5 or below when the sync is right). The time split of a whole rollout step (generate, tools,
-logprob recompute, train, sync) comes with the RL driver.
+tokens; ~1e-5 or below when the sync is right).
+
+``--step`` instead runs the RL driver (``afm_core.rl.driver.run_rl``, one rank, this process) for a few rollout
+steps of a recipe (default ``rl_smoke``) and prints each step's time split from its ``metrics.jsonl``: generate
+(agent loop with tools, grading, gathering), tools (tool-call seconds summed over trajectories: they overlap
+generation), logprob recompute, train (the mini-batch updates), weight sync, and the rest of the step.
 
     .venv/bin/python -m benchmarks.rl_step                                  # SmolLM2-135M, 64/256/1024 MB, 5 rounds
     .venv/bin/python -m benchmarks.rl_step --model tiny-llama --repeats 3
     .venv/bin/python -m benchmarks.rl_step --bucket-mb 512 --json runs/bench/rl_step.json
+    .venv/bin/python -m benchmarks.rl_step --step                           # rl_smoke: 3 rollout steps
+    .venv/bin/python -m benchmarks.rl_step --step --recipe rl_demo --set trainer.max_steps=2 model.hf_path=X
 """
 
 from __future__ import annotations
@@ -39,11 +46,66 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warm-up round)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--step", action="store_true", help="time whole rollout steps of the RL driver instead")
+    parser.add_argument("--recipe", default="rl_smoke", help="--step: the RL recipe (conf/recipe/<name>.yaml)")
+    parser.add_argument("--set", nargs="*", default=[], help="--step: more Hydra overrides of conf/rl.yaml")
     return parser.parse_args()
+
+
+STEP_PARTS = ("generate_s", "logprob_s", "train_s", "weight_sync_s")
+
+
+def step_split(args: argparse.Namespace) -> None:
+    """Run ``recipe`` through the RL driver in a temporary run dir; print each rollout step's time split."""
+    import tempfile
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from afm_core.launch.distributed import free_port
+    from afm_core.rl.driver import run_rl
+    from afm_core.train.metrics import read_metrics
+    from afm_core.utils.paths import repo_root
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with tempfile.TemporaryDirectory(prefix="rl_step-") as run_dir:
+        with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
+            cfg = compose(config_name="rl", overrides=[f"recipe={args.recipe}", f"run_dir={run_dir}", *args.set])
+        if args.threads is not None:
+            cfg.trainer.num_threads = args.threads
+        started = time.perf_counter()
+        run_rl(OmegaConf.to_container(cfg, resolve=True))
+        total = time.perf_counter() - started
+        records = read_metrics(Path(run_dir) / "metrics.jsonl")
+    load = os.getloadavg()
+    print(f"\nRL rollout steps, recipe={args.recipe} {' '.join(args.set)} ({cfg.model.name}, "
+          f"{cfg.algorithm.train_batch_size} prompts x n={cfg.rollout.n}); job {total:.0f} s incl. start-up; "
+          f"load average {load[0]:.1f} / {load[1]:.1f}")
+    print(f"{'step':>4} {'stage':>5} {'resp len':>8} {'generate':>9} {'(tools)':>8} {'logprob':>8} {'train':>7} "
+          f"{'sync':>6} {'other':>6} {'step s':>7}  sync GB/s")
+    rows = []
+    for r in records:
+        parts = {k: r.get(k) or 0.0 for k in STEP_PARTS}
+        other = r["step_s"] - sum(parts.values())
+        rows.append({"step": r["step"], **parts, "tools_s": r.get("tools_s"), "other_s": other, "step_s": r["step_s"],
+                     "weight_sync_gb_per_s": r.get("weight_sync_gb_per_s")})
+        print(f"{r['step']:>4} {r['stage']:>5} {r['response_len_mean']:>8.0f} {parts['generate_s']:>9.2f} "
+              f"{r.get('tools_s') or 0.0:>8.2f} {parts['logprob_s']:>8.2f} {parts['train_s']:>7.2f} "
+              f"{parts['weight_sync_s']:>6.2f} {other:>6.2f} {r['step_s']:>7.2f}  "
+              f"{r.get('weight_sync_gb_per_s') or float('nan'):.2f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"recipe": args.recipe, "overrides": args.set, "load_avg": load,
+                                         "job_s": total, "steps": rows}, indent=2) + "\n")
 
 
 def main() -> None:
     args = _parse()
+    if args.step:
+        step_split(args)
+        return
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     import torch

@@ -17,7 +17,7 @@ Reads like slime's ``train.py`` (THUDM/slime) and verl's DAPO ``fit`` (``recipe/
         metrics.jsonl line, rl.png; checkpoint at the interval or when asked (USR2 / preemption)
 
 Colocation on CPU: every rank holds its Megatron model chunk and one vLLM engine (``AsyncLLM``, vLLM TP=1; its
-engine core runs in a child process, so weights travel as safetensors bytes). The prompts of a generation batch
+engine core runs in a child process, so weights travel as safetensors bytes: ``sync_weights_async``). The prompts of a generation batch
 are split over all ranks (each prompt's ``n`` samples on one rank) and the trajectories gathered, so every rank
 feeds the same groups to the dynamic sampler and builds the same train batch; each data-parallel rank then trains
 on its share. On GPU the same loop would use vLLM's ``external_launcher`` executor with sleep/wake-up (not
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -236,20 +237,6 @@ async def grade_rollout(graders: Any, rollout: Any, uid: str, reward_cfg: Mappin
 # ----------------------------------------------------------------------------------------------------------
 # The rollout side of one rank: engine, tools, agent loop (async, driven from the synchronous trainer loop)
 # ----------------------------------------------------------------------------------------------------------
-class EngineRPC:
-    """A synchronous ``collective_rpc`` / ``reset_prefix_cache`` face of the async :class:`VLLMEngine`, for
-    :func:`afm_core.rl.weight_sync.sync_weights` (which expects a ``vllm.LLM``-like object)."""
-
-    def __init__(self, actor: RolloutActor):
-        self.actor = actor
-
-    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        return self.actor.run(self.actor.engine.collective_rpc(method, args=tuple(args)))
-
-    def reset_prefix_cache(self) -> None:
-        self.actor.run(self.actor.engine.reset_prefix_cache())
-
-
 class RolloutActor:
     """This rank's vLLM engine, tool pool and graders on one long-lived event loop.
 
@@ -325,6 +312,13 @@ class RolloutActor:
             return list(await asyncio.gather(*(bounded(uid, task, s) for uid, task in items for s in range(n))))
 
         return self.run(all_())
+
+    def sync_weights(self, model_chunks: Sequence[torch.nn.Module], bucket_bytes: int) -> Any:
+        """Load the trainer's weights into this rank's engine (:func:`afm_core.rl.weight_sync.sync_weights_async`:
+        HF-named byte buckets through the worker extension, prefix cache reset); returns its stats."""
+        from afm_core.rl.weight_sync import sync_weights_async
+
+        return self.run(sync_weights_async(self.engine, model_chunks, bucket_bytes=bucket_bytes))
 
     def tool_metrics(self) -> dict[str, dict]:
         return self.pool.metrics_snapshot() if self.pool is not None else {}
@@ -407,7 +401,7 @@ def policy_update(trainer: Any, samples: Sequence[Sample], advantages: torch.Ten
     from afm_core.rl.actor import STATS_KEY, policy_forward_step
     from afm_core.rl.batch import response_values
     from afm_core.rl.logprobs import compute_logprobs
-    from afm_core.rl.losses import PolicyLossConfig, reduce_stats
+    from afm_core.rl.losses import PolicyLossConfig, logprob_gap_stats, reduce_stats
 
     a, t = cfg["algorithm"], cfg["trainer"]
     layout = trainer.layout
@@ -432,16 +426,14 @@ def policy_update(trainer: Any, samples: Sequence[Sample], advantages: torch.Ten
     for chunk in trainer.model:
         chunk.train()
     old: dict[int, list[float]] = {}
-    gap_sum = gap_tokens = ent_sum = 0.0
+    recompute = []
     for b, (batch, out) in enumerate(zip(batches, outs)):
-        m = batch["response_mask"].bool()
-        gap_sum += float((out["logprobs"] - batch["rollout_log_prob"])[m].abs().sum())
-        ent_sum += float(out["entropy"][m].sum())
-        gap_tokens += float(m.sum())
+        mask = batch["response_mask"]
+        recompute.append({**logprob_gap_stats(out["logprobs"], batch["rollout_log_prob"], mask),
+                          "entropy_sum": torch.where(mask.bool(), out["entropy"], 0.0).sum()})
         for j, values in enumerate(response_values(out["logprobs"], batch)):
             old[mine[b * mbs + j]] = values.tolist()
-    totals = torch.tensor([gap_sum, ent_sum, gap_tokens], dtype=torch.float64)
-    torch.distributed.all_reduce(totals, group=ps.get_data_parallel_group())
+    recomputed = reduce_stats(recompute, ps.get_data_parallel_group())
     logprob_s = time.perf_counter() - start
 
     # mini-batch updates
@@ -467,16 +459,17 @@ def policy_update(trainer: Any, samples: Sequence[Sample], advantages: torch.Ten
                 model=trainer.model, num_microbatches=len(micro), seq_length=seq_length, micro_batch_size=mbs,
                 forward_only=False)
             ok, norm, _ = trainer.optimizer.step()
-            if not ok:
-                raise FloatingPointError("policy update skipped: non-finite gradients")
+            if not ok or not math.isfinite(float(norm)):
+                raise FloatingPointError(f"policy update {steps + 1} of this rollout step: non-finite gradients "
+                                         f"(grad norm {norm})")
             trainer.scheduler.step(increment=1)
             grad_norm, steps = float(norm), steps + 1
             stats += [r[STATS_KEY] for r in reports]
     reduced = reduce_stats(stats, ps.get_data_parallel_group()) if stats else {}
-    gap_sum, ent_sum, gap_tokens = totals.tolist()
     return {**{f"actor/{k}": v for k, v in reduced.items()},
-            "logprob_gap_vllm_trainer": gap_sum / gap_tokens if gap_tokens else float("nan"),
-            "entropy": ent_sum / gap_tokens if gap_tokens else float("nan"),
+            "logprob_gap_vllm_trainer": recomputed["logprob_gap"],
+            "logprob_gap_vllm_trainer_max": recomputed["logprob_gap_max"],
+            "prob_ratio_error": recomputed["prob_ratio_error"], "entropy": recomputed["entropy"],
             "grad_norm": grad_norm, "lr": lr, "optimizer_steps": steps, "logprob_s": logprob_s,
             "train_s": time.perf_counter() - start}
 
@@ -552,10 +545,8 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
             train batch.
     """
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.rl.advantages import grpo_advantages
     from afm_core.rl.dynamic_sampling import DynamicSampler
     from afm_core.rl.policy_model import build_policy_model
-    from afm_core.rl.weight_sync import sync_weights
     from afm_core.rollout.factory import load_tokenizer
     from afm_core.tools.job_servers import needed_servers, tool_servers
     from afm_core.train.distributed import (
@@ -613,15 +604,14 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
             urls = _broadcast(dict(local_urls))
             actor = RolloutActor(cfg, hf_dir, tokenizer, urls,
                                  max_prompt_len + max(s.max_response_len for s in stages))
-            sync0 = sync_weights(EngineRPC(actor), trainer.model, bucket_bytes=int(cfg["weight_sync"]["bucket_mb"]) * 2**20,
-                                 transport="bytes")
+            sync0 = actor.sync_weights(trainer.model, int(cfg["weight_sync"]["bucket_mb"]) * 2**20)
             if layout.is_rank0:
                 print(f"[rl] {cfg['model']['name']}: world {layout.world_size} (tp={layout.tp} pp={layout.pp} "
                       f"dp={layout.dp}), {len(tasks)} prompts, {max_steps} rollout steps x {train_bs} prompts x "
                       f"n={n}; stages {[asdict(s) for s in stages]}; first sync {sync0.seconds:.2f} s; run dir "
                       f"{run_dir}", flush=True)
             summary = _loop(cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages, metrics,
-                            pad_id, after_step, grpo_advantages, sync_weights)
+                            pad_id, after_step)
         summary["resumed_from"] = str(resume_path) if resume_path else None
         return summary
     finally:
@@ -630,8 +620,10 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
         destroy_distributed()
 
 
-def _loop(cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages, metrics, pad_id, after_step,
-          grpo_advantages, sync_weights) -> dict[str, Any]:
+def _loop(cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages, metrics, pad_id, after_step
+          ) -> dict[str, Any]:
+    from afm_core.rl.advantages import grpo_advantages
+
     t, a, r = cfg["trainer"], cfg["algorithm"], cfg["rollout"]
     run_dir = Path(cfg["run_dir"])
     max_steps, n, gen_bs = int(t["max_steps"]), int(r["n"]), int(a["gen_batch_size"])
@@ -672,7 +664,7 @@ def _loop(cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages,
             seq_length = stage_seq_length if layout.pp > 1 else longest
             out = policy_update(trainer, samples, advantages, cfg, seq_length, pad_id)
             start = time.perf_counter()
-            sync = sync_weights(EngineRPC(actor), trainer.model, bucket_bytes=bucket_bytes, transport="bytes")
+            sync = actor.sync_weights(trainer.model, bucket_bytes)
             times["weight_sync_s"] = time.perf_counter() - start
             times["weight_sync_gb_per_s"] = sync.gb_per_s
         progress.rollout_step += 1

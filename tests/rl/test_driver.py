@@ -114,6 +114,26 @@ def test_the_reward_is_score_times_format_with_the_overlong_penalty():
     assert shaped_reward(0.0, 1.0, 17, cfg, 16) == -1.0
 
 
+RL_RECIPES = {
+    # recipe: (n, train / gen / mini batch, lr, clip c, temperature, stage lengths, max_turns, rollout steps)
+    "afm_code_rl_32b": (8, (256, 256, 32), 1e-6, 3.0, 1.0, [16384, 32768], 8, 2000),
+    "afm_web_rl_32b": (8, (64, 128, 64), 1e-6, 10.0, 1.0, [30720], 25, 60),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(RL_RECIPES))
+def test_the_paper_rl_recipes_carry_the_upstream_dapo_settings(recipe, tmp_path):
+    n, batches, lr, clip_c, temperature, lengths, turns, steps = RL_RECIPES[recipe]
+    with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
+        cfg = compose(config_name="rl", overrides=[f"recipe={recipe}", f"run_dir={tmp_path}"])
+    a, r = cfg.algorithm, cfg.rollout
+    assert (r.n, (a.train_batch_size, a.gen_batch_size, a.mini_batch_size), cfg.optim.lr) == (n, batches, lr)
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, r.temperature) == (0.2, 0.28, clip_c, temperature)
+    stages = parse_schedule(OmegaConf.to_container(r.context_schedule), r.max_response_len)
+    assert [s.max_response_len for s in stages] == lengths and r.max_turns == turns and cfg.trainer.max_steps == steps
+    assert a.filter_groups and a.adv_estimator == "grpo"
+
+
 # -- the job --------------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_rl_smoke_runs_every_step_with_the_time_split_and_the_stage_switch_at_its_step(uninterrupted):
