@@ -9,8 +9,8 @@ traces, :data:`TINY_JOB`) to the
 default ``debug`` partition, waits until it trains, and interrupts it once per ``--interrupts`` entry, each after
 the previous resume has trained a step:
 
-- ``preempt``: ``sbatch -p high`` a job needing all the node's CPUs; slurmctld preempts the SFT job (requeue, and
-  USR2 at once through ``SlurmctldParameters=preempt_send_user_signal``);
+- ``preempt``: ``sbatch -p high -w <the job's node>`` a job needing all the node's CPUs; slurmctld preempts the
+  SFT job (requeue, and USR2 at once through ``SlurmctldParameters=preempt_send_user_signal``);
 - ``usr2``: ``scancel --signal=USR2`` (what a Slurm time limit's ``--signal`` does).
 
 For each interrupt it prints, from timestamps on the one machine clock (unix seconds):
@@ -80,7 +80,7 @@ def ensure_cluster() -> None:
 
 
 def node_cpus() -> int:
-    """CPUs the (single) node advertises to Slurm."""
+    """CPUs a node advertises to Slurm (the first one; the local cluster's nodes are alike)."""
     out = subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True, check=True).stdout
     return int(out.split()[0])
 
@@ -102,9 +102,11 @@ def submit_sft(run_dir: Path, cpus: int, max_steps: int) -> str:
 
 
 def interrupt(kind: str, job_id: str, cpus: int, run_dir: Path) -> None:
-    """Preempt the job by a whole-node ``high`` job, or send it USR2 with ``scancel``."""
+    """Preempt the job by a whole-node ``high`` job on the job's node, or send it USR2 with ``scancel``."""
     if kind == "preempt":
-        subprocess.run(["sbatch", "--parsable", "-p", "high", "-c", str(cpus), "-J", "preemptor",
+        node = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        subprocess.run(["sbatch", "--parsable", "-p", "high", "-c", str(cpus), "-w", node, "-J", "preemptor",
                         "-o", str(run_dir / "logs" / "preemptor-%j.out"), "--wrap", "sleep 1"],
                        capture_output=True, text=True, check=True)
     else:
