@@ -4,6 +4,7 @@
     .venv/bin/python -m benchmarks.sft_throughput --seq-length 1024 2048 4096 --out runs/bench/sft_throughput.json
     .venv/bin/python -m benchmarks.sft_throughput --model tiny-llama       # about a minute, mostly setup
     .venv/bin/python -m benchmarks.sft_throughput --profile                # + both top-20 torch.profiler op tables
+    .venv/bin/python -m benchmarks.sft_throughput --recompute full         # ours with activation recomputation
 
 Both engines train the same model (``ensure_hf_checkpoint``: the HF safetensors of the preset, fp32), from the
 same weights, on the same global batches: two :class:`~afm_core.data.loader.TrainIterator` streams with one seed
@@ -15,6 +16,7 @@ observation loss mask and packed first-fit-decreasing into ``--seq-length`` toke
   buffers, megatron's optimizer (torch AdamW on CPU) with grad clipping, LR scheduler step. Attention: packed
   documents by ``cu_seqlens`` (``thd``) through :class:`afm_core.models.attention.SDPAttention` on megatron's
   local spec (fused SDPA per document, no dense mask), or transformer-engine's fused attention when installed.
+  ``--recompute`` sets ``parallel.recompute`` (activation recomputation: memory for compute).
 * **hf**: ``AutoModelForCausalLM`` (SDPA attention) given the same packed micro batch: position ids restarting
   per document and the block-causal mask as a 4-D boolean mask
   (:func:`afm_core.train.deepspeed_engine.per_token_cross_entropy`); loss = the same masked token mean over the
@@ -120,6 +122,7 @@ def compose_sft_config(args: argparse.Namespace, seq_length: int, run_dir: Path)
         f"trainer.micro_batch_size={args.micro_batch}", f"trainer.global_batch_size={args.global_batch}",
         "trainer.precision=fp32", "trainer.progress=false",
         f"trainer.num_threads={'null' if args.threads is None else args.threads}",
+        f"parallel.recompute={'null' if args.recompute == 'none' else args.recompute}",
     ]
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         return compose(config_name="sft", overrides=overrides)
@@ -154,11 +157,13 @@ def megatron_step(cfg: Any, hf_dir: Path, data: PackedSequences, max_steps: int,
         mcore_config_from_hf,
         transformer_engine_available,
     )
+    from afm_core.train.sft import _RECOMPUTE
     from afm_core.train.trainer import SFTTrainer, build_model_chunks
 
     layout = join_single_process_group(cfg, threads)
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    mcore_config = mcore_config_from_hf(hf_config, params_dtype=torch.float32)
+    mcore_config = mcore_config_from_hf(hf_config, params_dtype=torch.float32,
+                                        **_RECOMPUTE[cfg.parallel.recompute])
 
     def provider(pre_process: bool, post_process: bool, vp_stage: int | None):
         return build_gpt_model(hf_config, mcore_config, pre_process=pre_process, post_process=post_process,
@@ -400,6 +405,8 @@ def parse_args() -> argparse.Namespace:
                         help="sequence lengths of the packing-efficiency table (--seq-length is always added)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all usable cores)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                        help="our engine's activation recomputation (parallel.recompute)")
     parser.add_argument("--profile", action="store_true",
                         help=f"profile one more step per engine: top-{PROFILE_ROWS} op tables (with --out: files)")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -447,6 +454,7 @@ def main() -> int:
     load_after = os.getloadavg()
 
     title = (f"SFT step: {args.model}, fp32 on {facts['device']}, {facts['threads']} threads per engine, "
+             f"ours with recompute={args.recompute}, "
              f"{args.global_batch} x seq tokens per step, median of {args.steps} steps, each engine in its own "
              f"process (1-min load avg {load_before[0]:.1f} -> {load_after[0]:.1f})")
     console.print(throughput_table(rows, title))
@@ -473,8 +481,8 @@ def main() -> int:
         atomic_write_json(args.out, {
             "model": args.model, "device": facts["device"], "precision": "fp32", "threads": facts["threads"],
             "micro_batch": args.micro_batch, "global_batch": args.global_batch, "warmup": args.warmup,
-            "steps": args.steps, "load_avg_1min": {"before": load_before[0], "after": load_after[0]},
-            "loss_tolerance": LOSS_TOLERANCE,
+            "steps": args.steps, "recompute": args.recompute,
+            "load_avg_1min": {"before": load_before[0], "after": load_after[0]}, "loss_tolerance": LOSS_TOLERANCE,
             "runs": [{"seq_length": seq_length, "ratio_ours_over_hf": ratio,
                       "peak_ratio_ours_over_hf": ours.peak_rss_bytes / hf.peak_rss_bytes,
                       "engines": {"ours": ours.summary(), "hf": hf.summary()}}
