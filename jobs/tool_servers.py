@@ -25,8 +25,8 @@ from urllib.parse import urlsplit, urlunsplit
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from afm_core.utils.atomic import atomic_write_json
 from afm_core.tools.launcher import ServerGroup, start_servers
+from afm_core.utils.atomic import atomic_write_json
 from afm_core.utils.paths import shared_data_dir
 
 log = logging.getLogger("jobs.tool_servers")

@@ -1,7 +1,13 @@
 """Tool-call parsing (upstream XMLToolParser semantics) and code-tool queries."""
 
-from afm_core.coa.parse import format_code_query, has_tool_call, parse_code_query, parse_tool_calls, stop_strings
-from afm_core.coa.parse import ToolCall
+from afm_core.coa.parse import (
+    ToolCall,
+    format_code_query,
+    has_tool_call,
+    parse_code_query,
+    parse_tool_calls,
+    stop_strings,
+)
 
 
 def test_parse_tool_calls():

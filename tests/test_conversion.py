@@ -54,7 +54,11 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, port: int, hf_dir: str
     from transformers import AutoConfig
 
     from afm_core.models.bridge import (
-        build_gpt_model, export_hf_weights, load_hf_weights, mcore_config_from_hf, save_hf_checkpoint,
+        build_gpt_model,
+        export_hf_weights,
+        load_hf_weights,
+        mcore_config_from_hf,
+        save_hf_checkpoint,
     )
     from afm_core.train.cpu_shims import apply_cpu_shims
 

@@ -26,7 +26,9 @@ from afm_core.utils.paths import repo_root, shared_data_dir
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -r requirements/base.txt)")
 
 from afm_core.train.deepspeed_engine import (  # noqa: E402
-    DEFAULT_DEEPSPEED_CONFIG, DeepSpeedConfigError, deepspeed_config,
+    DEFAULT_DEEPSPEED_CONFIG,
+    DeepSpeedConfigError,
+    deepspeed_config,
 )
 
 SEQ, MICRO, GLOBAL, STEPS = 256, 1, 2, 4

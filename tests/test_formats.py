@@ -12,7 +12,13 @@ from afm_core.coa.trajectory import Step, Trajectory
 from afm_core.data.converters import CONVERTERS
 from afm_core.data.converters.answer_check import boxed_content
 from afm_core.data.formats import (
-    RLTask, alpaca_converter, read_rl_tasks, rl_task_from_trajectory, to_alpaca, write_alpaca, write_rl_tasks,
+    RLTask,
+    alpaca_converter,
+    read_rl_tasks,
+    rl_task_from_trajectory,
+    to_alpaca,
+    write_alpaca,
+    write_rl_tasks,
 )  # fmt: skip
 from afm_core.data.io import DataFormatError
 from afm_core.utils.paths import shared_data_dir
@@ -119,7 +125,7 @@ def test_rl_tasks_from_trajectories(tmp_path):
     assert back[0].extra_info["tools_kwargs"] == {"wiki_search": {"create_kwargs": {
         "ground_truth": "Nevada", "question": "Where?", "data_source": "fireact"}}}  # fmt: skip
     assert back[1].ability == "math" and back[1].question == "2+2?" and back[1].index == "gsm8k:train:1"
-    with pytest.raises(DataFormatError, match="duplicate extra_info.index"):
+    with pytest.raises(DataFormatError, match=r"duplicate extra_info\.index"):
         write_rl_tasks(tmp_path / "dup.parquet", [tasks[0], tasks[0]])
 
 

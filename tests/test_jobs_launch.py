@@ -72,7 +72,7 @@ def train_steps(run_dir: Path) -> list[int]:
 def test_world_size_and_config_errors():
     assert world_size({"name": "local", "dp": 2}, {"tp": 2, "pp": 1}) == 4
     assert world_size({"name": "slurm", "nodes": 2, "tasks_per_node": 4}, {"tp": 2, "pp": 2}) == 8
-    with pytest.raises(ClusterConfigError, match="cluster.name must be one of"):
+    with pytest.raises(ClusterConfigError, match=r"cluster\.name must be one of"):
         world_size({"name": "k8s"}, {})
     with pytest.raises(ClusterConfigError, match=r"conf/cluster/slurm.yaml: .* 3 ranks is not a multiple of .* = 2"):
         world_size({"name": "slurm", "nodes": 1, "tasks_per_node": 3}, {"tp": 2})
@@ -173,7 +173,7 @@ def _starts(run_dir: Path) -> int:
 def _signal_ranks_at(run_dir: Path, steps: list[int]) -> None:
     """SIGUSR2 to every rank (as ``scancel --signal=USR2`` does) once attempt ``i`` has logged ``steps[i]``."""
     for attempt, step in enumerate(steps, start=1):
-        _wait_for(lambda: _starts(run_dir) == attempt and (run_dir / "metrics.jsonl").exists()
+        _wait_for(lambda attempt=attempt, step=step: _starts(run_dir) == attempt and (run_dir / "metrics.jsonl").exists()
                   and train_steps(run_dir)[-1:] >= [step], f"attempt {attempt} at step {step}")
         controller = psutil.Process(int(read_job_record(run_dir / "logs")["job_id"]))
         for rank in controller.children():

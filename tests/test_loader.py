@@ -64,7 +64,7 @@ def data_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def packed_module(data_files, smollm2_tokenizer):  # noqa: F811
     module = SFTDataModule(data_files["train"], smollm2_tokenizer, SEQ_LENGTH, heldout_paths=data_files["heldout"])
-    module.train, module.heldout  # tokenize and pack once for the whole module
+    _ = module.train, module.heldout  # tokenize and pack once for the whole module
     return module
 
 

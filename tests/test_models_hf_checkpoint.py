@@ -68,7 +68,7 @@ def test_tiny_llama_concurrent_builds_lock_and_are_deterministic(tmp_path):
         for _ in range(2)
     ]
     outputs = [p.communicate(timeout=300) for p in procs]
-    for proc, (out, err) in zip(procs, outputs):
+    for proc, (_, err) in zip(procs, outputs):
         assert proc.returncode == 0, err
     target = cache / "models" / "tiny-llama"
     assert all(f"PATH {target}" in out for out, _ in outputs)
@@ -111,7 +111,7 @@ def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
 
 def test_user_hf_path_is_validated_and_checked(tmp_path):
     cfg = {**_load_preset_dict("qwen2.5-7b-instruct")}
-    with pytest.raises(PresetError, match="set model.hf_path"):
+    with pytest.raises(PresetError, match=r"set model\.hf_path"):
         ensure_hf_checkpoint(cfg)
     with pytest.raises(PresetError, match=r"model.hf_path=.*not a directory"):
         ensure_hf_checkpoint({**cfg, "hf_path": str(tmp_path / "nope")})

@@ -6,6 +6,8 @@ The exactness check runs a tiny random HF Llama: each document's logits inside a
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -31,7 +33,7 @@ def test_first_fit_decreasing_layout(examples):
     # Longest first into the first sequence with room: 7 -> s0, 6 -> s1, 5 -> s2, 4 -> s1, 3 -> s0, 2 -> s2.
     assert [c.tolist() for c in packed.cu_seqlens] == [[0, 7, 10], [0, 6, 10], [0, 5, 7]]
     assert packed.input_ids[0].tolist() == list(range(20, 27)) + list(range(10, 13))
-    assert packed.input_ids[2].tolist() == list(range(0, 5)) + [30, 31] + [99, 99, 99]
+    assert packed.input_ids[2].tolist() == [*range(0, 5), 30, 31, 99, 99, 99]
     assert packed.labels[2].tolist() == [IGNORE_INDEX, 1, 2, 3, 4, IGNORE_INDEX, 31] + [IGNORE_INDEX] * 3
     assert packed.input_ids.dtype == np.int32 and packed.cu_seqlens[0].dtype == np.int32
     again = pack_examples(examples, seq_length=10, pad_id=99)
@@ -41,7 +43,7 @@ def test_first_fit_decreasing_layout(examples):
 def test_position_ids_restart_at_every_document(examples):
     packed = pack_examples(examples, seq_length=10)
     for row, offsets in enumerate(packed.cu_seqlens):
-        for start, end in zip(offsets[:-1], offsets[1:]):
+        for start, end in itertools.pairwise(offsets):
             assert packed.position_ids[row, start:end].tolist() == list(range(end - start))
     assert packed.position_ids[2, 7:].tolist() == [0, 1, 2]
 
@@ -70,7 +72,7 @@ def test_long_examples_are_truncated_and_untrained_ones_dropped():
 
 def _reference_mask(cu_seqlens: list[int], seq_length: int) -> torch.Tensor:
     masked = torch.ones(seq_length, seq_length, dtype=torch.bool)
-    for start, end in zip(cu_seqlens[:-1], cu_seqlens[1:]):
+    for start, end in itertools.pairwise(cu_seqlens):
         for q in range(start, end):
             masked[q, start : q + 1] = False
     for pad in range(cu_seqlens[-1], seq_length):
@@ -118,7 +120,7 @@ def test_packed_logits_equal_unpacked_logits():
             position_ids=torch.from_numpy(packed.position_ids.astype(np.int64)),
             attention_mask=additive,
         ).logits[0]
-        for start, end in zip(offsets[:-1], offsets[1:]):
+        for start, end in itertools.pairwise(offsets):
             alone = torch.from_numpy(packed.input_ids[:1, start:end].astype(np.int64))
             torch.testing.assert_close(packed_logits[start:end], model(input_ids=alone).logits[0], atol=1e-5, rtol=0)
 
@@ -142,7 +144,7 @@ def test_mask_convention_matches_megatron_local_softmax():
     offsets, s = [0, 4, 9], 12
     scores = torch.randn(1, 2, s, s, generator=torch.Generator().manual_seed(0))
     probs = softmax(scores.clone(), block_causal_attention_mask(offsets, s))
-    for start, end in zip(offsets[:-1], offsets[1:]):
+    for start, end in itertools.pairwise(offsets):
         own = scores[..., start:end, start:end]
         causal = torch.ones(end - start, end - start, dtype=torch.bool).triu(1)
         torch.testing.assert_close(probs[..., start:end, start:end], own.masked_fill(causal, float("-inf")).softmax(-1))

@@ -14,8 +14,15 @@ from afm_core.data import prepare as prepare_module
 from afm_core.data.converters.r1searcher import R1SEARCHER
 from afm_core.data.formats import read_rl_tasks
 from afm_core.data.prepare import (
-    DataFilters, ensure_prepared, export_prepared, filter_trajectories, is_error_correction, prepare,
-    read_prepared_trajectories, resolve_out_dir, split_by_task,
+    DataFilters,
+    ensure_prepared,
+    export_prepared,
+    filter_trajectories,
+    is_error_correction,
+    prepare,
+    read_prepared_trajectories,
+    resolve_out_dir,
+    split_by_task,
 )  # fmt: skip
 from afm_core.data.schema import PREPARED_SCHEMA, read_prepared, task_id
 from afm_core.utils.paths import repo_root, shared_data_dir

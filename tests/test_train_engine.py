@@ -303,7 +303,10 @@ def straight_run(tmp_path_factory):
 
 def assert_same_run(resumed: dict, straight: dict) -> None:
     keys = ("step", "split", "loss", "tokens", "lr", "grad_norm")
-    project = lambda result: [{k: r.get(k) for k in keys} for r in result["records"]]
+
+    def project(result):
+        return [{k: r.get(k) for k in keys} for r in result["records"]]
+
     assert project(resumed) == project(straight)  # every (step, split) exactly once, equal values
     for rank in (0, 1):
         a = torch.load(resumed["out"] / f"weights_rank{rank}.pt")
@@ -364,5 +367,8 @@ def test_bf16_tensor_parallel_resumes_exactly(tmp_path):
     shutil.rmtree(run_dir / "checkpoints" / "step_00000004")  # as if killed after the step-2 checkpoint
     resumed = run(tmp_path, "resumed", world=2, run_dir=run_dir, cfg=cfg, bf16=True)
     assert resumed["summary"]["resumed_from"].endswith("step_00000002")
-    project = lambda result: [(r["step"], r["split"], r["loss"], r.get("grad_norm")) for r in result["records"]]
+
+    def project(result):
+        return [(r["step"], r["split"], r["loss"], r.get("grad_norm")) for r in result["records"]]
+
     assert project(resumed) == project(straight)

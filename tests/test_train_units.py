@@ -122,13 +122,13 @@ def test_resolve_max_steps_and_eval_batches():
 
     t = SimpleNamespace(max_steps=None, epochs=2, global_batch_size=4)
     assert resolve_max_steps(t, 42) == 20
-    with pytest.raises(ValueError, match="trainer.max_steps or trainer.epochs"):
+    with pytest.raises(ValueError, match=r"trainer\.max_steps or trainer\.epochs"):
         resolve_max_steps(SimpleNamespace(max_steps=None, epochs=None, global_batch_size=4), 42)
     with pytest.raises(ValueError, match="0 optimizer steps"):
         resolve_max_steps(SimpleNamespace(max_steps=None, epochs=1, global_batch_size=4), 3)
     batches = [{"tokens": torch.zeros(2, 8)}, {"tokens": torch.zeros(1, 8)}]
     assert len(full_micro_batches(iter(batches), 2)) == 1
-    with pytest.raises(ValueError, match="trainer.eval_sequences"):
+    with pytest.raises(ValueError, match=r"trainer\.eval_sequences"):
         full_micro_batches(iter(batches[1:]), 2)
 
 
@@ -137,7 +137,7 @@ def test_training_dtype():
 
     assert training_dtype("auto") == (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
     assert training_dtype("bf16") == torch.bfloat16
-    with pytest.raises(ValueError, match="trainer.precision='fp16'"):
+    with pytest.raises(ValueError, match=r"trainer\.precision='fp16'"):
         training_dtype("fp16")
 
 

@@ -28,7 +28,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from afm_core.coa.tags import ALL_TAGS, OBSERVATION_TAG
+from afm_core.coa.tags import ALL_TAGS
 from afm_core.coa.trajectory import Step
 
 TAG_RE = re.compile(r"<(/?)(" + "|".join(ALL_TAGS) + r")>")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 from afm_core.coa.grammar import TagGrammarError, content_issues, scan_text
 from afm_core.coa.tags import TOOL_TAGS
@@ -20,7 +20,7 @@ class ToolCall:
     query: str
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tool_re(name: str) -> re.Pattern[str]:
     # Upstream verl/tools/xml_tool_parser.py: the shortest <name>...</name> with no <name> inside.
     return re.compile(rf"<{name}>((?:(?!<{name}>).)*?)</{name}>", re.DOTALL)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from afm_core.coa.prompts import TASKS
-from afm_core.coa.tags import ALL_TAGS, tag_kind
+from afm_core.coa.tags import tag_kind
 
 
 @dataclass(frozen=True)

@@ -67,7 +67,7 @@ class RaggedArray:
 
     @classmethod
     def from_rows(cls, rows: Sequence[np.ndarray]) -> RaggedArray:
-        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        offsets: np.ndarray = np.zeros(len(rows) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum([len(r) for r in rows])
         values = np.concatenate(rows).astype(np.int32) if rows else np.zeros(0, dtype=np.int32)
         return cls(values, offsets)
@@ -183,9 +183,9 @@ def _build(examples: Sequence[TokenizedExample], seq_length: int, pad_id: int, p
     bins = _first_fit_decreasing(lengths, seq_length) if pack else [[i] for i in range(len(docs))]
 
     n = len(bins)
-    input_ids = np.full((n, seq_length), pad_id, dtype=np.int32)
-    labels = np.full((n, seq_length), IGNORE_INDEX, dtype=np.int32)
-    position_ids = np.zeros((n, seq_length), dtype=np.int32)
+    input_ids: np.ndarray = np.full((n, seq_length), pad_id, dtype=np.int32)
+    labels: np.ndarray = np.full((n, seq_length), IGNORE_INDEX, dtype=np.int32)
+    position_ids: np.ndarray = np.zeros((n, seq_length), dtype=np.int32)
     cu_seqlens = []
     for row, members in enumerate(bins):
         offsets = [0]
@@ -214,7 +214,7 @@ def _build(examples: Sequence[TokenizedExample], seq_length: int, pad_id: int, p
 def _first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Bin packing, first-fit-decreasing (Johnson 1973): ``[bins]`` lists of indices into ``lengths``."""
     order = np.argsort(-lengths, kind="stable")
-    free = np.empty(len(lengths), dtype=np.int64)  # room left in each open bin, in tokens
+    free: np.ndarray = np.empty(len(lengths), dtype=np.int64)  # room left in each open bin, in tokens
     bins: list[list[int]] = []
     for i in order:
         fits = np.flatnonzero(free[: len(bins)] >= lengths[i])

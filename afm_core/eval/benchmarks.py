@@ -25,7 +25,7 @@ import yaml
 from afm_core.coa.prompts import TASKS, user_prompt
 from afm_core.data.formats import rl_task_from_row
 from afm_core.data.io import DataFormatError, Where, read_jsonl, require
-from afm_core.rewards.code import BadTestsError, humaneval_tests, mbpp_tests, code_tests_from_ground_truth
+from afm_core.rewards.code import BadTestsError, code_tests_from_ground_truth, humaneval_tests, mbpp_tests
 from afm_core.rewards.grader import GRADER_KINDS, grader_kind
 from afm_core.rollout.types import AgentTask
 from afm_core.utils.paths import repo_root, shared_data_dir

@@ -127,7 +127,7 @@ def sample_record(rollout: Rollout, grade: Grade) -> dict[str, Any]:
 
 def _needed_servers(benchmarks: list[Benchmark], tools_cfg: Mapping[str, Any]) -> list[str]:
     return needed_servers({t.task for b in benchmarks for t in b.tasks},
-                          {t.meta.get("grader") for b in benchmarks for t in b.tasks}, tools_cfg)
+                          {t.meta["grader"] for b in benchmarks for t in b.tasks if t.meta.get("grader")}, tools_cfg)
 
 
 async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: list[tuple[AgentTask, int]],
@@ -172,7 +172,7 @@ async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: l
             async with slots:
                 if _stop_requested:
                     return
-                loop, sampling = loops[task.meta["benchmark"]]
+                loop, _ = loops[task.meta["benchmark"]]
                 rollout = await loop.run(task, sample, seed=None)
                 await grade_and_write(rollout)
                 bar.update(1)

@@ -105,7 +105,7 @@ def _local_state(record: dict, events: list[dict]) -> str:
     if alive:
         return "RUNNING"
     last = events[-1]["event"] if events else None
-    return {"completed": "COMPLETED", "failed": "FAILED"}.get(last, "STOPPED")
+    return {"completed": "COMPLETED", "failed": "FAILED"}.get(last or "", "STOPPED")
 
 
 def _max_steps(run_dir: Path) -> int | None:

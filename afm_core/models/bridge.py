@@ -265,6 +265,8 @@ class _HFBridge(LLMBridge):
     (replaced here) and in tied embeddings (handled here for both, on the instance).
     """
 
+    _DIRECT_MAPPING: dict[str, str]  # mbridge's class attribute (typed here: mbridge is not analysed)
+
     # Local spec: RMSNorm modules of their own. TE spec: fused layer_norm_weight (mapped by LLMBridge).
     _OTHER_MAPPING: ClassVar[dict[str, list[str]]] = {
         "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],

@@ -5,7 +5,7 @@ as RL rewards.
 """
 
 from afm_core.rewards.base import Grade, extract_answer
-from afm_core.rewards.code import BadTestsError, CodeTests, SandboxClient, extract_program, code_tests_from_ground_truth
+from afm_core.rewards.code import BadTestsError, CodeTests, SandboxClient, code_tests_from_ground_truth, extract_program
 from afm_core.rewards.format import grade_format
 from afm_core.rewards.grader import GRADER_KINDS, Graders, grader_kind
 from afm_core.rewards.judge import LLMJudge
@@ -13,7 +13,22 @@ from afm_core.rewards.math import grade_math, math_equal
 from afm_core.rewards.qa import exact_match, f1_score, grade_qa, normalize_answer
 
 __all__ = [
-    "GRADER_KINDS", "BadTestsError", "CodeTests", "Grade", "Graders", "LLMJudge", "SandboxClient", "exact_match",
-    "extract_answer", "extract_program", "f1_score", "grade_format", "grade_math", "grade_qa", "grader_kind",
-    "math_equal", "normalize_answer", "code_tests_from_ground_truth",
+    "GRADER_KINDS",
+    "BadTestsError",
+    "CodeTests",
+    "Grade",
+    "Graders",
+    "LLMJudge",
+    "SandboxClient",
+    "code_tests_from_ground_truth",
+    "exact_match",
+    "extract_answer",
+    "extract_program",
+    "f1_score",
+    "grade_format",
+    "grade_math",
+    "grade_qa",
+    "grader_kind",
+    "math_equal",
+    "normalize_answer",
 ]  # fmt: skip

@@ -190,7 +190,7 @@ async def run_tests(client: SandboxClient, program: str, tests: CodeTests) -> Gr
                                                               "total": len(tests.inputs)})  # fmt: skip
             passed += 1
         return Grade(1.0, "correct", extra={"passed": passed, "total": passed})
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+    except (TimeoutError, aiohttp.ClientError, OSError) as e:
         return Grade(0.0, "grader_error", error=True, extra={"message": f"{e.__class__.__name__}: {e}"[:300]})
 
 
@@ -229,6 +229,14 @@ def task_tests(meta: Mapping[str, Any]) -> CodeTests | None:
 
 
 __all__ = [
-    "BadTestsError", "CodeTests", "SandboxClient", "extract_program", "grade_code", "humaneval_tests", "mbpp_tests",
-    "run_tests", "task_tests", "code_tests_from_ground_truth",
+    "BadTestsError",
+    "CodeTests",
+    "SandboxClient",
+    "code_tests_from_ground_truth",
+    "extract_program",
+    "grade_code",
+    "humaneval_tests",
+    "mbpp_tests",
+    "run_tests",
+    "task_tests",
 ]  # fmt: skip

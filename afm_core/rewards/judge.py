@@ -105,7 +105,7 @@ class LLMJudge:
                     reply = (await resp.json())["choices"][0]["message"]["content"]
                 correct, rationale = parse_verdict(reply)
                 return Grade(float(correct), "correct" if correct else "wrong", extra={"rationale": rationale[:300]})
-            except (aiohttp.ClientError, asyncio.TimeoutError, KeyError, IndexError, TypeError, ValueError) as e:
+            except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError) as e:
                 last = f"{e.__class__.__name__}: {e}"
                 if attempt + 1 < self.attempts:
                     await asyncio.sleep(self.retry_delay_s)

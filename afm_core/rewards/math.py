@@ -62,7 +62,7 @@ def math_equal(prediction: str, gold: str, timeout_s: int = 5) -> bool:
             pred_parsed = parse(prediction, parsing_timeout=timeout_s)
         if gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=timeout_s):
             return True
-    except Exception:  # math-verify raises on pathological LaTeX; treat as not equal  # noqa: BLE001
+    except Exception:  # math-verify raises on pathological LaTeX; treat as not equal
         pass
     gold_letter, pred_letter = _choice_letter(gold), _choice_letter(prediction)
     return gold_letter is not None and gold_letter == pred_letter

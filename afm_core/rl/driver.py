@@ -367,7 +367,8 @@ def build_policy_trainer(cfg: Mapping[str, Any], layout: Any, chunks: list[torch
     per-token loss, AdamW + schedule, checkpointer, the USR2 flags); the RL loop drives it step by step."""
     from afm_core.train.trainer import SFTTrainer
 
-    return SFTTrainer(_trainer_cfg(cfg, layout.dp), layout, chunks, train_data=None, eval_batches=[],
+    return SFTTrainer(_trainer_cfg(cfg, layout.dp), layout, chunks, train_data=None,  # type: ignore[arg-type]  # train_step gets its batches from the driver
+                      eval_batches=[],
                       run_dir=run_dir, max_steps=max_optimizer_steps)
 
 
@@ -378,7 +379,7 @@ def _micro_batches(samples: Sequence[Sample], mbs: int, seq_length: int, pad_id:
     out = []
     for i in range(0, len(samples), mbs):
         part = samples[i : i + mbs]
-        per_token = {"rollout_log_prob": [s.logprobs for s in part]}
+        per_token: dict[str, Any] = {"rollout_log_prob": [s.logprobs for s in part]}
         for key, values in (extra or {}).items():
             per_token[key] = list(values[i : i + mbs])
         out.append(rollout_micro_batch([s.prompt_ids for s in part], [s.response_ids for s in part],

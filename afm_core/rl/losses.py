@@ -165,6 +165,8 @@ def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: 
     pg_per_token = per_token
 
     if config.kl_coef > 0:
+        if ref_log_prob is None:
+            raise ValueError("kl_coef > 0 needs ref_log_prob (the reference policy's log-probs)")
         ref = torch.where(mask, ref_log_prob.float(), detached)
         kl = low_var_kl(logp, ref)
         per_token = per_token + config.kl_coef * kl
@@ -303,7 +305,7 @@ def reduce_stats(stats: Iterable[dict[str, torch.Tensor]],
     sum_keys, max_keys = sorted(sums), sorted(maxima)
     if _distributed(group):
         gathered: list[list[str]] = [None] * torch.distributed.get_world_size(group)  # type: ignore[list-item]
-        torch.distributed.all_gather_object(gathered, sum_keys + ["|"] + max_keys, group=group)
+        torch.distributed.all_gather_object(gathered, [*sum_keys, "|", *max_keys], group=group)
         if any(g != gathered[0] for g in gathered):
             raise ValueError(f"reduce_stats: ranks report different statistics: {gathered}")
         s = _all_reduce(torch.tensor([sums[k] for k in sum_keys], dtype=torch.float64), group)

@@ -79,6 +79,8 @@ class WeightSyncExtension:
         KeyError: a tensor name the vLLM model does not have.
     """
 
+    model_runner: Any  # vLLM's worker attributes (the class this is mixed into)
+    vllm_config: Any
     _afm_update_open: bool = False
     _afm_loaded_names: set[str] = frozenset()  # type: ignore[assignment]  # per update, set by begin
 

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 
 from afm_core.coa import TOOL_TAGS, TagGrammarError, Trajectory, parse_steps, parse_tool_calls, stop_strings
 from afm_core.coa.grammar import validate_text
+from afm_core.coa.parse import ToolCall
 from afm_core.coa.prompts import TASK_TOOLS, TASKS
 from afm_core.coa.render import render_observation
 from afm_core.data.tokenize import encode_prompt, encode_text
@@ -219,7 +220,7 @@ class AgentLoop:
     ) -> None:
         turn = state.turns - 1
         tag = stop[2:-1]
-        calls = [call for call in parse_tool_calls(segment, tools) if call.name == tag] or [None]
+        calls: list[ToolCall | None] = [call for call in parse_tool_calls(segment, tools) if call.name == tag] or [None]
         records: list[ToolCallRecord] = []
         pending = []
         for call in calls:

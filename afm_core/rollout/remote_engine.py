@@ -85,7 +85,7 @@ class RemoteEngine:
                         raise EngineError(f"{self.endpoint} answered HTTP {resp.status}: {(await resp.text())[:500]}")
                     else:
                         return self._generation(await resp.json())
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientError) as e:
                 last = f"{e.__class__.__name__}: {e}"
             if attempt < self.retries:
                 await asyncio.sleep(0.5 * 2**attempt)
@@ -100,16 +100,17 @@ class RemoteEngine:
         logprobs_obj = choice.get("logprobs") or {}
         tokens = logprobs_obj.get("tokens") or []
         token_logprobs = logprobs_obj.get("token_logprobs")
-        ids: list[int] | None = []
+        found: list[int] = []
+        ids: list[int] | None = found
         for token in tokens:
             if isinstance(token, str) and token.startswith("token_id:"):
-                ids.append(int(token.split(":", 1)[1]))
+                found.append(int(token.split(":", 1)[1]))
             else:
                 token_id = self.tokenizer.convert_tokens_to_ids(token)
                 if not isinstance(token_id, int) or token_id == self.tokenizer.unk_token_id:
                     ids = None
                     break
-                ids.append(token_id)
+                found.append(token_id)
         extra: dict[str, Any] = {}
         if not tokens or ids is None:
             ids = self.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]

@@ -58,4 +58,4 @@ def tool_servers(cfg: Mapping[str, Any], names: list[str], log_dir: Path):
 def reachable_tools_cfg(tools_cfg: Mapping[str, Any], urls: Mapping[str, str]) -> dict[str, Any]:
     """``tools_cfg`` with only the tools whose server is in ``urls`` (or that have a fixed ``url``)."""
     return {**tools_cfg, "tools": {n: e for n, e in tools_cfg["tools"].items()
-                                   if e is not None and e.get("server", "") in urls or (e or {}).get("url")}}
+                                   if (e is not None and e.get("server", "") in urls) or (e or {}).get("url")}}

@@ -32,7 +32,11 @@ from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
 from afm_core.train.checkpoint_dirs import (
-    checkpoint_dir_name, publish_checkpoint, read_marker, stage_checkpoint, staging_dir,
+    checkpoint_dir_name,
+    publish_checkpoint,
+    read_marker,
+    stage_checkpoint,
+    staging_dir,
 )
 from afm_core.train.distributed import ParallelLayout
 from afm_core.utils.atomic import atomic_path

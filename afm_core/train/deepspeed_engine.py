@@ -42,7 +42,11 @@ import torch.nn.functional as F
 from afm_core.data.loader import full_micro_batches
 from afm_core.train.checkpoint import rng_state, set_rng_state
 from afm_core.train.checkpoint_dirs import (
-    checkpoint_dir_name, publish_checkpoint, read_marker, stage_checkpoint, staging_dir,
+    checkpoint_dir_name,
+    publish_checkpoint,
+    read_marker,
+    stage_checkpoint,
+    staging_dir,
 )
 from afm_core.train.distributed import ParallelLayout, set_num_threads, training_dtype
 from afm_core.train.loss import masked_token_loss, reduce_reports
@@ -239,7 +243,8 @@ def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
     Each group carries ``wd_mult`` (1.0 or 0.0), which megatron's ``OptimizerParamScheduler`` multiplies into
     ``weight_decay``. Shapes are read from ``ds_shape`` for ZeRO-3-partitioned parameters.
     """
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue

@@ -21,8 +21,9 @@ This is an estimate (no allocator fragmentation, CUDA context ~1 GiB, or communi
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 GIB = 1024**3
 

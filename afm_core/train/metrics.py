@@ -38,7 +38,7 @@ class MetricsLog:
         self.path = Path(path)
         kept = [r for r in read_metrics(self.path) if resume_step > 0 and r["step"] <= resume_step]
         atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - appended to until close()
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (needs ``step`` and ``split``) with ``time`` (unix seconds); non-finite floats are

@@ -85,7 +85,11 @@ def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_s
     from transformers import AutoConfig
 
     from afm_core.models.bridge import (
-        build_gpt_model, load_hf_weights, mcore_config_from_hf, save_hf_checkpoint, transformer_engine_available,
+        build_gpt_model,
+        load_hf_weights,
+        mcore_config_from_hf,
+        save_hf_checkpoint,
+        transformer_engine_available,
     )
     from afm_core.train.distributed import training_dtype
     from afm_core.train.trainer import SFTTrainer, build_model_chunks, find_resume_checkpoint

@@ -315,9 +315,9 @@ class SFTLoop(ABC):
             seconds = time.perf_counter() - start
             self.progress.step += 1
             self.progress.consumed_sequences += t.global_batch_size
-            self.progress.consumed_tokens += out["tokens"]
+            self.progress.consumed_tokens += int(out["tokens"])
             self.progress.train_time_s += seconds
-            run_steps, run_tokens, run_time = run_steps + 1, run_tokens + out["tokens"], run_time + seconds
+            run_steps, run_tokens, run_time = run_steps + 1, run_tokens + int(out["tokens"]), run_time + seconds
             step = self.progress.step
             if step % t.log_interval == 0 or step == self.max_steps:
                 self._log({"step": step, "split": "train", **out, "tokens_per_s": out["tokens"] / seconds,

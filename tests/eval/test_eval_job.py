@@ -45,7 +45,7 @@ def _eval_cmd(run_dir: Path, tasks: Path, *extra: str) -> list[str]:
 
 def _kill_tree(proc: subprocess.Popen) -> None:
     parent = psutil.Process(proc.pid)
-    for child in parent.children(recursive=True) + [parent]:
+    for child in [*parent.children(recursive=True), parent]:
         try:
             child.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:

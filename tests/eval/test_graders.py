@@ -12,13 +12,13 @@ from afm_core.rewards import (
     CodeTests,
     Graders,
     SandboxClient,
+    code_tests_from_ground_truth,
     extract_program,
     grade_format,
     grade_math,
     grade_qa,
     grader_kind,
     math_equal,
-    code_tests_from_ground_truth,
 )
 from afm_core.rewards.code import BadTestsError, humaneval_tests, mbpp_tests, run_tests
 from afm_core.rewards.judge import parse_verdict
@@ -136,7 +136,8 @@ async def _grade_all(url, programs_and_tests, concurrency=8):
 
 @pytest.mark.slow
 def test_every_humaneval_canonical_solution_scores_one(sandbox, data_dir):
-    records = [json.loads(line) for line in gzip.open(data_dir / "code/humaneval/HumanEval.jsonl.gz", "rt")]
+    with gzip.open(data_dir / "code/humaneval/HumanEval.jsonl.gz", "rt") as f:
+        records = [json.loads(line) for line in f]
     assert len(records) == 164
     grades = _run(_grade_all(sandbox[0], [(r["prompt"] + r["canonical_solution"], humaneval_tests(r)) for r in records]))
     failed = [(r["task_id"], g) for r, g in zip(records, grades) if g.score != 1.0]

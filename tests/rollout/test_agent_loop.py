@@ -79,7 +79,7 @@ def test_prompt_and_response_ids_are_the_sampled_ids_interleaved_with_observatio
     assert rollout.response_mask == expected_mask
     assert rollout.logprobs == expected_logprobs  # the engine's sampled-token logprobs, 0.0 for observations
     # each generation continued from exactly prompt + everything so far (no re-tokenization)
-    for i, (prompt, gen) in enumerate(engine.calls):
+    for prompt, _ in engine.calls:
         assert prompt == (rollout.prompt_ids + rollout.response_ids)[: len(prompt)]
     assert rollout.trajectory is not None and rollout.trajectory.steps == STEPS
     assert rollout.format_issues == []

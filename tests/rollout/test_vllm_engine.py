@@ -93,7 +93,7 @@ def test_the_remote_engine_gets_token_ids_and_logprobs_from_vllm_serve(tiny_llam
     from afm_core.rollout.remote_engine import RemoteEngine
 
     port = _free_port()
-    log = open(tmp_path / "serve.log", "wb")
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - the server writes to it until it stops
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_llama), "--port", str(port),
          "--host", "127.0.0.1", "--max-model-len", "1024", "--dtype", "float32", "--served-model-name", "tiny"],

@@ -45,7 +45,9 @@ def _constant(node: ast.AST) -> float | None:
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         value = _constant(node.operand)
         return None if value is None else (-value if isinstance(node.op, ast.USub) else value)
-    return node.value if isinstance(node, ast.Constant) else None
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+        return node.value
+    return None
 
 
 def _check_arithmetic(expression: str) -> None:
