@@ -66,16 +66,20 @@ def main() -> None:
     seconds = time.perf_counter() - start
     lengths = sorted(len(e) for e in examples)
     print(f"data: {train}")
-    print(f"tokenized {len(examples)} examples in {seconds:.2f} s ({len(examples) / seconds:.0f} examples/s); "
-          f"tokens per example: median {lengths[len(lengths) // 2]}, max {lengths[-1]}")
+    print(
+        f"tokenized {len(examples)} examples in {seconds:.2f} s ({len(examples) / seconds:.0f} examples/s); "
+        f"tokens per example: median {lengths[len(lengths) // 2]}, max {lengths[-1]}"
+    )
 
     print("\n| seq_length | mode | sequences | truncated | dropped | efficiency | target share |")
     print("|---|---|---|---|---|---|---|")
     for seq_length in args.seq_lengths:
         for mode, build in (("packed", pack_examples), ("unpacked", pad_examples)):
             stats = build(examples, seq_length).stats
-            print(f"| {seq_length} | {mode} | {stats.num_sequences} | {stats.num_truncated} | {stats.num_dropped} | "
-                  f"{stats.efficiency:.3f} | {stats.target_share:.3f} |")
+            print(
+                f"| {seq_length} | {mode} | {stats.num_sequences} | {stats.num_truncated} | {stats.num_dropped} | "
+                f"{stats.efficiency:.3f} | {stats.target_share:.3f} |"
+            )
 
     responses = pq.read_table(train, columns=["response"]).column("response").to_pylist()
     print(f"\nupstream marker scan vs character spans: {_upstream_comparison(tokenizer, responses)}")

@@ -53,14 +53,24 @@ def _rank(args: dict[str, Any], barrier: Any, results: Any) -> None:
     barrier.wait()
     start = time.perf_counter()
     data_dir = Path(args["data_dir"])
-    module = SFTDataModule([data_dir / "train.parquet"], args["tokenizer_dir"], args["seq_length"],
-                           heldout_paths=[data_dir / "heldout.parquet"], dense_mask=args["dense_mask"])
+    module = SFTDataModule(
+        [data_dir / "train.parquet"],
+        args["tokenizer_dir"],
+        args["seq_length"],
+        heldout_paths=[data_dir / "heldout.parquet"],
+        dense_mask=args["dense_mask"],
+    )
     train, heldout = module.train, module.heldout
     open_s = time.perf_counter() - start
     rss_open = _rss_bytes()
-    out = {"built": module.built["train"], "open_s": open_s, "rss_open_gib": rss_open / GIB,
-           "train_sequences": len(train), "heldout_sequences": len(heldout), "mapped": isinstance(train.input_ids,
-                                                                                               np.memmap)}
+    out = {
+        "built": module.built["train"],
+        "open_s": open_s,
+        "rss_open_gib": rss_open / GIB,
+        "train_sequences": len(train),
+        "heldout_sequences": len(heldout),
+        "mapped": isinstance(train.input_ids, np.memmap),
+    }
     if args["micro_batches"]:
         stream = module.train_iterator(seed=0, micro_batch_size=args["micro_batch_size"], dp_rank=0, dp_size=1)
         start = time.perf_counter()
@@ -111,31 +121,50 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         data_dir = opts.data_dir or Path(temp) / "coa_traces"
         data_cfg = {**OmegaConf.to_container(cfg.data), "out_dir": str(data_dir)}
         ensure_prepared(data_cfg)
-        args = {"data_dir": str(data_dir), "tokenizer_dir": str(ensure_hf_checkpoint(cfg.model)),
-                "seq_length": opts.seq_length, "micro_batches": opts.micro_batches,
-                "micro_batch_size": opts.micro_batch_size, "dense_mask": opts.dense_mask}
+        args = {
+            "data_dir": str(data_dir),
+            "tokenizer_dir": str(ensure_hf_checkpoint(cfg.model)),
+            "seq_length": opts.seq_length,
+            "micro_batches": opts.micro_batches,
+            "micro_batch_size": opts.micro_batch_size,
+            "dense_mask": opts.dense_mask,
+        }
         cold = _run_ranks(opts.ranks, args)
         (warm,) = _run_ranks(1, {**args, "micro_batches": 0})
 
     dense_mask_gib = opts.micro_batches * opts.micro_batch_size * opts.seq_length**2 / GIB
-    result = {"seq_length": opts.seq_length, "micro_batches": opts.micro_batches, "dense_mask": opts.dense_mask,
-              "micro_batch_size": opts.micro_batch_size, "ranks": cold, "warm": warm,
-              "ranks_that_tokenized": sum(o["built"] for o in cold),
-              "requeue_saving_s": cold[0]["open_s"] - warm["open_s"],
-              "max_peak_rss_gib": max(o["peak_rss_gib"] for o in cold),
-              "old_path_dense_masks_per_step_gib": dense_mask_gib}
-    print(f"data path at seq_length={opts.seq_length}{' with dense masks' if opts.dense_mask else ''}: "
-          f"{cold[0]['train_sequences']} train + {cold[0]['heldout_sequences']} held-out packed sequences")
+    result = {
+        "seq_length": opts.seq_length,
+        "micro_batches": opts.micro_batches,
+        "dense_mask": opts.dense_mask,
+        "micro_batch_size": opts.micro_batch_size,
+        "ranks": cold,
+        "warm": warm,
+        "ranks_that_tokenized": sum(o["built"] for o in cold),
+        "requeue_saving_s": cold[0]["open_s"] - warm["open_s"],
+        "max_peak_rss_gib": max(o["peak_rss_gib"] for o in cold),
+        "old_path_dense_masks_per_step_gib": dense_mask_gib,
+    }
+    print(
+        f"data path at seq_length={opts.seq_length}{' with dense masks' if opts.dense_mask else ''}: "
+        f"{cold[0]['train_sequences']} train + {cold[0]['heldout_sequences']} held-out packed sequences"
+    )
     for i, o in enumerate(cold):
-        print(f"  rank {i}: {'tokenized+packed' if o['built'] else 'mapped the cache'} in {o['open_s']:.2f} s; "
-              f"step of {opts.micro_batches} micro batches in {o['step_s']:.2f} s; RSS after open "
-              f"{o['rss_open_gib']:.2f} GiB, after the step {o['rss_after_step_gib']:.2f} GiB, peak "
-              f"{o['peak_rss_gib']:.2f} GiB")
+        print(
+            f"  rank {i}: {'tokenized+packed' if o['built'] else 'mapped the cache'} in {o['open_s']:.2f} s; "
+            f"step of {opts.micro_batches} micro batches in {o['step_s']:.2f} s; RSS after open "
+            f"{o['rss_open_gib']:.2f} GiB, after the step {o['rss_after_step_gib']:.2f} GiB, peak "
+            f"{o['peak_rss_gib']:.2f} GiB"
+        )
     print(f"  ranks that tokenized: {result['ranks_that_tokenized']} of {opts.ranks}")
-    print(f"  warm open (requeue/resume): {warm['open_s']:.2f} s, mapped={warm['mapped']}; saving vs cold "
-          f"{result['requeue_saving_s']:.2f} s")
-    print(f"  old path: dense masks alone for one step = {opts.micro_batches} x {opts.micro_batch_size} x "
-          f"{opts.seq_length}^2 B = {dense_mask_gib:.1f} GiB per rank (all micro batches built at once)")
+    print(
+        f"  warm open (requeue/resume): {warm['open_s']:.2f} s, mapped={warm['mapped']}; saving vs cold "
+        f"{result['requeue_saving_s']:.2f} s"
+    )
+    print(
+        f"  old path: dense masks alone for one step = {opts.micro_batches} x {opts.micro_batch_size} x "
+        f"{opts.seq_length}^2 B = {dense_mask_gib:.1f} GiB per rank (all micro batches built at once)"
+    )
     if opts.out:
         atomic_write_json(opts.out, result)
     return result

@@ -56,9 +56,17 @@ from afm_core.utils.atomic import atomic_write_json
 from afm_core.utils.paths import repo_root, shared_data_dir
 
 TINY_JOB = [  # tiny-llama on a 120-trajectory slice of the real traces (its own prepared dir and token cache)
-    "model=tiny-llama", "data.name=resume-overhead", "data.sources.gsm8k.limit=60", "data.sources.fireact.limit=20",
-    "data.sources.r1searcher.limit=20", "data.sources.tora.limit=20", "trainer.global_batch_size=2",
-    "trainer.eval_interval=1000", "trainer.eval_sequences=2", "trainer.save_interval=1000", "trainer.keep_last=1",
+    "model=tiny-llama",
+    "data.name=resume-overhead",
+    "data.sources.gsm8k.limit=60",
+    "data.sources.fireact.limit=20",
+    "data.sources.r1searcher.limit=20",
+    "data.sources.tora.limit=20",
+    "trainer.global_batch_size=2",
+    "trainer.eval_interval=1000",
+    "trainer.eval_sequences=2",
+    "trainer.save_interval=1000",
+    "trainer.keep_last=1",
     "trainer.progress=false",
 ]
 CLUSTER_SCRIPT = repo_root() / "slurm" / "local-cluster.sh"
@@ -91,11 +99,25 @@ def submit_sft(run_dir: Path, cpus: int, max_steps: int) -> str:
     Raises:
         RuntimeError: ``jobs.sft`` failed (its output is in the message).
     """
-    overrides = [*TINY_JOB, "cluster=slurm", "cluster.time=20", f"cluster.cpus_per_task={cpus}",
-                 f"trainer.max_steps={max_steps}", "trainer.keep_last=5", f"hydra.run.dir={run_dir}"]
+    overrides = [
+        *TINY_JOB,
+        "cluster=slurm",
+        "cluster.time=20",
+        f"cluster.cpus_per_task={cpus}",
+        f"trainer.max_steps={max_steps}",
+        "trainer.keep_last=5",
+        f"hydra.run.dir={run_dir}",
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo_root()), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "jobs.sft", *overrides], cwd=repo_root(), env=env,
-                          capture_output=True, text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.sft", *overrides],
+        cwd=repo_root(),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"jobs.sft failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
     return read_job_record(run_dir / "logs")["job_id"]
@@ -104,19 +126,39 @@ def submit_sft(run_dir: Path, cpus: int, max_steps: int) -> str:
 def interrupt(kind: str, job_id: str, cpus: int, run_dir: Path) -> None:
     """Preempt the job by a whole-node ``high`` job on the job's node, or send it USR2 with ``scancel``."""
     if kind == "preempt":
-        node = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-        subprocess.run(["sbatch", "--parsable", "-p", "high", "-c", str(cpus), "-w", node, "-J", "preemptor",
-                        "-o", str(run_dir / "logs" / "preemptor-%j.out"), "--wrap", "sleep 1"],
-                       capture_output=True, text=True, check=True)
+        node = subprocess.run(
+            ["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                "-p",
+                "high",
+                "-c",
+                str(cpus),
+                "-w",
+                node,
+                "-J",
+                "preemptor",
+                "-o",
+                str(run_dir / "logs" / "preemptor-%j.out"),
+                "--wrap",
+                "sleep 1",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     else:
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
 
 
 def slurm_starts(job_id: str) -> list[float]:
     """Start times (unix s, whole seconds) of the job's attempts in Slurm accounting, first attempt first."""
-    out = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-o", "Start", "-j", job_id], capture_output=True,
-                         text=True, check=False).stdout
+    out = subprocess.run(
+        ["sacct", "-D", "-X", "-n", "-P", "-o", "Start", "-j", job_id], capture_output=True, text=True, check=False
+    ).stdout
     return [datetime.fromisoformat(line).timestamp() for line in out.split() if line[:1].isdigit()]
 
 
@@ -156,7 +198,7 @@ def measure(kind: str, number: int, job_id: str, cpus: int, run_dir: Path, timeo
     attempt_start = events(run_dir, "start")[number - 1]["time"]
     triggered_at = time.time()
     interrupt(kind, job_id, cpus, run_dir)
-    requeued = wait_for(lambda: events(run_dir, "requeued")[number - 1:number], f"requeue {number}", timeout_s)[0]
+    requeued = wait_for(lambda: events(run_dir, "requeued")[number - 1 : number], f"requeue {number}", timeout_s)[0]
     ckpt_step = requeued["step"]
     # afm_core.train.checkpoint's layout, read without importing torch (as afm_core.launch.status does)
     marker = run_dir / "checkpoints" / f"step_{ckpt_step:08d}" / "COMPLETE"
@@ -166,13 +208,20 @@ def measure(kind: str, number: int, job_id: str, cpus: int, run_dir: Path, timeo
     before_signal = [r["step"] for r in stopped if r["time"] < signal_at]
     boundary_at = next(r["time"] for r in stopped if r["step"] == ckpt_step)
 
-    restart = wait_for(lambda: events(run_dir, "start")[number:number + 1], f"restart {number}", timeout_s)[0]
-    first = wait_for(lambda: [r for r in train_lines(run_dir) if r["step"] == ckpt_step + 1
-                              and r["time"] >= restart["time"]], f"first step after restart {number}", timeout_s)[0]
-    slurm_start = wait_for(lambda: slurm_starts(job_id)[number:number + 1], f"sacct's start of attempt {number + 1}",
-                           timeout_s)[0]
-    data = wait_for(lambda: data_open_times(run_dir)[number:number + 1] and data_open_times(run_dir),
-                    f"rank 0's data line of attempt {number + 1}", timeout_s)
+    restart = wait_for(lambda: events(run_dir, "start")[number : number + 1], f"restart {number}", timeout_s)[0]
+    first = wait_for(
+        lambda: [r for r in train_lines(run_dir) if r["step"] == ckpt_step + 1 and r["time"] >= restart["time"]],
+        f"first step after restart {number}",
+        timeout_s,
+    )[0]
+    slurm_start = wait_for(
+        lambda: slurm_starts(job_id)[number : number + 1], f"sacct's start of attempt {number + 1}", timeout_s
+    )[0]
+    data = wait_for(
+        lambda: data_open_times(run_dir)[number : number + 1] and data_open_times(run_dir),
+        f"rank 0's data line of attempt {number + 1}",
+        timeout_s,
+    )
     return {
         "interrupt": kind,
         "reason": requeued["reason"],
@@ -231,10 +280,18 @@ def print_table(rows: list[dict[str, Any]], console: Console) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--interrupts", default=",".join(INTERRUPTS),
-                        help=f"comma-separated, in order, from {INTERRUPTS} (default: both)")
-    parser.add_argument("--max-steps", type=int, default=40, help="the job's trainer.max_steps (enough to outlast "
-                        "the interrupts; the job is cancelled once the figures are in)")
+    parser.add_argument(
+        "--interrupts",
+        default=",".join(INTERRUPTS),
+        help=f"comma-separated, in order, from {INTERRUPTS} (default: both)",
+    )
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        default=40,
+        help="the job's trainer.max_steps (enough to outlast "
+        "the interrupts; the job is cancelled once the figures are in)",
+    )
     parser.add_argument("--warmup-steps", type=int, default=2, help="train steps before the first interrupt")
     parser.add_argument("--run-dir", type=Path, default=None, help="the job's RUN_DIR (default: a new temp dir)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds to wait for each event")
@@ -264,8 +321,14 @@ def main() -> int:
         error = f"{err} (job {job_id}; logs in {run_dir / 'logs'})"
     finally:
         subprocess.run(["scancel", job_id], check=False)
-    figures = {"job_id": job_id, "run_dir": str(run_dir), "node_cpus": cpus, "interrupts": rows,
-               "wall_s": time.monotonic() - started, "error": error}
+    figures = {
+        "job_id": job_id,
+        "run_dir": str(run_dir),
+        "node_cpus": cpus,
+        "interrupts": rows,
+        "wall_s": time.monotonic() - started,
+        "error": error,
+    }
     if rows:
         print_table(rows, console)
     if error:

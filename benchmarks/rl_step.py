@@ -41,8 +41,9 @@ def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="model preset (conf/model/<name>.yaml)")
     parser.add_argument("--bucket-mb", type=int, nargs="+", default=[64, 256, 1024], help="bucket sizes in MiB")
-    parser.add_argument("--transports", nargs="+", default=["tensors", "bytes", "gather"],
-                        choices=["tensors", "bytes", "gather"])
+    parser.add_argument(
+        "--transports", nargs="+", default=["tensors", "bytes", "gather"], choices=["tensors", "bytes", "gather"]
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warm-up round)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -67,8 +68,14 @@ def step_split(args: argparse.Namespace) -> None:
     from afm_core.train.metrics import read_metrics
     from afm_core.utils.paths import repo_root
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with tempfile.TemporaryDirectory(prefix="rl_step-") as run_dir:
         with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
@@ -80,25 +87,44 @@ def step_split(args: argparse.Namespace) -> None:
         total = time.perf_counter() - started
         records = read_metrics(Path(run_dir) / "metrics.jsonl")
     load = os.getloadavg()
-    print(f"\nRL rollout steps, recipe={args.recipe} {' '.join(args.set)} ({cfg.model.name}, "
-          f"{cfg.algorithm.train_batch_size} prompts x n={cfg.rollout.n}); job {total:.0f} s incl. start-up; "
-          f"load average {load[0]:.1f} / {load[1]:.1f}")
-    print(f"{'step':>4} {'stage':>5} {'resp len':>8} {'generate':>9} {'(tools)':>8} {'logprob':>8} {'train':>7} "
-          f"{'sync':>6} {'other':>6} {'step s':>7}  sync GB/s")
+    print(
+        f"\nRL rollout steps, recipe={args.recipe} {' '.join(args.set)} ({cfg.model.name}, "
+        f"{cfg.algorithm.train_batch_size} prompts x n={cfg.rollout.n}); job {total:.0f} s incl. start-up; "
+        f"load average {load[0]:.1f} / {load[1]:.1f}"
+    )
+    print(
+        f"{'step':>4} {'stage':>5} {'resp len':>8} {'generate':>9} {'(tools)':>8} {'logprob':>8} {'train':>7} "
+        f"{'sync':>6} {'other':>6} {'step s':>7}  sync GB/s"
+    )
     rows = []
     for r in records:
         parts = {k: r.get(k) or 0.0 for k in STEP_PARTS}
         other = r["step_s"] - sum(parts.values())
-        rows.append({"step": r["step"], **parts, "tools_s": r.get("tools_s"), "other_s": other, "step_s": r["step_s"],
-                     "weight_sync_gb_per_s": r.get("weight_sync_gb_per_s")})
-        print(f"{r['step']:>4} {r['stage']:>5} {r['response_len_mean']:>8.0f} {parts['generate_s']:>9.2f} "
-              f"{r.get('tools_s') or 0.0:>8.2f} {parts['logprob_s']:>8.2f} {parts['train_s']:>7.2f} "
-              f"{parts['weight_sync_s']:>6.2f} {other:>6.2f} {r['step_s']:>7.2f}  "
-              f"{r.get('weight_sync_gb_per_s') or float('nan'):.2f}")
+        rows.append(
+            {
+                "step": r["step"],
+                **parts,
+                "tools_s": r.get("tools_s"),
+                "other_s": other,
+                "step_s": r["step_s"],
+                "weight_sync_gb_per_s": r.get("weight_sync_gb_per_s"),
+            }
+        )
+        print(
+            f"{r['step']:>4} {r['stage']:>5} {r['response_len_mean']:>8.0f} {parts['generate_s']:>9.2f} "
+            f"{r.get('tools_s') or 0.0:>8.2f} {parts['logprob_s']:>8.2f} {parts['train_s']:>7.2f} "
+            f"{parts['weight_sync_s']:>6.2f} {other:>6.2f} {r['step_s']:>7.2f}  "
+            f"{r.get('weight_sync_gb_per_s') or float('nan'):.2f}"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"recipe": args.recipe, "overrides": args.set, "load_avg": load,
-                                         "job_s": total, "steps": rows}, indent=2) + "\n")
+        args.json.write_text(
+            json.dumps(
+                {"recipe": args.recipe, "overrides": args.set, "load_avg": load, "job_s": total, "steps": rows},
+                indent=2,
+            )
+            + "\n"
+        )
 
 
 def main() -> None:
@@ -117,8 +143,14 @@ def main() -> None:
     from afm_core.rl.weight_sync import sync_weights
     from afm_core.train.distributed import destroy_distributed, init_distributed
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
     layout = init_distributed(OmegaConf.create({"tp": 1, "pp": 1}), seed=0, num_threads=args.threads)
     threads = torch.get_num_threads()
     hf_dir = ensure_hf_checkpoint(args.model)
@@ -126,17 +158,28 @@ def main() -> None:
     from vllm import LLM
 
     set_num_threads = torch.set_num_threads  # vLLM-CPU replaces it with a no-op and drops to one thread
-    llm = LLM(model=str(hf_dir), dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
-              worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
-              logprobs_mode="processed_logprobs", kv_cache_memory_bytes=256 * 2**20)
+    llm = LLM(
+        model=str(hf_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        seed=0,
+        worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
+        logprobs_mode="processed_logprobs",
+        kv_cache_memory_bytes=256 * 2**20,
+    )
     set_num_threads(threads)
     try:
         configs = [(t, mb) for mb in args.bucket_mb for t in args.transports]
         runs: dict[tuple[str, int], list] = {c: [] for c in configs}
         for round_ in range(args.repeats + 1):  # round 0 warms up
             for transport, mb in configs:
-                stats = sync_weights(None if transport == "gather" else llm, chunks, bucket_bytes=mb * 2**20,
-                                     transport="tensors" if transport == "gather" else transport)
+                stats = sync_weights(
+                    None if transport == "gather" else llm,
+                    chunks,
+                    bucket_bytes=mb * 2**20,
+                    transport="tensors" if transport == "gather" else transport,
+                )
                 if round_:
                     runs[(transport, mb)].append(stats)
         gap = _logprob_gap(llm, chunks)
@@ -144,24 +187,50 @@ def main() -> None:
         for (transport, mb), stats in runs.items():
             seconds = [s.seconds for s in stats]
             median = statistics.median(seconds)
-            rows.append({"transport": transport, "bucket_mb": mb, "buckets": stats[0].buckets,
-                         "bytes": stats[0].bytes, "median_s": median, "min_s": min(seconds),
-                         "gb_per_s": stats[0].bytes / median / 1e9,
-                         "gather_s": statistics.median(s.gather_s for s in stats)})
+            rows.append(
+                {
+                    "transport": transport,
+                    "bucket_mb": mb,
+                    "buckets": stats[0].buckets,
+                    "bytes": stats[0].bytes,
+                    "median_s": median,
+                    "min_s": min(seconds),
+                    "gb_per_s": stats[0].bytes / median / 1e9,
+                    "gather_s": statistics.median(s.gather_s for s in stats),
+                }
+            )
         load = os.getloadavg()
-        print(f"\nweight sync Megatron -> vLLM, {args.model} fp32 ({rows[0]['bytes'] / 1e6:.0f} MB of HF tensors), "
-              f"TP=1, in-process vLLM-CPU engine, torch threads {threads}, {args.repeats} rounds; "
-              f"load average {load[0]:.1f} / {load[1]:.1f}")
-        print(f"{'transport':>9} {'bucket MiB':>10} {'buckets':>7} {'median s':>9} {'min s':>7} {'GB/s':>6} "
-              f"{'gather(+ser.) s':>15}")
+        print(
+            f"\nweight sync Megatron -> vLLM, {args.model} fp32 ({rows[0]['bytes'] / 1e6:.0f} MB of HF tensors), "
+            f"TP=1, in-process vLLM-CPU engine, torch threads {threads}, {args.repeats} rounds; "
+            f"load average {load[0]:.1f} / {load[1]:.1f}"
+        )
+        print(
+            f"{'transport':>9} {'bucket MiB':>10} {'buckets':>7} {'median s':>9} {'min s':>7} {'GB/s':>6} "
+            f"{'gather(+ser.) s':>15}"
+        )
         for r in rows:
-            print(f"{r['transport']:>9} {r['bucket_mb']:>10} {r['buckets']:>7} {r['median_s']:>9.3f} "
-                  f"{r['min_s']:>7.3f} {r['gb_per_s']:>6.2f} {r['gather_s']:>15.3f}")
+            print(
+                f"{r['transport']:>9} {r['bucket_mb']:>10} {r['buckets']:>7} {r['median_s']:>9.3f} "
+                f"{r['min_s']:>7.3f} {r['gb_per_s']:>6.2f} {r['gather_s']:>15.3f}"
+            )
         print(f"after the last sync: mean |logprob vLLM - trainer| = {gap:.2e} over sampled tokens (fp32)")
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps({"model": args.model, "threads": threads, "load_avg": load,
-                                             "logprob_gap": gap, "time": time.time(), "rows": rows}, indent=2) + "\n")
+            args.json.write_text(
+                json.dumps(
+                    {
+                        "model": args.model,
+                        "threads": threads,
+                        "load_avg": load,
+                        "logprob_gap": gap,
+                        "time": time.time(),
+                        "rows": rows,
+                    },
+                    indent=2,
+                )
+                + "\n"
+            )
     finally:
         llm.llm_engine.engine_core.shutdown()  # tears down the default process group too
         destroy_distributed()
@@ -180,8 +249,9 @@ def _logprob_gap(llm, chunks) -> float:
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     responses = [list(o.outputs[0].token_ids) for o in outputs]
     logprobs = [[lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outputs]
-    batch = rollout_micro_batch(prompts, responses, [[1] * len(r) for r in responses],
-                                per_token={"rollout_log_prob": logprobs})
+    batch = rollout_micro_batch(
+        prompts, responses, [[1] * len(r) for r in responses], per_token={"rollout_log_prob": logprobs}
+    )
     (out,) = compute_logprobs(chunks, [batch], temperature=0.7)
     mask = batch["response_mask"].bool()
     return float((out["logprobs"] - batch["rollout_log_prob"])[mask].abs().mean())

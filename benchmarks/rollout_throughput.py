@@ -76,7 +76,10 @@ async def main(args: argparse.Namespace) -> dict:
         for name, phase in (("raw", raw), ("agent", agent)) if round_ % 2 == 0 else (("agent", agent), ("raw", raw)):
             tokens, seconds = await phase(round_)
             results[name].append(tokens / seconds)
-            print(f"round {round_} {name:5s}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.0f} tok/s", flush=True)
+            print(
+                f"round {round_} {name:5s}: {tokens} tokens in {seconds:.1f} s = {tokens / seconds:.0f} tok/s",
+                flush=True,
+            )
 
     start = time.perf_counter()
     rollouts = await loop.run_many([(t, 99) for t in tasks], concurrency=len(tasks), progress=None)
@@ -93,7 +96,9 @@ async def main(args: argparse.Namespace) -> dict:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"rollout throughput: {args.model}, {len(tasks)} prompts x {args.max_tokens} tokens (median of {args.rounds})")
+    table = Table(
+        title=f"rollout throughput: {args.model}, {len(tasks)} prompts x {args.max_tokens} tokens (median of {args.rounds})"
+    )
     for column in ("raw vLLM tok/s", "agent loop tok/s", "agent / raw (goal >= 0.9)", "eval problems/s", "load avg"):
         table.add_column(column)
     table.add_row(f"{raw_tps:.0f}", f"{agent_tps:.0f}", f"{agent_tps / raw_tps:.2f}", f"{len(tasks) / eval_s:.2f}",

@@ -101,8 +101,13 @@ class EngineResult:
         return max(0, self.peak_rss_bytes - self.setup_rss_bytes)
 
     def summary(self) -> dict[str, Any]:
-        return {**asdict(self), "median_step_s": self.median_step_s, "input_tokens_per_s": self.input_tokens_per_s,
-                "target_tokens_per_s": self.target_tokens_per_s, "training_peak_bytes": self.training_peak_bytes}
+        return {
+            **asdict(self),
+            "median_step_s": self.median_step_s,
+            "input_tokens_per_s": self.input_tokens_per_s,
+            "target_tokens_per_s": self.target_tokens_per_s,
+            "training_peak_bytes": self.training_peak_bytes,
+        }
 
 
 def _proc_status_bytes(field: str) -> int:
@@ -118,9 +123,13 @@ def compose_sft_config(args: argparse.Namespace, seq_length: int, run_dir: Path)
     from hydra import compose, initialize_config_dir
 
     overrides = [
-        f"model={args.model}", f"run_dir={run_dir}", f"trainer.seq_length={seq_length}",
-        f"trainer.micro_batch_size={args.micro_batch}", f"trainer.global_batch_size={args.global_batch}",
-        "trainer.precision=fp32", "trainer.progress=false",
+        f"model={args.model}",
+        f"run_dir={run_dir}",
+        f"trainer.seq_length={seq_length}",
+        f"trainer.micro_batch_size={args.micro_batch}",
+        f"trainer.global_batch_size={args.global_batch}",
+        "trainer.precision=fp32",
+        "trainer.progress=false",
         f"trainer.num_threads={'null' if args.threads is None else args.threads}",
         f"parallel.recompute={'null' if args.recompute == 'none' else args.recompute}",
     ]
@@ -135,8 +144,9 @@ def join_single_process_group(cfg: Any, num_threads: int | None) -> Any:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     return init_distributed(cfg.parallel, seed=int(cfg.trainer.seed), num_threads=num_threads)
 
 
@@ -145,8 +155,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def megatron_step(cfg: Any, hf_dir: Path, data: PackedSequences, max_steps: int, threads: int | None
-                  ) -> tuple[StepFn, str]:
+def megatron_step(
+    cfg: Any, hf_dir: Path, data: PackedSequences, max_steps: int, threads: int | None
+) -> tuple[StepFn, str]:
     """Our SFT step (``SFTTrainer.train_step``) on the GPTModel with the HF weights; and its attention kind."""
     from transformers import AutoConfig
 
@@ -162,23 +173,33 @@ def megatron_step(cfg: Any, hf_dir: Path, data: PackedSequences, max_steps: int,
 
     layout = join_single_process_group(cfg, threads)
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    mcore_config = mcore_config_from_hf(hf_config, params_dtype=torch.float32,
-                                        **_RECOMPUTE[cfg.parallel.recompute])
+    mcore_config = mcore_config_from_hf(hf_config, params_dtype=torch.float32, **_RECOMPUTE[cfg.parallel.recompute])
 
     def provider(pre_process: bool, post_process: bool, vp_stage: int | None):
-        return build_gpt_model(hf_config, mcore_config, pre_process=pre_process, post_process=post_process,
-                               vp_stage=vp_stage).to(layout.device)
+        return build_gpt_model(
+            hf_config, mcore_config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
+        ).to(layout.device)
 
     chunks = build_model_chunks(provider, layout)
     load_hf_weights(chunks, hf_dir)
     t = cfg.trainer
-    stream = TrainIterator(data, seed=int(t.seed), micro_batch_size=int(t.micro_batch_size), dp_rank=0, dp_size=1,
-                           pack=True, dense_mask=False)
+    stream = TrainIterator(
+        data,
+        seed=int(t.seed),
+        micro_batch_size=int(t.micro_batch_size),
+        dp_rank=0,
+        dp_size=1,
+        pack=True,
+        dense_mask=False,
+    )
     trainer = SFTTrainer(cfg, layout, chunks, stream, [], cfg.run_dir, max_steps)
     if not trainer.thd_packing:
         raise RuntimeError("the model's attention does not read cu_seqlens: not the layer spec of models/bridge.py")
-    attention = ("transformer-engine fused, thd (cu_seqlens)" if transformer_engine_available()
-                 else "megatron local spec + SDPAttention: fused SDPA per document (cu_seqlens, thd), no mask")
+    attention = (
+        "transformer-engine fused, thd (cu_seqlens)"
+        if transformer_engine_available()
+        else "megatron local spec + SDPAttention: fused SDPA per document (cu_seqlens, thd), no mask"
+    )
 
     def step() -> dict[str, float]:
         out = trainer.train_step()
@@ -188,8 +209,7 @@ def megatron_step(cfg: Any, hf_dir: Path, data: PackedSequences, max_steps: int,
     return step, attention
 
 
-def hf_step(cfg: Any, hf_dir: Path, data: PackedSequences, max_steps: int, threads: int | None
-            ) -> tuple[StepFn, str]:
+def hf_step(cfg: Any, hf_dir: Path, data: PackedSequences, max_steps: int, threads: int | None) -> tuple[StepFn, str]:
     """HF forward + backward + AdamW on the same batches and loss; and its attention kind."""
     from transformers import AutoModelForCausalLM
 
@@ -206,15 +226,27 @@ def hf_step(cfg: Any, hf_dir: Path, data: PackedSequences, max_steps: int, threa
         torch.set_num_threads(threads)
     torch.manual_seed(int(cfg.trainer.seed))
     t = cfg.trainer
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa",
-                                                 local_files_only=True).to(device)
+    model = AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
+    ).to(device)
     model.config.use_cache = False
     model.train()
-    optimizer = torch.optim.AdamW(adamw_param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
-                                  betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2), eps=cfg.optim.adam_eps)
+    optimizer = torch.optim.AdamW(
+        adamw_param_groups(model, cfg.optim.weight_decay),
+        lr=cfg.optim.lr,
+        betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
+        eps=cfg.optim.adam_eps,
+    )
     scheduler = build_lr_scheduler(optimizer, cfg.optim, max_steps)
-    stream = TrainIterator(data, seed=int(t.seed), micro_batch_size=int(t.micro_batch_size), dp_rank=0, dp_size=1,
-                           pack=True, dense_mask=True)
+    stream = TrainIterator(
+        data,
+        seed=int(t.seed),
+        micro_batch_size=int(t.micro_batch_size),
+        dp_rank=0,
+        dp_size=1,
+        pack=True,
+        dense_mask=True,
+    )
     num_microbatches = int(t.global_batch_size) // int(t.micro_batch_size)
 
     def step() -> dict[str, float]:
@@ -259,8 +291,13 @@ def engine_worker(conn: Any, engine: str, args: argparse.Namespace, seq_length: 
             max_steps = args.warmup + args.steps + int(args.profile)
             build = megatron_step if engine == "ours" else hf_step
             step, attention = build(cfg, hf_dir, data, max_steps, args.threads)
-            conn.send({"ready": attention, "threads": torch.get_num_threads(),
-                       "device": "cuda" if torch.cuda.is_available() else "cpu"})
+            conn.send(
+                {
+                    "ready": attention,
+                    "threads": torch.get_num_threads(),
+                    "device": "cuda" if torch.cuda.is_available() else "cpu",
+                }
+            )
             setup_rss = _proc_status_bytes("VmRSS")
             while True:
                 command = conn.recv()
@@ -290,8 +327,9 @@ class EngineProcess:
         context = mp.get_context("spawn")
         self.engine = engine
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=engine_worker, args=(child, engine, args, seq_length, data),
-                                       name=f"sft-throughput-{engine}")
+        self.process = context.Process(
+            target=engine_worker, args=(child, engine, args, seq_length, data), name=f"sft-throughput-{engine}"
+        )
         self.process.start()
         child.close()
 
@@ -326,43 +364,73 @@ def run_side_by_side(engines: dict[str, EngineProcess], warmup: int, timed: int)
     return record
 
 
-def measure(args: argparse.Namespace, seq_length: int, data: PackedSequences, console: Console
-            ) -> tuple[EngineResult, EngineResult, float, dict[str, Any]]:
+def measure(
+    args: argparse.Namespace, seq_length: int, data: PackedSequences, console: Console
+) -> tuple[EngineResult, EngineResult, float, dict[str, Any]]:
     """Both engines at one sequence length: results, speed ratio ours/HF, and the run's facts."""
     engines = {name: EngineProcess(name, args, seq_length, data) for name in ("ours", "hf")}
     try:
         ready = {name: engine.ask() for name, engine in engines.items()}
         facts = {"threads": ready["ours"]["threads"], "device": ready["ours"]["device"]}
-        console.print(f"[sft_throughput] {args.model} on {facts['device']}, {facts['threads']} threads per engine: "
-                      f"{args.warmup} warmup + {args.steps} timed steps each, {args.global_batch} x {seq_length} "
-                      f"tokens per step, micro batch {args.micro_batch}", markup=False)
+        console.print(
+            f"[sft_throughput] {args.model} on {facts['device']}, {facts['threads']} threads per engine: "
+            f"{args.warmup} warmup + {args.steps} timed steps each, {args.global_batch} x {seq_length} "
+            f"tokens per step, micro batch {args.micro_batch}",
+            markup=False,
+        )
         record = run_side_by_side(engines, args.warmup, args.steps)
-        profiles = {name: engine.ask("profile")["profile"] if args.profile else None
-                    for name, engine in engines.items()}
+        profiles = {
+            name: engine.ask("profile")["profile"] if args.profile else None for name, engine in engines.items()
+        }
         memory = {name: engine.ask("stop") for name, engine in engines.items()}
     finally:
         for engine in engines.values():
             engine.close()
-    ours, hf = (EngineResult(engine=name, attention=ready[name]["ready"], step_s=record[name]["step_s"],
-                             input_tokens_per_step=args.global_batch * seq_length, target_tokens=record[name]["tokens"],
-                             losses=record[name]["losses"], profile=profiles[name], **memory[name])
-                for name in ("ours", "hf"))
+    ours, hf = (
+        EngineResult(
+            engine=name,
+            attention=ready[name]["ready"],
+            step_s=record[name]["step_s"],
+            input_tokens_per_step=args.global_batch * seq_length,
+            target_tokens=record[name]["tokens"],
+            losses=record[name]["losses"],
+            profile=profiles[name],
+            **memory[name],
+        )
+        for name in ("ours", "hf")
+    )
     ratio = statistics.median(h / o for h, o in zip(hf.step_s, ours.step_s))
     return ours, hf, ratio, facts
 
 
 def packing_table(stats: dict[int, tuple[PackingStats, PackingStats]], benchmark_lengths: list[int]) -> Table:
-    table = Table(title="Packing on the real CoA traces (train split): packed (first-fit-decreasing) vs unpacked "
-                        "(one trajectory per sequence)")
-    for column in ("seq_length", "mode", "sequences", "docs / seq", "truncated", "efficiency (non-pad share)",
-                   "target share"):
+    table = Table(
+        title="Packing on the real CoA traces (train split): packed (first-fit-decreasing) vs unpacked "
+        "(one trajectory per sequence)"
+    )
+    for column in (
+        "seq_length",
+        "mode",
+        "sequences",
+        "docs / seq",
+        "truncated",
+        "efficiency (non-pad share)",
+        "target share",
+    ):
         table.add_column(column, justify="left" if column == "mode" else "right")
     for seq_length, pair in sorted(stats.items()):
         for mode, s in zip(("packed", "unpacked"), pair):
             mark = " (benchmarked)" if seq_length in benchmark_lengths and mode == "packed" else ""
             docs = (s.num_examples - s.num_dropped) / s.num_sequences
-            table.add_row(f"{seq_length}", mode + mark, f"{s.num_sequences:,}", f"{docs:.2f}", f"{s.num_truncated:,}",
-                          f"{s.efficiency:.1%}", f"{s.target_share:.1%}")
+            table.add_row(
+                f"{seq_length}",
+                mode + mark,
+                f"{s.num_sequences:,}",
+                f"{docs:.2f}",
+                f"{s.num_truncated:,}",
+                f"{s.efficiency:.1%}",
+                f"{s.target_share:.1%}",
+            )
     return table
 
 
@@ -376,39 +444,75 @@ def _gib(n: int) -> str:
 
 def throughput_table(rows: list[tuple[int, EngineResult, EngineResult, float]], title: str) -> Table:
     table = Table(title=title)
-    for column in ("seq", "engine", "median step (s)", "input tok/s", "target tok/s", "speed ours/HF",
-                   "peak RSS (GiB)", "training peak (GiB)", "peak ours/HF", "loss, batch 1"):
+    for column in (
+        "seq",
+        "engine",
+        "median step (s)",
+        "input tok/s",
+        "target tok/s",
+        "speed ours/HF",
+        "peak RSS (GiB)",
+        "training peak (GiB)",
+        "peak ours/HF",
+        "loss, batch 1",
+    ):
         table.add_column(column, justify="left" if column == "engine" else "right")
     for seq_length, ours, hf, ratio in rows:
         memory_ratio = ours.peak_rss_bytes / hf.peak_rss_bytes
         for result in (ours, hf):
             is_ours = result is ours
-            table.add_row(f"{seq_length}" if is_ours else "", result.engine, f"{result.median_step_s:.3f}",
-                          f"{result.input_tokens_per_s:,.0f}", f"{result.target_tokens_per_s:,.0f}",
-                          f"{ratio:.2f}x" if is_ours else "", _gib(result.peak_rss_bytes),
-                          _gib(result.training_peak_bytes), f"{memory_ratio:.2f}x" if is_ours else "",
-                          f"{result.losses[0]:.6f}", end_section=not is_ours)
+            table.add_row(
+                f"{seq_length}" if is_ours else "",
+                result.engine,
+                f"{result.median_step_s:.3f}",
+                f"{result.input_tokens_per_s:,.0f}",
+                f"{result.target_tokens_per_s:,.0f}",
+                f"{ratio:.2f}x" if is_ours else "",
+                _gib(result.peak_rss_bytes),
+                _gib(result.training_peak_bytes),
+                f"{memory_ratio:.2f}x" if is_ours else "",
+                f"{result.losses[0]:.6f}",
+                end_section=not is_ours,
+            )
     return table
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="model preset of conf/model (tiny-llama: seconds)")
-    parser.add_argument("--seq-length", type=int, nargs="+", default=[1024],
-                        help="tokens per packed sequence, one measurement (and pair of processes) per value")
+    parser.add_argument(
+        "--seq-length",
+        type=int,
+        nargs="+",
+        default=[1024],
+        help="tokens per packed sequence, one measurement (and pair of processes) per value",
+    )
     parser.add_argument("--micro-batch", type=int, default=1, help="packed sequences per micro batch")
-    parser.add_argument("--global-batch", type=int, default=1,
-                        help="packed sequences per optimizer step (a multiple of --micro-batch)")
+    parser.add_argument(
+        "--global-batch", type=int, default=1, help="packed sequences per optimizer step (a multiple of --micro-batch)"
+    )
     parser.add_argument("--steps", type=int, default=4, help="timed optimizer steps per engine")
     parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps per engine first")
-    parser.add_argument("--packing-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096],
-                        help="sequence lengths of the packing-efficiency table (--seq-length is always added)")
+    parser.add_argument(
+        "--packing-lengths",
+        type=int,
+        nargs="+",
+        default=[512, 1024, 2048, 4096],
+        help="sequence lengths of the packing-efficiency table (--seq-length is always added)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all usable cores)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
-                        help="our engine's activation recomputation (parallel.recompute)")
-    parser.add_argument("--profile", action="store_true",
-                        help=f"profile one more step per engine: top-{PROFILE_ROWS} op tables (with --out: files)")
+    parser.add_argument(
+        "--recompute",
+        choices=("none", "selective", "full"),
+        default="none",
+        help="our engine's activation recomputation (parallel.recompute)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help=f"profile one more step per engine: top-{PROFILE_ROWS} op tables (with --out: files)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
     if args.steps < 1 or args.warmup < 0:
@@ -418,8 +522,10 @@ def parse_args() -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device visible to torch")
     if args.device == "cpu" and torch.cuda.is_available():
-        parser.error("--device cpu on a machine with a GPU: hide it with CUDA_VISIBLE_DEVICES= (megatron's device "
-                     "follows torch.cuda.is_available())")
+        parser.error(
+            "--device cpu on a machine with a GPU: hide it with CUDA_VISIBLE_DEVICES= (megatron's device "
+            "follows torch.cuda.is_available())"
+        )
     return args
 
 
@@ -439,32 +545,39 @@ def main() -> int:
     hf_dir = ensure_hf_checkpoint(cfg.model)
     data_dir = ensure_prepared(cfg.data)
     tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
-    examples = read_sft_examples([data_dir / "train.parquet"], tokenizer,
-                                 mask_observations=bool(cfg.data.mask_observations))
+    examples = read_sft_examples(
+        [data_dir / "train.parquet"], tokenizer, mask_observations=bool(cfg.data.mask_observations)
+    )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    packing = {length: (pack_examples(examples, length, pad_id=pad_id).stats,
-                        pad_examples(examples, length, pad_id=pad_id).stats)
-               for length in set(args.packing_lengths) | set(args.seq_length)}
+    packing = {
+        length: (
+            pack_examples(examples, length, pad_id=pad_id).stats,
+            pad_examples(examples, length, pad_id=pad_id).stats,
+        )
+        for length in set(args.packing_lengths) | set(args.seq_length)
+    }
 
     rows, facts = [], {}
     for seq_length in args.seq_length:
-        ours, hf, ratio, facts = measure(args, seq_length, pack_examples(examples, seq_length, pad_id=pad_id),
-                                         console)
+        ours, hf, ratio, facts = measure(args, seq_length, pack_examples(examples, seq_length, pad_id=pad_id), console)
         rows.append((seq_length, ours, hf, ratio))
     load_after = os.getloadavg()
 
-    title = (f"SFT step: {args.model}, fp32 on {facts['device']}, {facts['threads']} threads per engine, "
-             f"ours with recompute={args.recompute}, "
-             f"{args.global_batch} x seq tokens per step, median of {args.steps} steps, each engine in its own "
-             f"process (1-min load avg {load_before[0]:.1f} -> {load_after[0]:.1f})")
+    title = (
+        f"SFT step: {args.model}, fp32 on {facts['device']}, {facts['threads']} threads per engine, "
+        f"ours with recompute={args.recompute}, "
+        f"{args.global_batch} x seq tokens per step, median of {args.steps} steps, each engine in its own "
+        f"process (1-min load avg {load_before[0]:.1f} -> {load_after[0]:.1f})"
+    )
     console.print(throughput_table(rows, title))
     ours0, hf0 = rows[0][1], rows[0][2]
     console.print(f"attention  ours: {ours0.attention}\n           hf:   {hf0.attention}", markup=False)
     disagreements = []
     for seq_length, ours, hf, _ in rows:
         gap = abs(ours.losses[0] - hf.losses[0])
-        console.print(f"seq {seq_length}: loss |ours - hf| on batch 1: {gap:.2e} (tolerance {LOSS_TOLERANCE:.0e})",
-                      markup=False)
+        console.print(
+            f"seq {seq_length}: loss |ours - hf| on batch 1: {gap:.2e} (tolerance {LOSS_TOLERANCE:.0e})", markup=False
+        )
         if not gap <= LOSS_TOLERANCE:
             disagreements.append(seq_length)
     console.print(packing_table(packing, args.seq_length))
@@ -478,22 +591,42 @@ def main() -> int:
                 atomic_write_text(path, f"{header}\n{result.profile}\n")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(args.out, {
-            "model": args.model, "device": facts["device"], "precision": "fp32", "threads": facts["threads"],
-            "micro_batch": args.micro_batch, "global_batch": args.global_batch, "warmup": args.warmup,
-            "steps": args.steps, "recompute": args.recompute,
-            "load_avg_1min": {"before": load_before[0], "after": load_after[0]}, "loss_tolerance": LOSS_TOLERANCE,
-            "runs": [{"seq_length": seq_length, "ratio_ours_over_hf": ratio,
-                      "peak_ratio_ours_over_hf": ours.peak_rss_bytes / hf.peak_rss_bytes,
-                      "engines": {"ours": ours.summary(), "hf": hf.summary()}}
-                     for seq_length, ours, hf, ratio in rows],
-            "packing": {str(length): {"packed": packing_summary(p), "unpacked": packing_summary(u)}
-                        for length, (p, u) in sorted(packing.items())},
-        })
+        atomic_write_json(
+            args.out,
+            {
+                "model": args.model,
+                "device": facts["device"],
+                "precision": "fp32",
+                "threads": facts["threads"],
+                "micro_batch": args.micro_batch,
+                "global_batch": args.global_batch,
+                "warmup": args.warmup,
+                "steps": args.steps,
+                "recompute": args.recompute,
+                "load_avg_1min": {"before": load_before[0], "after": load_after[0]},
+                "loss_tolerance": LOSS_TOLERANCE,
+                "runs": [
+                    {
+                        "seq_length": seq_length,
+                        "ratio_ours_over_hf": ratio,
+                        "peak_ratio_ours_over_hf": ours.peak_rss_bytes / hf.peak_rss_bytes,
+                        "engines": {"ours": ours.summary(), "hf": hf.summary()},
+                    }
+                    for seq_length, ours, hf, ratio in rows
+                ],
+                "packing": {
+                    str(length): {"packed": packing_summary(p), "unpacked": packing_summary(u)}
+                    for length, (p, u) in sorted(packing.items())
+                },
+            },
+        )
         console.print(f"wrote {args.out}")
     if disagreements:
-        console.print(f"FAIL: the engines' first-batch losses differ by more than {LOSS_TOLERANCE:.0e} at seq "
-                      f"{disagreements}: they did not compute the same thing", markup=False)
+        console.print(
+            f"FAIL: the engines' first-batch losses differ by more than {LOSS_TOLERANCE:.0e} at seq "
+            f"{disagreements}: they did not compute the same thing",
+            markup=False,
+        )
         return 1
     return 0
 

@@ -78,10 +78,14 @@ async def sandbox_phases(pools: dict[str, ToolPool], args) -> list[dict]:
                 latency, observation = await timed(pool, "code", "```py\nprint(1)\n```")
                 latencies.append(latency)
                 failures += not observation.startswith(OK)
-            rows.append(summarize(f"sandbox {mode} trivial, sequential", latencies, time.perf_counter() - start, failures))
+            rows.append(
+                summarize(f"sandbox {mode} trivial, sequential", latencies, time.perf_counter() - start, failures)
+            )
         for mode, pool in pools.items():
             start = time.perf_counter()
-            results = await asyncio.gather(*(timed(pool, "code", SNIPPET.format(n=10_000 + i)) for i in range(args.sandbox_calls)))
+            results = await asyncio.gather(
+                *(timed(pool, "code", SNIPPET.format(n=10_000 + i)) for i in range(args.sandbox_calls))
+            )
             failures = sum(not obs.startswith(OK) for _, obs in results)
             phase = f"sandbox {mode} {args.sandbox_calls} concurrent"
             rows.append(summarize(phase, [lat for lat, _ in results], time.perf_counter() - start, failures))
@@ -128,7 +132,14 @@ async def wiki_phase(url: str, questions: list[str], args) -> list[dict]:
         start = time.perf_counter()
         results = await asyncio.gather(*(one(q) for q in queries))
         failures = sum(not obs.startswith("Doc 1 (Title:") for _, obs in results)
-        return [summarize(f"wiki_search {args.wiki_queries} queries", [lat for lat, _ in results], time.perf_counter() - start, failures)]
+        return [
+            summarize(
+                f"wiki_search {args.wiki_queries} queries",
+                [lat for lat, _ in results],
+                time.perf_counter() - start,
+                failures,
+            )
+        ]
 
 
 async def run_load(urls: dict[str, str], questions: list[str], args) -> list[dict]:
@@ -155,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1, help="cold/warm rounds (medians are reported)")
     parser.add_argument("--wiki-queries", type=int, default=1000)
     parser.add_argument("--wiki-concurrency", type=int, default=16)
-    parser.add_argument("--data-dir", type=Path, default=None, help="default: $AFM_SHARED_DATA or <repo>/../shared/data")
+    parser.add_argument(
+        "--data-dir", type=Path, default=None, help="default: $AFM_SHARED_DATA or <repo>/../shared/data"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write the result rows here")
     args = parser.parse_args(argv)
     data_dir = args.data_dir or shared_data_dir()

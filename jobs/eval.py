@@ -26,8 +26,9 @@ from afm_core.launch import submit
 
 @hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
-    summary = submit("afm_core.eval.runner.run_eval", cfg, on_preempt="afm_core.eval.runner.request_stop",
-                     job_name="eval")
+    summary = submit(
+        "afm_core.eval.runner.run_eval", cfg, on_preempt="afm_core.eval.runner.request_stop", job_name="eval"
+    )
     if summary is not None:
         from afm_core.eval.report import markdown_table
 

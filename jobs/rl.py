@@ -23,8 +23,9 @@ from afm_core.launch import submit
 
 @hydra.main(config_path="../conf", config_name="rl", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
-    summary = submit("afm_core.rl.driver.run_rl", cfg, on_preempt="afm_core.train.trainer.request_checkpoint",
-                     job_name="rl")
+    summary = submit(
+        "afm_core.rl.driver.run_rl", cfg, on_preempt="afm_core.train.trainer.request_checkpoint", job_name="rl"
+    )
     if summary is not None:
         print(json.dumps(summary, indent=2, default=str))
     return summary

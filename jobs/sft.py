@@ -34,8 +34,9 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
     except ConfigError as err:
         print(f"jobs.sft: bad config: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    summary = submit("afm_core.train.sft.run_sft", cfg, on_preempt="afm_core.train.trainer.request_checkpoint",
-                     job_name="sft")
+    summary = submit(
+        "afm_core.train.sft.run_sft", cfg, on_preempt="afm_core.train.trainer.request_checkpoint", job_name="sft"
+    )
     if summary is not None:
         print(json.dumps(summary, indent=2, default=str))
     return summary

@@ -34,14 +34,26 @@ def table(rows: list[RunStatus], root: Path) -> Table:
     for column in ("run", "job", "state", "step", "loss", "eval@step", "ckpt", "requeues", "nodes"):
         out.add_column(column, no_wrap=True, justify="left" if column in ("run", "job", "state", "nodes") else "right")
     for row in rows:
-        name = str(row.run_dir.relative_to(root)) if row.run_dir != root and row.run_dir.is_relative_to(root) \
+        name = (
+            str(row.run_dir.relative_to(root))
+            if row.run_dir != root and row.run_dir.is_relative_to(root)
             else str(row.run_dir)
+        )
         step = "-" if row.step is None else f"{row.step}/{row.max_steps or '?'}"
         evals = "-" if row.eval_loss is None else f"{row.eval_loss:.4f}@{row.eval_step}"
         checkpoint = "-" if row.checkpoint is None else str(int(row.checkpoint.rpartition("_")[2]))
         style = STATE_STYLES.get(row.state, "red" if row.finished else "")
-        out.add_row(name, f"{row.cluster}:{row.job_id}", f"[{style}]{row.state}[/]" if style else row.state, step,
-                    _num(row.train_loss), evals, checkpoint, str(row.restarts), row.nodes or "-")
+        out.add_row(
+            name,
+            f"{row.cluster}:{row.job_id}",
+            f"[{style}]{row.state}[/]" if style else row.state,
+            step,
+            _num(row.train_loss),
+            evals,
+            checkpoint,
+            str(row.restarts),
+            row.nodes or "-",
+        )
     return out
 
 
@@ -62,8 +74,11 @@ def follow_run(path: Path, poll_s: float = 1.0, state_every_s: float = 5.0) -> R
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jobs.status", description=__doc__.splitlines()[0])
     parser.add_argument("path", nargs="?", default="runs", help="a run dir, a sweep dir, or a tree of runs")
-    parser.add_argument("--follow", action="store_true",
-                        help="stream one run's log / refresh the table until all end; exit 0 if all completed, else 2")
+    parser.add_argument(
+        "--follow",
+        action="store_true",
+        help="stream one run's log / refresh the table until all end; exit 0 if all completed, else 2",
+    )
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between refreshes with --follow")
     args = parser.parse_args(argv)
     root = Path(args.path).absolute()
@@ -86,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(table(rows, root))
         return 0
     return 0 if all(r.state == "COMPLETED" for r in rows) else 2
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -101,7 +101,11 @@ class JailConfig:
         """
         binary = self.nsjail_path or self.bwrap_path
         if shutil.which(binary) is None:
-            hint = "set nsjail_path to an nsjail binary" if self.nsjail_path else "install bubblewrap (requirements/apt.txt)"
+            hint = (
+                "set nsjail_path to an nsjail binary"
+                if self.nsjail_path
+                else "install bubblewrap (requirements/apt.txt)"
+            )
             raise FileNotFoundError(f"sandbox backend {self.backend!r}: {binary!r} not found; {hint}")
         if not os.access(self.python, os.X_OK):
             raise FileNotFoundError(f"sandbox python {self.python!r} is not an executable file")
@@ -178,7 +182,15 @@ def _bwrap_has_flag(bwrap: str, flag: str) -> bool:
 
 def _bwrap_jail(cfg: JailConfig, tmp_size_mb: int, seccomp_fd: int) -> list[str]:
     """bubblewrap options shared by the one-shot and the warm jail (everything but the snippet's files)."""
-    argv = [cfg.bwrap_path, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    argv = [
+        cfg.bwrap_path,
+        "--unshare-all",
+        "--unshare-user",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+    ]
     if bwrap_supports_disable_userns(cfg):
         argv.append("--disable-userns")  # no nested user namespace (seccomp refuses unshare/clone too)
     argv += ["--seccomp", str(seccomp_fd)]
@@ -227,7 +239,9 @@ def bwrap_zygote_argv(cfg: JailConfig, limits: Limits, code_dir: Path, ctrl_fd: 
     """
     argv = ["prlimit", *_rlimit_args(limits, cpu=False), "--", *_bwrap_jail(cfg, limits.tmp_size_mb, seccomp_fd)]
     argv.append("--as-pid-1")
-    argv += _bwrap_tail(["--ro-bind", str(code_dir), CODE_DIR_IN_JAIL, "--ro-bind", str(ZYGOTE_FILE), ZYGOTE_PATH_IN_JAIL])
+    argv += _bwrap_tail(
+        ["--ro-bind", str(code_dir), CODE_DIR_IN_JAIL, "--ro-bind", str(ZYGOTE_FILE), ZYGOTE_PATH_IN_JAIL]
+    )
     return [*argv, "--", *_zygote_argv(cfg, ctrl_fd)]
 
 
@@ -270,7 +284,12 @@ def nsjail_argv(cfg: JailConfig, limits: Limits, code_file: Path) -> list[str]:
 def nsjail_zygote_argv(cfg: JailConfig, limits: Limits, code_dir: Path, ctrl_fd: int) -> list[str]:
     """argv of a warm nsjail jail running the zygote as its process 1 (see :func:`bwrap_zygote_argv`)."""
     argv = _nsjail_jail(cfg, limits, warm=True)
-    argv += ["--bindmount_ro", f"{code_dir}:{CODE_DIR_IN_JAIL}", "--bindmount_ro", f"{ZYGOTE_FILE}:{ZYGOTE_PATH_IN_JAIL}"]
+    argv += [
+        "--bindmount_ro",
+        f"{code_dir}:{CODE_DIR_IN_JAIL}",
+        "--bindmount_ro",
+        f"{ZYGOTE_FILE}:{ZYGOTE_PATH_IN_JAIL}",
+    ]
     argv += ["--pass_fd", str(ctrl_fd)]
     return [*argv, "--cwd", "/tmp", "--", *_zygote_argv(cfg, ctrl_fd)]
 

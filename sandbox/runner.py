@@ -224,7 +224,14 @@ class SnippetRunner:
             return RunResult("sandbox_error", "", str(e), None, 0.0, False)
         out, err = readers
         if exit_code is None and not timed_out:
-            return RunResult("sandbox_error", "", f"the jail died during the snippet: {jail.stderr_tail()[-500:]}", None, round(duration, 4), False)
+            return RunResult(
+                "sandbox_error",
+                "",
+                f"the jail died during the snippet: {jail.stderr_tail()[-500:]}",
+                None,
+                round(duration, 4),
+                False,
+            )
         return self._result(exit_code, timed_out, out, err, limits, duration, jail_may_fail=False)
 
     async def _run_cold(self, slot: int, code: str, stdin: str | None, limits: Limits) -> RunResult:
@@ -284,9 +291,20 @@ class SnippetRunner:
             _, pending = await asyncio.wait(tasks, timeout=2.0)
             for task in pending:
                 task.cancel()
-        return self._result(proc.returncode, timed_out, out, err, limits, time.perf_counter() - start, jail_may_fail=True)
+        return self._result(
+            proc.returncode, timed_out, out, err, limits, time.perf_counter() - start, jail_may_fail=True
+        )
 
-    def _result(self, exit_code: int | None, timed_out: bool, out: _CappedReader, err: _CappedReader, limits: Limits, duration: float, jail_may_fail: bool) -> RunResult:
+    def _result(
+        self,
+        exit_code: int | None,
+        timed_out: bool,
+        out: _CappedReader,
+        err: _CappedReader,
+        limits: Limits,
+        duration: float,
+        jail_may_fail: bool,
+    ) -> RunResult:
         stdout, cut_out = out.text()
         stderr, cut_err = err.text()
         jail_failed = jail_may_fail and _jail_failed(exit_code, stdout, stderr, self.cfg.jail)

@@ -59,7 +59,11 @@ def parse_run_request(body: object, cfg: RunnerConfig) -> tuple[str, str | None,
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= cfg.max_timeout_s:
         raise BadRequest(f"field 'timeout_s' must be a number in (0, {cfg.max_timeout_s:g}]")
     memory_mb = body.get("memory_mb", cfg.default_memory_mb)
-    if isinstance(memory_mb, bool) or not isinstance(memory_mb, int) or not cfg.min_memory_mb <= memory_mb <= cfg.max_memory_mb:
+    if (
+        isinstance(memory_mb, bool)
+        or not isinstance(memory_mb, int)
+        or not cfg.min_memory_mb <= memory_mb <= cfg.max_memory_mb
+    ):
         raise BadRequest(f"field 'memory_mb' must be an integer in [{cfg.min_memory_mb}, {cfg.max_memory_mb}]")
     return code, stdin, float(timeout_s), memory_mb
 
@@ -105,7 +109,9 @@ async def self_test(runner: SnippetRunner) -> None:
     try:
         await runner.start()
     except JailStartError as e:
-        raise RuntimeError(f"sandbox self-test failed ({runner.cfg.jail.backend}): a jail did not start: {str(e)[:500]}") from e
+        raise RuntimeError(
+            f"sandbox self-test failed ({runner.cfg.jail.backend}): a jail did not start: {str(e)[:500]}"
+        ) from e
     result = await runner.run("print(1)", None, 10.0, runner.cfg.default_memory_mb)
     if result.status != "ok" or result.stdout.strip() != "1":
         raise RuntimeError(
@@ -143,12 +149,16 @@ def main(argv: list[str] | None = None) -> None:
     add_server_args(parser)
     defaults = RunnerConfig()
     parser.add_argument("--max-concurrency", type=int, default=defaults.max_concurrency, help="snippets run at once")
-    parser.add_argument("--max-queue", type=int, default=defaults.max_queue, help="snippets waiting for a slot before 503")
+    parser.add_argument(
+        "--max-queue", type=int, default=defaults.max_queue, help="snippets waiting for a slot before 503"
+    )
     parser.add_argument("--max-output-bytes", type=int, default=defaults.max_output_bytes, help="kept per stream")
     parser.add_argument("--max-timeout-s", type=float, default=defaults.max_timeout_s)
     parser.add_argument("--max-memory-mb", type=int, default=defaults.max_memory_mb)
     parser.add_argument("--cold", action="store_true", help="a new jail per snippet instead of a warm jail per slot")
-    parser.add_argument("--nsjail-path", default=None, help="use nsjail (the upstream recipe's jail) instead of bubblewrap")
+    parser.add_argument(
+        "--nsjail-path", default=None, help="use nsjail (the upstream recipe's jail) instead of bubblewrap"
+    )
     parser.add_argument("--python", default=JailConfig.python, help="interpreter inside the jail")
     parser.add_argument("--ro-path", action="append", default=[], help="extra host path bound read-only (repeatable)")
     args = parser.parse_args(argv)

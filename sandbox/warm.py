@@ -181,7 +181,11 @@ class WarmJail:
                 log.warning("sandbox slot %d: the jail died during a snippet: %s", self.slot, self.stderr_tail()[-500:])
                 self.kill()
         except TimeoutError:
-            log.warning("sandbox slot %d: no answer from the zygote %g s after the timeout; killing the jail", self.slot, BACKSTOP_S)
+            log.warning(
+                "sandbox slot %d: no answer from the zygote %g s after the timeout; killing the jail",
+                self.slot,
+                BACKSTOP_S,
+            )
             self.kill()
             timed_out = True
         except asyncio.CancelledError:  # the client went away: leave nothing running
@@ -254,7 +258,9 @@ def _rlimits(limits: Limits) -> dict:
 
 async def _read_pipe(loop: asyncio.AbstractEventLoop, fd: int) -> tuple[asyncio.StreamReader, asyncio.BaseTransport]:
     stream = asyncio.StreamReader(limit=1 << 20)
-    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(fd, "rb", buffering=0))
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(stream), os.fdopen(fd, "rb", buffering=0)
+    )
     return stream, transport
 
 

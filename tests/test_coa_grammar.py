@@ -20,7 +20,12 @@ def codes(text_or_steps, **kwargs):
 def test_valid_texts():
     assert codes(VALID) == []
     assert codes("<think>x</think><answer>y</answer>") == []  # whitespace between blocks is optional
-    assert codes("<plan>p</plan> <code>print(1)</code>\n<observation></observation><reflection>ok</reflection><answer>1</answer>") == []
+    assert (
+        codes(
+            "<plan>p</plan> <code>print(1)</code>\n<observation></observation><reflection>ok</reflection><answer>1</answer>"
+        )
+        == []
+    )
 
 
 def test_observation_content_is_opaque():
@@ -78,5 +83,12 @@ def test_strict_raises_with_reasons():
 def test_scan_text_returns_blocks():
     steps, issues = scan_text(VALID)
     assert issues == []
-    assert [s.tag for s in steps] == ["think", "web_search", "observation", "suggested_answer", "double_check", "answer"]
+    assert [s.tag for s in steps] == [
+        "think",
+        "web_search",
+        "observation",
+        "suggested_answer",
+        "double_check",
+        "answer",
+    ]
     assert steps[2].content == "Found it."

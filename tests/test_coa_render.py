@@ -63,7 +63,7 @@ def test_parse_rejects_broken_text():
 
 def test_observation_spans_include_tags():
     text = render_response(STEPS)
-    (start, end), = observation_spans(text)
+    ((start, end),) = observation_spans(text)
     assert text[start:end] == "<observation>\nFound 10 results: ...\n</observation>"
     assert text[start - 1] == "\n" and text[end : end + 2] == "\n\n"
 
@@ -78,7 +78,9 @@ def test_observation_spans_include_tags():
 )
 def test_observation_spans_do_not_depend_on_newlines(text):
     spans = observation_spans(text)
-    assert spans and all(text[s:e].startswith("<observation>") and text[s:e].endswith("</observation>") for s, e in spans)
+    assert spans and all(
+        text[s:e].startswith("<observation>") and text[s:e].endswith("</observation>") for s, e in spans
+    )
     assert "".join(text[s:e] for s, e in spans).count("<observation>") == len(spans)
 
 

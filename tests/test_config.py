@@ -20,8 +20,9 @@ SFT_RECIPES = ["none", *sorted(p.stem for p in (repo_root() / "conf" / "recipe")
 
 def _compose(*overrides: str, config: str = "sft"):
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
-        return compose(config_name=config, overrides=["run_dir=/tmp/run", *overrides] if config == "sft" else
-                       list(overrides))
+        return compose(
+            config_name=config, overrides=["run_dir=/tmp/run", *overrides] if config == "sft" else list(overrides)
+        )
 
 
 @pytest.mark.parametrize("recipe", SFT_RECIPES)
@@ -33,73 +34,121 @@ def test_every_shipped_recipe_passes_the_schema(recipe):
 def test_the_defaults_and_the_prepare_data_config_pass_the_schema():
     checked = check_config(_compose(), SFTConfig)
     assert checked.model.name == "smollm2-135m" and checked.parallel.cp == 1 and checked.dp == 1
-    assert check_config(_compose("cluster=slurm", "cluster.nodes=2", "cluster.tasks_per_node=3", "parallel.tp=3",
-                                 "trainer.global_batch_size=2"), SFTConfig).dp == 2
+    assert (
+        check_config(
+            _compose(
+                "cluster=slurm",
+                "cluster.nodes=2",
+                "cluster.tasks_per_node=3",
+                "parallel.tp=3",
+                "trainer.global_batch_size=2",
+            ),
+            SFTConfig,
+        ).dp
+        == 2
+    )
     prepared = check_config(_compose(config="prepare_data"), PrepareDataConfig)
     assert prepared.data.sources["gsm8k"] == {"limit": 600, "path": None}
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["trainer.log_interval=0"], r"trainer.log_interval=0: must be >= 1"),
-    (["trainer.micro_batch_size=2", "trainer.global_batch_size=3"],
-     r"trainer.global_batch_size=3: a multiple of trainer.micro_batch_size=2"),
-    (["cluster.dp=2", "trainer.global_batch_size=3"],
-     r"trainer.global_batch_size=3: must be a multiple of trainer.micro_batch_size \* dp = 1 \* 2 = 2"),
-    (["trainer.max_steps=null", "trainer.epochs=null"], r"trainer.max_steps=None: set trainer.max_steps or"),
-    (["trainer.engine=jax"], r"trainer.engine='jax': one of megatron, deepspeed"),
-    (["trainer.engine=deepspeed", "parallel.tp=3"], r"parallel.tp=3: trainer.engine=deepspeed is data parallel"),
-    (["optim.min_lr=1.0"], r"optim.min_lr=1.0: in \[0, optim.lr=0.0002\]"),
-    (["optim.lr_schedule=linear"], r"optim.lr_schedule='linear': one of cosine, constant"),
-    (["parallel.pp=2", "parallel.vpp=2"], (r"parallel.vpp=2: must divide the 15 layers per pipeline stage; "
-                                           r"valid: \[1, 3, 5, 15\]")),
-    (["parallel.vpp=2"], r"parallel.vpp=2: virtual pipeline stages need parallel.pp > 1"),
-    (["parallel.recompute=some"], r"parallel.recompute='some': null, selective or full"),
-    (["parallel.cp=2"], r"parallel.cp=2: context parallelism is not implemented"),
-    (["+parallel.ep=2"], r"parallel.ep: Key 'ep' not in 'ParallelConfig'; valid keys: tp, pp"),
-    (["model.num_layers=0"], r"model.num_layers"),
-    (["+data.sources.hotpot=3"], r"data.sources.hotpot: unknown converter; known: fireact, gsm8k"),
-    (["data.sources.tora.path=/nowhere/*.jsonl"], r"data.sources.tora.path='/nowhere/\*.jsonl': no such file"),
-    (["data.heldout_fraction=1.5"], r"data.heldout_fraction=1.5: in \[0, 1\]"),
-    (["+data.filters.min_calls=1"], r"data.filters: unknown key\(s\) \['min_calls'\]"),
-    (["cluster=slurm", "cluster.nodes=0"], r"cluster.nodes=0: an integer >= 1"),
-    (["cluster=slurm", "cluster.tasks_per_node=2", "parallel.tp=3"],
-     (r"cluster.tasks_per_node=2: cluster.nodes \* cluster.tasks_per_node = 2 ranks must be a multiple of "
-      r"parallel.tp \* parallel.pp = 3")),
-    (["+cluster.gres=gpu"], r"cluster.gres: Key 'gres' not in 'LocalClusterConfig'; valid keys: name, dp"),
-    (["cluster.gpus_per_node=some"], r"cluster.gpus_per_node='some': auto or an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.log_interval=0"], r"trainer.log_interval=0: must be >= 1"),
+        (
+            ["trainer.micro_batch_size=2", "trainer.global_batch_size=3"],
+            r"trainer.global_batch_size=3: a multiple of trainer.micro_batch_size=2",
+        ),
+        (
+            ["cluster.dp=2", "trainer.global_batch_size=3"],
+            r"trainer.global_batch_size=3: must be a multiple of trainer.micro_batch_size \* dp = 1 \* 2 = 2",
+        ),
+        (["trainer.max_steps=null", "trainer.epochs=null"], r"trainer.max_steps=None: set trainer.max_steps or"),
+        (["trainer.engine=jax"], r"trainer.engine='jax': one of megatron, deepspeed"),
+        (["trainer.engine=deepspeed", "parallel.tp=3"], r"parallel.tp=3: trainer.engine=deepspeed is data parallel"),
+        (["optim.min_lr=1.0"], r"optim.min_lr=1.0: in \[0, optim.lr=0.0002\]"),
+        (["optim.lr_schedule=linear"], r"optim.lr_schedule='linear': one of cosine, constant"),
+        (
+            ["parallel.pp=2", "parallel.vpp=2"],
+            (
+                r"parallel.vpp=2: must divide the 15 layers per pipeline stage; "
+                r"valid: \[1, 3, 5, 15\]"
+            ),
+        ),
+        (["parallel.vpp=2"], r"parallel.vpp=2: virtual pipeline stages need parallel.pp > 1"),
+        (["parallel.recompute=some"], r"parallel.recompute='some': null, selective or full"),
+        (["parallel.cp=2"], r"parallel.cp=2: context parallelism is not implemented"),
+        (["+parallel.ep=2"], r"parallel.ep: Key 'ep' not in 'ParallelConfig'; valid keys: tp, pp"),
+        (["model.num_layers=0"], r"model.num_layers"),
+        (["+data.sources.hotpot=3"], r"data.sources.hotpot: unknown converter; known: fireact, gsm8k"),
+        (["data.sources.tora.path=/nowhere/*.jsonl"], r"data.sources.tora.path='/nowhere/\*.jsonl': no such file"),
+        (["data.heldout_fraction=1.5"], r"data.heldout_fraction=1.5: in \[0, 1\]"),
+        (["+data.filters.min_calls=1"], r"data.filters: unknown key\(s\) \['min_calls'\]"),
+        (["cluster=slurm", "cluster.nodes=0"], r"cluster.nodes=0: an integer >= 1"),
+        (
+            ["cluster=slurm", "cluster.tasks_per_node=2", "parallel.tp=3"],
+            (
+                r"cluster.tasks_per_node=2: cluster.nodes \* cluster.tasks_per_node = 2 ranks must be a multiple of "
+                r"parallel.tp \* parallel.pp = 3"
+            ),
+        ),
+        (["+cluster.gres=gpu"], r"cluster.gres: Key 'gres' not in 'LocalClusterConfig'; valid keys: name, dp"),
+        (["cluster.gpus_per_node=some"], r"cluster.gpus_per_node='some': auto or an integer >= 0"),
+    ],
+)
 def test_a_bad_value_is_rejected_naming_the_key_and_the_valid_values(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_config(_compose(*overrides), SFTConfig)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["export=sharegpt"], r"export='sharegpt': null or one of llamafactory, afm_rl"),
-    (["input.format=llamafactory"], r"input.format=llamafactory needs input.path"),
-    (["data.sources.tora.limit=-1"], r"data.sources.tora.limit=-1: an integer >= 0, or null"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["export=sharegpt"], r"export='sharegpt': null or one of llamafactory, afm_rl"),
+        (["input.format=llamafactory"], r"input.format=llamafactory needs input.path"),
+        (["data.sources.tora.limit=-1"], r"data.sources.tora.limit=-1: an integer >= 0, or null"),
+    ],
+)
 def test_prepare_data_rejects_a_bad_value_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         check_config(_compose(*overrides, config="prepare_data"), PrepareDataConfig)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("trainer.eval_interval=0", "trainer.eval_interval=0: must be >= 1"),
-    ("trainer.global_batch_size=0", "trainer.global_batch_size=0: must be >= 1"),
-    ("trainer.seq_length=abc", ("Value 'abc' of type 'str' could not be converted to Integer\n"
-                                "    full_key: trainer.seq_length")),
-    ("parallel.tp=2", ("parallel.tp=2: must divide model.num_attention_heads=9 and model.num_query_groups=3 "
-                       "(smollm2-135m); valid: [1, 3]")),
-    ("parallel.pp=7", ("parallel.pp=7: must divide model.num_layers=30 (smollm2-135m); "
-                       "valid: [1, 2, 3, 5, 6, 10, 15, 30]")),
-    ("trainer.eval_every=5", "Key 'eval_every' not in 'TrainerConfig'\n    full_key: trainer.eval_every"),
-    ("+trainer.eval_every=5", "trainer.eval_every: Key 'eval_every' not in 'TrainerConfig'; valid keys: engine"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.eval_interval=0", "trainer.eval_interval=0: must be >= 1"),
+        ("trainer.global_batch_size=0", "trainer.global_batch_size=0: must be >= 1"),
+        (
+            "trainer.seq_length=abc",
+            ("Value 'abc' of type 'str' could not be converted to Integer\n    full_key: trainer.seq_length"),
+        ),
+        (
+            "parallel.tp=2",
+            (
+                "parallel.tp=2: must divide model.num_attention_heads=9 and model.num_query_groups=3 "
+                "(smollm2-135m); valid: [1, 3]"
+            ),
+        ),
+        (
+            "parallel.pp=7",
+            ("parallel.pp=7: must divide model.num_layers=30 (smollm2-135m); valid: [1, 2, 3, 5, 6, 10, 15, 30]"),
+        ),
+        ("trainer.eval_every=5", "Key 'eval_every' not in 'TrainerConfig'\n    full_key: trainer.eval_every"),
+        ("+trainer.eval_every=5", "trainer.eval_every: Key 'eval_every' not in 'TrainerConfig'; valid keys: engine"),
+    ],
+)
 def test_jobs_sft_rejects_a_bad_override_within_10_s_before_building_or_submitting(tmp_path, override, message):
     run_dir = tmp_path / "run"
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "jobs.sft", override, f"hydra.run.dir={run_dir}"],
-                            cwd=repo_root(), capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "jobs.sft", override, f"hydra.run.dir={run_dir}"],
+        cwd=repo_root(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     seconds = time.perf_counter() - start
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert seconds < 10, f"rejected after {seconds:.1f} s"

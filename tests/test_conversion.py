@@ -20,8 +20,6 @@ from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
 LOGITS_ATOL = 1e-4  # fp32, max |Δ| against transformers
 
 
-
-
 def _pipeline_forward(model, input_ids: torch.Tensor) -> torch.Tensor | None:
     """Forward through the pipeline by hand (gloo send/recv): full logits [b, s, vocab] on the last stage."""
     import torch.distributed as dist
@@ -42,8 +40,9 @@ def _pipeline_forward(model, input_ids: torch.Tensor) -> torch.Tensor | None:
 
 
 def _worker(rank: int, world_size: int, tp: int, pp: int, port: int, hf_dir: str, work: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -68,8 +67,9 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, port: int, hf_dir: str
     try:
         hf_config = AutoConfig.from_pretrained(hf_dir)
         config = mcore_config_from_hf(hf_config, tp=tp, pp=pp, params_dtype=torch.float32)
-        model = build_gpt_model(hf_config, config, pre_process=ps.is_pipeline_first_stage(),
-                                post_process=ps.is_pipeline_last_stage())
+        model = build_gpt_model(
+            hf_config, config, pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage()
+        )
         load_hf_weights([model], hf_dir)
         model.eval()
         result: dict = {}
@@ -107,8 +107,12 @@ def _check_round_trip(hf_dir: Path, tmp_path: Path, *, tp: int, pp: int = 1, inp
     torch.save(reference, tmp_path / "reference_logits.pt")
 
     world_size = tp * pp
-    mp.start_processes(_worker, args=(world_size, tp, pp, free_port(), str(hf_dir), str(tmp_path)),
-                       nprocs=world_size, start_method="spawn")
+    mp.start_processes(
+        _worker,
+        args=(world_size, tp, pp, free_port(), str(hf_dir), str(tmp_path)),
+        nprocs=world_size,
+        start_method="spawn",
+    )
 
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(world_size)]
     diffs = [r["max_abs_diff"] for r in results if "max_abs_diff" in r]
@@ -136,10 +140,21 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 
     path = tmp_path_factory.mktemp("tiny-qwen2")
     torch.manual_seed(0)
-    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=49152, max_position_embeddings=256,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rms_norm_eps=1e-6,
-                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=49152,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -173,8 +188,11 @@ def _smollm2_ids() -> torch.Tensor:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_hf_checkpoint("smollm2-135m"))
-    ids = tokenizer("Chain-of-Agents distills a multi-agent system into one model that plays every role, "
-                    "then trains it with agentic reinforcement learning.", return_tensors="pt").input_ids
+    ids = tokenizer(
+        "Chain-of-Agents distills a multi-agent system into one model that plays every role, "
+        "then trains it with agentic reinforcement learning.",
+        return_tensors="pt",
+    ).input_ids
     assert ids.shape[1] >= 16
     return ids[:, :16]
 
@@ -196,7 +214,9 @@ def test_tp_must_split_heads_and_kv_heads():
     from afm_core.models.bridge import mcore_config_from_hf
 
     smol = AutoConfig.from_pretrained(ensure_hf_checkpoint("smollm2-135m"))
-    with pytest.raises(ValueError, match=r"tp=2 does not divide num_attention_heads=9, num_query_groups \(KV heads\)=3.*valid tp: 1, 3"):
+    with pytest.raises(
+        ValueError, match=r"tp=2 does not divide num_attention_heads=9, num_query_groups \(KV heads\)=3.*valid tp: 1, 3"
+    ):
         mcore_config_from_hf(smol, tp=2)
     with pytest.raises(ValueError, match="perform_initialization=False"):
         mcore_config_from_hf(smol, perform_initialization=False)

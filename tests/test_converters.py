@@ -15,7 +15,9 @@ from afm_core.data.io import DataFormatError
 from afm_core.utils.paths import shared_data_dir
 
 SHARED = shared_data_dir()
-needs_data = pytest.mark.skipif(not SHARED.is_dir(), reason=f"real data folder {SHARED} is absent (set AFM_SHARED_DATA)")
+needs_data = pytest.mark.skipif(
+    not SHARED.is_dir(), reason=f"real data folder {SHARED} is absent (set AFM_SHARED_DATA)"
+)
 
 
 def convert(name, limit=None, **kwargs):

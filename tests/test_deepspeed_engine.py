@@ -39,11 +39,24 @@ def make_cfg(**overrides) -> dict:
     """trainer/optim/parallel groups from the real conf/ files, sized down for tiny-llama."""
     conf = repo_root() / "conf"
     sft = OmegaConf.load(conf / "sft.yaml")
-    cfg = OmegaConf.create({"trainer": sft.trainer, "optim": sft.optim,
-                            "parallel": OmegaConf.load(conf / "parallel" / "default.yaml")})
-    cfg.trainer.update(engine="deepspeed", seq_length=SEQ, micro_batch_size=MICRO, global_batch_size=GLOBAL,
-                       max_steps=STEPS, eval_interval=2, eval_sequences=2, save_interval=2, keep_last=2,
-                       precision="fp32", progress=False, num_threads=1, export_hf=True)
+    cfg = OmegaConf.create(
+        {"trainer": sft.trainer, "optim": sft.optim, "parallel": OmegaConf.load(conf / "parallel" / "default.yaml")}
+    )
+    cfg.trainer.update(
+        engine="deepspeed",
+        seq_length=SEQ,
+        micro_batch_size=MICRO,
+        global_batch_size=GLOBAL,
+        max_steps=STEPS,
+        eval_interval=2,
+        eval_sequences=2,
+        save_interval=2,
+        keep_last=2,
+        precision="fp32",
+        progress=False,
+        num_threads=1,
+        export_hf=True,
+    )
     cfg.optim.update(lr=3e-3, min_lr=3e-4, warmup_ratio=0.25, weight_decay=0.01)
     for key, value in overrides.items():
         OmegaConf.update(cfg, key, value)
@@ -66,15 +79,20 @@ def data_module(data_dir: Path, hf_dir: Path):
     from afm_core.data.loader import SFTDataModule
 
     tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    return SFTDataModule([data_dir / "train.parquet"], tokenizer, SEQ, heldout_paths=[data_dir / "heldout.parquet"],
-                         pack=True), tokenizer
-
-
+    return SFTDataModule(
+        [data_dir / "train.parquet"], tokenizer, SEQ, heldout_paths=[data_dir / "heldout.parquet"], pack=True
+    ), tokenizer
 
 
 def worker(rank: int, world: int, port: int, spec: dict) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     from transformers import set_seed
 
     from afm_core.train.deepspeed_engine import init_deepspeed_distributed, train_deepspeed
@@ -125,8 +143,9 @@ def single_rank(setup, tmp_path_factory) -> dict:
 
 
 def test_shipped_config_is_upstream_zero3_with_auto_filled():
-    config = deepspeed_config(DEFAULT_DEEPSPEED_CONFIG, micro_batch_size=2, grad_accum_steps=4, dp=2,
-                              grad_clip=1.0, bf16=True, hidden_size=64)
+    config = deepspeed_config(
+        DEFAULT_DEEPSPEED_CONFIG, micro_batch_size=2, grad_accum_steps=4, dp=2, grad_clip=1.0, bf16=True, hidden_size=64
+    )
     assert config["train_batch_size"] == 16 and config["gradient_accumulation_steps"] == 4
     assert config["train_micro_batch_size_per_gpu"] == 2 and config["gradient_clipping"] == 1.0
     assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
@@ -136,13 +155,17 @@ def test_shipped_config_is_upstream_zero3_with_auto_filled():
 
 
 def test_config_that_disagrees_with_trainer_names_file_line_and_field(tmp_path):
-    text = DEFAULT_DEEPSPEED_CONFIG.read_text().replace('"train_micro_batch_size_per_gpu": "auto"',
-                                                       '"train_micro_batch_size_per_gpu": 8')
+    text = DEFAULT_DEEPSPEED_CONFIG.read_text().replace(
+        '"train_micro_batch_size_per_gpu": "auto"', '"train_micro_batch_size_per_gpu": 8'
+    )
     path = tmp_path / "ds.json"
     path.write_text(text)
     line = next(i for i, s in enumerate(text.splitlines(), 1) if "train_micro_batch_size_per_gpu" in s)
-    with pytest.raises(DeepSpeedConfigError, match=rf"ds.json:{line}: field 'train_micro_batch_size_per_gpu': 8 "
-                                                   r"disagrees with trainer.micro_batch_size = 1"):
+    with pytest.raises(
+        DeepSpeedConfigError,
+        match=rf"ds.json:{line}: field 'train_micro_batch_size_per_gpu': 8 "
+        r"disagrees with trainer.micro_batch_size = 1",
+    ):
         deepspeed_config(path, micro_batch_size=1, grad_accum_steps=1, dp=1, grad_clip=1.0, bf16=False, hidden_size=8)
     path.write_text('{"optimizer": {"type": "AdamW"}}')
     with pytest.raises(DeepSpeedConfigError, match=r"ds.json:1: field 'optimizer': remove it"):
@@ -163,9 +186,11 @@ def reference_run(setup: dict, cfg: dict):
     model.train()
     decay = [p for p in model.parameters() if p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": o["weight_decay"]},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"])
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+        betas=(o["adam_beta1"], o["adam_beta2"]),
+        eps=o["adam_eps"],
+    )
     warmup = math.ceil(o["warmup_ratio"] * STEPS)
 
     def lr_at(n: int) -> float:
@@ -174,8 +199,9 @@ def reference_run(setup: dict, cfg: dict):
         return o["min_lr"] + (o["lr"] - o["min_lr"]) * (1 + math.cos(math.pi * (n - warmup) / (STEPS - warmup))) / 2
 
     def loss_sum(batch):
-        logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                       attention_mask=~batch["attention_mask"]).logits
+        logits = model(
+            input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=~batch["attention_mask"]
+        ).logits
         ce = F.cross_entropy(logits.float().transpose(1, 2), batch["labels"].clamp(min=0), reduction="none")
         return (ce * batch["loss_mask"]).sum()
 
@@ -204,7 +230,14 @@ def test_zero3_matches_plain_torch_and_exports_hf(setup, single_rank):
 
     records, summary = single_rank["records"], single_rank["summary"]
     assert [(r["step"], r["split"]) for r in records] == [
-        (0, "eval"), (1, "train"), (2, "train"), (2, "eval"), (3, "train"), (4, "train"), (4, "eval")]
+        (0, "eval"),
+        (1, "train"),
+        (2, "train"),
+        (2, "eval"),
+        (3, "train"),
+        (4, "train"),
+        (4, "eval"),
+    ]
     for record in records:
         assert {"step", "split", "loss", "lr", "tokens", "tokens_per_s"} <= record.keys()
     assert summary["engine"] == "deepspeed" and summary["step"] == STEPS
@@ -217,8 +250,9 @@ def test_zero3_matches_plain_torch_and_exports_hf(setup, single_rank):
     exported = AutoModelForCausalLM.from_pretrained(summary["hf_dir"], dtype=torch.float32, attn_implementation="sdpa")
     batch = next(iter(data.heldout_batches(micro_batch_size=2)))
     with torch.no_grad():
-        args = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                    attention_mask=~batch["attention_mask"])
+        args = dict(
+            input_ids=batch["tokens"], position_ids=batch["position_ids"], attention_mask=~batch["attention_mask"]
+        )
         torch.testing.assert_close(exported(**args).logits, reference(**args).logits, atol=2e-3, rtol=1e-3)
     assert (Path(summary["hf_dir"]) / "tokenizer.json").is_file()
 
@@ -239,14 +273,21 @@ def test_resume_from_checkpoint_reproduces_the_run(setup, single_rank, tmp_path)
     resumed = run(copy, setup)
     assert resumed["summary"]["resumed_from"].endswith("step_00000002")
     assert [(r["step"], r["split"]) for r in resumed["records"]] == [
-        (r["step"], r["split"]) for r in single_rank["records"]]
+        (r["step"], r["split"]) for r in single_rank["records"]
+    ]
     assert losses(resumed) == pytest.approx(losses(single_rank), abs=1e-5)
     assert losses(resumed, "eval") == pytest.approx(losses(single_rank, "eval"), abs=1e-5)
 
 
 def run_sft_worker(rank: int, world: int, port: int, cfg: dict) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     from afm_core.train.sft import run_sft
 
     summary = run_sft(OmegaConf.create(cfg))
@@ -261,11 +302,22 @@ def test_run_sft_with_engine_deepspeed_trains_on_coa_traces(setup, tmp_path):
     from hydra import compose, initialize_config_dir
 
     overrides = [
-        "model=tiny-llama", "trainer.engine=deepspeed", f"run_dir={tmp_path / 'run'}",
-        f"data.out_dir={tmp_path / 'coa'}", "data.sources={gsm8k: 12, fireact: 6, r1searcher: 6, tora: 0}",
-        "data.heldout_fraction=0.2", "trainer.seq_length=512", "trainer.global_batch_size=2", "trainer.max_steps=3",
-        "trainer.eval_interval=3", "trainer.eval_sequences=2", "trainer.save_interval=3", "trainer.progress=false",
-        "trainer.num_threads=1", "optim.lr=3e-3", "optim.warmup_ratio=0.34",
+        "model=tiny-llama",
+        "trainer.engine=deepspeed",
+        f"run_dir={tmp_path / 'run'}",
+        f"data.out_dir={tmp_path / 'coa'}",
+        "data.sources={gsm8k: 12, fireact: 6, r1searcher: 6, tora: 0}",
+        "data.heldout_fraction=0.2",
+        "trainer.seq_length=512",
+        "trainer.global_batch_size=2",
+        "trainer.max_steps=3",
+        "trainer.eval_interval=3",
+        "trainer.eval_sequences=2",
+        "trainer.save_interval=3",
+        "trainer.progress=false",
+        "trainer.num_threads=1",
+        "optim.lr=3e-3",
+        "optim.warmup_ratio=0.34",
     ]
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = OmegaConf.to_container(compose(config_name="sft", overrides=overrides), resolve=True)

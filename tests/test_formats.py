@@ -24,7 +24,9 @@ from afm_core.data.io import DataFormatError
 from afm_core.utils.paths import shared_data_dir
 
 SHARED = shared_data_dir()
-needs_data = pytest.mark.skipif(not SHARED.is_dir(), reason=f"real data folder {SHARED} is absent (set AFM_SHARED_DATA)")
+needs_data = pytest.mark.skipif(
+    not SHARED.is_dir(), reason=f"real data folder {SHARED} is absent (set AFM_SHARED_DATA)"
+)
 
 
 def real_trajectories():
@@ -47,7 +49,11 @@ def test_alpaca_round_trip(tmp_path):
     assert conversion.report.converted == len(trajectories)
     for original, imported in zip(trajectories, conversion.trajectories):
         assert imported.steps == original.steps
-        assert (imported.task, imported.question, imported.prompt) == (original.task, original.question, original.prompt)
+        assert (imported.task, imported.question, imported.prompt) == (
+            original.task,
+            original.question,
+            original.prompt,
+        )
         assert imported.answer == (boxed_content(original.final_answer) or original.final_answer)
         assert to_alpaca(imported) == to_alpaca(original)
         assert imported.source == "llamafactory" and imported.correct is None
@@ -133,7 +139,9 @@ def test_rl_parquet_errors(tmp_path):
     base = {"data_source": "x", "prompt": [{"content": "q", "role": "user"}], "ability": "math",
             "reward_model": {"ground_truth": "1", "style": "rule"}}  # fmt: skip
     path = tmp_path / "bad.parquet"
-    pq.write_table(pa.Table.from_pylist([{**base, "extra_info": {"index": "0"}}, {**base, "extra_info": {"index": "0"}}]), path)
+    pq.write_table(
+        pa.Table.from_pylist([{**base, "extra_info": {"index": "0"}}, {**base, "extra_info": {"index": "0"}}]), path
+    )
     with pytest.raises(DataFormatError, match=r"bad\.parquet: record 1: duplicate extra_info.index '0'"):
         read_rl_tasks(path)
     pq.write_table(pa.Table.from_pylist([{**base, "extra_info": {"split": "test"}}]), path)

@@ -48,12 +48,14 @@ def _importable_tests(monkeypatch):
 
 def local_cfg(run_dir: Path, *, tp: int = 1, max_steps: int = 5, step_s: float = 0.05, **cluster):
     base = OmegaConf.load(repo_root() / "conf" / "cluster" / "local.yaml")
-    return OmegaConf.create({
-        "run_dir": str(run_dir),
-        "cluster": OmegaConf.merge(base, {"gpus_per_node": 0, **cluster}),
-        "parallel": {"tp": tp, "pp": 1, "cp": 1},
-        "trainer": {"max_steps": max_steps, "step_s": step_s, "save_interval": 1000},
-    })
+    return OmegaConf.create(
+        {
+            "run_dir": str(run_dir),
+            "cluster": OmegaConf.merge(base, {"gpus_per_node": 0, **cluster}),
+            "parallel": {"tp": tp, "pp": 1, "cp": 1},
+            "trainer": {"max_steps": max_steps, "step_s": step_s, "save_interval": 1000},
+        }
+    )
 
 
 def expected_weight(steps: int) -> float:
@@ -83,15 +85,51 @@ def test_world_size_and_config_errors():
 def test_slurm_executor_gets_every_cluster_field(tmp_path):
     cluster = OmegaConf.to_container(OmegaConf.load(repo_root() / "conf" / "cluster" / "slurm.yaml"))
     del cluster["defaults"]
-    cluster.update(partition="gpu", nodes=2, tasks_per_node=4, gpus_per_node=4, cpus_per_task=8, mem="64G",
-                   time=240, account="proj", qos="high", constraint="h100", exclusive=True,
-                   additional_parameters={"reservation": "r1"}, setup=["module load cuda/12.4"])
+    cluster.update(
+        partition="gpu",
+        nodes=2,
+        tasks_per_node=4,
+        gpus_per_node=4,
+        cpus_per_task=8,
+        mem="64G",
+        time=240,
+        account="proj",
+        qos="high",
+        constraint="h100",
+        exclusive=True,
+        additional_parameters={"reservation": "r1"},
+        setup=["module load cuda/12.4"],
+    )
     executor = make_executor(cluster, {"tp": 4, "pp": 2}, tmp_path, "sft")
     params = executor.parameters
-    assert {k: params[k] for k in ("partition", "nodes", "ntasks_per_node", "gpus_per_node", "cpus_per_task",
-                                   "time", "account", "qos", "constraint", "exclusive", "job_name")} == {
-        "partition": "gpu", "nodes": 2, "ntasks_per_node": 4, "gpus_per_node": 4, "cpus_per_task": 8,
-        "time": 240, "account": "proj", "qos": "high", "constraint": "h100", "exclusive": True, "job_name": "sft"}
+    assert {
+        k: params[k]
+        for k in (
+            "partition",
+            "nodes",
+            "ntasks_per_node",
+            "gpus_per_node",
+            "cpus_per_task",
+            "time",
+            "account",
+            "qos",
+            "constraint",
+            "exclusive",
+            "job_name",
+        )
+    } == {
+        "partition": "gpu",
+        "nodes": 2,
+        "ntasks_per_node": 4,
+        "gpus_per_node": 4,
+        "cpus_per_task": 8,
+        "time": 240,
+        "account": "proj",
+        "qos": "high",
+        "constraint": "h100",
+        "exclusive": True,
+        "job_name": "sft",
+    }
     assert params["mem"] == "64G"
     assert params["additional_parameters"] == {"requeue": True, "reservation": "r1"}
     assert params["setup"] == ["module load cuda/12.4"]
@@ -100,8 +138,13 @@ def test_slurm_executor_gets_every_cluster_field(tmp_path):
 
 
 def test_slurm_config_selects_the_array_callback():
-    out = subprocess.run([sys.executable, "-m", "jobs.sft", "cluster=slurm", "--cfg", "hydra", "-p",
-                          "hydra.callbacks"], cwd=repo_root(), capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "jobs.sft", "cluster=slurm", "--cfg", "hydra", "-p", "hydra.callbacks"],
+        cwd=repo_root(),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "afm_core.launch.sweep.SlurmArraySweep" in out
 
 
@@ -121,8 +164,11 @@ def test_a_start_recorded_before_the_submitters_record_is_kept(tmp_path):
     write_job_record(tmp_path, {"cluster": "slurm", "job_id": "7"})  # an earlier job of this run dir
     record_start(tmp_path, {"job_id": "8", "nodelist": "n[1-2]"})
     write_job_record(tmp_path, {"cluster": "slurm", "job_id": "8"})
-    assert read_job_record(tmp_path) == {"cluster": "slurm", "job_id": "8",
-                                         "start": {"job_id": "8", "nodelist": "n[1-2]"}}
+    assert read_job_record(tmp_path) == {
+        "cluster": "slurm",
+        "job_id": "8",
+        "start": {"job_id": "8", "nodelist": "n[1-2]"},
+    }
     write_job_record(tmp_path, {"cluster": "slurm", "job_id": "9"})  # a later job: the old start is not its own
     assert "start" not in read_job_record(tmp_path)
 
@@ -173,8 +219,14 @@ def _starts(run_dir: Path) -> int:
 def _signal_ranks_at(run_dir: Path, steps: list[int]) -> None:
     """SIGUSR2 to every rank (as ``scancel --signal=USR2`` does) once attempt ``i`` has logged ``steps[i]``."""
     for attempt, step in enumerate(steps, start=1):
-        _wait_for(lambda attempt=attempt, step=step: _starts(run_dir) == attempt and (run_dir / "metrics.jsonl").exists()
-                  and train_steps(run_dir)[-1:] >= [step], f"attempt {attempt} at step {step}")
+        _wait_for(
+            lambda attempt=attempt, step=step: (
+                _starts(run_dir) == attempt
+                and (run_dir / "metrics.jsonl").exists()
+                and train_steps(run_dir)[-1:] >= [step]
+            ),
+            f"attempt {attempt} at step {step}",
+        )
         controller = psutil.Process(int(read_job_record(run_dir / "logs")["job_id"]))
         for rank in controller.children():
             rank.send_signal(signal.SIGUSR2)
@@ -185,8 +237,7 @@ def test_local_preemption_checkpoints_at_a_step_boundary_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
     cfg = local_cfg(run_dir, tp=2, max_steps=40, step_s=0.1)
     result = {}
-    waiter = threading.Thread(target=lambda: result.update(submit(STAND_IN, cfg, on_preempt=STOP_HOOK,
-                                                                  job_name="t")))
+    waiter = threading.Thread(target=lambda: result.update(submit(STAND_IN, cfg, on_preempt=STOP_HOOK, job_name="t")))
     waiter.start()
     _signal_ranks_at(run_dir, [5, 20])
     waiter.join(timeout=300)
@@ -219,13 +270,24 @@ def test_status_table_of_a_sweep(tmp_path, capsys):
     for i, state in enumerate(["completed", "failed"]):
         logs = sweep / str(i) / "logs"
         logs.mkdir(parents=True)
-        (logs / "job.json").write_text(json.dumps({
-            "cluster": "local", "job_id": "999999999", "stdout": str(logs / "out"), "stderr": str(logs / "err"),
-            "submitit_folder": str(logs)}))
+        (logs / "job.json").write_text(
+            json.dumps(
+                {
+                    "cluster": "local",
+                    "job_id": "999999999",
+                    "stdout": str(logs / "out"),
+                    "stderr": str(logs / "err"),
+                    "submitit_folder": str(logs),
+                }
+            )
+        )
         (logs / "events.jsonl").write_text("".join(json.dumps({"event": e}) + "\n" for e in ["start", state]))
         (sweep / str(i) / "metrics.jsonl").write_text(
-            json.dumps({"step": 0, "split": "eval", "loss": 3.0}) + "\n"
-            + json.dumps({"step": 7, "split": "train", "loss": 2.5}) + "\n")
+            json.dumps({"step": 0, "split": "eval", "loss": 3.0})
+            + "\n"
+            + json.dumps({"step": 7, "split": "train", "loss": 2.5})
+            + "\n"
+        )
         (sweep / str(i) / "checkpoints" / "step_00000005").mkdir(parents=True)
         (sweep / str(i) / "checkpoints" / "step_00000005" / "COMPLETE").write_text("{}")
         (sweep / str(i) / "checkpoints" / "step_00000007").mkdir()  # no COMPLETE marker: partial
@@ -233,9 +295,10 @@ def test_status_table_of_a_sweep(tmp_path, capsys):
         (sweep / str(i) / ".hydra" / "config.yaml").write_text("trainer:\n  max_steps: 20\n")
 
     rows = collect(sweep)
-    assert [(r.run_dir.name, r.state, r.step, r.max_steps, r.train_loss, r.eval_loss, r.checkpoint, r.restarts)
-            for r in rows] == [("0", "COMPLETED", 7, 20, 2.5, 3.0, "step_00000005", 0),
-                               ("1", "FAILED", 7, 20, 2.5, 3.0, "step_00000005", 0)]
+    assert [
+        (r.run_dir.name, r.state, r.step, r.max_steps, r.train_loss, r.eval_loss, r.checkpoint, r.restarts)
+        for r in rows
+    ] == [("0", "COMPLETED", 7, 20, 2.5, 3.0, "step_00000005", 0), ("1", "FAILED", 7, 20, 2.5, 3.0, "step_00000005", 0)]
     assert status_cli.main([str(sweep)]) == 0
     out = capsys.readouterr().out
     assert "COMPLETED" in out and "FAILED" in out and "7/20" in out and "3.0000@0" in out

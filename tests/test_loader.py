@@ -55,8 +55,10 @@ def _write_parquet(path, rows) -> str:
 def data_files(tmp_path_factory):
     folder = tmp_path_factory.mktemp("prepared")
     return {
-        "train": [_write_parquet(folder / "train-0.parquet", _hotpot_rows(0, 60)),
-                  _write_parquet(folder / "train-1.parquet", _hotpot_rows(60, 60))],
+        "train": [
+            _write_parquet(folder / "train-0.parquet", _hotpot_rows(0, 60)),
+            _write_parquet(folder / "train-1.parquet", _hotpot_rows(60, 60)),
+        ],
         "heldout": [_write_parquet(folder / "heldout.parquet", _hotpot_rows(120, 20))],
     }
 
@@ -148,7 +150,9 @@ def test_resume_yields_the_same_remaining_batches(small_module):
 def test_epochs_shuffle_and_ranks_partition(small_module):
     n = len(small_module.train)
     dp_size, mbs = 2, 2
-    per_rank = [small_module.train_iterator(seed=3, micro_batch_size=mbs, dp_rank=r, dp_size=dp_size) for r in range(dp_size)]
+    per_rank = [
+        small_module.train_iterator(seed=3, micro_batch_size=mbs, dp_rank=r, dp_size=dp_size) for r in range(dp_size)
+    ]
     k = per_rank[0].micro_batches_per_epoch
     assert k == n // (dp_size * mbs)
     epochs = []
@@ -198,7 +202,9 @@ def test_bad_parquet_names_file_row_and_field(tmp_path, smollm2_tokenizer):  # n
     missing = _write_parquet(tmp_path / "missing.parquet", [{"prompt": "q", "text": "a"}])
     with pytest.raises(ValueError, match=r"missing\.parquet.*response"):
         read_sft_examples([missing], smollm2_tokenizer)
-    null = _write_parquet(tmp_path / "null.parquet", [{"prompt": "q", "response": "a"}, {"prompt": None, "response": "b"}])
+    null = _write_parquet(
+        tmp_path / "null.parquet", [{"prompt": "q", "response": "a"}, {"prompt": None, "response": "b"}]
+    )
     with pytest.raises(ValueError, match=r"null\.parquet.*row 1.*'prompt'"):
         read_sft_examples([null], smollm2_tokenizer)
     with pytest.raises(FileNotFoundError, match="nope"):
@@ -209,12 +215,17 @@ def _open_cached(train_paths, tokenizer_dir, seq_length, barrier, results):
     barrier.wait()  # every "rank" asks for the data at the same moment
     module = SFTDataModule(train_paths, tokenizer_dir, seq_length)
     data = module.train
-    results.put((module.built["train"], isinstance(data.input_ids, np.memmap), data.input_ids.sum(dtype=np.int64),
-                 "tokenizer" in module.__dict__))
+    results.put(
+        (
+            module.built["train"],
+            isinstance(data.input_ids, np.memmap),
+            data.input_ids.sum(dtype=np.int64),
+            "tokenizer" in module.__dict__,
+        )
+    )
 
 
-def test_only_one_process_tokenizes_and_every_process_maps_the_cache(
-        tmp_path, data_files, smollm2_tokenizer):  # noqa: F811
+def test_only_one_process_tokenizes_and_every_process_maps_the_cache(tmp_path, data_files, smollm2_tokenizer):  # noqa: F811
     import multiprocessing
     import shutil
 
@@ -236,8 +247,15 @@ def test_only_one_process_tokenizes_and_every_process_maps_the_cache(
     assert [loaded for built, _, _, loaded in outcomes if not built] == [False, False], "no tokenizer loaded"
     entries = lambda: [p for p in (prepared / "tokenized").iterdir() if not p.name.startswith(".")]  # noqa: E731
     (entry,) = entries()
-    assert sorted(p.name for p in entry.iterdir()) == ["cu_offsets.npy", "cu_seqlens.npy", "input_ids.npy",
-                                                       "labels.npy", "meta.json", "position_ids.npy", "stats.json"]
+    assert sorted(p.name for p in entry.iterdir()) == [
+        "cu_offsets.npy",
+        "cu_seqlens.npy",
+        "input_ids.npy",
+        "labels.npy",
+        "meta.json",
+        "position_ids.npy",
+        "stats.json",
+    ]
 
     # A requeued job maps the same arrays; another seq_length, or a re-prepared file, tokenizes again.
     again = SFTDataModule(train, tokenizer_dir, 256)
@@ -251,11 +269,12 @@ def test_only_one_process_tokenizes_and_every_process_maps_the_cache(
     assert rebuilt.train.stats.num_examples == 70 and rebuilt.built["train"]
 
 
-def test_packed_batches_without_a_dense_mask_carry_cu_seqlens_only(
-        packed_module, data_files, smollm2_tokenizer):  # noqa: F811
+def test_packed_batches_without_a_dense_mask_carry_cu_seqlens_only(packed_module, data_files, smollm2_tokenizer):  # noqa: F811
     lean = SFTDataModule(data_files["train"], smollm2_tokenizer, SEQ_LENGTH, dense_mask=False)
-    dense, sparse = next(packed_module.train_iterator(seed=5, micro_batch_size=2)), next(
-        lean.train_iterator(seed=5, micro_batch_size=2))
+    dense, sparse = (
+        next(packed_module.train_iterator(seed=5, micro_batch_size=2)),
+        next(lean.train_iterator(seed=5, micro_batch_size=2)),
+    )
     assert sparse["attention_mask"] is None and dense["attention_mask"] is not None
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
         assert torch.equal(dense[key], sparse[key])

@@ -40,11 +40,13 @@ def test_smollm2_checkpoint_is_clean_float32_and_generates():
     assert model.dtype == torch.float32 and len(tokenizer) == 49152
     inputs = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
     )
     assert tokenizer.decode(inputs["input_ids"][0]).startswith("<|im_start|>system\n")
     out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tokenizer.decode(out[0, inputs["input_ids"].shape[1]:])
+    assert "Paris" in tokenizer.decode(out[0, inputs["input_ids"].shape[1] :])
 
 
 _BUILD_SCRIPT = textwrap.dedent(
@@ -64,7 +66,9 @@ def test_tiny_llama_concurrent_builds_lock_and_are_deterministic(tmp_path):
     stale.mkdir(parents=True)
     env = {**os.environ, "AFM_CACHE": str(cache), "PYTHONPATH": str(repo_root())}
     procs = [
-        subprocess.Popen([sys.executable, "-c", _BUILD_SCRIPT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", _BUILD_SCRIPT], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for _ in range(2)
     ]
     outputs = [p.communicate(timeout=300) for p in procs]

@@ -10,8 +10,15 @@ from afm_core.models.arch import ModelArch, arch_from_hf_config, hf_config_from_
 from afm_core.models.presets import PRESET_FIELDS, PresetError, available_presets, check_against_hf_config, load_preset
 
 EXPECTED = {
-    "smollm2-135m", "tiny-llama", "qwen2.5-0.5b-instruct", "qwen2.5-1.5b-instruct", "qwen2.5-3b-instruct",
-    "qwen2.5-7b-instruct", "qwen2.5-14b-instruct", "qwen2.5-32b-instruct", "qwen2.5-coder-7b-instruct",
+    "smollm2-135m",
+    "tiny-llama",
+    "qwen2.5-0.5b-instruct",
+    "qwen2.5-1.5b-instruct",
+    "qwen2.5-3b-instruct",
+    "qwen2.5-7b-instruct",
+    "qwen2.5-14b-instruct",
+    "qwen2.5-32b-instruct",
+    "qwen2.5-coder-7b-instruct",
     "qwen2.5-coder-32b-instruct",
 }
 
@@ -29,9 +36,20 @@ def test_every_preset_loads_with_one_key_layout():
 def test_published_numbers():
     smol = load_preset("smollm2-135m")
     assert smol.source == "gguf_package" and smol.arch.tied_embeddings and not smol.arch.qkv_bias
-    assert (smol.arch.num_layers, smol.arch.hidden_size, smol.arch.num_attention_heads, smol.arch.num_query_groups) == (30, 576, 9, 3)
+    assert (smol.arch.num_layers, smol.arch.hidden_size, smol.arch.num_attention_heads, smol.arch.num_query_groups) == (
+        30,
+        576,
+        9,
+        3,
+    )
     q32 = load_preset("qwen2.5-32b-instruct").arch
-    assert (q32.num_layers, q32.hidden_size, q32.ffn_hidden_size, q32.num_attention_heads, q32.num_query_groups) == (64, 5120, 27648, 40, 8)
+    assert (q32.num_layers, q32.hidden_size, q32.ffn_hidden_size, q32.num_attention_heads, q32.num_query_groups) == (
+        64,
+        5120,
+        27648,
+        40,
+        8,
+    )
     assert q32.vocab_size == 152064 and not q32.tied_embeddings and q32.qkv_bias and q32.rope_theta == 1e6
     assert load_preset("qwen2.5-0.5b-instruct").arch.tied_embeddings
     assert load_preset("qwen2.5-coder-7b-instruct").arch == load_preset("qwen2.5-7b-instruct").arch
@@ -48,7 +66,9 @@ def test_bad_preset_file_names_file_line_and_field(tmp_path, monkeypatch):
     text = presets.repo_root().joinpath("conf/model/tiny-llama.yaml").read_text()
     (tmp_path / "tiny-llama.yaml").write_text(text.replace("num_layers: 2", "num_layers: two"))
     line = text.splitlines().index("num_layers: 2") + 1
-    with pytest.raises(PresetError, match=rf"tiny-llama.yaml:{line}: field 'num_layers': expected a positive integer, got 'two'"):
+    with pytest.raises(
+        PresetError, match=rf"tiny-llama.yaml:{line}: field 'num_layers': expected a positive integer, got 'two'"
+    ):
         load_preset("tiny-llama")
     (tmp_path / "tiny-llama.yaml").write_text(text + "dropout: 0.1\n")
     with pytest.raises(PresetError, match=r"field 'dropout': unknown field"):
@@ -63,7 +83,9 @@ def test_bad_preset_file_names_file_line_and_field(tmp_path, monkeypatch):
 def test_mismatch_with_hf_config_names_both_fields():
     preset = load_preset("qwen2.5-7b-instruct")
     wrong = ModelArch(**{**preset.arch.as_dict(), "num_query_groups": 8})
-    with pytest.raises(PresetError, match=r"field 'num_query_groups' = 4, but /x/config.json has num_key_value_heads = 8"):
+    with pytest.raises(
+        PresetError, match=r"field 'num_query_groups' = 4, but /x/config.json has num_key_value_heads = 8"
+    ):
         check_against_hf_config(preset, hf_config_from_arch(wrong), "/x/config.json")
     check_against_hf_config(preset, hf_config_from_arch(preset.arch), "/x/config.json")
 

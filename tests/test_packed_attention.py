@@ -31,8 +31,9 @@ def _packed_sample(vocab: int) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     import torch.distributed as dist
 
@@ -72,8 +73,9 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
             packed_query = queries.pop()  # [t, heads/tp, head_dim], after RoPE
             result = {"packed_vs_alone": [], "query_vs_alone": []}
             for a, e in itertools.pairwise(offsets):
-                alone = model(sample["tokens"][:, a:e], torch.arange(e - a)[None], None,
-                              labels=sample["labels"][:, a:e])[0]
+                alone = model(
+                    sample["tokens"][:, a:e], torch.arange(e - a)[None], None, labels=sample["labels"][:, a:e]
+                )[0]
                 alone_query = queries.pop()[:, 0]  # [s, b=1, heads/tp, head_dim] -> [s, heads/tp, head_dim]
                 result["packed_vs_alone"].append((packed[a:e] - alone).abs().max().item())
                 result["query_vs_alone"].append((packed_query[a:e] - alone_query).abs().max().item())
@@ -111,8 +113,14 @@ def _attention(heads: int, groups: int, head_dim: int):
 
     from afm_core.models.attention import SDPAttention
 
-    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
-                               num_query_groups=groups, attention_dropout=0.0, use_cpu_initialization=True)
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+    )
     tp = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))
     return SDPAttention(config, 1, AttnMaskType.causal, "self", pg_collection=tp)
 

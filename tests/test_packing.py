@@ -148,5 +148,7 @@ def test_mask_convention_matches_megatron_local_softmax():
         own = scores[..., start:end, start:end]
         causal = torch.ones(end - start, end - start, dtype=torch.bool).triu(1)
         torch.testing.assert_close(probs[..., start:end, start:end], own.masked_fill(causal, float("-inf")).softmax(-1))
-        assert torch.count_nonzero(probs[..., start:end, :start]) == torch.count_nonzero(probs[..., start:end, end:]) == 0
+        assert (
+            torch.count_nonzero(probs[..., start:end, :start]) == torch.count_nonzero(probs[..., start:end, end:]) == 0
+        )
     assert torch.equal(probs[..., 9:, 9:], torch.eye(3).expand(1, 2, 3, 3)), "padding attends to itself only"

@@ -28,7 +28,9 @@ from afm_core.data.schema import PREPARED_SCHEMA, read_prepared, task_id
 from afm_core.utils.paths import repo_root, shared_data_dir
 
 SHARED = shared_data_dir()
-needs_data = pytest.mark.skipif(not SHARED.is_dir(), reason=f"real data folder {SHARED} is absent (set AFM_SHARED_DATA)")
+needs_data = pytest.mark.skipif(
+    not SHARED.is_dir(), reason=f"real data folder {SHARED} is absent (set AFM_SHARED_DATA)"
+)
 SOURCES = {"gsm8k": 40, "fireact": None, "r1searcher": 40, "tora": None}
 
 
@@ -132,7 +134,13 @@ def test_filters_and_error_correction():
                                         Step("answer", "b")])  # fmt: skip
     no_tools = trajectory(4, "E?", [Step("think", "t"), Step("answer", "a")])
     wrong = trajectory(5, "F?", correct=False)
-    assert [is_error_correction(t) for t in (plain, reflective, retried, failed_check, no_tools)] == [False, True, True, True, False]
+    assert [is_error_correction(t) for t in (plain, reflective, retried, failed_check, no_tools)] == [
+        False,
+        True,
+        True,
+        True,
+        False,
+    ]
     items = [plain, reflective, retried, failed_check, no_tools, wrong, trajectory(0, "A?")]
     kept, dropped = filter_trajectories(items, DataFilters(min_tool_calls=1))
     assert kept == [plain, reflective, retried, failed_check]

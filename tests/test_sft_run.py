@@ -14,18 +14,29 @@ import torch.multiprocessing as mp
 from afm_core.launch.distributed import free_port
 from afm_core.utils.paths import repo_root, shared_data_dir
 
-pytestmark = pytest.mark.skipif(not shared_data_dir().is_dir(),
-                                reason=f"real data folder {shared_data_dir()} is absent (set AFM_SHARED_DATA)")
+pytestmark = pytest.mark.skipif(
+    not shared_data_dir().is_dir(), reason=f"real data folder {shared_data_dir()} is absent (set AFM_SHARED_DATA)"
+)
 
 OVERRIDES = [
-    "model=tiny-llama", "trainer.global_batch_size=2", "trainer.eval_interval=1", "trainer.eval_sequences=2",
-    "trainer.progress=false", "trainer.num_threads=1",
+    "model=tiny-llama",
+    "trainer.global_batch_size=2",
+    "trainer.eval_interval=1",
+    "trainer.eval_sequences=2",
+    "trainer.progress=false",
+    "trainer.num_threads=1",
 ]
 
 
 def sft_worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     from hydra import compose, initialize_config_dir
 
     from afm_core.train.sft import run_sft
@@ -38,8 +49,9 @@ def sft_worker(rank: int, world: int, port: int, overrides: list[str], out: str)
 
 
 def run_sft_spawned(overrides: list[str], out: Path, world: int = 1) -> dict:
-    mp.start_processes(sft_worker, args=(world, free_port(), overrides, str(out)), nprocs=world, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        sft_worker, args=(world, free_port(), overrides, str(out)), nprocs=world, join=True, start_method="spawn"
+    )
     return json.loads(out.read_text())
 
 
@@ -58,7 +70,12 @@ def test_run_sft_trains_exports_and_resumes_into_a_new_run(tmp_path, capfd):
     assert first["eval_loss_after"] < first["eval_loss_before"]
     assert first["input_tokens_per_s"] > first["tokens_per_s"] > 0  # all positions vs unmasked targets
     assert [(r["step"], r["split"]) for r in read_metrics(first_dir / "metrics.jsonl")] == [
-        (0, "eval"), (1, "train"), (1, "eval"), (2, "train"), (2, "eval")]
+        (0, "eval"),
+        (1, "train"),
+        (1, "eval"),
+        (2, "train"),
+        (2, "eval"),
+    ]
     record = read_metrics(first_dir / "metrics.jsonl")[1]
     assert record["tokens"] > 0 and record["tokens_per_s"] > 0 and record["lr"] == 0.0  # warmup starts at 0
     assert (first_dir / "loss.png").is_file()
@@ -71,8 +88,10 @@ def test_run_sft_trains_exports_and_resumes_into_a_new_run(tmp_path, capfd):
     assert "model.embed_tokens.weight" in changed and "model.layers.1.mlp.down_proj.weight" in changed
 
     second_dir = tmp_path / "second"
-    second = run_sft_spawned([*OVERRIDES, f"run_dir={second_dir}", "trainer.max_steps=3", f"resume={first_dir}",
-                              "trainer.export_hf=false"], tmp_path / "second.json")
+    second = run_sft_spawned(
+        [*OVERRIDES, f"run_dir={second_dir}", "trainer.max_steps=3", f"resume={first_dir}", "trainer.export_hf=false"],
+        tmp_path / "second.json",
+    )
     assert "[sft] data: mapped the token cache in" in capfd.readouterr().out  # tokenized once, by the first run
     assert second["resumed_from"] == str(first_dir / "checkpoints" / "step_00000002")
     assert second["step"] == 3 and second["hf_dir"] is None

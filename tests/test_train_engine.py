@@ -25,18 +25,27 @@ from afm_core.utils.paths import repo_root
 VOCAB, SEQ, HIDDEN, LAYERS = 128, 32, 32, 4
 
 
-
-
 def make_cfg(**overrides) -> OmegaConf:
     """trainer/optim/parallel groups from the real conf/ files, sized down for a tiny model."""
     conf = repo_root() / "conf"
-    cfg = OmegaConf.create({
-        "trainer": OmegaConf.load(conf / "sft.yaml").trainer,
-        "optim": OmegaConf.load(conf / "sft.yaml").optim,
-        "parallel": OmegaConf.load(conf / "parallel" / "default.yaml"),
-    })
-    cfg.trainer.update(seq_length=SEQ, micro_batch_size=2, global_batch_size=8, max_steps=5, eval_interval=2,
-                       save_interval=100, progress=False, num_threads=1, export_hf=False)
+    cfg = OmegaConf.create(
+        {
+            "trainer": OmegaConf.load(conf / "sft.yaml").trainer,
+            "optim": OmegaConf.load(conf / "sft.yaml").optim,
+            "parallel": OmegaConf.load(conf / "parallel" / "default.yaml"),
+        }
+    )
+    cfg.trainer.update(
+        seq_length=SEQ,
+        micro_batch_size=2,
+        global_batch_size=8,
+        max_steps=5,
+        eval_interval=2,
+        save_interval=100,
+        progress=False,
+        num_threads=1,
+        export_hf=False,
+    )
     cfg.optim.update(lr=3e-3, min_lr=3e-4, warmup_ratio=0.2)
     for key, value in overrides.items():
         OmegaConf.update(cfg, key, value)
@@ -68,15 +77,21 @@ class SyntheticBatches:
                 end = start + length
                 position_ids[b, start:end] = torch.arange(length)
                 attention_mask[b, 0, start:end, start:end] = ~torch.tril(torch.ones(length, length, dtype=torch.bool))
-                loss_mask[b, start:start + int(torch.randint(0, length, (1,), generator=g))] = 0
+                loss_mask[b, start : start + int(torch.randint(0, length, (1,), generator=g))] = 0
                 obs = start + int(torch.randint(0, length, (1,), generator=g))
-                loss_mask[b, obs:obs + 3] = 0
+                loss_mask[b, obs : obs + 3] = 0
                 start = end
                 offsets.append(end)
             cu_seqlens.append(torch.tensor(offsets, dtype=torch.int32))
         # the trainer reads cu_seqlens (thd); the hand-computed reference below uses the dense mask
-        return {"tokens": tokens[:, :-1].contiguous(), "labels": tokens[:, 1:].contiguous(), "loss_mask": loss_mask,
-                "position_ids": position_ids, "attention_mask": attention_mask, "cu_seqlens": cu_seqlens}
+        return {
+            "tokens": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "loss_mask": loss_mask,
+            "position_ids": position_ids,
+            "attention_mask": attention_mask,
+            "cu_seqlens": cu_seqlens,
+        }
 
     def __next__(self):
         if self.on_fetch is not None:
@@ -99,21 +114,42 @@ def tiny_provider(layout, *, params_dtype=torch.float32):
     from afm_core.models.bridge import gpt_layer_spec
 
     config = TransformerConfig(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
-        normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
-        use_cpu_initialization=True, params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        use_cpu_initialization=True,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
-        bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
     )
 
     def provider(pre_process, post_process, vp_stage=None):
-        model = GPTModel(config, gpt_layer_spec(), vocab_size=VOCAB,
-                         max_sequence_length=SEQ, pre_process=pre_process, post_process=post_process,
-                         position_embedding_type="rope", share_embeddings_and_output_weights=True,
-                         vp_stage=vp_stage)
+        model = GPTModel(
+            config,
+            gpt_layer_spec(),
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            pre_process=pre_process,
+            post_process=post_process,
+            position_embedding_type="rope",
+            share_embeddings_and_output_weights=True,
+            vp_stage=vp_stage,
+        )
         init_by_global_key(model)
         return model
 
@@ -138,8 +174,14 @@ def init_by_global_key(model) -> None:
 
 
 def _set_env(rank: int, world: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
 
 
 def train_worker(rank: int, world: int, port: int, spec: dict) -> None:
@@ -176,8 +218,12 @@ def train_worker(rank: int, world: int, port: int, spec: dict) -> None:
         summary = trainer.fit()
         out = Path(spec["out"])
         out.mkdir(parents=True, exist_ok=True)
-        weights = {f"{i}.{k}": v.detach().clone() for i, m in enumerate(trainer.model)
-                   for k, v in m.module.state_dict().items() if isinstance(v, torch.Tensor)}
+        weights = {
+            f"{i}.{k}": v.detach().clone()
+            for i, m in enumerate(trainer.model)
+            for k, v in m.module.state_dict().items()
+            if isinstance(v, torch.Tensor)
+        }
         torch.save(weights, out / f"weights_rank{rank}.pt")
         if rank == 0:
             (out / "summary.json").write_text(json.dumps(summary))
@@ -204,8 +250,7 @@ def _crash_on_save(nth: int) -> None:
 
 
 def spawn(world: int, spec: dict) -> None:
-    mp.start_processes(train_worker, args=(world, free_port(), spec), nprocs=world, join=True,
-                       start_method="spawn")
+    mp.start_processes(train_worker, args=(world, free_port(), spec), nprocs=world, join=True, start_method="spawn")
 
 
 def run(tmp_path: Path, name: str, world: int = 1, run_dir: Path | None = None, **spec) -> dict:

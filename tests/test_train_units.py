@@ -50,9 +50,19 @@ def test_warmup_then_cosine_to_min_lr():
     assert warmup_steps(0.1, 150) == 15 and warmup_steps(0.1, 5) == 1 and warmup_steps(0.5, 1) == 0
     param = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([{"params": [param], "max_lr": 1e-3, "min_lr": 1e-4}], lr=0.0)
-    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=10,
-                                    lr_decay_steps=110, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
-                                    wd_incr_steps=110, wd_incr_style="constant")
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=1e-3,
+        min_lr=1e-4,
+        lr_warmup_steps=10,
+        lr_decay_steps=110,
+        lr_decay_style="cosine",
+        start_wd=0.0,
+        end_wd=0.0,
+        wd_incr_steps=110,
+        wd_incr_style="constant",
+    )
     lrs = []
     for _ in range(111):
         lrs.append(opt.param_groups[0]["lr"])
@@ -111,8 +121,13 @@ def test_read_metrics_names_file_and_line(tmp_path):
 
 def test_plot_losses_writes_png(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text("".join(json.dumps({"step": s, "split": sp, "loss": 2.0 / (s + 1)}) + "\n"
-                            for s in range(4) for sp in ("train", "eval")))
+    path.write_text(
+        "".join(
+            json.dumps({"step": s, "split": sp, "loss": 2.0 / (s + 1)}) + "\n"
+            for s in range(4)
+            for sp in ("train", "eval")
+        )
+    )
     plot_losses(path, tmp_path / "loss.png")
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -26,7 +26,8 @@ Rules:
 - Never write an <observation> block yourself: it is returned to you after each tool call.
 - The <answer> block comes once, last."""
 
-MHQA_PROMPT = """\
+MHQA_PROMPT = (
+    """\
 Answer the question by reasoning step by step and searching a Wikipedia index. Build your answer from \
 blocks, each written as <function>content</function> with one of these functions:
 
@@ -40,9 +41,12 @@ if they are not</reflection>
   As short as possible: a name, a date, a number, yes or no. Several answers are separated by "|", \
 for example <answer>answer1|answer2</answer>.
 
-""" + _COMMON_RULES
+"""
+    + _COMMON_RULES
+)
 
-WEB_PROMPT = """\
+WEB_PROMPT = (
+    """\
 Answer the question by reasoning step by step and using web tools. Build your answer from blocks, each \
 written as <function>content</function> with one of these functions:
 
@@ -63,9 +67,12 @@ or 4, give the final answer.
 <answer>the final answer</answer>
   Only after a double check scored 3 or 4. As short as possible, for example <answer>Beijing</answer>.
 
-""" + _COMMON_RULES
+"""
+    + _COMMON_RULES
+)
 
-MATH_PROMPT = """\
+MATH_PROMPT = (
+    """\
 Solve the problem step by step. You may run Python code to compute or to check results. Build your \
 solution from blocks, each written as <function>content</function> with one of these functions:
 
@@ -83,9 +90,12 @@ a Python snippet that prints what you need with print()
 \\boxed{the final answer}
 </answer>
 
-""" + _COMMON_RULES
+"""
+    + _COMMON_RULES
+)
 
-CODE_PROMPT = """\
+CODE_PROMPT = (
+    """\
 Write a complete Python program that solves the programming task. You may run code to test ideas and \
 edge cases before answering. Build your solution from blocks, each written as <function>content</function> \
 with one of these functions:
@@ -109,7 +119,9 @@ the complete program, reading the input from stdin and writing the output to std
 ```
 </answer>
 
-""" + _COMMON_RULES
+"""
+    + _COMMON_RULES
+)
 
 TASK_PROMPTS: dict[str, str] = {"math": MATH_PROMPT, "mhqa": MHQA_PROMPT, "web": WEB_PROMPT, "code": CODE_PROMPT}
 

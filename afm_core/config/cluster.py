@@ -31,8 +31,12 @@ class LocalClusterConfig:
     def __post_init__(self) -> None:
         require(self.dp >= 1, "cluster.dp", self.dp, "data-parallel ranks, an integer >= 1")
         gpus = self.gpus_per_node
-        require(gpus == "auto" or (isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 0),
-                "cluster.gpus_per_node", gpus, "auto or an integer >= 0")
+        require(
+            gpus == "auto" or (isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 0),
+            "cluster.gpus_per_node",
+            gpus,
+            "auto or an integer >= 0",
+        )
         require(self.timeout_min >= 1, "cluster.timeout_min", self.timeout_min, "minutes >= 1")
         _check_common(self)
 
@@ -69,9 +73,13 @@ class SlurmClusterConfig:
 
     def data_parallel(self, model_parallel: int) -> int:
         ranks = self.nodes * self.tasks_per_node
-        require(ranks % model_parallel == 0, "cluster.tasks_per_node", self.tasks_per_node,
-                f"cluster.nodes * cluster.tasks_per_node = {ranks} ranks must be a multiple of "
-                f"parallel.tp * parallel.pp = {model_parallel}")
+        require(
+            ranks % model_parallel == 0,
+            "cluster.tasks_per_node",
+            self.tasks_per_node,
+            f"cluster.nodes * cluster.tasks_per_node = {ranks} ranks must be a multiple of "
+            f"parallel.tp * parallel.pp = {model_parallel}",
+        )
         return ranks // model_parallel
 
 

@@ -71,5 +71,9 @@ class PrepareDataConfig:
     def __post_init__(self) -> None:
         from afm_core.data.prepare import EXPORT_FORMATS
 
-        require(self.export is None or self.export in EXPORT_FORMATS, "export", self.export,
-                f"null or one of {', '.join(EXPORT_FORMATS)}")
+        require(
+            self.export is None or self.export in EXPORT_FORMATS,
+            "export",
+            self.export,
+            f"null or one of {', '.join(EXPORT_FORMATS)}",
+        )

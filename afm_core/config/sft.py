@@ -53,13 +53,28 @@ class TrainerConfig:
         require(self.engine in ENGINES, "trainer.engine", self.engine, f"one of {', '.join(ENGINES)}")
         require(self.precision in PRECISIONS, "trainer.precision", self.precision, f"one of {', '.join(PRECISIONS)}")
         require(self.seq_length > 0, "trainer.seq_length", self.seq_length, "a positive integer (tokens)")
-        for key in ("micro_batch_size", "global_batch_size", "log_interval", "eval_interval", "eval_sequences",
-                    "save_interval", "keep_last"):
+        for key in (
+            "micro_batch_size",
+            "global_batch_size",
+            "log_interval",
+            "eval_interval",
+            "eval_sequences",
+            "save_interval",
+            "keep_last",
+        ):
             _at_least(f"trainer.{key}", getattr(self, key), 1)
-        require(self.global_batch_size % self.micro_batch_size == 0, "trainer.global_batch_size",
-                self.global_batch_size, f"a multiple of trainer.micro_batch_size={self.micro_batch_size}")
-        require(self.max_steps is not None or self.epochs is not None, "trainer.max_steps", self.max_steps,
-                "set trainer.max_steps or trainer.epochs")
+        require(
+            self.global_batch_size % self.micro_batch_size == 0,
+            "trainer.global_batch_size",
+            self.global_batch_size,
+            f"a multiple of trainer.micro_batch_size={self.micro_batch_size}",
+        )
+        require(
+            self.max_steps is not None or self.epochs is not None,
+            "trainer.max_steps",
+            self.max_steps,
+            "set trainer.max_steps or trainer.epochs",
+        )
         if self.max_steps is not None:
             _at_least("trainer.max_steps", self.max_steps, 1)
         if self.epochs is not None:
@@ -89,8 +104,9 @@ class OptimConfig:
             require(0 <= value < 1, f"optim.{key}", value, "in [0, 1)")
         require(self.adam_eps > 0, "optim.adam_eps", self.adam_eps, "a positive number")
         require(0 <= self.warmup_ratio <= 1, "optim.warmup_ratio", self.warmup_ratio, "in [0, 1] (of the steps)")
-        require(self.lr_schedule in LR_SCHEDULES, "optim.lr_schedule", self.lr_schedule,
-                f"one of {', '.join(LR_SCHEDULES)}")
+        require(
+            self.lr_schedule in LR_SCHEDULES, "optim.lr_schedule", self.lr_schedule, f"one of {', '.join(LR_SCHEDULES)}"
+        )
 
 
 @dataclass
@@ -109,12 +125,20 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _at_least("parallel.tp", self.tp, 1)
         _at_least("parallel.pp", self.pp, 1)
-        require(self.cp == 1, "parallel.cp", self.cp, "context parallelism is not implemented (no per-rank "
-                "sequence slicing); the only valid value is 1")
+        require(
+            self.cp == 1,
+            "parallel.cp",
+            self.cp,
+            "context parallelism is not implemented (no per-rank sequence slicing); the only valid value is 1",
+        )
         if self.vpp is not None:
             _at_least("parallel.vpp", self.vpp, 1)
-            require(self.pp > 1, "parallel.vpp", self.vpp, "virtual pipeline stages need parallel.pp > 1; "
-                    "valid: null with pp=1")
+            require(
+                self.pp > 1,
+                "parallel.vpp",
+                self.vpp,
+                "virtual pipeline stages need parallel.pp > 1; valid: null with pp=1",
+            )
         require(self.recompute in RECOMPUTE, "parallel.recompute", self.recompute, "null, selective or full")
 
     @property
@@ -169,25 +193,44 @@ class SFTConfig:
         self.cluster = cluster_schema(self.cluster)
         m, p, t = self.model, self.parallel, self.trainer
         groups = math.gcd(m.num_attention_heads, m.num_query_groups)
-        require(groups % p.tp == 0, "parallel.tp", p.tp,
-                f"must divide model.num_attention_heads={m.num_attention_heads} and model.num_query_groups="
-                f"{m.num_query_groups} ({m.name}); valid: {divisors(groups)}")
-        require(m.num_layers % p.pp == 0, "parallel.pp", p.pp,
-                f"must divide model.num_layers={m.num_layers} ({m.name}); valid: {divisors(m.num_layers)}")
+        require(
+            groups % p.tp == 0,
+            "parallel.tp",
+            p.tp,
+            f"must divide model.num_attention_heads={m.num_attention_heads} and model.num_query_groups="
+            f"{m.num_query_groups} ({m.name}); valid: {divisors(groups)}",
+        )
+        require(
+            m.num_layers % p.pp == 0,
+            "parallel.pp",
+            p.pp,
+            f"must divide model.num_layers={m.num_layers} ({m.name}); valid: {divisors(m.num_layers)}",
+        )
         if p.vpp is not None:
             per_stage = m.num_layers // p.pp
-            require(per_stage % p.vpp == 0, "parallel.vpp", p.vpp,
-                    f"must divide the {per_stage} layers per pipeline stage; valid: {divisors(per_stage)}")
+            require(
+                per_stage % p.vpp == 0,
+                "parallel.vpp",
+                p.vpp,
+                f"must divide the {per_stage} layers per pipeline stage; valid: {divisors(per_stage)}",
+            )
         if t.engine == "deepspeed":
-            require(p.tp == 1 and p.pp == 1, "parallel.tp", p.tp, "trainer.engine=deepspeed is data parallel only "
-                    "(ZeRO-3): parallel.tp=1 and parallel.pp=1")
+            require(
+                p.tp == 1 and p.pp == 1,
+                "parallel.tp",
+                p.tp,
+                "trainer.engine=deepspeed is data parallel only (ZeRO-3): parallel.tp=1 and parallel.pp=1",
+            )
         dp = self.cluster.data_parallel(p.model_parallel)
         per_pass = t.micro_batch_size * dp
-        require(t.global_batch_size % per_pass == 0, "trainer.global_batch_size", t.global_batch_size,
-                f"must be a multiple of trainer.micro_batch_size * dp = {t.micro_batch_size} * {dp} = {per_pass}")
+        require(
+            t.global_batch_size % per_pass == 0,
+            "trainer.global_batch_size",
+            t.global_batch_size,
+            f"must be a multiple of trainer.micro_batch_size * dp = {t.micro_batch_size} * {dp} = {per_pass}",
+        )
 
     @property
     def dp(self) -> int:
         """Data-parallel ranks of the job."""
         return self.cluster.data_parallel(self.parallel.model_parallel)
-

@@ -255,7 +255,11 @@ def rl_task_from_trajectory(trajectory: Trajectory, split: str) -> RLTask:
     trajectory id), split, question, answer, need_tools_kwargs, tools_kwargs: {tool: {create_kwargs:
     {ground_truth, question, data_source}}}}`` for the task's tools.
     """
-    create_kwargs = {"ground_truth": trajectory.answer, "question": trajectory.question, "data_source": trajectory.source}
+    create_kwargs = {
+        "ground_truth": trajectory.answer,
+        "question": trajectory.question,
+        "data_source": trajectory.source,
+    }
     return RLTask(
         data_source=trajectory.source,
         prompt=[{"role": "user", "content": trajectory.prompt}],

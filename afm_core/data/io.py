@@ -52,7 +52,9 @@ def require(record: Mapping[str, Any], name: str, kind: type | tuple[type, ...],
     return value
 
 
-def read_jsonl(path: str | os.PathLike[str], skipped: list[str] | None = None) -> Iterator[tuple[Where, dict[str, Any]]]:
+def read_jsonl(
+    path: str | os.PathLike[str], skipped: list[str] | None = None
+) -> Iterator[tuple[Where, dict[str, Any]]]:
     """Yield ``(where, record)`` for each non-blank line of a JSON-lines file (lines counted from 1; ``.gz`` read too).
 
     Args:

@@ -141,10 +141,17 @@ class SFTDataModule:
         if not (self.cache and paths):
             self.built[name] = True
             return self._build(paths)
-        inputs = cache_inputs(paths, self._tokenizer, seq_length=self.seq_length, pack=self.pack,
-                              mask_observations=self.mask_observations, system=self.system)
-        packed, self.built[name] = cached_packed(Path(paths[0]).parent / CACHE_DIR_NAME, inputs,
-                                                 lambda: self._build(paths))
+        inputs = cache_inputs(
+            paths,
+            self._tokenizer,
+            seq_length=self.seq_length,
+            pack=self.pack,
+            mask_observations=self.mask_observations,
+            system=self.system,
+        )
+        packed, self.built[name] = cached_packed(
+            Path(paths[0]).parent / CACHE_DIR_NAME, inputs, lambda: self._build(paths)
+        )
         return packed
 
     def _build(self, paths: list[str | Path]) -> PackedSequences:
@@ -154,12 +161,17 @@ class SFTDataModule:
         build = pack_examples if self.pack else pad_examples
         return build(examples, self.seq_length, pad_id=pad_id)
 
-    def train_iterator(
-        self, *, seed: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1
-    ) -> TrainIterator:
+    def train_iterator(self, *, seed: int, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> TrainIterator:
         """The infinite, resumable train micro-batch iterator of data-parallel rank ``dp_rank``."""
-        return TrainIterator(self.train, seed=seed, micro_batch_size=micro_batch_size, dp_rank=dp_rank,
-                             dp_size=dp_size, pack=self.pack, dense_mask=self.dense_mask)
+        return TrainIterator(
+            self.train,
+            seed=seed,
+            micro_batch_size=micro_batch_size,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            pack=self.pack,
+            dense_mask=self.dense_mask,
+        )
 
     def heldout_batches(
         self,
@@ -216,8 +228,10 @@ def full_micro_batches(batches: Any, micro_batch_size: int) -> Any:
     else:
         full = [b for b in batches if b["tokens"].shape[0] == micro_batch_size]
     if not len(full):
-        raise ValueError(f"no full held-out micro batch of trainer.micro_batch_size={micro_batch_size}: raise "
-                         "trainer.eval_sequences or data.heldout_fraction")
+        raise ValueError(
+            f"no full held-out micro batch of trainer.micro_batch_size={micro_batch_size}: raise "
+            "trainer.eval_sequences or data.heldout_fraction"
+        )
     return full
 
 
@@ -243,8 +257,7 @@ class StepMicroBatches:
         RuntimeError: an iterator created after another one has already passed a batch.
     """
 
-    def __init__(self, source: MicroBatchStream, count: int,
-                 check: Callable[[dict[str, Any]], None] | None = None):
+    def __init__(self, source: MicroBatchStream, count: int, check: Callable[[dict[str, Any]], None] | None = None):
         self.source, self.count, self.check = source, count, check
         self._readers = 0
         self._taken = 0  # batches taken from the source
@@ -289,7 +302,14 @@ class TrainIterator:
     """
 
     def __init__(
-        self, data: PackedSequences, *, seed: int, micro_batch_size: int, dp_rank: int, dp_size: int, pack: bool,
+        self,
+        data: PackedSequences,
+        *,
+        seed: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        pack: bool,
         dense_mask: bool | None = None,
     ):
         if micro_batch_size < 1 or dp_size < 1 or not 0 <= dp_rank < dp_size:
@@ -360,8 +380,9 @@ class TrainIterator:
         self._epoch_order = self._order(self.epoch)
 
 
-def collate(data: PackedSequences, indices: Sequence[int] | np.ndarray, *, pack: bool,
-            dense_mask: bool | None = None) -> dict[str, Any]:
+def collate(
+    data: PackedSequences, indices: Sequence[int] | np.ndarray, *, pack: bool, dense_mask: bool | None = None
+) -> dict[str, Any]:
     """A megatron-ready micro batch of the sequences ``data[indices]`` (``b = len(indices)``, ``s = seq_length``).
 
     Returns a dict:

@@ -120,8 +120,11 @@ class PackedSequences:
         directory.mkdir(parents=True, exist_ok=True)
         for name in _ARRAYS:
             np.save(directory / f"{name}.npy", np.ascontiguousarray(getattr(self, name), dtype=np.int32))
-        ragged = self.cu_seqlens if isinstance(self.cu_seqlens, RaggedArray) else RaggedArray.from_rows(
-            list(self.cu_seqlens))
+        ragged = (
+            self.cu_seqlens
+            if isinstance(self.cu_seqlens, RaggedArray)
+            else RaggedArray.from_rows(list(self.cu_seqlens))
+        )
         np.save(directory / "cu_seqlens.npy", ragged.values)
         np.save(directory / "cu_offsets.npy", ragged.offsets)
         (directory / "stats.json").write_text(json.dumps(asdict(self.stats)) + "\n", encoding="utf-8")
@@ -142,9 +145,7 @@ def _load_mapped(path: Path) -> np.ndarray:
     return array if array.size else np.load(path)  # an empty array has nothing to map
 
 
-def pack_examples(
-    examples: Sequence[TokenizedExample], seq_length: int, *, pad_id: int = 0
-) -> PackedSequences:
+def pack_examples(examples: Sequence[TokenizedExample], seq_length: int, *, pad_id: int = 0) -> PackedSequences:
     """Pack ``examples`` several per sequence, first-fit-decreasing.
 
     Examples are taken longest first (ties by input order) and each goes into the first sequence with

@@ -87,7 +87,9 @@ class DataFilters:
             raise ValueError(f"data.filters: unknown key(s) {unknown}; known: {sorted(known)}")
         filters = cls(**cfg)
         if filters.error_correction_upsample < 1:
-            raise ValueError(f"data.filters.error_correction_upsample must be >= 1, got {filters.error_correction_upsample}")
+            raise ValueError(
+                f"data.filters.error_correction_upsample must be >= 1, got {filters.error_correction_upsample}"
+            )
         return filters
 
 
@@ -121,7 +123,9 @@ def is_error_correction(trajectory: Trajectory) -> bool:
     return False
 
 
-def filter_trajectories(trajectories: Sequence[Trajectory], filters: DataFilters) -> tuple[list[Trajectory], Counter[str]]:
+def filter_trajectories(
+    trajectories: Sequence[Trajectory], filters: DataFilters
+) -> tuple[list[Trajectory], Counter[str]]:
     """Apply ``filters`` and drop exact duplicates (same prompt and steps, reason ``duplicate``).
 
     Returns:
@@ -288,8 +292,10 @@ def recorded_config(data_cfg: Mapping[str, Any], source: PrepareInput = PrepareI
         for name, spec in normalize_sources(data_cfg.get("sources")).items():
             files = None
             if spec["path"] is not None:
-                files = [{"path": str(p), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
-                         for p in source_files(name, spec["path"], shared_dir)]
+                files = [
+                    {"path": str(p), "size": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+                    for p in source_files(name, spec["path"], shared_dir)
+                ]
             sources[name] = {"limit": spec["limit"], "files": files}
     return {
         "format_version": FORMAT_VERSION,
@@ -429,7 +435,9 @@ def read_prepared_trajectories(path: str | os.PathLike[str]) -> list[tuple[str, 
     return [(row["id"], row_trajectory(row, path, i)) for i, row in enumerate(rows)]
 
 
-def export_prepared(out_dir: str | os.PathLike[str], fmt: str, export_dir: str | os.PathLike[str] | None = None) -> Path:
+def export_prepared(
+    out_dir: str | os.PathLike[str], fmt: str, export_dir: str | os.PathLike[str] | None = None
+) -> Path:
     """Export a prepared directory to a foreign format, atomically; returns the export directory.
 
     * ``llamafactory``: ``train.json`` and ``heldout.json`` (alpaca lists, every row including the

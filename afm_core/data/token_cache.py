@@ -28,8 +28,17 @@ log = logging.getLogger(__name__)
 CACHE_VERSION = 1
 CACHE_DIR_NAME = "tokenized"
 META_FILE = "meta.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -74,12 +83,18 @@ def cache_inputs(paths: Sequence[str | Path], tokenizer: Any, **settings: Any) -
             raise FileNotFoundError(f"{path}: no such parquet file")
         stat = path.stat()
         files.append({"name": path.name, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns})
-    return {"version": CACHE_VERSION, "files": files, "tokenizer": tokenizer_fingerprint(tokenizer),
-            "code": code_fingerprint(), **settings}
+    return {
+        "version": CACHE_VERSION,
+        "files": files,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "code": code_fingerprint(),
+        **settings,
+    }
 
 
-def cached_packed(root: str | Path, inputs: dict[str, Any],
-                  build: Callable[[], PackedSequences]) -> tuple[PackedSequences, bool]:
+def cached_packed(
+    root: str | Path, inputs: dict[str, Any], build: Callable[[], PackedSequences]
+) -> tuple[PackedSequences, bool]:
     """The packed sequences for ``inputs`` under ``root``, built with ``build()`` by the first caller only.
 
     Returns:
@@ -97,6 +112,7 @@ def cached_packed(root: str | Path, inputs: dict[str, Any],
             with atomic_dir(entry) as temp:
                 packed.save(temp)
                 (temp / META_FILE).write_text(json.dumps(inputs, indent=1) + "\n", encoding="utf-8")
-            log.info("tokenized and packed %d sequences into %s in %.1f s", len(packed), entry,
-                     time.perf_counter() - start)
+            log.info(
+                "tokenized and packed %d sequences into %s in %.1f s", len(packed), entry, time.perf_counter() - start
+            )
     return PackedSequences.load(entry), built

@@ -73,7 +73,9 @@ def read_preset(name: str) -> dict[str, Any]:
     """
     path = presets_dir() / f"{name}.yaml"
     if not path.is_file():
-        raise ValueError(f"unknown benchmark {name!r}: {path} does not exist (available: {', '.join(available_presets())})")
+        raise ValueError(
+            f"unknown benchmark {name!r}: {path} does not exist (available: {', '.join(available_presets())})"
+        )
     values = yaml.safe_load(path.read_text()) or {}
     unknown = sorted(set(values) - set(PRESET_KEYS))
     if unknown:
@@ -83,7 +85,9 @@ def read_preset(name: str) -> dict[str, Any]:
     if values.get("task") not in TASKS:
         raise ValueError(f"{path}: field 'task' must be one of {', '.join(TASKS)}, got {values.get('task')!r}")
     if values.get("grader") not in GRADER_KINDS:
-        raise ValueError(f"{path}: field 'grader' must be one of {', '.join(GRADER_KINDS)}, got {values.get('grader')!r}")
+        raise ValueError(
+            f"{path}: field 'grader' must be one of {', '.join(GRADER_KINDS)}, got {values.get('grader')!r}"
+        )
     return values
 
 
@@ -108,7 +112,9 @@ def _records(path: Path, skipped: list[str]) -> Iterator[tuple[Where, dict[str, 
         yield from read_jsonl(path, skipped)
 
 
-def _task(name: str, index: Any, task: str, prompt: str, question: str, answer: str, grader: str, **meta: Any) -> AgentTask:
+def _task(
+    name: str, index: Any, task: str, prompt: str, question: str, answer: str, grader: str, **meta: Any
+) -> AgentTask:
     return AgentTask(id=f"{name}:{index}", task=task, prompt=prompt, question=question, answer=answer,
                      meta={"benchmark": name, "grader": grader, "problem_id": str(index), **meta})  # fmt: skip
 
@@ -119,8 +125,9 @@ def _gsm8k(where: Where, r: Mapping[str, Any], name: str, task: str, grader: str
     if "####" not in answer:
         raise where.error("field 'answer' has no '####' final answer")
     gold = answer.rsplit("####", 1)[1].strip().replace(",", "")
-    return _task(name, index, task, user_prompt(task, question), question, gold, grader,
-                 calculator_steps=answer.count("<<"))  # the reference's <<a*b=c>> annotations
+    return _task(
+        name, index, task, user_prompt(task, question), question, gold, grader, calculator_steps=answer.count("<<")
+    )  # the reference's <<a*b=c>> annotations
 
 
 def _math_jsonl(where: Where, r: Mapping[str, Any], name: str, task: str, grader: str, index: int) -> AgentTask:
@@ -160,7 +167,9 @@ def _hotpotqa(where: Where, r: Mapping[str, Any], name: str, task: str, grader: 
                  grader, level=str(r.get("level", "")))  # fmt: skip
 
 
-def _rl_record(where: Where, r: Mapping[str, Any], name: str, task: str | None, grader: str | None, index: int) -> AgentTask:
+def _rl_record(
+    where: Where, r: Mapping[str, Any], name: str, task: str | None, grader: str | None, index: int
+) -> AgentTask:
     """A record of the AFM/verl RL layout (a JSON line holds the same fields as a parquet row)."""
     row = dict(r)
     for key in ("reward_model", "extra_info", "prompt"):  # jsonl writers sometimes store these as JSON text
@@ -200,7 +209,9 @@ LOADERS: dict[str, Callable[..., AgentTask]] = {
 }
 
 
-def _load(name: str, path: Path, loader: str, task: str | None, grader: str | None) -> tuple[list[AgentTask], list[str]]:
+def _load(
+    name: str, path: Path, loader: str, task: str | None, grader: str | None
+) -> tuple[list[AgentTask], list[str]]:
     skipped: list[str] = []
     tasks: list[AgentTask] = []
     seen: set[str] = set()
@@ -232,7 +243,9 @@ def load_preset(name: str, data_dir: Path | None = None) -> Benchmark:
     if not path.is_absolute():
         path = (data_dir or shared_data_dir()) / path
     if not path.is_file():
-        raise FileNotFoundError(f"benchmark {name}: data file {path} not found (conf/eval_benchmarks/{name}.yaml: field 'path')")
+        raise FileNotFoundError(
+            f"benchmark {name}: data file {path} not found (conf/eval_benchmarks/{name}.yaml: field 'path')"
+        )
     loader = preset["loader"]
     grader = None if loader == "rl_file" and preset.get("grader") is None else preset["grader"]
     tasks, skipped = _load(name, path, loader, preset["task"], grader)

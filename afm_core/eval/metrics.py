@@ -56,7 +56,9 @@ def double_check_score(response: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def best_of(samples: Sequence[Mapping[str, Any]], n: int = 3, key: Callable[[Mapping[str, Any]], float] | None = None) -> float:
+def best_of(
+    samples: Sequence[Mapping[str, Any]], n: int = 3, key: Callable[[Mapping[str, Any]], float] | None = None
+) -> float:
     """The score of the sample picked among the first ``n`` by ``key`` (highest wins, first on ties).
 
     Default key: the ``double_check`` score (samples without one rank lowest).
@@ -99,7 +101,9 @@ def benchmark_metrics(samples: Sequence[Mapping[str, Any]], k: int, best_of_n: i
     out[f"avg@{k}_se"] = standard_error(list(per_problem.values()))
     for kk in sorted({1, k} | ({kk for kk in (2, 4, 8, 16) if kk < k})):
         out[f"pass@{kk}"] = _mean(pass_at_k(len(v), sum(s["score"] >= 1.0 for s in v), kk) for v in complete.values())
-    out[f"maj@{k}"] = _mean(majority_vote([s.get("answer_key") for s in v], [s["score"] for s in v]) for v in complete.values())
+    out[f"maj@{k}"] = _mean(
+        majority_vote([s.get("answer_key") for s in v], [s["score"] for s in v]) for v in complete.values()
+    )
     if k >= best_of_n:
         out[f"best_of_{best_of_n}"] = _mean(best_of(v, best_of_n) for v in complete.values())
     flat = [s for v in complete.values() for s in v]

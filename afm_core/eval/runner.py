@@ -43,7 +43,6 @@ log = logging.getLogger(__name__)
 _stop_requested = False
 
 
-
 def request_stop() -> None:
     """Stop taking new samples and return (signal-safe: sets a flag). The job's preemption hook."""
     global _stop_requested
@@ -60,7 +59,9 @@ def benchmark_settings(eval_cfg: Mapping[str, Any], bench: Benchmark) -> dict[st
     overrides = dict((eval_cfg.get("per_benchmark") or {}).get(bench.name) or {})
     unknown = sorted(set(overrides) - set(SAMPLING_KEYS))
     if unknown:
-        raise ValueError(f"eval.per_benchmark.{bench.name}.{unknown[0]}: unknown setting; known: {', '.join(SAMPLING_KEYS)}")
+        raise ValueError(
+            f"eval.per_benchmark.{bench.name}.{unknown[0]}: unknown setting; known: {', '.join(SAMPLING_KEYS)}"
+        )
     return {**{key: eval_cfg.get(key) for key in SAMPLING_KEYS}, **bench.settings, **overrides}
 
 
@@ -126,8 +127,11 @@ def sample_record(rollout: Rollout, grade: Grade) -> dict[str, Any]:
 
 
 def _needed_servers(benchmarks: list[Benchmark], tools_cfg: Mapping[str, Any]) -> list[str]:
-    return needed_servers({t.task for b in benchmarks for t in b.tasks},
-                          {t.meta["grader"] for b in benchmarks for t in b.tasks if t.meta.get("grader")}, tools_cfg)
+    return needed_servers(
+        {t.task for b in benchmarks for t in b.tasks},
+        {t.meta["grader"] for b in benchmarks for t in b.tasks if t.meta.get("grader")},
+        tools_cfg,
+    )
 
 
 async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: list[tuple[AgentTask, int]],
@@ -144,7 +148,9 @@ async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: l
     judge_cfg = cfg.get("judge") or {}
     graders = Graders(
         sandbox=SandboxClient(urls["sandbox"], timeout_s=float(ev["test_timeout_s"])) if "sandbox" in urls else None,
-        judge=LLMJudge(judge_cfg["url"], judge_cfg["model"], judge_cfg.get("api_key_env")) if judge_cfg.get("url") else None,
+        judge=LLMJudge(judge_cfg["url"], judge_cfg["model"], judge_cfg.get("api_key_env"))
+        if judge_cfg.get("url")
+        else None,
     )
     engine = await build_engine(cfg["engine"], hf_dir, tokenizer)
     loops: dict[str, tuple[AgentLoop, SamplingConfig]] = {}
@@ -234,7 +240,9 @@ def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     if todo:
         writer = SampleWriter(samples_path)
         try:
-            with tool_servers(cfg, _needed_servers(benchmarks, cfg["tools"]), run_dir / "logs" / "tool_servers") as urls:
+            with tool_servers(
+                cfg, _needed_servers(benchmarks, cfg["tools"]), run_dir / "logs" / "tool_servers"
+            ) as urls:
                 info = asyncio.run(_evaluate(cfg, benchmarks, todo, writer, urls))
         finally:
             writer.close()

@@ -36,7 +36,8 @@ def _positive_int(cluster: Mapping[str, Any], key: str) -> int:
     value = _field(cluster, key)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ClusterConfigError(
-            f"conf/cluster/{cluster['name']}.yaml: cluster.{key} must be a positive integer, got {value!r}")
+            f"conf/cluster/{cluster['name']}.yaml: cluster.{key} must be a positive integer, got {value!r}"
+        )
     return value
 
 
@@ -57,7 +58,8 @@ def world_size(cluster: Mapping[str, Any], parallel: Mapping[str, Any]) -> int:
     if size % model_parallel:
         raise ClusterConfigError(
             f"conf/cluster/slurm.yaml: cluster.nodes * cluster.tasks_per_node = {size} ranks is not a multiple of "
-            f"parallel.tp * parallel.pp * parallel.cp = {model_parallel}")
+            f"parallel.tp * parallel.pp * parallel.cp = {model_parallel}"
+        )
     return size
 
 
@@ -74,8 +76,9 @@ def visible_gpus() -> int:
     return len(list(gpus.iterdir())) if gpus.is_dir() else 0
 
 
-def make_executor(cluster: Mapping[str, Any], parallel: Mapping[str, Any], folder: str | Path,
-                  job_name: str) -> submitit.Executor:
+def make_executor(
+    cluster: Mapping[str, Any], parallel: Mapping[str, Any], folder: str | Path, job_name: str
+) -> submitit.Executor:
     """The executor for ``cluster``, writing submitit's pickles and the ranks' logs into ``folder``.
 
     Args:

@@ -71,8 +71,11 @@ def wait_streaming(job: submitit.Job[Any], poll_s: float = 0.5) -> Any:
             if first_done_at is None and any(t.paths.result_pickle.exists() for t in tasks):
                 first_done_at = time.monotonic()
             if not cancelled and first_done_at is not None and time.monotonic() - first_done_at > STUCK_AFTER_S:
-                print(f"[afm] a rank of job {job.job_id} finished {STUCK_AFTER_S:.0f} s ago but others still run "
-                      "(stuck in a collective?): cancelling the job", file=sys.stderr)
+                print(
+                    f"[afm] a rank of job {job.job_id} finished {STUCK_AFTER_S:.0f} s ago but others still run "
+                    "(stuck in a collective?): cancelling the job",
+                    file=sys.stderr,
+                )
                 job.cancel()
                 cancelled = True
             time.sleep(poll_s)

@@ -89,8 +89,9 @@ def job_placement(world_size: int, master_addr: str, master_port: int) -> dict[s
     if env.cluster == "slurm":
         nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
         nodes = _parse_node_list(nodelist)  # the step's nodes: fewer than the job's with srun -N
-        counts = parse_tasks_per_node(os.environ.get("SLURM_STEP_TASKS_PER_NODE")
-                                      or os.environ.get("SLURM_TASKS_PER_NODE", str(world_size)))
+        counts = parse_tasks_per_node(
+            os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE", str(world_size))
+        )
         distribution = os.environ.get("SLURM_STEP_DISTRIBUTION") or os.environ.get("SLURM_DISTRIBUTION", "block")
         per_rank = rank_nodes(nodes, counts, distribution)
     else:
@@ -111,9 +112,13 @@ def job_placement(world_size: int, master_addr: str, master_port: int) -> dict[s
 def describe(placement: dict[str, Any]) -> list[str]:
     """Log lines for rank 0: the rendezvous and world size, then one line per node with its ranks."""
     nodes = placement["nodes"]
-    lines = [(f"[afm] job {placement['job_id']}: world size {placement['world_size']} on {len(nodes)} node(s) "
-              f"{placement['nodelist']}; MASTER_ADDR={placement['master_addr']} "
-              f"MASTER_PORT={placement['master_port']}")]
+    lines = [
+        (
+            f"[afm] job {placement['job_id']}: world size {placement['world_size']} on {len(nodes)} node(s) "
+            f"{placement['nodelist']}; MASTER_ADDR={placement['master_addr']} "
+            f"MASTER_PORT={placement['master_port']}"
+        )
+    ]
     lines += [f"[afm]   {node}: rank(s) {compress_ranks(placement['ranks'][node])}" for node in nodes]
     return lines
 
@@ -123,6 +128,8 @@ def check_own_rank(placement: dict[str, Any], rank: int, local_rank: int) -> str
     node = this_node()
     planned = next((n for n, ranks in placement["ranks"].items() if rank in ranks), None)
     if planned not in (None, node):
-        return (f"[afm] warning: rank {rank} runs on {node}, but the placement from Slurm's task layout puts it on "
-                f"{planned} (job.json's map is wrong for this job)")
+        return (
+            f"[afm] warning: rank {rank} runs on {node}, but the placement from Slurm's task layout puts it on "
+            f"{planned} (job.json's map is wrong for this job)"
+        )
     return f"[afm] rank {rank}/{placement['world_size']} on {node} (local rank {local_rank})"

@@ -146,9 +146,15 @@ class RequeueableJob(submitit.helpers.Checkpointable):
         if rank0:
             print("\n".join(describe(placement)), flush=True)
             record_start(self.log_dir, placement)
-            append_event(self.log_dir, "start", job_id=placement["job_id"], host=socket.gethostname(),
-                         world_size=dist.world_size, nodelist=placement["nodelist"],
-                         master_addr=placement["master_addr"])
+            append_event(
+                self.log_dir,
+                "start",
+                job_id=placement["job_id"],
+                host=socket.gethostname(),
+                world_size=dist.world_size,
+                nodelist=placement["nodelist"],
+                master_addr=placement["master_addr"],
+            )
         try:
             summary = get_method(self.fn)(OmegaConf.create(self.cfg))
         except Exception as err:
@@ -169,7 +175,8 @@ class RequeueableJob(submitit.helpers.Checkpointable):
             append_event(self.log_dir, "failed", error=str(err), step=summary.get("step"))
             raise
         except SystemExit:
-            append_event(self.log_dir, "requeued", reason=reason, step=summary.get("step"),
-                         signal_time=relay.received_at)
+            append_event(
+                self.log_dir, "requeued", reason=reason, step=summary.get("step"), signal_time=relay.received_at
+            )
             raise
         raise RuntimeError("submitit's handler returned after a requeue; it should have exited")

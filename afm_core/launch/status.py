@@ -22,8 +22,17 @@ from afm_core.launch.records import current_start, read_events, read_job_record
 from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
 from afm_core.train.metrics import read_metrics
 
-TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL",
-                   "DEADLINE", "STOPPED"}
+TERMINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "OUT_OF_MEMORY",
+    "NODE_FAIL",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "STOPPED",
+}
 
 
 @dataclass
@@ -56,8 +65,9 @@ def find_runs(path: str | Path) -> list[Path]:
     A ``job.json`` without ``cluster`` holds only a job's ``start`` (the submitter has not written yet): skipped.
     """
     path = Path(path)
-    candidates = [path] if (path / "logs" / "job.json").is_file() else \
-        [p.parent.parent for p in path.glob("**/logs/job.json")]
+    candidates = (
+        [path] if (path / "logs" / "job.json").is_file() else [p.parent.parent for p in path.glob("**/logs/job.json")]
+    )
     submitted = {}
     for run in candidates:
         record = read_job_record(run / "logs") or {}
@@ -139,14 +149,20 @@ def run_status(run_dir: Path, slurm: dict[str, str]) -> RunStatus:
     evals = [r for r in metrics if r.get("split") == "eval"]
     checkpoint = latest_complete_checkpoint(run_dir / "checkpoints")
     return RunStatus(
-        run_dir=run_dir, cluster=record["cluster"], job_id=record["job_id"], state=state,
-        step=train[-1]["step"] if train else None, max_steps=_max_steps(run_dir),
+        run_dir=run_dir,
+        cluster=record["cluster"],
+        job_id=record["job_id"],
+        state=state,
+        step=train[-1]["step"] if train else None,
+        max_steps=_max_steps(run_dir),
         train_loss=train[-1].get("loss") if train else None,
-        eval_loss=evals[-1].get("loss") if evals else None, eval_step=evals[-1]["step"] if evals else None,
+        eval_loss=evals[-1].get("loss") if evals else None,
+        eval_step=evals[-1]["step"] if evals else None,
         checkpoint=checkpoint.name if checkpoint else None,
         restarts=max(0, sum(e["event"] == "start" for e in events) - 1),
         nodes=(current_start(record) or {}).get("nodelist"),
-        stdout=Path(record["stdout"]), stderr=Path(record["stderr"]),
+        stdout=Path(record["stdout"]),
+        stderr=Path(record["stderr"]),
     )
 
 

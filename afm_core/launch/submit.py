@@ -59,9 +59,11 @@ def submit(fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str) -> dict[
         print(f"[afm] {job_name}: {ranks} rank(s) on this machine (job {submitted.job_id}); run dir {run_dir}")
     else:
         where = f" on partition {cluster['partition']}" if cluster.get("partition") else ""
-        print(f"Submitted Slurm job {submitted.job_id} ({job_name}, {ranks} rank(s){where})\n"
-              f"  follow: python -m jobs.status {run_dir} --follow\n"
-              f"  log:    {submitted.paths.stdout}")
+        print(
+            f"Submitted Slurm job {submitted.job_id} ({job_name}, {ranks} rank(s){where})\n"
+            f"  follow: python -m jobs.status {run_dir} --follow\n"
+            f"  log:    {submitted.paths.stdout}"
+        )
     if not cluster.get("wait"):
         return None
     return wait_streaming(submitted)

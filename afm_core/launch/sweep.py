@@ -61,7 +61,8 @@ def add_member(member: ArrayMember) -> None:
     if _members and _resources(member) != _resources(_members[0]):
         raise ClusterConfigError(
             "the sweep changes cluster.* or the number of ranks between members; one job array needs one "
-            "resource request: sweep those values in separate runs")
+            "resource request: sweep those values in separate runs"
+        )
     _members.append(member)
 
 
@@ -96,13 +97,16 @@ class SlurmArraySweep(Callback):
         try:
             jobs = submit_array(members, sweep_dir)
         except Exception as err:  # Hydra turns callback exceptions into warnings: fail the command instead
-            print(f"error: submitting the sweep as a Slurm job array failed: {type(err).__name__}: {err}",
-                  file=sys.stderr)
+            print(
+                f"error: submitting the sweep as a Slurm job array failed: {type(err).__name__}: {err}", file=sys.stderr
+            )
             raise SystemExit(1) from err
         array_id = str(jobs[0].job_id).split("_")[0]
         cluster = members[0].job.cfg["cluster"]
-        print(f"Submitted Slurm job array {array_id}: {len(jobs)} members, at most {cluster['array_parallelism']} "
-              f"at once, {members[0].world_size} rank(s) each")
+        print(
+            f"Submitted Slurm job array {array_id}: {len(jobs)} members, at most {cluster['array_parallelism']} "
+            f"at once, {members[0].world_size} rank(s) each"
+        )
         for member, job in zip(members, jobs):
             print(f"  {job.job_id}  {member.run_dir}")
         print(f"  follow: python -m jobs.status {sweep_dir} --follow\n  logs:   {sweep_dir / 'logs'}")

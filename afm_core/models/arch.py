@@ -150,5 +150,7 @@ def hf_config_from_arch(arch: ModelArch, **extra: Any):
     if arch.family == "qwen2":
         return Qwen2Config(**common)
     if arch.qkv_bias:
-        raise NotImplementedError("a llama arch with qkv_bias=True has no HF equivalent (attention_bias also biases o_proj)")
+        raise NotImplementedError(
+            "a llama arch with qkv_bias=True has no HF equivalent (attention_bias also biases o_proj)"
+        )
     return LlamaConfig(head_dim=arch.head_dim, attention_bias=False, mlp_bias=False, **common)

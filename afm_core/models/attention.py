@@ -48,9 +48,17 @@ class SDPAttention(MegatronModule):
             the ``t`` tokens of the micro batch.
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection: ProcessGroupCollection | None = None):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: ProcessGroupCollection | None = None,
+    ):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise NotImplementedError("context parallelism needs transformer-engine attention (TE layer spec)")
@@ -74,17 +82,28 @@ class SDPAttention(MegatronModule):
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``[b, np, sq, hn]`` attention of ``q`` over ``k``/``v`` ``[b, ng, sk, hn]``; causal when ``mask`` is None."""
         dropout = self.dropout_p if self.training else 0.0
-        kwargs = {"attn_mask": mask, "is_causal": mask is None, "dropout_p": dropout, "scale": self.softmax_scale,
-                  "enable_gqa": self.num_heads != self.num_groups}
+        kwargs = {
+            "attn_mask": mask,
+            "is_causal": mask is None,
+            "dropout_p": dropout,
+            "scale": self.softmax_scale,
+            "enable_gqa": self.num_heads != self.num_groups,
+        }
         if dropout and not self.config.sequence_parallel:
             with tensor_parallel.get_cuda_rng_tracker().fork():  # as Megatron's DotProductAttention
                 return F.scaled_dot_product_attention(q, k, v, **kwargs)
         return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
-    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
-                attention_bias: torch.Tensor | None = None,
-                packed_seq_params: PackedSeqParams | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
         if attention_bias is not None:
             raise NotImplementedError("attention_bias is not supported by SDPAttention")
         if packed_seq_params is not None:
@@ -101,19 +120,23 @@ class SDPAttention(MegatronModule):
         s, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def _forward_thd(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     params: PackedSeqParams) -> torch.Tensor:
+    def _forward_thd(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams
+    ) -> torch.Tensor:
         if params.qkv_format != "thd":
             raise ValueError(f"SDPAttention reads packed_seq_params in the 'thd' format, got {params.qkv_format!r}")
         t = query.shape[0]
-        offsets = (params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None
-                   else params.cu_seqlens_q).tolist()
+        offsets = (
+            params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        ).tolist()
         if offsets[0] != 0 or offsets[-1] != t:
-            raise ValueError(f"cu_seqlens must run from 0 to the {t} tokens of the micro batch, got "
-                             f"{offsets[0]}..{offsets[-1]}")
+            raise ValueError(
+                f"cu_seqlens must run from 0 to the {t} tokens of the micro batch, got {offsets[0]}..{offsets[-1]}"
+            )
         # [t, n, hn] -> [1, n, t, hn]; each document is a causal attention of its own
         q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
-        outs = [self._sdpa(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None)
-                for a, e in itertools.pairwise(offsets) if e > a]
+        outs = [
+            self._sdpa(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None) for a, e in itertools.pairwise(offsets) if e > a
+        ]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, np, t, hn]
         return out.squeeze(0).permute(1, 0, 2).reshape(t, -1)

@@ -243,16 +243,26 @@ class _GPTModel(GPTModel):
     parent's ``_postprocess`` runs unchanged.
     """
 
-    def _postprocess(self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None,
-                     **kwargs: Any) -> torch.Tensor:
-        if (labels is None or not self.post_process or kwargs.get("mtp_in_postprocess")
-                or self.config.mtp_num_layers is not None or kwargs.get("inference_context") is not None
-                or self.config.cross_entropy_loss_fusion or self.pg_collection.tp.size() > 1):
+    def _postprocess(
+        self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any
+    ) -> torch.Tensor:
+        if (
+            labels is None
+            or not self.post_process
+            or kwargs.get("mtp_in_postprocess")
+            or self.config.mtp_num_layers is not None
+            or kwargs.get("inference_context") is not None
+            or self.config.cross_entropy_loss_fusion
+            or self.pg_collection.tp.size() > 1
+        ):
             return super()._postprocess(hidden_states=hidden_states, labels=labels, **kwargs)
         from afm_core.train.loss import linear_cross_entropy
 
-        weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
-                  else self.output_layer.weight)
+        weight = (
+            self.shared_embedding_or_output_weight()
+            if self.share_embeddings_and_output_weights
+            else self.output_layer.weight
+        )
         s, b, h = hidden_states.shape
         loss = linear_cross_entropy(hidden_states.reshape(s * b, h), weight, labels.transpose(0, 1).reshape(s * b))
         return loss.view(s, b).transpose(0, 1).contiguous()  # [b, s]

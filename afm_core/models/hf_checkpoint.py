@@ -109,9 +109,13 @@ def validate_hf_dir(path: str | os.PathLike, *, field: str) -> Path:
             raise PresetError(f"{field}={str(path)!r}: {index.name} has no valid weight_map ({exc!r})") from None
         missing = sorted(s for s in shards if not (root / s).is_file())
         if missing:
-            raise PresetError(f"{field}={str(path)!r}: shard(s) listed in {index.name} are missing: {', '.join(missing)}")
+            raise PresetError(
+                f"{field}={str(path)!r}: shard(s) listed in {index.name} are missing: {', '.join(missing)}"
+            )
     elif not any(root.glob("*.safetensors")):
-        raise PresetError(f"{field}={str(path)!r}: no *.safetensors weights (only safetensors checkpoints are supported)")
+        raise PresetError(
+            f"{field}={str(path)!r}: no *.safetensors weights (only safetensors checkpoints are supported)"
+        )
     if not any((root / f).is_file() for f in _TOKENIZER_FILES):
         raise PresetError(f"{field}={str(path)!r}: no tokenizer (expected one of {', '.join(_TOKENIZER_FILES)})")
     return root

@@ -28,7 +28,12 @@ SOURCES = ("gguf_package", "random", "hf_path")
 PRESET_FIELDS = ("name", "source", "hf_path", *ARCH_FIELDS)
 
 _INT_FIELDS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size",
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "vocab_size",
     "max_position_embeddings",
 )
 _FLOAT_FIELDS = ("rope_theta", "norm_epsilon")
@@ -64,7 +69,9 @@ def preset_path(name: str) -> Path:
     """
     path = presets_dir() / f"{name}.yaml"
     if not path.is_file():
-        raise PresetError(f"unknown model preset {name!r}: {path} does not exist (available: {', '.join(available_presets())})")
+        raise PresetError(
+            f"unknown model preset {name!r}: {path} does not exist (available: {', '.join(available_presets())})"
+        )
     return path
 
 
@@ -114,7 +121,9 @@ def _to_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
 def _validate(values: dict[str, Any], where, origin: str) -> ModelPreset:
     missing = [f for f in PRESET_FIELDS if f not in values]
     if missing:
-        raise PresetError(f"{origin}: missing field(s) {', '.join(missing)} (every preset has: {', '.join(PRESET_FIELDS)})")
+        raise PresetError(
+            f"{origin}: missing field(s) {', '.join(missing)} (every preset has: {', '.join(PRESET_FIELDS)})"
+        )
     unknown = [f for f in values if f not in PRESET_FIELDS]
     if unknown:
         raise PresetError(f"{where(unknown[0])}: unknown field (preset fields: {', '.join(PRESET_FIELDS)})")

@@ -63,7 +63,9 @@ class CodeTests:
     def __post_init__(self) -> None:
         if self.kind == "stdio":
             if not self.inputs or len(self.inputs) != len(self.outputs):
-                raise BadTestsError(f"stdio tests need as many inputs as outputs, got {len(self.inputs)} and {len(self.outputs)}")
+                raise BadTestsError(
+                    f"stdio tests need as many inputs as outputs, got {len(self.inputs)} and {len(self.outputs)}"
+                )
         elif self.kind == "assert":
             if not self.test_code.strip():
                 raise BadTestsError("assert tests need non-empty test code")
@@ -104,8 +106,10 @@ def code_tests_from_ground_truth(ground_truth: Any) -> CodeTests:
             if not isinstance(inputs, list) or not isinstance(outputs, list):
                 raise BadTestsError(f"ground_truth fields {ins!r} and {outs!r} must both be lists")
             return CodeTests("stdio", tuple(map(str, inputs)), tuple(map(str, outputs)))
-    raise BadTestsError(f"ground_truth has no tests (keys: {sorted(ground_truth)}; expected stdin/expected_output, "
-                        "inputs/outputs or functional)")
+    raise BadTestsError(
+        f"ground_truth has no tests (keys: {sorted(ground_truth)}; expected stdin/expected_output, "
+        "inputs/outputs or functional)"
+    )
 
 
 def humaneval_tests(record: Mapping[str, Any]) -> CodeTests:

@@ -51,7 +51,9 @@ class Graders:
     sandbox: SandboxClient | None = None
     judge: LLMJudge | None = None
 
-    async def grade(self, kind: str, response: str, *, gold: str, question: str = "", meta: dict[str, Any] | None = None) -> Grade:
+    async def grade(
+        self, kind: str, response: str, *, gold: str, question: str = "", meta: dict[str, Any] | None = None
+    ) -> Grade:
         """Grade ``response`` with grader ``kind`` (one of :data:`GRADER_KINDS`).
 
         Raises:

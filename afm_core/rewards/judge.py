@@ -90,7 +90,10 @@ class LLMJudge:
             "model": self.model,
             "messages": [
                 {"role": "system", "content": JUDGE_SYSTEM},
-                {"role": "user", "content": JUDGE_PROMPT.format(question=question, gt_answer=gold, pred_answer=prediction)},
+                {
+                    "role": "user",
+                    "content": JUDGE_PROMPT.format(question=question, gt_answer=gold, pred_answer=prediction),
+                },
             ],
             "temperature": self.temperature,
         }
@@ -98,7 +101,9 @@ class LLMJudge:
         for attempt in range(self.attempts):
             try:
                 async with self._session.post(
-                    f"{self.url.rstrip('/')}/chat/completions", json=body, headers=headers,
+                    f"{self.url.rstrip('/')}/chat/completions",
+                    json=body,
+                    headers=headers,
                     timeout=aiohttp.ClientTimeout(total=self.timeout_s),
                 ) as resp:
                     resp.raise_for_status()

@@ -79,4 +79,6 @@ def grade_math(response: str, gold: str) -> Grade:
             answer = "\\boxed{" + _strip_boxed(response) + "}"
         else:
             return Grade(0.0, "no_answer")
-    return Grade(1.0, "correct") if math_equal(answer, gold) else Grade(0.0, "wrong", extra={"prediction": answer[:200]})
+    return (
+        Grade(1.0, "correct") if math_equal(answer, gold) else Grade(0.0, "wrong", extra={"prediction": answer[:200]})
+    )

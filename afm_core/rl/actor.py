@@ -29,8 +29,9 @@ from afm_core.rl.losses import PolicyLossConfig, policy_loss
 STATS_KEY = "policy"
 
 
-def megatron_policy_loss(batch: dict[str, torch.Tensor], config: PolicyLossConfig, temperature: float,
-                         logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+def megatron_policy_loss(
+    batch: dict[str, torch.Tensor], config: PolicyLossConfig, temperature: float, logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """Megatron ``loss_func`` (3-tuple, per-token-loss mode) of one micro batch.
 
     Args:
@@ -41,19 +42,27 @@ def megatron_policy_loss(batch: dict[str, torch.Tensor], config: PolicyLossConfi
     Returns:
         ``(masked loss sum, valid tokens (int), {"policy": additive stats})``.
     """
-    log_prob, entropy = vocab_parallel_logprobs(logits, batch["labels"], temperature=temperature,
-                                                with_entropy=True, entropy_grad=config.entropy_coeff > 0)
+    log_prob, entropy = vocab_parallel_logprobs(
+        logits, batch["labels"], temperature=temperature, with_entropy=True, entropy_grad=config.entropy_coeff > 0
+    )
     loss_sum, stats = policy_loss(
-        log_prob, batch["old_log_prob"], batch["advantages"], batch["response_mask"], global_num_tokens=1,
-        config=config, ref_log_prob=batch.get("ref_log_prob"), rollout_log_prob=batch.get("rollout_log_prob"),
+        log_prob,
+        batch["old_log_prob"],
+        batch["advantages"],
+        batch["response_mask"],
+        global_num_tokens=1,
+        config=config,
+        ref_log_prob=batch.get("ref_log_prob"),
+        rollout_log_prob=batch.get("rollout_log_prob"),
         entropy=entropy,
     )
     num_tokens = batch["response_mask"].to(torch.bool).sum().to(torch.int)
     return loss_sum, num_tokens, {STATS_KEY: stats}
 
 
-def policy_forward_step(config: PolicyLossConfig, *, temperature: float = 1.0
-                        ) -> Callable[[Iterator[dict[str, torch.Tensor]], torch.nn.Module], tuple[torch.Tensor, Any]]:
+def policy_forward_step(
+    config: PolicyLossConfig, *, temperature: float = 1.0
+) -> Callable[[Iterator[dict[str, torch.Tensor]], torch.nn.Module], tuple[torch.Tensor, Any]]:
     """A megatron ``forward_step_func``: next micro batch -> (logits, loss_func) with :func:`megatron_policy_loss`."""
 
     def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):

@@ -28,8 +28,13 @@ def group_index(group_ids: Sequence[Hashable] | torch.Tensor) -> tuple[torch.Ten
     return torch.tensor(index, dtype=torch.long), len(dense)
 
 
-def grpo_advantages(rewards: torch.Tensor, group_ids: Sequence[Hashable] | torch.Tensor, *,
-                    norm_by_std: bool = True, eps: float = GRPO_EPS) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_ids: Sequence[Hashable] | torch.Tensor,
+    *,
+    norm_by_std: bool = True,
+    eps: float = GRPO_EPS,
+) -> torch.Tensor:
     """GRPO outcome advantages: each reward normalised within its prompt's group of samples.
 
     ``A_i = (r_i - mean(r_g)) / (std(r_g) + eps)`` for sample ``i`` of group ``g`` (DeepSeekMath, arXiv
@@ -74,7 +79,9 @@ def broadcast_to_tokens(advantages: torch.Tensor, response_mask: torch.Tensor) -
         ``[N, T]`` float32 (verl ``scores.unsqueeze(-1) * response_mask``).
     """
     if advantages.shape != response_mask.shape[:1]:
-        raise ValueError(f"advantages {tuple(advantages.shape)} do not match response_mask {tuple(response_mask.shape)}")
+        raise ValueError(
+            f"advantages {tuple(advantages.shape)} do not match response_mask {tuple(response_mask.shape)}"
+        )
     mask = response_mask.to(torch.bool)
     return torch.where(mask, advantages.to(torch.float32).unsqueeze(-1), torch.zeros((), dtype=torch.float32))
 
@@ -92,9 +99,15 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -
     return torch.where(keep, whitened, torch.zeros((), dtype=torch.float64)).to(values.dtype)
 
 
-def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, *,
-                   gamma: float = 1.0, lam: float = 1.0, whiten: bool = True
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized advantage estimation for PPO with a critic, skipping observation tokens.
 
     Backwards over positions ``t`` with response tokens only: ``delta_t = r_t + gamma * V_next - V_t``,
@@ -115,8 +128,10 @@ def gae_advantages(token_rewards: torch.Tensor, values: torch.Tensor, response_m
         ``(advantages [N, T], returns [N, T])`` float32, both 0 where the mask is 0.
     """
     if not (token_rewards.shape == values.shape == response_mask.shape) or token_rewards.dim() != 2:
-        raise ValueError(f"token_rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and "
-                         f"response_mask {tuple(response_mask.shape)} must all be the same [N, T]")
+        raise ValueError(
+            f"token_rewards {tuple(token_rewards.shape)}, values {tuple(values.shape)} and "
+            f"response_mask {tuple(response_mask.shape)} must all be the same [N, T]"
+        )
     with torch.no_grad():
         mask = response_mask.to(torch.float64)
         rewards, vals = token_rewards.to(torch.float64), values.to(torch.float64)

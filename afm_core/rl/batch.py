@@ -18,10 +18,15 @@ import torch
 MICRO_BATCH_KEYS = ("tokens", "labels", "position_ids", "response_mask")
 
 
-def rollout_micro_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                        response_masks: Sequence[Sequence[int]], *, seq_length: int | None = None,
-                        pad_token_id: int = 0,
-                        per_token: Mapping[str, Sequence[Sequence[float]]] | None = None) -> dict[str, torch.Tensor]:
+def rollout_micro_batch(
+    prompts: Sequence[Sequence[int]],
+    responses: Sequence[Sequence[int]],
+    response_masks: Sequence[Sequence[int]],
+    *,
+    seq_length: int | None = None,
+    pad_token_id: int = 0,
+    per_token: Mapping[str, Sequence[Sequence[float]]] | None = None,
+) -> dict[str, torch.Tensor]:
     """Pad ``b`` trajectories into one micro batch.
 
     Args:
@@ -48,8 +53,10 @@ def rollout_micro_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Se
     extra = {key: torch.zeros(b, S + 1, dtype=torch.float32) for key in per_token}
     for i, (prompt, response, rmask) in enumerate(zip(prompts, responses, response_masks)):
         if not prompt or not response:
-            raise ValueError(f"trajectory {i}: empty prompt or response (the first response token is predicted "
-                             "from the last prompt token)")
+            raise ValueError(
+                f"trajectory {i}: empty prompt or response (the first response token is predicted "
+                "from the last prompt token)"
+            )
         if len(rmask) != len(response):
             raise ValueError(f"trajectory {i}: response_mask has {len(rmask)} entries for {len(response)} tokens")
         if lengths[i] > S:
@@ -59,8 +66,10 @@ def rollout_micro_batch(prompts: Sequence[Sequence[int]], responses: Sequence[Se
         mask[i, p : lengths[i]] = torch.tensor(rmask, dtype=torch.float32)
         for key, values in per_token.items():
             if len(values[i]) != len(response):
-                raise ValueError(f"trajectory {i}: per_token[{key!r}] has {len(values[i])} values for "
-                                 f"{len(response)} response tokens")
+                raise ValueError(
+                    f"trajectory {i}: per_token[{key!r}] has {len(values[i])} values for "
+                    f"{len(response)} response tokens"
+                )
             extra[key][i, p : lengths[i]] = torch.tensor(values[i], dtype=torch.float32)
     # shift to targets: position t predicts token t + 1
     batch = {

@@ -137,8 +137,11 @@ class PromptStream:
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         if int(state["num_prompts"]) != self.num_prompts:
-            log.warning("the RL data changed since the checkpoint (%s -> %s prompts): the position is kept",
-                        state["num_prompts"], self.num_prompts)
+            log.warning(
+                "the RL data changed since the checkpoint (%s -> %s prompts): the position is kept",
+                state["num_prompts"],
+                self.num_prompts,
+            )
         self.epoch, self.offset, self._order = int(state["epoch"]), int(state["offset"]), None
 
 
@@ -169,8 +172,12 @@ def load_prompts(data_cfg: Mapping[str, Any], tokenizer: Any) -> list[Any]:
     max_len = int(data_cfg["max_prompt_len"])
     kept = [t for t in tasks if len(encode_prompt(tokenizer, t.prompt, t.system)) <= max_len]
     if len(kept) < len(tasks):
-        log.warning("RL data: %d of %d prompts are longer than data.max_prompt_len=%d tokens and were dropped",
-                    len(tasks) - len(kept), len(tasks), max_len)
+        log.warning(
+            "RL data: %d of %d prompts are longer than data.max_prompt_len=%d tokens and were dropped",
+            len(tasks) - len(kept),
+            len(tasks),
+            max_len,
+        )
     if not kept:
         raise ValueError(f"no RL prompt fits data.max_prompt_len={max_len}")
     return kept
@@ -211,8 +218,9 @@ def shaped_reward(score: float, fmt: float, length: int, reward_cfg: Mapping[str
     buffer = int(reward_cfg.get("overlong_buffer_len") or 0)
     if buffer > 0:
         buffer = min(buffer, max_len)
-        penalty = overlong_penalty(torch.tensor([length]), max_len, buffer,
-                                   factor=float(reward_cfg.get("overlong_penalty_factor", 1.0)))
+        penalty = overlong_penalty(
+            torch.tensor([length]), max_len, buffer, factor=float(reward_cfg.get("overlong_penalty_factor", 1.0))
+        )
         reward += float(penalty[0])
     return reward
 
@@ -222,16 +230,26 @@ async def grade_rollout(graders: Any, rollout: Any, uid: str, reward_cfg: Mappin
     from afm_core.rewards import grade_format
 
     task = rollout.task
-    grade = await graders.grade(task.meta["grader"], rollout.response_text, gold=task.answer,
-                                question=task.question, meta=task.meta)
+    grade = await graders.grade(
+        task.meta["grader"], rollout.response_text, gold=task.answer, question=task.question, meta=task.meta
+    )
     fmt = grade_format(rollout.response_text).score
     reward = shaped_reward(grade.score, fmt, len(rollout.response_ids), reward_cfg, max_len)
-    return Sample(uid=uid, task_id=task.id, prompt_ids=list(rollout.prompt_ids),
-                  response_ids=list(rollout.response_ids), response_mask=list(rollout.response_mask),
-                  logprobs=list(rollout.logprobs), score=float(grade.score), format=float(fmt), reward=reward,
-                  finish_reason=rollout.finish_reason.value,
-                  tool_calls=[(c.name, c.error) for c in rollout.tool_calls], seconds=rollout.seconds,
-                  tool_seconds=sum(c.seconds for c in rollout.tool_calls))
+    return Sample(
+        uid=uid,
+        task_id=task.id,
+        prompt_ids=list(rollout.prompt_ids),
+        response_ids=list(rollout.response_ids),
+        response_mask=list(rollout.response_mask),
+        logprobs=list(rollout.logprobs),
+        score=float(grade.score),
+        format=float(fmt),
+        reward=reward,
+        finish_reason=rollout.finish_reason.value,
+        tool_calls=[(c.name, c.error) for c in rollout.tool_calls],
+        seconds=rollout.seconds,
+        tool_seconds=sum(c.seconds for c in rollout.tool_calls),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -249,8 +267,15 @@ class RolloutActor:
         engine: an already started :class:`~afm_core.rollout.engine.GenerationEngine` to use instead of vLLM.
     """
 
-    def __init__(self, cfg: Mapping[str, Any], hf_dir: Path, tokenizer: Any, urls: Mapping[str, str],
-                 max_model_len: int, engine: Any = None):
+    def __init__(
+        self,
+        cfg: Mapping[str, Any],
+        hf_dir: Path,
+        tokenizer: Any,
+        urls: Mapping[str, str],
+        max_model_len: int,
+        engine: Any = None,
+    ):
         from afm_core.rewards import Graders, LLMJudge, SandboxClient
         from afm_core.tools.job_servers import reachable_tools_cfg
         from afm_core.tools.registry import build_tool_pool
@@ -262,7 +287,8 @@ class RolloutActor:
         judge = cfg.get("judge") or {}
         self.graders = Graders(
             sandbox=SandboxClient(urls["sandbox"], timeout_s=float(cfg["reward"]["test_timeout_s"]))
-            if "sandbox" in urls else None,
+            if "sandbox" in urls
+            else None,
             judge=LLMJudge(judge["url"], judge["model"], judge.get("api_key_env")) if judge.get("url") else None,
         )
         self.engine = engine
@@ -279,8 +305,11 @@ class RolloutActor:
         argument fixed at construction; each stage then caps every request at its own ``max_response_len``)."""
         from afm_core.rollout.factory import build_engine
 
-        engine_cfg = {**self.cfg["engine"], "max_model_len": int(max_model_len),
-                      "worker_extension_cls": "afm_core.rl.weight_sync.WeightSyncExtension"}
+        engine_cfg = {
+            **self.cfg["engine"],
+            "max_model_len": int(max_model_len),
+            "worker_extension_cls": "afm_core.rl.weight_sync.WeightSyncExtension",
+        }
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         self.engine = self.run(build_engine(engine_cfg, self.hf_dir, self.tokenizer))
         set_num_threads(threads)  # vLLM may patch torch's thread setter; the trainer keeps its threads
@@ -291,10 +320,18 @@ class RolloutActor:
         from afm_core.rollout.agent_loop import sample_seed
 
         r = self.cfg["rollout"]
-        agent = AgentConfig(max_turns=int(r["max_turns"]), max_tool_calls=int(r["max_tool_calls"]),
-                            max_response_tokens=stage.max_response_len, timeout_s=r.get("timeout_s"))
-        sampling = SamplingConfig(temperature=float(r["temperature"]), top_p=float(r["top_p"]),
-                                  top_k=int(r.get("top_k", -1)), max_tokens=stage.max_response_len)
+        agent = AgentConfig(
+            max_turns=int(r["max_turns"]),
+            max_tool_calls=int(r["max_tool_calls"]),
+            max_response_tokens=stage.max_response_len,
+            timeout_s=r.get("timeout_s"),
+        )
+        sampling = SamplingConfig(
+            temperature=float(r["temperature"]),
+            top_p=float(r["top_p"]),
+            top_k=int(r.get("top_k", -1)),
+            max_tokens=stage.max_response_len,
+        )
         loop = AgentLoop(self.engine, self.tokenizer, self.pool, agent, sampling)
         reward_cfg = self.cfg["reward"]
 
@@ -352,28 +389,46 @@ class RLProgress:
 def _trainer_cfg(cfg: Mapping[str, Any], dp: int) -> DictConfig:
     """The ``trainer`` / ``optim`` / ``parallel`` view the SFT trainer's constructor reads."""
     t = cfg["trainer"]
-    return OmegaConf.create({
-        "trainer": {"seq_length": 1, "micro_batch_size": int(t["micro_batch_size"]),
-                    "global_batch_size": int(t["micro_batch_size"]) * dp, "keep_last": int(t["keep_last"]),
-                    "grad_clip": float(t["grad_clip"])},
-        "optim": dict(cfg["optim"]),
-        "parallel": dict(cfg["parallel"]),
-    })
+    return OmegaConf.create(
+        {
+            "trainer": {
+                "seq_length": 1,
+                "micro_batch_size": int(t["micro_batch_size"]),
+                "global_batch_size": int(t["micro_batch_size"]) * dp,
+                "keep_last": int(t["keep_last"]),
+                "grad_clip": float(t["grad_clip"]),
+            },
+            "optim": dict(cfg["optim"]),
+            "parallel": dict(cfg["parallel"]),
+        }
+    )
 
 
-def build_policy_trainer(cfg: Mapping[str, Any], layout: Any, chunks: list[torch.nn.Module], run_dir: Path,
-                         max_optimizer_steps: int) -> Any:
+def build_policy_trainer(
+    cfg: Mapping[str, Any], layout: Any, chunks: list[torch.nn.Module], run_dir: Path, max_optimizer_steps: int
+) -> Any:
     """:class:`afm_core.train.trainer.SFTTrainer` on the policy chunks (the one trainer core: Megatron DDP with
     per-token loss, AdamW + schedule, checkpointer, the USR2 flags); the RL loop drives it step by step."""
     from afm_core.train.trainer import SFTTrainer
 
-    return SFTTrainer(_trainer_cfg(cfg, layout.dp), layout, chunks, train_data=None,  # type: ignore[arg-type]  # train_step gets its batches from the driver
-                      eval_batches=[],
-                      run_dir=run_dir, max_steps=max_optimizer_steps)
+    return SFTTrainer(
+        _trainer_cfg(cfg, layout.dp),
+        layout,
+        chunks,
+        train_data=None,  # type: ignore[arg-type]  # train_step gets its batches from the driver
+        eval_batches=[],
+        run_dir=run_dir,
+        max_steps=max_optimizer_steps,
+    )
 
 
-def _micro_batches(samples: Sequence[Sample], mbs: int, seq_length: int, pad_id: int,
-                   extra: Mapping[str, Sequence[Sequence[float]]] | None = None) -> list[dict[str, torch.Tensor]]:
+def _micro_batches(
+    samples: Sequence[Sample],
+    mbs: int,
+    seq_length: int,
+    pad_id: int,
+    extra: Mapping[str, Sequence[Sequence[float]]] | None = None,
+) -> list[dict[str, torch.Tensor]]:
     from afm_core.rl.batch import rollout_micro_batch
 
     out = []
@@ -382,14 +437,27 @@ def _micro_batches(samples: Sequence[Sample], mbs: int, seq_length: int, pad_id:
         per_token: dict[str, Any] = {"rollout_log_prob": [s.logprobs for s in part]}
         for key, values in (extra or {}).items():
             per_token[key] = list(values[i : i + mbs])
-        out.append(rollout_micro_batch([s.prompt_ids for s in part], [s.response_ids for s in part],
-                                       [s.response_mask for s in part], seq_length=seq_length, pad_token_id=pad_id,
-                                       per_token=per_token))
+        out.append(
+            rollout_micro_batch(
+                [s.prompt_ids for s in part],
+                [s.response_ids for s in part],
+                [s.response_mask for s in part],
+                seq_length=seq_length,
+                pad_token_id=pad_id,
+                per_token=per_token,
+            )
+        )
     return out
 
 
-def policy_update(trainer: Any, samples: Sequence[Sample], advantages: torch.Tensor, cfg: Mapping[str, Any],
-                  seq_length: int, pad_id: int) -> dict[str, float]:
+def policy_update(
+    trainer: Any,
+    samples: Sequence[Sample],
+    advantages: torch.Tensor,
+    cfg: Mapping[str, Any],
+    seq_length: int,
+    pad_id: int,
+) -> dict[str, float]:
     """Old-logprob recompute, then ``ppo_epochs`` x (train batch / mini batch) optimizer steps on this DP rank's
     share of each mini-batch. Every rank gets the same ``samples`` (the gathered train batch, grouped by prompt).
 
@@ -410,8 +478,10 @@ def policy_update(trainer: Any, samples: Sequence[Sample], advantages: torch.Ten
     n = int(cfg["rollout"]["n"])
     mini = int(a["mini_batch_size"]) * n
     if len(samples) % mini or mini % (dp * mbs):
-        raise ValueError(f"algorithm.mini_batch_size x rollout.n = {mini} samples must divide the train batch "
-                         f"({len(samples)}) and be a multiple of dp x trainer.micro_batch_size = {dp * mbs}")
+        raise ValueError(
+            f"algorithm.mini_batch_size x rollout.n = {mini} samples must divide the train batch "
+            f"({len(samples)}) and be a multiple of dp x trainer.micro_batch_size = {dp * mbs}"
+        )
     temperature = float(cfg["rollout"]["temperature"])
     token_adv = [[float(a_)] * len(s.response_ids) for s, a_ in zip(samples, advantages.tolist())]
     order = list(range(len(samples)))
@@ -430,8 +500,12 @@ def policy_update(trainer: Any, samples: Sequence[Sample], advantages: torch.Ten
     recompute = []
     for b, (batch, out) in enumerate(zip(batches, outs)):
         mask = batch["response_mask"]
-        recompute.append({**logprob_gap_stats(out["logprobs"], batch["rollout_log_prob"], mask),
-                          "entropy_sum": torch.where(mask.bool(), out["entropy"], 0.0).sum()})
+        recompute.append(
+            {
+                **logprob_gap_stats(out["logprobs"], batch["rollout_log_prob"], mask),
+                "entropy_sum": torch.where(mask.bool(), out["entropy"], 0.0).sum(),
+            }
+        )
         for j, values in enumerate(response_values(out["logprobs"], batch)):
             old[mine[b * mbs + j]] = values.tolist()
     recomputed = reduce_stats(recompute, ps.get_data_parallel_group())
@@ -439,40 +513,62 @@ def policy_update(trainer: Any, samples: Sequence[Sample], advantages: torch.Ten
 
     # mini-batch updates
     start = time.perf_counter()
-    loss_cfg = PolicyLossConfig(clip_ratio_low=float(a["clip_ratio_low"]), clip_ratio_high=float(a["clip_ratio_high"]),
-                                clip_ratio_c=a.get("clip_ratio_c"), kl_coef=0.0, tis_cap=a.get("tis_cap"),
-                                entropy_coeff=float(a.get("entropy_coeff", 0.0)))
+    loss_cfg = PolicyLossConfig(
+        clip_ratio_low=float(a["clip_ratio_low"]),
+        clip_ratio_high=float(a["clip_ratio_high"]),
+        clip_ratio_c=a.get("clip_ratio_c"),
+        kl_coef=0.0,
+        tis_cap=a.get("tis_cap"),
+        entropy_coeff=float(a.get("entropy_coeff", 0.0)),
+    )
     forward_step = policy_forward_step(loss_cfg, temperature=temperature)
     stats, grad_norm, lr, steps = [], float("nan"), float("nan"), 0
     for _ in range(int(a["ppo_epochs"])):
         for k in range(0, len(samples), mini):
             share = order[k : k + mini][dp_rank::dp]
             part = [samples[i] for i in share]
-            micro = _micro_batches(part, mbs, seq_length, pad_id, extra={
-                "old_log_prob": [old[i] for i in share], "advantages": [token_adv[i] for i in share]})
+            micro = _micro_batches(
+                part,
+                mbs,
+                seq_length,
+                pad_id,
+                extra={"old_log_prob": [old[i] for i in share], "advantages": [token_adv[i] for i in share]},
+            )
             for chunk in trainer.model:
                 chunk.zero_grad_buffer()
             trainer.optimizer.zero_grad()
             lr = trainer.optimizer.param_groups[0]["lr"]
             iterators = [iter(micro) for _ in trainer.model]
             reports = trainer.forward_backward(
-                forward_step_func=forward_step, data_iterator=iterators if len(iterators) > 1 else iterators[0],
-                model=trainer.model, num_microbatches=len(micro), seq_length=seq_length, micro_batch_size=mbs,
-                forward_only=False)
+                forward_step_func=forward_step,
+                data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=trainer.model,
+                num_microbatches=len(micro),
+                seq_length=seq_length,
+                micro_batch_size=mbs,
+                forward_only=False,
+            )
             ok, norm, _ = trainer.optimizer.step()
             if not ok or not math.isfinite(float(norm)):
-                raise FloatingPointError(f"policy update {steps + 1} of this rollout step: non-finite gradients "
-                                         f"(grad norm {norm})")
+                raise FloatingPointError(
+                    f"policy update {steps + 1} of this rollout step: non-finite gradients (grad norm {norm})"
+                )
             trainer.scheduler.step(increment=1)
             grad_norm, steps = float(norm), steps + 1
             stats += [r[STATS_KEY] for r in reports]
     reduced = reduce_stats(stats, ps.get_data_parallel_group()) if stats else {}
-    return {**{f"actor/{k}": v for k, v in reduced.items()},
-            "logprob_gap_vllm_trainer": recomputed["logprob_gap"],
-            "logprob_gap_vllm_trainer_max": recomputed["logprob_gap_max"],
-            "prob_ratio_error": recomputed["prob_ratio_error"], "entropy": recomputed["entropy"],
-            "grad_norm": grad_norm, "lr": lr, "optimizer_steps": steps, "logprob_s": logprob_s,
-            "train_s": time.perf_counter() - start}
+    return {
+        **{f"actor/{k}": v for k, v in reduced.items()},
+        "logprob_gap_vllm_trainer": recomputed["logprob_gap"],
+        "logprob_gap_vllm_trainer_max": recomputed["logprob_gap_max"],
+        "prob_ratio_error": recomputed["prob_ratio_error"],
+        "entropy": recomputed["entropy"],
+        "grad_norm": grad_norm,
+        "lr": lr,
+        "optimizer_steps": steps,
+        "logprob_s": logprob_s,
+        "train_s": time.perf_counter() - start,
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -511,8 +607,12 @@ def plot_rl(metrics_path: Path, png_path: Path) -> None:
     """Reward, accuracy and mean response length against the rollout step (``rl.png``)."""
     from afm_core.train.metrics import plot_panels
 
-    plot_panels(metrics_path, png_path, [("reward_mean", "reward (trained)"), ("accuracy", "accuracy"),
-                                         ("response_len_mean", "response tokens")], xlabel="rollout step")
+    plot_panels(
+        metrics_path,
+        png_path,
+        [("reward_mean", "reward (trained)"), ("accuracy", "accuracy"), ("response_len_mean", "response tokens")],
+        xlabel="rollout step",
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -561,8 +661,10 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
     cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     t, a, r = cfg["trainer"], cfg["algorithm"], cfg["rollout"]
     if a["adv_estimator"] not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"algorithm.adv_estimator={a['adv_estimator']!r}: expected one of "
-                         f"{', '.join(ADVANTAGE_ESTIMATORS)} (PPO with a critic is not wired into the driver)")
+        raise ValueError(
+            f"algorithm.adv_estimator={a['adv_estimator']!r}: expected one of "
+            f"{', '.join(ADVANTAGE_ESTIMATORS)} (PPO with a critic is not wired into the driver)"
+        )
     run_dir = Path(cfg["run_dir"])
     stages = parse_schedule(r.get("context_schedule"), int(r["max_response_len"]))
     max_steps = int(t["max_steps"])
@@ -579,12 +681,17 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
     actor = None
     try:
         resume_path = find_resume_checkpoint(run_dir, cfg.get("resume"))
-        chunks, _ = build_policy_model(hf_dir, layout, params_dtype=training_dtype(t["precision"]),
-                                       load_weights=resume_path is None)
+        chunks, _ = build_policy_model(
+            hf_dir, layout, params_dtype=training_dtype(t["precision"]), load_weights=resume_path is None
+        )
         trainer = build_policy_trainer(cfg, layout, chunks, run_dir, max(1, max_steps * updates_per_step))
         stream = PromptStream(len(tasks), int(t["seed"]))
-        sampler = DynamicSampler(train_bs, int(a["max_num_gen_batches"]), filter_groups=bool(a["filter_groups"]),
-                                 allow_partial=bool(a.get("allow_partial", False)))
+        sampler = DynamicSampler(
+            train_bs,
+            int(a["max_num_gen_batches"]),
+            filter_groups=bool(a["filter_groups"]),
+            allow_partial=bool(a.get("allow_partial", False)),
+        )
         progress = RLProgress()
         if resume_path is not None:
             common, _ = trainer.checkpointer.load(resume_path, trainer.model, trainer.optimizer)
@@ -593,8 +700,11 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
             stream.load_state_dict(common["prompts"])
             sampler.load_state_dict(common["sampler"])
             if layout.is_rank0:
-                print(f"[rl] resumed from {resume_path} at rollout step {progress.rollout_step}, stage "
-                      f"{progress.stage}, prompts {common['prompts']}", flush=True)
+                print(
+                    f"[rl] resumed from {resume_path} at rollout step {progress.rollout_step}, stage "
+                    f"{progress.stage}, prompts {common['prompts']}",
+                    flush=True,
+                )
         metrics = MetricsLog(run_dir / "metrics.jsonl", progress.rollout_step) if layout.is_rank0 else None
 
         family = {task.task for task in tasks}
@@ -603,16 +713,19 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
         # rank 0 starts the servers (or reads the addresses file) and tells the others where they are
         with tool_servers(cfg, names if layout.is_rank0 else [], run_dir / "logs" / "tool_servers") as local_urls:
             urls = _broadcast(dict(local_urls))
-            actor = RolloutActor(cfg, hf_dir, tokenizer, urls,
-                                 max_prompt_len + max(s.max_response_len for s in stages))
+            actor = RolloutActor(cfg, hf_dir, tokenizer, urls, max_prompt_len + max(s.max_response_len for s in stages))
             sync0 = actor.sync_weights(trainer.model, int(cfg["weight_sync"]["bucket_mb"]) * 2**20)
             if layout.is_rank0:
-                print(f"[rl] {cfg['model']['name']}: world {layout.world_size} (tp={layout.tp} pp={layout.pp} "
-                      f"dp={layout.dp}), {len(tasks)} prompts, {max_steps} rollout steps x {train_bs} prompts x "
-                      f"n={n}; stages {[asdict(s) for s in stages]}; first sync {sync0.seconds:.2f} s; run dir "
-                      f"{run_dir}", flush=True)
-            summary = _loop(cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages, metrics,
-                            pad_id, after_step)
+                print(
+                    f"[rl] {cfg['model']['name']}: world {layout.world_size} (tp={layout.tp} pp={layout.pp} "
+                    f"dp={layout.dp}), {len(tasks)} prompts, {max_steps} rollout steps x {train_bs} prompts x "
+                    f"n={n}; stages {[asdict(s) for s in stages]}; first sync {sync0.seconds:.2f} s; run dir "
+                    f"{run_dir}",
+                    flush=True,
+                )
+            summary = _loop(
+                cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages, metrics, pad_id, after_step
+            )
         summary["resumed_from"] = str(resume_path) if resume_path else None
         return summary
     finally:
@@ -621,8 +734,9 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
         destroy_distributed()
 
 
-def _loop(cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages, metrics, pad_id, after_step
-          ) -> dict[str, Any]:
+def _loop(
+    cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages, metrics, pad_id, after_step
+) -> dict[str, Any]:
     from afm_core.rl.advantages import grpo_advantages
 
     t, a, r = cfg["trainer"], cfg["algorithm"], cfg["rollout"]
@@ -638,8 +752,11 @@ def _loop(cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages,
         times = {"generate_s": 0.0, "tools_s": 0.0, "weight_sync_s": 0.0}
         if stage.index != progress.stage:
             if layout.is_rank0:
-                print(f"[rl] rollout step {progress.rollout_step + 1}: stage {stage.index}, max_response_len "
-                      f"{stage.max_response_len}", flush=True)
+                print(
+                    f"[rl] rollout step {progress.rollout_step + 1}: stage {stage.index}, max_response_len "
+                    f"{stage.max_response_len}",
+                    flush=True,
+                )
             progress.stage = stage.index
         generated: list[Sample] = []
         while not sampler.ready:
@@ -674,21 +791,33 @@ def _loop(cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages,
         step_s = time.perf_counter() - step_start
         progress.train_time_s += step_s
         record = {
-            "step": progress.rollout_step, "split": "train", "stage": stage.index,
-            "max_response_len": stage.max_response_len, "seq_length": seq_length,
+            "step": progress.rollout_step,
+            "split": "train",
+            "stage": stage.index,
+            "max_response_len": stage.max_response_len,
+            "seq_length": seq_length,
             "stage_seq_length": stage_seq_length,
-            **rollout_metrics(samples, generated), **ds_stats.as_dict(), **out, **times,
-            "step_s": step_s, "elapsed_s": progress.train_time_s,
-            "prompts_consumed": progress.prompts_consumed, "data_epoch": stream.epoch, "data_offset": stream.offset,
+            **rollout_metrics(samples, generated),
+            **ds_stats.as_dict(),
+            **out,
+            **times,
+            "step_s": step_s,
+            "elapsed_s": progress.train_time_s,
+            "prompts_consumed": progress.prompts_consumed,
+            "data_epoch": stream.epoch,
+            "data_offset": stream.offset,
             "tool_metrics": actor.tool_metrics() if layout.is_rank0 else None,
         }
         if metrics is not None:
             metrics.write(record)
             plot_rl(run_dir / "metrics.jsonl", run_dir / "rl.png")
-            print(f"[rl] step {progress.rollout_step}/{max_steps}: reward {record['reward_mean']:.3f} acc "
-                  f"{record['accuracy']:.3f} len {record['response_len_mean']:.0f} kept "
-                  f"{record['kept_group_ratio']:.2f} gen {record['generate_s']:.1f}s train "
-                  f"{out.get('train_s', 0):.1f}s sync {times['weight_sync_s']:.2f}s", flush=True)
+            print(
+                f"[rl] step {progress.rollout_step}/{max_steps}: reward {record['reward_mean']:.3f} acc "
+                f"{record['accuracy']:.3f} len {record['response_len_mean']:.0f} kept "
+                f"{record['kept_group_ratio']:.2f} gen {record['generate_s']:.1f}s train "
+                f"{out.get('train_s', 0):.1f}s sync {times['weight_sync_s']:.2f}s",
+                flush=True,
+            )
         if after_step is not None:
             after_step(progress.rollout_step)
         want, stop = trainer._boundary_flags()  # USR2 / preemption, OR-ed over ranks
@@ -700,15 +829,28 @@ def _loop(cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages,
             break
     if metrics is not None:
         metrics.close()
-    return {"step": progress.rollout_step, "max_steps": max_steps, "stopped_early": stopped_early,
-            "checkpoint": str(last_checkpoint) if last_checkpoint else None, "stage": progress.stage,
-            "optimizer_steps": progress.optimizer_steps, "data_state": stream.state_dict(),
-            "train_time_s": progress.train_time_s, "run_dir": str(run_dir)}
+    return {
+        "step": progress.rollout_step,
+        "max_steps": max_steps,
+        "stopped_early": stopped_early,
+        "checkpoint": str(last_checkpoint) if last_checkpoint else None,
+        "stage": progress.stage,
+        "optimizer_steps": progress.optimizer_steps,
+        "data_state": stream.state_dict(),
+        "train_time_s": progress.train_time_s,
+        "run_dir": str(run_dir),
+    }
 
 
 def save_rl_checkpoint(trainer: Any, progress: RLProgress, stream: PromptStream, sampler: Any) -> Path:
     """``checkpoints/step_N`` (N = rollout steps done): model, optimizer, scheduler, progress (stage), the
     prompt stream's position and the dynamic sampler's state (common to all ranks), RNG per rank."""
-    common = _broadcast({"progress": asdict(progress), "scheduler": trainer.scheduler.state_dict(),
-                         "prompts": stream.state_dict(), "sampler": sampler.state_dict()})
+    common = _broadcast(
+        {
+            "progress": asdict(progress),
+            "scheduler": trainer.scheduler.state_dict(),
+            "prompts": stream.state_dict(),
+            "sampler": sampler.state_dict(),
+        }
+    )
     return trainer.checkpointer.save(progress.rollout_step, trainer.model, trainer.optimizer, common, {})

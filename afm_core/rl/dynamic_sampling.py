@@ -65,8 +65,14 @@ class DynamicSampler:
             instead of raising :class:`DynamicSamplingExhausted`.
     """
 
-    def __init__(self, train_batch_size: int, max_num_gen_batches: int = 10, *, filter_groups: bool = True,
-                 allow_partial: bool = False):
+    def __init__(
+        self,
+        train_batch_size: int,
+        max_num_gen_batches: int = 10,
+        *,
+        filter_groups: bool = True,
+        allow_partial: bool = False,
+    ):
         if train_batch_size < 1:
             raise ValueError(f"train_batch_size={train_batch_size}: must be >= 1")
         self.train_batch_size = int(train_batch_size)
@@ -112,8 +118,10 @@ class DynamicSampler:
                 (unless ``allow_partial``).
         """
         if not len(group_ids) == len(scores) == len(samples):
-            raise ValueError(f"one generation batch needs as many group ids ({len(group_ids)}), scores "
-                             f"({len(scores)}) and samples ({len(samples)})")
+            raise ValueError(
+                f"one generation batch needs as many group ids ({len(group_ids)}), scores "
+                f"({len(scores)}) and samples ({len(samples)})"
+            )
         if self.ready:
             raise ValueError("the train batch is already complete: call take() before adding more")
         groups: dict[Hashable, list[int]] = {}
@@ -121,8 +129,10 @@ class DynamicSampler:
             groups.setdefault(gid, []).append(i)
         repeated = [gid for gid in groups if gid in self.seen]
         if repeated:
-            raise ValueError(f"group id(s) {repeated[:5]} already came in an earlier generation batch of this step; "
-                             "group uids must be unique per prompt and generation batch")
+            raise ValueError(
+                f"group id(s) {repeated[:5]} already came in an earlier generation batch of this step; "
+                "group uids must be unique per prompt and generation batch"
+            )
         kept = 0
         for gid, members in groups.items():
             self.seen.add(gid)
@@ -138,7 +148,8 @@ class DynamicSampler:
                 f"{self.gen_batches} generation batches (max_num_gen_batches={self.max_num_gen_batches}) kept only "
                 f"{len(self.kept)} of {self.train_batch_size} groups with unequal rewards "
                 f"({self.groups_generated} generated): the data may be too hard or too easy for the policy; raise "
-                "max_num_gen_batches (<= 0: unlimited) or filter the data (python -m jobs.filter_rl)")
+                "max_num_gen_batches (<= 0: unlimited) or filter the data (python -m jobs.filter_rl)"
+            )
         return kept
 
     def take(self) -> tuple[list[Any], DynamicSamplingStats]:
@@ -152,8 +163,11 @@ class DynamicSampler:
             raise RuntimeError(f"take(): only {len(self.kept)} of {self.train_batch_size} groups kept so far")
         used = self.kept[: self.train_batch_size]
         stats = DynamicSamplingStats(
-            gen_batches=self.gen_batches, groups_generated=self.groups_generated,
-            samples_generated=self.samples_generated, groups_kept=len(self.kept), groups_trained=len(used),
+            gen_batches=self.gen_batches,
+            groups_generated=self.groups_generated,
+            samples_generated=self.samples_generated,
+            groups_kept=len(self.kept),
+            groups_trained=len(used),
             groups_surplus=len(self.kept) - len(used),
         )
         samples = [sample for _, members in used for sample in members]
@@ -163,9 +177,13 @@ class DynamicSampler:
     # -- checkpointing ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume mid-step (the kept samples by reference: they must be picklable)."""
-        return {"gen_batches": self.gen_batches, "groups_generated": self.groups_generated,
-                "samples_generated": self.samples_generated, "kept": [(g, list(m)) for g, m in self.kept],
-                "seen": list(self.seen)}
+        return {
+            "gen_batches": self.gen_batches,
+            "groups_generated": self.groups_generated,
+            "samples_generated": self.samples_generated,
+            "kept": [(g, list(m)) for g, m in self.kept],
+            "seen": list(self.seen),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.gen_batches = int(state["gen_batches"])

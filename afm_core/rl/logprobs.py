@@ -21,9 +21,14 @@ from typing import Any
 import torch
 
 
-def vocab_parallel_logprobs(logits: torch.Tensor, labels: torch.Tensor, *, temperature: float = 1.0,
-                            with_entropy: bool = False, entropy_grad: bool = True
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprob of ``labels`` and entropy under ``softmax(logits / temperature)``, differentiable.
 
     Args:
@@ -58,8 +63,9 @@ def _vocab_parallel_entropy(scaled: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         shift = scaled.max(dim=-1, keepdim=True).values
         if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
-            torch.distributed.all_reduce(shift, op=torch.distributed.ReduceOp.MAX,
-                                         group=ps.get_tensor_model_parallel_group())
+            torch.distributed.all_reduce(
+                shift, op=torch.distributed.ReduceOp.MAX, group=ps.get_tensor_model_parallel_group()
+            )
     z = scaled - shift
     e = torch.exp(z)
     if ps.model_parallel_is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
@@ -71,8 +77,13 @@ def _vocab_parallel_entropy(scaled: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compute_logprobs(model_chunks: Sequence[torch.nn.Module], micro_batches: Sequence[dict[str, torch.Tensor]], *,
-                     temperature: float = 1.0, with_entropy: bool = False) -> list[dict[str, torch.Tensor]]:
+def compute_logprobs(
+    model_chunks: Sequence[torch.nn.Module],
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> list[dict[str, torch.Tensor]]:
     """Per-token logprobs (and entropy) of each micro batch's ``labels`` under the current Megatron weights.
 
     Runs megatron-core's forward-only schedule (``get_forward_backward_func``: no pipelining at PP=1,
@@ -101,13 +112,14 @@ def compute_logprobs(model_chunks: Sequence[torch.nn.Module], micro_batches: Seq
     shape = tuple(micro_batches[0]["tokens"].shape)
     for batch in micro_batches:
         if tuple(batch["tokens"].shape) != shape or tuple(batch["labels"].shape) != shape:
-            raise ValueError(f"compute_logprobs: micro batches must share one [b, s] shape, got "
-                             f"{tuple(batch['tokens'].shape)} and {shape}")
+            raise ValueError(
+                f"compute_logprobs: micro batches must share one [b, s] shape, got "
+                f"{tuple(batch['tokens'].shape)} and {shape}"
+            )
     device = next(model_chunks[0].parameters()).device
     iterators = [iter(micro_batches) for _ in model_chunks]
     outputs = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, device=device, temperature=temperature,
-                                  with_entropy=with_entropy),
+        forward_step_func=partial(_forward_step, device=device, temperature=temperature, with_entropy=with_entropy),
         data_iterator=iterators if len(iterators) > 1 else iterators[0],
         model=list(model_chunks),
         num_microbatches=len(micro_batches),
@@ -123,14 +135,16 @@ def compute_logprobs(model_chunks: Sequence[torch.nn.Module], micro_batches: Seq
             for k, key in enumerate(keys):
                 stacked[k, m] = out[key]
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        torch.distributed.broadcast(stacked, src=ps.get_pipeline_model_parallel_last_rank(),
-                                    group=ps.get_pipeline_model_parallel_group())
+        torch.distributed.broadcast(
+            stacked, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group()
+        )
     stacked = stacked.cpu()
     return [{key: stacked[k, m] for k, key in enumerate(keys)} for m in range(len(micro_batches))]
 
 
-def _forward_step(data_iterator: Any, model: torch.nn.Module, *, device: torch.device, temperature: float,
-                  with_entropy: bool):
+def _forward_step(
+    data_iterator: Any, model: torch.nn.Module, *, device: torch.device, temperature: float, with_entropy: bool
+):
     batch = next(data_iterator)
     tokens = batch["tokens"].to(device, non_blocking=True)
     position_ids = batch["position_ids"].to(device, non_blocking=True)
@@ -138,8 +152,7 @@ def _forward_step(data_iterator: Any, model: torch.nn.Module, *, device: torch.d
     logits = model(tokens, position_ids, None)
 
     def loss_func(output: torch.Tensor):
-        logprobs, entropy = vocab_parallel_logprobs(output, labels, temperature=temperature,
-                                                    with_entropy=with_entropy)
+        logprobs, entropy = vocab_parallel_logprobs(output, labels, temperature=temperature, with_entropy=with_entropy)
         report = {"logprobs": logprobs}
         if entropy is not None:
             report["entropy"] = entropy

@@ -67,8 +67,9 @@ class PolicyLossConfig:
 def _check_shapes(reference: torch.Tensor, **tensors: torch.Tensor | None) -> None:
     for name, tensor in tensors.items():
         if tensor is not None and tensor.shape != reference.shape:
-            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(reference.shape)} "
-                             "(the response_mask's)")
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)}, expected {tuple(reference.shape)} (the response_mask's)"
+            )
 
 
 def low_var_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tensor:
@@ -81,11 +82,18 @@ def low_var_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tens
     return (torch.exp(kl) - kl - 1).clamp(-KL_CLAMP, KL_CLAMP)
 
 
-def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
-                response_mask: torch.Tensor, *, global_num_tokens: float | torch.Tensor,
-                config: PolicyLossConfig = PolicyLossConfig(), ref_log_prob: torch.Tensor | None = None,
-                rollout_log_prob: torch.Tensor | None = None, entropy: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    global_num_tokens: float | torch.Tensor,
+    config: PolicyLossConfig = PolicyLossConfig(),
+    ref_log_prob: torch.Tensor | None = None,
+    rollout_log_prob: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate policy loss (PPO/GRPO/DAPO) for one micro batch, token-summed / ``global_num_tokens``.
 
     Per valid token, with ``r = exp(logp - logp_old)`` (log-ratio clamped to +-20) and advantage ``A``::
@@ -122,8 +130,15 @@ def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: 
     Raises:
         ValueError: shapes differ, or an input that the config needs is missing.
     """
-    _check_shapes(response_mask, log_prob=log_prob, old_log_prob=old_log_prob, advantages=advantages,
-                  ref_log_prob=ref_log_prob, rollout_log_prob=rollout_log_prob, entropy=entropy)
+    _check_shapes(
+        response_mask,
+        log_prob=log_prob,
+        old_log_prob=old_log_prob,
+        advantages=advantages,
+        ref_log_prob=ref_log_prob,
+        rollout_log_prob=rollout_log_prob,
+        entropy=entropy,
+    )
     if config.kl_coef > 0 and ref_log_prob is None:
         raise ValueError("kl_coef > 0 needs ref_log_prob")
     if config.tis_cap is not None and rollout_log_prob is None:
@@ -188,9 +203,15 @@ def policy_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: 
     return loss, stats
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor,
-               *, global_num_tokens: float | torch.Tensor, clip_range_value: float | None = 0.5
-               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    global_num_tokens: float | torch.Tensor,
+    clip_range_value: float | None = 0.5,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss of a PPO critic, token-summed / ``global_num_tokens`` (see the module docstring).
 
     ``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)`` per valid token (PPO value clipping as in
@@ -219,12 +240,16 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         per_token, clipped = torch.maximum(loss_unclipped, loss_clipped), loss_clipped > loss_unclipped
     per_token = 0.5 * per_token
     loss = torch.where(mask, per_token, zero).sum() / global_num_tokens
-    return loss, {"tokens": mask.sum().float(), "vf_loss_sum": _masked_sum(per_token.detach(), mask),
-                  "vf_clip_frac_sum": _masked_sum(clipped.float(), mask)}
+    return loss, {
+        "tokens": mask.sum().float(),
+        "vf_loss_sum": _masked_sum(per_token.detach(), mask),
+        "vf_clip_frac_sum": _masked_sum(clipped.float(), mask),
+    }
 
 
-def logprob_gap_stats(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
-                      ) -> dict[str, torch.Tensor]:
+def logprob_gap_stats(
+    log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """The trainer/inference-engine mismatch of one micro batch, as additive statistics for :func:`reduce_stats`.
 
     Args:
@@ -247,17 +272,20 @@ def logprob_gap_stats(log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, re
 def _gap_sums(gap: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     zero = torch.zeros((), dtype=torch.float32, device=gap.device)
     size = gap.abs().clamp(max=LOG_RATIO_CLAMP)
-    return {"logprob_gap_sum": _masked_sum(size, mask),
-            "logprob_gap_max": torch.where(mask, size, zero).max() if mask.any() else zero.clone(),
-            "prob_ratio_error_sum": _masked_sum(torch.expm1(size), mask)}
+    return {
+        "logprob_gap_sum": _masked_sum(size, mask),
+        "logprob_gap_max": torch.where(mask, size, zero).max() if mask.any() else zero.clone(),
+        "prob_ratio_error_sum": _masked_sum(torch.expm1(size), mask),
+    }
 
 
 def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values.float(), torch.zeros((), dtype=torch.float32, device=values.device)).sum()
 
 
-def global_token_count(response_masks: Iterable[torch.Tensor], group: torch.distributed.ProcessGroup | None = None
-                       ) -> int:
+def global_token_count(
+    response_masks: Iterable[torch.Tensor], group: torch.distributed.ProcessGroup | None = None
+) -> int:
     """Valid tokens of a mini-batch over all its micro batches and the ranks of ``group`` (the DP group).
 
     Collective over ``group`` when torch.distributed is initialised (every rank of the group calls it with its
@@ -269,12 +297,18 @@ def global_token_count(response_masks: Iterable[torch.Tensor], group: torch.dist
 
 
 def _distributed(group: torch.distributed.ProcessGroup | None) -> bool:
-    return (torch.distributed.is_available() and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size(group) > 1)
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size(group) > 1
+    )
 
 
-def _all_reduce(values: torch.Tensor, group: torch.distributed.ProcessGroup | None,
-                op: torch.distributed.ReduceOp = torch.distributed.ReduceOp.SUM) -> torch.Tensor:
+def _all_reduce(
+    values: torch.Tensor,
+    group: torch.distributed.ProcessGroup | None,
+    op: torch.distributed.ReduceOp = torch.distributed.ReduceOp.SUM,
+) -> torch.Tensor:
     """All-reduce a small CPU tensor over ``group`` (on the GPU for NCCL); a no-op outside a multi-rank world."""
     if not _distributed(group) or not values.numel():
         return values
@@ -284,8 +318,9 @@ def _all_reduce(values: torch.Tensor, group: torch.distributed.ProcessGroup | No
     return on_device.cpu()
 
 
-def reduce_stats(stats: Iterable[dict[str, torch.Tensor]],
-                 group: torch.distributed.ProcessGroup | None = None) -> dict[str, float]:
+def reduce_stats(
+    stats: Iterable[dict[str, torch.Tensor]], group: torch.distributed.ProcessGroup | None = None
+) -> dict[str, float]:
     """Means over the valid tokens of all micro batches and the ranks of ``group`` (the DP group).
 
     Sums keys ``*_sum`` and ``tokens`` (then divides: ``clip_frac_sum`` -> ``clip_frac``), takes the maximum of
@@ -309,8 +344,9 @@ def reduce_stats(stats: Iterable[dict[str, torch.Tensor]],
         if any(g != gathered[0] for g in gathered):
             raise ValueError(f"reduce_stats: ranks report different statistics: {gathered}")
         s = _all_reduce(torch.tensor([sums[k] for k in sum_keys], dtype=torch.float64), group)
-        m = _all_reduce(torch.tensor([maxima[k] for k in max_keys], dtype=torch.float64), group,
-                        torch.distributed.ReduceOp.MAX)
+        m = _all_reduce(
+            torch.tensor([maxima[k] for k in max_keys], dtype=torch.float64), group, torch.distributed.ReduceOp.MAX
+        )
         sums, maxima = dict(zip(sum_keys, s.tolist())), dict(zip(max_keys, m.tolist()))
     tokens = sums.pop("tokens", 0.0)
     out: dict[str, float] = {"tokens": int(tokens)}

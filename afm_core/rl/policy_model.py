@@ -12,8 +12,14 @@ from typing import Any
 import torch
 
 
-def build_policy_model(hf_dir: str | os.PathLike, layout: Any, *, params_dtype: torch.dtype = torch.float32,
-                       load_weights: bool = True, **config_overrides: Any) -> tuple[list[torch.nn.Module], Any]:
+def build_policy_model(
+    hf_dir: str | os.PathLike,
+    layout: Any,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    load_weights: bool = True,
+    **config_overrides: Any,
+) -> tuple[list[torch.nn.Module], Any]:
     """This rank's model chunks of the HF checkpoint ``hf_dir``, on ``layout.device``.
 
     ``torch.distributed`` and megatron's parallel state must be initialised
@@ -39,12 +45,19 @@ def build_policy_model(hf_dir: str | os.PathLike, layout: Any, *, params_dtype: 
     from afm_core.train.trainer import build_model_chunks
 
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    config = mcore_config_from_hf(hf_config, tp=layout.tp, pp=layout.pp, params_dtype=params_dtype,
-                                  virtual_pipeline_model_parallel_size=layout.vpp, **config_overrides)
+    config = mcore_config_from_hf(
+        hf_config,
+        tp=layout.tp,
+        pp=layout.pp,
+        params_dtype=params_dtype,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        **config_overrides,
+    )
 
     def provider(pre_process: bool, post_process: bool, vp_stage: int | None):
-        return build_gpt_model(hf_config, config, pre_process=pre_process, post_process=post_process,
-                               vp_stage=vp_stage).to(layout.device)
+        return build_gpt_model(
+            hf_config, config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
+        ).to(layout.device)
 
     chunks = build_model_chunks(provider, layout)
     if load_weights:

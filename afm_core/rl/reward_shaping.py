@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 
-def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int, *, factor: float = 1.0
-                     ) -> torch.Tensor:
+def overlong_penalty(
+    lengths: torch.Tensor, max_length: int, buffer_length: int, *, factor: float = 1.0
+) -> torch.Tensor:
     """The soft overlong punishment of DAPO (arXiv 2503.14476, section 3.4, eq. 13), added to the reward.
 
     With ``L_max = max_length`` and ``L_cache = buffer_length``::

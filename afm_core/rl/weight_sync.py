@@ -150,8 +150,10 @@ class WeightSyncExtension:
                 fn()
         missing = sorted({name for name, _ in model.named_parameters()} - self._afm_loaded_names)
         if missing:
-            raise RuntimeError(f"weight update left {len(missing)} vLLM parameters without new weights: "
-                               f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
+            raise RuntimeError(
+                f"weight update left {len(missing)} vLLM parameters without new weights: "
+                f"{', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+            )
         return len(self._afm_loaded_names)
 
 
@@ -196,8 +198,9 @@ class WeightSyncStats:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
-def hf_weight_buckets(model_chunks: Sequence[torch.nn.Module], bucket_bytes: int = DEFAULT_BUCKET_BYTES
-                      ) -> Iterator[NamedTensors]:
+def hf_weight_buckets(
+    model_chunks: Sequence[torch.nn.Module], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Iterator[NamedTensors]:
     """The whole model as HF-named full tensors, in buckets of at most ``bucket_bytes`` bytes.
 
     Collective over the model-parallel group (every TP/PP rank must exhaust it). A tensor above
@@ -238,8 +241,9 @@ def engine_in_process(llm: Any) -> bool:
 _RESET = "reset_prefix_cache"
 
 
-def _sync_protocol(in_process: bool | None, model_chunks: Sequence[torch.nn.Module], bucket_bytes: int,
-                   transport: str) -> Generator[tuple[str, tuple], Any, WeightSyncStats]:
+def _sync_protocol(
+    in_process: bool | None, model_chunks: Sequence[torch.nn.Module], bucket_bytes: int, transport: str
+) -> Generator[tuple[str, tuple], Any, WeightSyncStats]:
     """The calls of one sync as ``(method, args)`` requests, shared by the blocking and the async driver;
     ``in_process`` None means no engine (gather only)."""
     if transport not in TRANSPORTS:
@@ -273,12 +277,18 @@ def _sync_protocol(in_process: bool | None, model_chunks: Sequence[torch.nn.Modu
     if engine:
         yield "afm_finish_weight_update", ()
         yield _RESET, ()
-    return WeightSyncStats(seconds=time.perf_counter() - start, gather_s=gather_s, bytes=sent_bytes,
-                           buckets=buckets, transport=transport)
+    return WeightSyncStats(
+        seconds=time.perf_counter() - start, gather_s=gather_s, bytes=sent_bytes, buckets=buckets, transport=transport
+    )
 
 
-def sync_weights(llm: Any, model_chunks: Sequence[torch.nn.Module], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 transport: str = "auto") -> WeightSyncStats:
+def sync_weights(
+    llm: Any,
+    model_chunks: Sequence[torch.nn.Module],
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    transport: str = "auto",
+) -> WeightSyncStats:
     """Load this rank's Megatron weights into its vLLM engine ``llm`` (see the module docstring).
 
     Args:
@@ -306,13 +316,19 @@ def sync_weights(llm: Any, model_chunks: Sequence[torch.nn.Module], *, bucket_by
             result = llm.reset_prefix_cache() if method == _RESET else llm.collective_rpc(method, args=args)
 
 
-async def sync_weights_async(engine: Any, model_chunks: Sequence[torch.nn.Module], *,
-                             bucket_bytes: int = DEFAULT_BUCKET_BYTES, transport: str = "auto") -> WeightSyncStats:
+async def sync_weights_async(
+    engine: Any,
+    model_chunks: Sequence[torch.nn.Module],
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    transport: str = "auto",
+) -> WeightSyncStats:
     """:func:`sync_weights` for an engine whose ``collective_rpc`` and ``reset_prefix_cache`` are coroutines
     (vLLM's ``AsyncLLM``, :class:`afm_core.rollout.vllm_engine.VLLMEngine`). Pause generation first: the
     weights change layer by layer while the buckets arrive."""
-    protocol = _sync_protocol(None if engine is None else engine_in_process(engine), model_chunks, bucket_bytes,
-                              transport)
+    protocol = _sync_protocol(
+        None if engine is None else engine_in_process(engine), model_chunks, bucket_bytes, transport
+    )
     result = None
     while True:
         try:
@@ -320,8 +336,9 @@ async def sync_weights_async(engine: Any, model_chunks: Sequence[torch.nn.Module
         except StopIteration as done:
             return done.value
         with _explain_missing_extension(method):
-            result = await (engine.reset_prefix_cache() if method == _RESET
-                            else engine.collective_rpc(method, args=args))
+            result = await (
+                engine.reset_prefix_cache() if method == _RESET else engine.collective_rpc(method, args=args)
+            )
 
 
 @contextmanager
@@ -332,5 +349,6 @@ def _explain_missing_extension(method: str) -> Iterator[None]:
         if method in str(exc):
             raise RuntimeError(
                 f"the vLLM engine has no {method!r}: create it with "
-                "worker_extension_cls='afm_core.rl.weight_sync.WeightSyncExtension'") from exc
+                "worker_extension_cls='afm_core.rl.weight_sync.WeightSyncExtension'"
+            ) from exc
         raise

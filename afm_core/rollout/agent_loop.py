@@ -225,15 +225,40 @@ class AgentLoop:
         pending = []
         for call in calls:
             if call is None:
-                records.append(ToolCallRecord(turn, tag, "", f"[{tag} error: bad_input] no non-empty <{tag}> call "
-                                              f"before </{tag}>", 0.0, "bad_input"))
+                records.append(
+                    ToolCallRecord(
+                        turn,
+                        tag,
+                        "",
+                        f"[{tag} error: bad_input] no non-empty <{tag}> call before </{tag}>",
+                        0.0,
+                        "bad_input",
+                    )
+                )
             elif len(state.tool_calls) + len(records) >= self.config.max_tool_calls:
-                records.append(ToolCallRecord(turn, call.name, call.query, f"[{call.name} error: call_limit] "
-                                              f"the limit of {self.config.max_tool_calls} tool calls is reached; "
-                                              "give your final answer now", 0.0, "call_limit"))
+                records.append(
+                    ToolCallRecord(
+                        turn,
+                        call.name,
+                        call.query,
+                        f"[{call.name} error: call_limit] "
+                        f"the limit of {self.config.max_tool_calls} tool calls is reached; "
+                        "give your final answer now",
+                        0.0,
+                        "call_limit",
+                    )
+                )
             elif self.tools is None:
-                records.append(ToolCallRecord(turn, call.name, call.query, f"[{call.name} error: bad_input] no tools "
-                                              "are available", 0.0, "bad_input"))
+                records.append(
+                    ToolCallRecord(
+                        turn,
+                        call.name,
+                        call.query,
+                        f"[{call.name} error: bad_input] no tools are available",
+                        0.0,
+                        "bad_input",
+                    )
+                )
             else:
                 record = ToolCallRecord(turn, call.name, call.query, "", 0.0)
                 records.append(record)
@@ -267,16 +292,32 @@ class AgentLoop:
             try:
                 steps = parse_steps(text)
                 trajectory = Trajectory(
-                    id=_trajectory_id(task, sample), task=task.task, question=task.question, prompt=task.prompt,
-                    steps=steps, answer=task.answer, source="rollout", source_id=task.id,
+                    id=_trajectory_id(task, sample),
+                    task=task.task,
+                    question=task.question,
+                    prompt=task.prompt,
+                    steps=steps,
+                    answer=task.answer,
+                    source="rollout",
+                    source_id=task.id,
                 )
             except TagGrammarError:
                 trajectory = None
         return Rollout(
-            task=task, sample=sample, prompt_ids=state.prompt_ids, response_ids=state.response_ids,
-            response_mask=state.response_mask, logprobs=state.logprobs, response_text=text, turns=state.turns,
-            tool_calls=state.tool_calls, finish_reason=state.finish or FinishReason.ERROR, trajectory=trajectory,
-            format_issues=issues, seconds=seconds, error=state.error,
+            task=task,
+            sample=sample,
+            prompt_ids=state.prompt_ids,
+            response_ids=state.response_ids,
+            response_mask=state.response_mask,
+            logprobs=state.logprobs,
+            response_text=text,
+            turns=state.turns,
+            tool_calls=state.tool_calls,
+            finish_reason=state.finish or FinishReason.ERROR,
+            trajectory=trajectory,
+            format_issues=issues,
+            seconds=seconds,
+            error=state.error,
         )
 
     async def run_many(

@@ -36,7 +36,10 @@ async def build_engine(engine_cfg: Mapping[str, Any], hf_dir: str | Path, tokeni
         if not cfg.get("url"):
             raise ValueError("engine.url: set the base URL of an OpenAI-compatible server for engine.backend=remote")
         return RemoteEngine(
-            url=cfg["url"], model=cfg.get("model_name") or str(hf_dir), tokenizer=tokenizer or load_tokenizer(hf_dir),
-            max_model_len=int(cfg.get("max_model_len", 4096)), api_key_env=cfg.get("api_key_env"),
+            url=cfg["url"],
+            model=cfg.get("model_name") or str(hf_dir),
+            tokenizer=tokenizer or load_tokenizer(hf_dir),
+            max_model_len=int(cfg.get("max_model_len", 4096)),
+            api_key_env=cfg.get("api_key_env"),
         )
     raise ValueError(f"engine.backend must be one of {', '.join(ENGINE_BACKENDS)}, got {backend!r}")

@@ -120,7 +120,9 @@ class VLLMEngine:
             ImportError: vLLM is not installed.
         """
         if not (Path(cfg.model) / "config.json").is_file():
-            raise FileNotFoundError(f"engine model {cfg.model}: no config.json there (an HF checkpoint directory is needed)")
+            raise FileNotFoundError(
+                f"engine model {cfg.model}: no config.json there (an HF checkpoint directory is needed)"
+            )
         on_gpu = cuda_available()
         if not on_gpu:
             prepare_cpu_environment(cfg.cpu_kv_cache_gib)

@@ -22,6 +22,7 @@ from afm_core.tools.http import ToolHttp
 
 __all__ = ["ERROR_KINDS", "Tool", "ToolError", "ToolInputError"]  # the errors live in afm_core.tools.errors
 
+
 class Tool(ABC):
     """One tool: its name, its CoA tag, how to parse the tag's content, and the async call.
 

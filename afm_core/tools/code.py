@@ -59,9 +59,7 @@ def truncate_middle(text: str, max_chars: int) -> str:
         return text
     half = max_chars // 2
     return (
-        text[:half]
-        + f"\n..._This content has been truncated to stay below {max_chars} characters_...\n"
-        + text[-half:]
+        text[:half] + f"\n..._This content has been truncated to stay below {max_chars} characters_...\n" + text[-half:]
     )
 
 
@@ -110,7 +108,12 @@ class CodeTool(Tool):
         return f"{self.timeout_s}|{self.memory_mb}|{self.max_obs_chars}|{args.stdin!r}|{args.code}"
 
     async def call(self, args: CodeArgs, http: ToolHttp, context: Mapping[str, str]) -> str:
-        body = {"code": args.code, "stdin": args.stdin or None, "timeout_s": self.timeout_s, "memory_mb": self.memory_mb}
+        body = {
+            "code": args.code,
+            "stdin": args.stdin or None,
+            "timeout_s": self.timeout_s,
+            "memory_mb": self.memory_mb,
+        }
         result = await http.request_json("POST", self.url, json_body=body)
         if not isinstance(result, dict) or not {"status", "stdout", "stderr", "exit_code"} <= result.keys():
             raise ToolError("bad_response", f"sandbox answer lacks status/stdout/stderr/exit_code: {str(result)[:200]}")

@@ -41,7 +41,9 @@ def parse_urls(content: str, max_urls: int) -> list[str]:
             continue
         match = _MARKDOWN_LINK.search(part) or _URL.search(part)
         if match is None:
-            raise ToolInputError(f"no http(s) URL in crawl_page part {part[:100]!r}; write <crawl_page>url_1 | url_2</crawl_page>")
+            raise ToolInputError(
+                f"no http(s) URL in crawl_page part {part[:100]!r}; write <crawl_page>url_1 | url_2</crawl_page>"
+            )
         url = match.group(1) if match.re is _MARKDOWN_LINK else match.group(0)
         if url not in urls:
             urls.append(url)
@@ -82,7 +84,9 @@ class CrawlPageTool(Tool):
     name = "crawl_page"
     duplicate_observation = REPEATED_CRAWL
 
-    def __init__(self, base_url: str, summarize: bool = False, max_urls: int = 10, max_chars_per_page: int = 8000) -> None:
+    def __init__(
+        self, base_url: str, summarize: bool = False, max_urls: int = 10, max_chars_per_page: int = 8000
+    ) -> None:
         self.url = base_url.rstrip("/") + "/crawl_page"
         self.summarize, self.max_urls, self.max_chars_per_page = summarize, max_urls, max_chars_per_page
 
@@ -91,7 +95,10 @@ class CrawlPageTool(Tool):
 
     def cache_key(self, args: list[str], context: Mapping[str, str]) -> str:
         task = context.get("task", "") if self.summarize else ""
-        return json.dumps({"urls": args, "task": task, "summarize": self.summarize, "chars": self.max_chars_per_page}, ensure_ascii=False)
+        return json.dumps(
+            {"urls": args, "task": task, "summarize": self.summarize, "chars": self.max_chars_per_page},
+            ensure_ascii=False,
+        )
 
     async def call(self, args: list[str], http: ToolHttp, context: Mapping[str, str]) -> str:
         pages = await self.crawl(args, http, context.get("task", ""))
@@ -108,6 +115,12 @@ class CrawlPageTool(Tool):
         body = {"urls": urls, "task": task, "summarize": self.summarize}
         answer = await http.request_json("POST", self.url, json_body=body)
         pages = answer.get("pages") if isinstance(answer, dict) else None
-        if not isinstance(pages, list) or len(pages) != len(urls) or not all(isinstance(p, dict) and "url" in p for p in pages):
-            raise ToolError("bad_response", f"crawl answer has no 'pages' list for {len(urls)} URLs: {str(answer)[:200]}")
+        if (
+            not isinstance(pages, list)
+            or len(pages) != len(urls)
+            or not all(isinstance(p, dict) and "url" in p for p in pages)
+        ):
+            raise ToolError(
+                "bad_response", f"crawl answer has no 'pages' list for {len(urls)} URLs: {str(answer)[:200]}"
+            )
         return pages

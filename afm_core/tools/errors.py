@@ -8,8 +8,16 @@ from __future__ import annotations
 #: ``circuit_open``: the pool's circuit for the tool is open after consecutive connection failures (no
 #: request was sent).
 ERROR_KINDS = (
-    "bad_input", "connect", "timeout", "http_5xx", "http_4xx", "rate_limited", "bad_json", "bad_response",
-    "blocked_url", "circuit_open",
+    "bad_input",
+    "connect",
+    "timeout",
+    "http_5xx",
+    "http_4xx",
+    "rate_limited",
+    "bad_json",
+    "bad_response",
+    "blocked_url",
+    "circuit_open",
 )
 
 

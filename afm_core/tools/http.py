@@ -60,9 +60,13 @@ class ToolLimits:
 
     def __post_init__(self) -> None:
         if self.timeout_s <= 0 or self.retries < 0 or self.concurrency < 1 or self.burst < 1:
-            raise ValueError(f"invalid ToolLimits {self}: need timeout_s > 0, retries >= 0, concurrency >= 1, burst >= 1")
+            raise ValueError(
+                f"invalid ToolLimits {self}: need timeout_s > 0, retries >= 0, concurrency >= 1, burst >= 1"
+            )
         if (self.circuit_failures is not None and self.circuit_failures < 1) or self.circuit_cooldown_s < 0:
-            raise ValueError(f"invalid ToolLimits {self}: circuit_failures must be >= 1 or None, circuit_cooldown_s >= 0")
+            raise ValueError(
+                f"invalid ToolLimits {self}: circuit_failures must be >= 1 or None, circuit_cooldown_s >= 0"
+            )
         if self.rate_per_s is not None and self.rate_per_s <= 0:
             raise ValueError(f"invalid ToolLimits {self}: rate_per_s must be > 0 or None")
 
@@ -118,7 +122,9 @@ class ToolHttp:
                 if e.retry_after_s is not None:
                     delay = min(e.retry_after_s, self.limits.retry_after_max_s)
                 else:
-                    delay = min(self.limits.backoff_max_s, self.limits.backoff_s * 2**attempt) * random.uniform(0.5, 1.0)
+                    delay = min(self.limits.backoff_max_s, self.limits.backoff_s * 2**attempt) * random.uniform(
+                        0.5, 1.0
+                    )
                 await asyncio.sleep(delay)
         raise AssertionError("unreachable")
 

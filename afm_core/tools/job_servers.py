@@ -47,7 +47,9 @@ def tool_servers(cfg: Mapping[str, Any], names: list[str], log_dir: Path):
     if not names:
         yield {}
         return
-    servers_cfg = OmegaConf.to_container(OmegaConf.load(repo_root() / "conf" / "tool_servers.yaml").servers, resolve=True)
+    servers_cfg = OmegaConf.to_container(
+        OmegaConf.load(repo_root() / "conf" / "tool_servers.yaml").servers, resolve=True
+    )
     for name, override in (cfg["tool_servers"].get("servers") or {}).items():
         servers_cfg[name] = None if override is None else {**(servers_cfg.get(name) or {}), **override}
     data_dir = Path(cfg["data_dir"]) if cfg.get("data_dir") else shared_data_dir()
@@ -57,5 +59,11 @@ def tool_servers(cfg: Mapping[str, Any], names: list[str], log_dir: Path):
 
 def reachable_tools_cfg(tools_cfg: Mapping[str, Any], urls: Mapping[str, str]) -> dict[str, Any]:
     """``tools_cfg`` with only the tools whose server is in ``urls`` (or that have a fixed ``url``)."""
-    return {**tools_cfg, "tools": {n: e for n, e in tools_cfg["tools"].items()
-                                   if (e is not None and e.get("server", "") in urls) or (e or {}).get("url")}}
+    return {
+        **tools_cfg,
+        "tools": {
+            n: e
+            for n, e in tools_cfg["tools"].items()
+            if (e is not None and e.get("server", "") in urls) or (e or {}).get("url")
+        },
+    }

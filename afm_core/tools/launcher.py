@@ -127,7 +127,18 @@ class ServerGroup:
         """
         ready = self.log_dir / f"{name}.ready.json"
         ready.unlink(missing_ok=True)
-        argv = [sys.executable, "-m", module or SERVER_MODULES[name], "--host", self.host, "--port", str(port), "--ready-file", str(ready), *args]
+        argv = [
+            sys.executable,
+            "-m",
+            module or SERVER_MODULES[name],
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--ready-file",
+            str(ready),
+            *args,
+        ]
         logfile = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child process
         log.info("starting %s: %s", name, " ".join(argv))
         self._procs[name] = subprocess.Popen(
@@ -163,7 +174,9 @@ class ServerGroup:
                     except OSError:
                         pass
                 if time.monotonic() > deadline:
-                    raise ServerStartError(f"{name} server not healthy after {self.startup_timeout_s:g} s:\n{self.log_tail(name)}")
+                    raise ServerStartError(
+                        f"{name} server not healthy after {self.startup_timeout_s:g} s:\n{self.log_tail(name)}"
+                    )
                 time.sleep(0.1)
         return {n: self.urls[n] for n in names}
 

@@ -165,7 +165,10 @@ class ToolPool:
             metrics.latency.observe(time.perf_counter() - start)
 
     async def call_many(
-        self, calls: Sequence[tuple[str, str]], trajectory_id: str | None = None, context: Mapping[str, str] | None = None
+        self,
+        calls: Sequence[tuple[str, str]],
+        trajectory_id: str | None = None,
+        context: Mapping[str, str] | None = None,
     ) -> list[str]:
         """Run ``(name, content)`` calls concurrently (as the upstream rollout's ``asyncio.gather``); results in order."""
         return list(await asyncio.gather(*(self.call(n, c, trajectory_id, context) for n, c in calls)))
@@ -233,7 +236,10 @@ class ToolPool:
                 log.error(
                     "tool %s: circuit OPEN after %d consecutive connection failures (is its server down?); "
                     "calls fail at once%s, next probe in %g s",
-                    tool.name, circuit.consecutive, " and raise (fail_fast)" if self.fail_fast else "", circuit.cooldown_s,
+                    tool.name,
+                    circuit.consecutive,
+                    " and raise (fail_fast)" if self.fail_fast else "",
+                    circuit.cooldown_s,
                 )
             elif change == REOPENED:
                 log.info("tool %s: probe failed, circuit stays open for %g s", tool.name, circuit.cooldown_s)

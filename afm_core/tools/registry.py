@@ -67,7 +67,9 @@ def build_tools(tools_cfg: Mapping, addresses: Mapping[str, str]) -> tuple[list[
             raise ValueError(f"tools.{name}: give exactly one of 'server' (a name in the addresses file) or 'url'")
         if server is not None:
             if server not in addresses:
-                raise ValueError(f"tools.{name}.server: {server!r} is not in the addresses file (has {sorted(addresses)})")
+                raise ValueError(
+                    f"tools.{name}.server: {server!r} is not in the addresses file (has {sorted(addresses)})"
+                )
             url = addresses[server]
         tool_limits = entry.pop("limits", None) or {}
         try:

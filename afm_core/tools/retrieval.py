@@ -59,7 +59,9 @@ def load_corpus(path: str | Path) -> list[Document]:
             if not isinstance(record, dict):
                 raise ValueError(f"{path}:{lineno}: expected a JSON object")
             for field in ("id", "contents"):
-                if not isinstance(record.get(field), (str, int)) or (field == "contents" and not isinstance(record[field], str)):
+                if not isinstance(record.get(field), (str, int)) or (
+                    field == "contents" and not isinstance(record[field], str)
+                ):
                     raise ValueError(f"{path}:{lineno}: field {field!r} missing or not a string")
             doc_id = str(record["id"])
             if doc_id in seen:
@@ -151,8 +153,11 @@ class DenseRetriever:
         with torch.inference_mode():
             for start in range(0, len(texts), self.batch_size):
                 batch = self._tokenizer(
-                    texts[start : start + self.batch_size], padding=True, truncation=True,
-                    max_length=self.max_length, return_tensors="pt",
+                    texts[start : start + self.batch_size],
+                    padding=True,
+                    truncation=True,
+                    max_length=self.max_length,
+                    return_tensors="pt",
                 )
                 hidden = self._model(**batch).last_hidden_state  # [batch, tokens, hidden]
                 mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # [batch, tokens, 1]

@@ -55,7 +55,9 @@ def parse_allow_entry(entry: str) -> _Allowed:
             return _Allowed(ipaddress.ip_network(host), int(port))
         return _Allowed(ipaddress.ip_network(text, strict=False), None)
     except ValueError as e:
-        raise ValueError(f"crawl allow-list entry {entry!r}: expected ADDRESS[/PREFIX], IPv4:PORT or [IPv6]:PORT ({e})") from e
+        raise ValueError(
+            f"crawl allow-list entry {entry!r}: expected ADDRESS[/PREFIX], IPv4:PORT or [IPv6]:PORT ({e})"
+        ) from e
 
 
 def refusal(ip: IPAddress) -> str | None:
@@ -120,7 +122,9 @@ class GuardedResolver(AbstractResolver):
         self.guard = guard
         self._resolver = resolver or DefaultResolver()
 
-    async def resolve(self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
         results = await self._resolver.resolve(host, port, family)
         kept, refused = [], None
         for result in results:

@@ -63,8 +63,12 @@ class WebSearchTool(Tool):
     async def call(self, args: str, http: ToolHttp, context: Mapping[str, str]) -> str:
         key = os.environ.get(self.api_key_env)
         headers = {"X-API-KEY": key} if key else None
-        answer = await http.request_json("POST", self.url, json_body={"q": args, "num": self.num_results}, headers=headers)
+        answer = await http.request_json(
+            "POST", self.url, json_body={"q": args, "num": self.num_results}, headers=headers
+        )
         organic = answer.get("organic", []) if isinstance(answer, dict) else None
-        if not isinstance(organic, list) or not all(isinstance(p, dict) and isinstance(p.get("link"), str) for p in organic):
+        if not isinstance(organic, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("link"), str) for p in organic
+        ):
             raise ToolError("bad_response", f"search answer has no valid 'organic' list: {str(answer)[:200]}")
         return format_results(args, organic[: self.num_results])

@@ -73,8 +73,12 @@ class WikiSearchTool(Tool):
         result = answer.get("result") if isinstance(answer, dict) else None
         hits = result[0] if isinstance(result, list) and result else None
         if not isinstance(hits, list) or not all(
-            isinstance(h, dict) and isinstance(h.get("document"), dict) and isinstance(h["document"].get("contents"), str)
+            isinstance(h, dict)
+            and isinstance(h.get("document"), dict)
+            and isinstance(h["document"].get("contents"), str)
             for h in hits
         ):
-            raise ToolError("bad_response", f"retrieval answer is not {{'result': [[{{'document': ...}}]]}}: {str(answer)[:200]}")
+            raise ToolError(
+                "bad_response", f"retrieval answer is not {{'result': [[{{'document': ...}}]]}}: {str(answer)[:200]}"
+            )
         return hits

@@ -103,8 +103,14 @@ class Checkpointer:
         self.keep_last = keep_last
         self.layout = layout
 
-    def save(self, step: int, model_chunks: list[torch.nn.Module], optimizer: Any,
-             common: dict[str, Any], rank_state: dict[str, Any]) -> Path:
+    def save(
+        self,
+        step: int,
+        model_chunks: list[torch.nn.Module],
+        optimizer: Any,
+        common: dict[str, Any],
+        rank_state: dict[str, Any],
+    ) -> Path:
         """Write checkpoint ``step_{step}`` atomically; every rank must call it.
 
         Args:
@@ -132,13 +138,15 @@ class Checkpointer:
             for name in ("metadata.json", "common.pt"):
                 if not (temp / name).is_file():
                     raise RuntimeError(f"dist_checkpointing.save left no {name} in {temp}")
-            publish_checkpoint(self.root, step, layout=_layout_key(self.layout), engine="megatron",
-                               keep_last=self.keep_last)
+            publish_checkpoint(
+                self.root, step, layout=_layout_key(self.layout), engine="megatron", keep_last=self.keep_last
+            )
         torch.distributed.barrier()
         return self.root / checkpoint_dir_name(step)
 
-    def load(self, path: str | Path, model_chunks: list[torch.nn.Module], optimizer: Any
-             ) -> tuple[dict[str, Any], dict[str, Any]]:
+    def load(
+        self, path: str | Path, model_chunks: list[torch.nn.Module], optimizer: Any
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Load model + optimizer shards from ``path`` (any TP/PP/DP layout) and restore this rank's RNG.
 
         Returns:
@@ -151,8 +159,9 @@ class Checkpointer:
         path = Path(path)
         marker = read_marker(path)
         if marker.get("engine", "megatron") != "megatron":
-            raise ValueError(f"{path}: written by the {marker['engine']} engine; resume it with "
-                             f"trainer.engine={marker['engine']}")
+            raise ValueError(
+                f"{path}: written by the {marker['engine']} engine; resume it with trainer.engine={marker['engine']}"
+            )
         state = _sharded_state_dict(model_chunks, optimizer, is_loading=True)
         loaded = dist_checkpointing.load(state, str(path))
         if len(model_chunks) == 1:
@@ -165,8 +174,12 @@ class Checkpointer:
         saved_layout = marker["layout"]
         rank_file = path / f"rank_{self.layout.rank:05d}.pt"
         if saved_layout != _layout_key(self.layout) or not rank_file.is_file():
-            log.warning("checkpoint %s was saved with layout %s, now %s: RNG and data-loader state not restored",
-                        path, saved_layout, _layout_key(self.layout))
+            log.warning(
+                "checkpoint %s was saved with layout %s, now %s: RNG and data-loader state not restored",
+                path,
+                saved_layout,
+                _layout_key(self.layout),
+            )
             return loaded["afm"], {}
         # Our own file (RNG states hold python tuples and numpy arrays): not weights-only.
         rank_state = torch.load(rank_file, map_location="cpu", weights_only=False)

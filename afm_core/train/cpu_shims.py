@@ -47,8 +47,23 @@ _APPLIED = False
 
 # Torch factories megatron calls with device="cuda" (and a few more that accept a device argument).
 _FACTORIES = (
-    "empty", "empty_like", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "tensor",
-    "as_tensor", "arange", "rand", "randn", "randint", "randperm", "eye", "linspace",
+    "empty",
+    "empty_like",
+    "zeros",
+    "zeros_like",
+    "ones",
+    "ones_like",
+    "full",
+    "full_like",
+    "tensor",
+    "as_tensor",
+    "arange",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "eye",
+    "linspace",
 )
 _CUDA_TYPE_NAMES = {
     torch.float32: "torch.cuda.FloatTensor",

@@ -76,8 +76,16 @@ def _line_of(text: str, dotted: str) -> int | None:
     return text.count("\n", 0, offset) + 1
 
 
-def deepspeed_config(path: str | os.PathLike[str], *, micro_batch_size: int, grad_accum_steps: int, dp: int,
-                     grad_clip: float, bf16: bool, hidden_size: int) -> dict[str, Any]:
+def deepspeed_config(
+    path: str | os.PathLike[str],
+    *,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    dp: int,
+    grad_clip: float,
+    bf16: bool,
+    hidden_size: int,
+) -> dict[str, Any]:
     """Read a DeepSpeed JSON and fill its ``"auto"`` values from the trainer settings, like HF Trainer.
 
     Args:
@@ -125,7 +133,7 @@ def deepspeed_config(path: str | os.PathLike[str], *, micro_batch_size: int, gra
             node[leaf] = value
         elif match and current != value:
             raise DeepSpeedConfigError(
-                f"{where(field)}: {current!r} disagrees with {source} = {value!r}; set it to \"auto\""
+                f'{where(field)}: {current!r} disagrees with {source} = {value!r}; set it to "auto"'
             )
 
     fill("train_micro_batch_size_per_gpu", micro_batch_size, "trainer.micro_batch_size")
@@ -135,14 +143,16 @@ def deepspeed_config(path: str | os.PathLike[str], *, micro_batch_size: int, gra
     fill("bf16.enabled", bf16, "trainer.precision")
     fill("fp16.enabled", False, "trainer.precision (fp16 is not supported: use bf16 or fp32)")
     zero = config.get("zero_optimization", {})
-    for field, value in (("reduce_bucket_size", hidden_size * hidden_size),
-                         ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
-                         ("stage3_param_persistence_threshold", 10 * hidden_size)):
+    for field, value in (
+        ("reduce_bucket_size", hidden_size * hidden_size),
+        ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
+        ("stage3_param_persistence_threshold", 10 * hidden_size),
+    ):
         if zero.get(field) == "auto":
             zero[field] = value
     left = [k for k, v in _flatten(config).items() if v == "auto"]
     if left:
-        raise DeepSpeedConfigError(f"{where(left[0])}: \"auto\" is not supported for this field; set a value")
+        raise DeepSpeedConfigError(f'{where(left[0])}: "auto" is not supported for this field; set a value')
     return config
 
 
@@ -164,8 +174,9 @@ def zero_stage(config: dict[str, Any]) -> int:
 # -- process group -----------------------------------------------------------------------------------------
 
 
-def init_deepspeed_distributed(parallel: Any, *, num_threads: int | None = None,
-                               timeout_min: int = 30) -> ParallelLayout:
+def init_deepspeed_distributed(
+    parallel: Any, *, num_threads: int | None = None, timeout_min: int = 30
+) -> ParallelLayout:
     """Join the process group through DeepSpeed (NCCL on GPU, gloo on CPU): one data-parallel group.
 
     Reads the ``env://`` variables RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (LOCAL_WORLD_SIZE
@@ -178,13 +189,17 @@ def init_deepspeed_distributed(parallel: Any, *, num_threads: int | None = None,
     """
     sizes = {f"parallel.{k}": int(parallel.get(k, 1) or 1) for k in ("tp", "pp", "cp")}
     if any(v != 1 for v in sizes.values()):
-        raise ValueError(f"trainer.engine=deepspeed shards over data-parallel ranks only (ZeRO-3); got {sizes}: "
-                         "set parallel.tp=1 parallel.pp=1 parallel.cp=1, or use trainer.engine=megatron")
+        raise ValueError(
+            f"trainer.engine=deepspeed shards over data-parallel ranks only (ZeRO-3); got {sizes}: "
+            "set parallel.tp=1 parallel.pp=1 parallel.cp=1, or use trainer.engine=megatron"
+        )
     env = {}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         if not os.environ.get(name):
-            raise RuntimeError(f"environment variable {name} is not set; the launcher must export RANK, WORLD_SIZE, "
-                               "LOCAL_RANK, MASTER_ADDR and MASTER_PORT")
+            raise RuntimeError(
+                f"environment variable {name} is not set; the launcher must export RANK, WORLD_SIZE, "
+                "LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
+            )
         if name != "MASTER_ADDR":
             try:
                 env[name] = int(os.environ[name])
@@ -202,10 +217,28 @@ def init_deepspeed_distributed(parallel: Any, *, num_threads: int | None = None,
     import deepspeed
 
     set_num_threads(num_threads, local_world_size)
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, init_method="env://",
-                               rank=rank, world_size=world_size, timeout=timedelta(minutes=timeout_min))
-    return ParallelLayout(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
-                          tp=1, pp=1, dp=world_size, vpp=None, tp_rank=0, pp_rank=0, dp_rank=rank, device=device)
+    deepspeed.init_distributed(
+        dist_backend=backend,
+        auto_mpi_discovery=False,
+        init_method="env://",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(minutes=timeout_min),
+    )
+    return ParallelLayout(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        tp=1,
+        pp=1,
+        dp=world_size,
+        vpp=None,
+        tp_rank=0,
+        pp_rank=0,
+        dp_rank=rank,
+        device=device,
+    )
 
 
 # -- model, optimizer, schedule ----------------------------------------------------------------------------
@@ -256,8 +289,9 @@ def adamw_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict
     ]
 
 
-def load_zero_model(hf_dir: str | os.PathLike[str], ds_config: dict[str, Any], dtype: torch.dtype,
-                    recompute: str | None) -> torch.nn.Module:
+def load_zero_model(
+    hf_dir: str | os.PathLike[str], ds_config: dict[str, Any], dtype: torch.dtype, recompute: str | None
+) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_pretrained(hf_dir)`` with SDPA attention, partitioned while it loads.
 
     Under ZeRO-3, transformers builds the model inside ``deepspeed.zero.Init`` (it sees the live
@@ -270,8 +304,9 @@ def load_zero_model(hf_dir: str | os.PathLike[str], ds_config: dict[str, Any], d
 
     zero3 = HfDeepSpeedConfig(ds_config)  # noqa: F841 - must stay alive during from_pretrained
     try:
-        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=dtype, attn_implementation="sdpa",
-                                                     local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            hf_dir, dtype=dtype, attn_implementation="sdpa", local_files_only=True
+        )
     finally:
         unset_hf_deepspeed_config()
     if recompute:
@@ -298,20 +333,33 @@ class DeepSpeedSFTTrainer(SFTLoop):
         ValueError: the batch sizes do not divide, or ``ds_config`` accumulates another number of micro batches.
     """
 
-    def __init__(self, cfg: Any, layout: ParallelLayout, model: torch.nn.Module, ds_config: dict[str, Any],
-                 train_data: MicroBatchSource, eval_batches: list[dict[str, torch.Tensor]], run_dir: str | Path,
-                 max_steps: int, resume_from: str | Path | None = None):
+    def __init__(
+        self,
+        cfg: Any,
+        layout: ParallelLayout,
+        model: torch.nn.Module,
+        ds_config: dict[str, Any],
+        train_data: MicroBatchSource,
+        eval_batches: list[dict[str, torch.Tensor]],
+        run_dir: str | Path,
+        max_steps: int,
+        resume_from: str | Path | None = None,
+    ):
         import deepspeed
 
         super().__init__(cfg, layout, train_data, eval_batches, run_dir, max_steps, resume_from)
         if ds_config["gradient_accumulation_steps"] != self.num_microbatches:
-            raise ValueError(f"DeepSpeed gradient_accumulation_steps={ds_config['gradient_accumulation_steps']}, "
-                             f"but the trainer runs {self.num_microbatches} micro batches per step")
+            raise ValueError(
+                f"DeepSpeed gradient_accumulation_steps={ds_config['gradient_accumulation_steps']}, "
+                f"but the trainer runs {self.num_microbatches} micro batches per step"
+            )
         self.ds_config = ds_config
 
         optimizer = torch.optim.AdamW(
-            adamw_param_groups(model, cfg.optim.weight_decay), lr=cfg.optim.lr,
-            betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2), eps=cfg.optim.adam_eps,
+            adamw_param_groups(model, cfg.optim.weight_decay),
+            lr=cfg.optim.lr,
+            betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
+            eps=cfg.optim.adam_eps,
         )
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, max_steps)
@@ -381,8 +429,9 @@ class DeepSpeedSFTTrainer(SFTLoop):
             torch.save({"layout": self._layout_key(), "rng": rng_state(), "data": self.train_data.state_dict()}, path)
         torch.distributed.barrier()
         if self.layout.is_rank0:
-            publish_checkpoint(root, step, layout=self._layout_key(), engine="deepspeed",
-                               keep_last=int(self.cfg.trainer.keep_last))
+            publish_checkpoint(
+                root, step, layout=self._layout_key(), engine="deepspeed", keep_last=int(self.cfg.trainer.keep_last)
+            )
         torch.distributed.barrier()
         return root / checkpoint_dir_name(step)
 
@@ -400,10 +449,13 @@ class DeepSpeedSFTTrainer(SFTLoop):
         if marker.get("engine") != "deepspeed":
             raise ValueError(f"{path}: written by the megatron engine; resume it with trainer.engine=megatron")
         if marker["layout"] != self._layout_key():
-            raise ValueError(f"{path}: saved with layout {marker['layout']}, this run has {self._layout_key()}; "
-                             "ZeRO-3 checkpoints resume on the same number of data-parallel ranks")
-        _, client_state = self.engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                                      load_lr_scheduler_states=False)
+            raise ValueError(
+                f"{path}: saved with layout {marker['layout']}, this run has {self._layout_key()}; "
+                "ZeRO-3 checkpoints resume on the same number of data-parallel ranks"
+            )
+        _, client_state = self.engine.load_checkpoint(
+            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
         self.progress = Progress(**client_state["progress"])
         self.scheduler.load_state_dict(client_state["scheduler"])
         # Our own file (RNG states hold python tuples and numpy arrays): not weights-only.
@@ -438,8 +490,16 @@ class DeepSpeedSFTTrainer(SFTLoop):
 # -- entry points --------------------------------------------------------------------------------------------
 
 
-def train_deepspeed(cfg: Any, layout: ParallelLayout, data: Any, hf_dir: str | os.PathLike[str], tokenizer: Any,
-                    run_dir: str | Path, max_steps: int, resume_from: str | Path | None = None) -> dict[str, Any]:
+def train_deepspeed(
+    cfg: Any,
+    layout: ParallelLayout,
+    data: Any,
+    hf_dir: str | os.PathLike[str],
+    tokenizer: Any,
+    run_dir: str | Path,
+    max_steps: int,
+    resume_from: str | Path | None = None,
+) -> dict[str, Any]:
     """Train the HF model in ``hf_dir`` with ZeRO on this rank's share of ``data``; export it to ``RUN_DIR/hf``.
 
     Args:
@@ -461,22 +521,38 @@ def train_deepspeed(cfg: Any, layout: ParallelLayout, data: Any, hf_dir: str | o
     set_seed(int(t.seed))  # python, numpy, torch (and CUDA): what megatron's init_distributed seeds
     per_pass = int(t.micro_batch_size) * layout.dp
     if t.global_batch_size % per_pass:
-        raise ValueError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
-                         f"trainer.micro_batch_size * dp = {t.micro_batch_size} * {layout.dp}")
+        raise ValueError(
+            f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
+            f"trainer.micro_batch_size * dp = {t.micro_batch_size} * {layout.dp}"
+        )
     dtype = training_dtype(t.precision)
     hidden_size = AutoConfig.from_pretrained(hf_dir, local_files_only=True).hidden_size
     config_path = t.get("deepspeed_config") or DEFAULT_DEEPSPEED_CONFIG
-    ds_config = deepspeed_config(config_path, micro_batch_size=int(t.micro_batch_size),
-                                 grad_accum_steps=t.global_batch_size // per_pass, dp=layout.dp,
-                                 grad_clip=t.grad_clip, bf16=dtype == torch.bfloat16, hidden_size=hidden_size)
+    ds_config = deepspeed_config(
+        config_path,
+        micro_batch_size=int(t.micro_batch_size),
+        grad_accum_steps=t.global_batch_size // per_pass,
+        dp=layout.dp,
+        grad_clip=t.grad_clip,
+        bf16=dtype == torch.bfloat16,
+        hidden_size=hidden_size,
+    )
     model = load_zero_model(hf_dir, ds_config, dtype, cfg.parallel.get("recompute"))
-    train = data.train_iterator(seed=t.seed, micro_batch_size=int(t.micro_batch_size), dp_rank=layout.dp_rank,
-                                dp_size=layout.dp)
+    train = data.train_iterator(
+        seed=t.seed, micro_batch_size=int(t.micro_batch_size), dp_rank=layout.dp_rank, dp_size=layout.dp
+    )
     eval_batches = full_micro_batches(  # the Megatron engine's held-out set, so both engines' eval losses compare
-        data.heldout_batches(micro_batch_size=int(t.micro_batch_size), dp_rank=layout.dp_rank, dp_size=layout.dp,
-                             max_sequences=int(t.eval_sequences)), int(t.micro_batch_size))
-    trainer = DeepSpeedSFTTrainer(cfg, layout, model, ds_config, train, eval_batches, run_dir, max_steps,
-                                  resume_from=resume_from)
+        data.heldout_batches(
+            micro_batch_size=int(t.micro_batch_size),
+            dp_rank=layout.dp_rank,
+            dp_size=layout.dp,
+            max_sequences=int(t.eval_sequences),
+        ),
+        int(t.micro_batch_size),
+    )
+    trainer = DeepSpeedSFTTrainer(
+        cfg, layout, model, ds_config, train, eval_batches, run_dir, max_steps, resume_from=resume_from
+    )
     summary = trainer.fit()
     export = None
     if t.export_hf and not summary["stopped_early"]:

@@ -100,8 +100,9 @@ def seed_everything(seed: int, pp_rank: int) -> None:
     model_parallel_cuda_manual_seed(stage_seed)
 
 
-def init_distributed(parallel: Any, *, seed: int, num_threads: int | None = None,
-                     timeout_min: int = 30) -> ParallelLayout:
+def init_distributed(
+    parallel: Any, *, seed: int, num_threads: int | None = None, timeout_min: int = 30
+) -> ParallelLayout:
     """Join the process group (NCCL on GPU, gloo on CPU) and build megatron's TP/PP/DP groups.
 
     Args:
@@ -137,7 +138,10 @@ def init_distributed(parallel: Any, *, seed: int, num_threads: int | None = None
     set_num_threads(num_threads, local_world_size)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
-            backend=backend, init_method="env://", rank=rank, world_size=world_size,
+            backend=backend,
+            init_method="env://",
+            rank=rank,
+            world_size=world_size,
             timeout=timedelta(minutes=timeout_min),
         )
     ps.initialize_model_parallel(
@@ -148,10 +152,18 @@ def init_distributed(parallel: Any, *, seed: int, num_threads: int | None = None
         distributed_timeout_minutes=timeout_min,
     )
     layout = ParallelLayout(
-        rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
-        tp=tp, pp=pp, dp=ps.get_data_parallel_world_size(), vpp=vpp,
-        tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_rank=ps.get_data_parallel_rank(), device=device,
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_world_size=local_world_size,
+        tp=tp,
+        pp=pp,
+        dp=ps.get_data_parallel_world_size(),
+        vpp=vpp,
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        device=device,
     )
     seed_everything(seed, layout.pp_rank)
     return layout

@@ -42,8 +42,9 @@ def masked_token_loss(
     return loss_sum, num_tokens, {LOSS_KEY: report}
 
 
-def reduce_reports(reports: list[dict[str, torch.Tensor]],
-                   groups: list[torch.distributed.ProcessGroup]) -> tuple[float, int]:
+def reduce_reports(
+    reports: list[dict[str, torch.Tensor]], groups: list[torch.distributed.ProcessGroup]
+) -> tuple[float, int]:
     """Global token-mean loss and token count from the per-micro-batch reports of one step.
 
     Args:
@@ -79,17 +80,22 @@ class _LinearCrossEntropy(torch.autograd.Function):
     with per-row gradients instead of a reduced loss."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,  # type: ignore[override]
-                chunk_rows: int) -> torch.Tensor:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,  # type: ignore[override]
+        chunk_rows: int,
+    ) -> torch.Tensor:
         valid = labels >= 0
         targets = labels.clamp(min=0)
         losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(losses)
         for a in range(0, hidden.shape[0], chunk_rows):
-            logits = (hidden[a:a + chunk_rows] @ weight.t()).float()
-            lse[a:a + chunk_rows] = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, targets[a:a + chunk_rows, None]).squeeze(1)
-            losses[a:a + chunk_rows] = lse[a:a + chunk_rows] - target_logit
+            logits = (hidden[a : a + chunk_rows] @ weight.t()).float()
+            lse[a : a + chunk_rows] = torch.logsumexp(logits, dim=-1)
+            target_logit = logits.gather(1, targets[a : a + chunk_rows, None]).squeeze(1)
+            losses[a : a + chunk_rows] = lse[a : a + chunk_rows] - target_logit
         losses.masked_fill_(~valid, 0.0)
         ctx.save_for_backward(hidden, weight, targets, valid, lse)
         ctx.chunk_rows = chunk_rows
@@ -100,18 +106,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden, weight, targets, valid, lse = ctx.saved_tensors
         scale = (grad_losses.float() * valid)[:, None]
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
         rows = torch.arange(min(ctx.chunk_rows, hidden.shape[0]), device=hidden.device)
         for a in range(0, hidden.shape[0], ctx.chunk_rows):
-            h = hidden[a:a + ctx.chunk_rows]
+            h = hidden[a : a + ctx.chunk_rows]
             n = h.shape[0]
-            grad_logits = (h @ weight.t()).float().sub_(lse[a:a + n, None]).exp_()  # softmax
-            grad_logits[rows[:n], targets[a:a + n]] -= 1.0
-            grad_logits.mul_(scale[a:a + n])
+            grad_logits = (h @ weight.t()).float().sub_(lse[a : a + n, None]).exp_()  # softmax
+            grad_logits[rows[:n], targets[a : a + n]] -= 1.0
+            grad_logits.mul_(scale[a : a + n])
             grad_logits = grad_logits.to(hidden.dtype)
             if grad_hidden is not None:
-                torch.matmul(grad_logits, weight, out=grad_hidden[a:a + n])
+                torch.matmul(grad_logits, weight, out=grad_hidden[a : a + n])
             if grad_weight is not None:
                 grad_weight.addmm_(grad_logits.t().float(), h.float())
         if grad_weight is not None:
@@ -119,8 +126,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         chunk_bytes: int = LINEAR_CE_CHUNK_BYTES) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_bytes: int = LINEAR_CE_CHUNK_BYTES
+) -> torch.Tensor:
     """Cross entropy of the output layer's logits ``hidden @ weight.T`` per row, without materialising them.
 
     Equal to ``F.cross_entropy(hidden @ weight.T, labels, reduction="none")`` in fp32 (logits upcast as

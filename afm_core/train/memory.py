@@ -147,8 +147,10 @@ def main(argv: list[str]) -> None:
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="sft", overrides=argv)
     est = estimate_from_config(cfg)
-    print(f"model={cfg.model.name} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
-          f"seq_length={cfg.trainer.seq_length} params/GPU={est.params_per_gpu / 1e9:.2f}B")
+    print(
+        f"model={cfg.model.name} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
+        f"seq_length={cfg.trainer.seq_length} params/GPU={est.params_per_gpu / 1e9:.2f}B"
+    )
     for key, gib in est.as_gib().items():
         print(f"  {key:>18}: {gib:6.1f} GiB")
 

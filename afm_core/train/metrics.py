@@ -76,8 +76,14 @@ def plot_losses(metrics_path: str | Path, png_path: str | Path) -> None:
     plt.close(fig)
 
 
-def plot_panels(metrics_path: str | Path, png_path: str | Path, panels: list[tuple[str, str]], *,
-                xlabel: str = "step", split: str = "train") -> None:
+def plot_panels(
+    metrics_path: str | Path,
+    png_path: str | Path,
+    panels: list[tuple[str, str]],
+    *,
+    xlabel: str = "step",
+    split: str = "train",
+) -> None:
     """One panel per ``(metric key, label)`` against ``step`` from the ``split`` lines of ``metrics.jsonl``,
     side by side in ``png_path`` (atomic); missing or null values are skipped."""
     import matplotlib

@@ -29,9 +29,15 @@ def warmup_steps(warmup_ratio: float, max_steps: int) -> int:
     return min(math.ceil(warmup_ratio * max_steps), max_steps - 1)
 
 
-def build_optimizer(model_chunks: list[torch.nn.Module], optim: Any, *, max_steps: int, grad_clip: float,
-                    params_dtype: torch.dtype, distributed_optimizer: bool
-                    ) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
+def build_optimizer(
+    model_chunks: list[torch.nn.Module],
+    optim: Any,
+    *,
+    max_steps: int,
+    grad_clip: float,
+    params_dtype: torch.dtype,
+    distributed_optimizer: bool,
+) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     """Megatron AdamW over the DDP-wrapped ``model_chunks`` and its LR scheduler (one step = one update).
 
     Args:

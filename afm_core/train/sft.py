@@ -50,9 +50,11 @@ def resolve_max_steps(trainer: Any, num_train_sequences: int) -> int:
     else:
         raise ValueError("set trainer.max_steps or trainer.epochs")
     if steps < 1:
-        raise ValueError(f"the run has {steps} optimizer steps (trainer.max_steps={trainer.max_steps}, "
-                         f"trainer.epochs={trainer.epochs}, {num_train_sequences} train sequences, "
-                         f"trainer.global_batch_size={trainer.global_batch_size})")
+        raise ValueError(
+            f"the run has {steps} optimizer steps (trainer.max_steps={trainer.max_steps}, "
+            f"trainer.epochs={trainer.epochs}, {num_train_sequences} train sequences, "
+            f"trainer.global_batch_size={trainer.global_batch_size})"
+        )
     return steps
 
 
@@ -76,9 +78,15 @@ def _data_module(cfg: DictConfig, hf_dir: Path):
     from afm_core.data.prepare import ensure_prepared
 
     data_dir = ensure_prepared(cfg.data)
-    return SFTDataModule([data_dir / "train.parquet"], hf_dir, int(cfg.trainer.seq_length),
-                         heldout_paths=[data_dir / "heldout.parquet"], pack=bool(cfg.data.pack),
-                         mask_observations=bool(cfg.data.mask_observations), dense_mask=needs_dense_mask(cfg))
+    return SFTDataModule(
+        [data_dir / "train.parquet"],
+        hf_dir,
+        int(cfg.trainer.seq_length),
+        heldout_paths=[data_dir / "heldout.parquet"],
+        pack=bool(cfg.data.pack),
+        mask_observations=bool(cfg.data.mask_observations),
+        dense_mask=needs_dense_mask(cfg),
+    )
 
 
 def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_steps: int) -> dict[str, Any]:
@@ -101,17 +109,25 @@ def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_s
     if not te and p.sequence_parallel:
         raise ValueError("parallel.sequence_parallel needs transformer-engine (GPU)")
     if p.distributed_optimizer and not layout.on_gpu:
-        raise ValueError("parallel.distributed_optimizer needs a GPU: on CPU megatron-core 0.16.1 falls back to "
-                         "torch AdamW, whose state the DistributedOptimizer cannot checkpoint")
+        raise ValueError(
+            "parallel.distributed_optimizer needs a GPU: on CPU megatron-core 0.16.1 falls back to "
+            "torch AdamW, whose state the DistributedOptimizer cannot checkpoint"
+        )
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     mcore_config = mcore_config_from_hf(
-        hf_config, tp=layout.tp, pp=layout.pp, params_dtype=training_dtype(t.precision),
-        virtual_pipeline_model_parallel_size=layout.vpp, sequence_parallel=bool(p.sequence_parallel), **_RECOMPUTE[p.recompute],
+        hf_config,
+        tp=layout.tp,
+        pp=layout.pp,
+        params_dtype=training_dtype(t.precision),
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        sequence_parallel=bool(p.sequence_parallel),
+        **_RECOMPUTE[p.recompute],
     )
 
     def provider(pre_process: bool, post_process: bool, vp_stage: int | None):
-        return build_gpt_model(hf_config, mcore_config, pre_process=pre_process, post_process=post_process,
-                               vp_stage=vp_stage).to(layout.device)
+        return build_gpt_model(
+            hf_config, mcore_config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
+        ).to(layout.device)
 
     chunks = build_model_chunks(provider, layout)
     resume_from = cfg.get("resume")
@@ -120,8 +136,11 @@ def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_s
     mbs = int(t.micro_batch_size)
     train = data.train_iterator(seed=int(t.seed), micro_batch_size=mbs, dp_rank=layout.dp_rank, dp_size=layout.dp)
     eval_batches = full_micro_batches(
-        data.heldout_batches(micro_batch_size=mbs, dp_rank=layout.dp_rank, dp_size=layout.dp,
-                             max_sequences=int(t.eval_sequences)), mbs)
+        data.heldout_batches(
+            micro_batch_size=mbs, dp_rank=layout.dp_rank, dp_size=layout.dp, max_sequences=int(t.eval_sequences)
+        ),
+        mbs,
+    )
     trainer = SFTTrainer(cfg, layout, chunks, train, eval_batches, cfg.run_dir, max_steps, resume_from=resume_from)
     summary = trainer.fit()
     export = None
@@ -172,20 +191,29 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
     try:
         if layout.is_rank0:
             stats = data.train.stats
-            print(f"[sft] {cfg.model.name} on {layout.device.type}: tp={layout.tp} pp={layout.pp} dp={layout.dp}, "
-                  f"{max_steps} steps x {t.global_batch_size} sequences of {t.seq_length} tokens; train: "
-                  f"{stats.num_sequences} packed sequences from {stats.num_examples} trajectories, "
-                  f"{stats.num_target_tokens} target tokens; run dir {cfg.run_dir}", flush=True)
+            print(
+                f"[sft] {cfg.model.name} on {layout.device.type}: tp={layout.tp} pp={layout.pp} dp={layout.dp}, "
+                f"{max_steps} steps x {t.global_batch_size} sequences of {t.seq_length} tokens; train: "
+                f"{stats.num_sequences} packed sequences from {stats.num_examples} trajectories, "
+                f"{stats.num_target_tokens} target tokens; run dir {cfg.run_dir}",
+                flush=True,
+            )
         if t.engine == "deepspeed":
-            summary = train_deepspeed(cfg, layout, data, hf_dir, data.tokenizer, cfg.run_dir, max_steps,
-                                      resume_from=cfg.get("resume"))
+            summary = train_deepspeed(
+                cfg, layout, data, hf_dir, data.tokenizer, cfg.run_dir, max_steps, resume_from=cfg.get("resume")
+            )
         else:
             summary = _train_megatron(cfg, layout, data, hf_dir, max_steps)
     finally:
         destroy_distributed()
     before, after = summary.get("eval_loss_before"), summary.get("eval_loss_after")
-    summary = {**summary, "max_steps": max_steps, "run_dir": str(cfg.run_dir), "data_open_s": data_open_s,
-               "eval_loss_drop": 1.0 - after / before if before and after is not None else None}
+    summary = {
+        **summary,
+        "max_steps": max_steps,
+        "run_dir": str(cfg.run_dir),
+        "data_open_s": data_open_s,
+        "eval_loss_drop": 1.0 - after / before if before and after is not None else None,
+    }
     if layout.is_rank0:
         print_summary(summary)
     return summary
@@ -193,6 +221,7 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
 
 def print_summary(summary: dict[str, Any]) -> None:
     """One human-readable block on stdout."""
+
     def fmt(value: Any, spec: str) -> str:
         return "n/a" if value is None else format(value, spec)
 

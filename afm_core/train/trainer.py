@@ -110,18 +110,24 @@ def thd_packed_seq_params(cu_seqlens: list[torch.Tensor], seq_length: int, devic
     parts = []
     for row, offsets in enumerate(cu_seqlens):
         offsets = torch.as_tensor(offsets, dtype=torch.int64).flatten()
-        if offsets.numel() == 0 or int(offsets[0]) != 0 or bool((offsets[1:] < offsets[:-1]).any()) \
-                or int(offsets[-1]) > seq_length:
-            raise ValueError(f"cu_seqlens of row {row} must rise from 0 to at most seq_length={seq_length}, "
-                             f"got {offsets.tolist()}")
+        if (
+            offsets.numel() == 0
+            or int(offsets[0]) != 0
+            or bool((offsets[1:] < offsets[:-1]).any())
+            or int(offsets[-1]) > seq_length
+        ):
+            raise ValueError(
+                f"cu_seqlens of row {row} must rise from 0 to at most seq_length={seq_length}, got {offsets.tolist()}"
+            )
         if int(offsets[-1]) < seq_length:
             offsets = torch.cat([offsets, torch.tensor([seq_length])])
-        parts.append(offsets[int(row > 0):] + row * seq_length)
+        parts.append(offsets[int(row > 0) :] + row * seq_length)
     offsets = torch.cat(parts).to(torch.int32)
     max_len = int((offsets[1:] - offsets[:-1]).max())
     offsets = offsets.to(device)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
-                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets, max_seqlen_q=max_len, max_seqlen_kv=max_len
+    )
 
 
 def reads_packed_seq_params(chunks: list[torch.nn.Module]) -> bool:
@@ -130,9 +136,12 @@ def reads_packed_seq_params(chunks: list[torch.nn.Module]) -> bool:
     ``DotProductAttention`` rejects them)."""
     from afm_core.models.attention import SDPAttention
 
-    kinds = [isinstance(m, SDPAttention) or type(m).__name__ == "TEDotProductAttention"
-             for chunk in chunks for m in chunk.modules() if type(m).__name__.endswith("DotProductAttention")
-             or isinstance(m, SDPAttention)]
+    kinds = [
+        isinstance(m, SDPAttention) or type(m).__name__ == "TEDotProductAttention"
+        for chunk in chunks
+        for m in chunk.modules()
+        if type(m).__name__.endswith("DotProductAttention") or isinstance(m, SDPAttention)
+    ]
     return bool(kinds) and all(kinds)
 
 
@@ -145,8 +154,11 @@ class _DistributedDataParallel(DistributedDataParallel):
     """
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
-        if self.ddp_config.use_distributed_optimizer or self.dp_cp_group.size() > 1 \
-                or self.expert_parallel_bucket_groups:
+        if (
+            self.ddp_config.use_distributed_optimizer
+            or self.dp_cp_group.size() > 1
+            or self.expert_parallel_bucket_groups
+        ):
             super().finish_grad_sync(force_all_reduce=force_all_reduce)
 
 
@@ -176,11 +188,13 @@ def build_model_chunks(model_provider: Any, layout: ParallelLayout) -> list[torc
     chunks = []
     for vp_stage in range(layout.vpp or 1):
         stage = vp_stage if layout.vpp else None
-        chunks.append(model_provider(
-            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            vp_stage=stage,
-        ))
+        chunks.append(
+            model_provider(
+                pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+                post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+                vp_stage=stage,
+            )
+        )
     return chunks
 
 
@@ -206,9 +220,16 @@ class SFTLoop(ABC):
     optimizer: Any
     report_groups: list[Any]
 
-    def __init__(self, cfg: Any, layout: ParallelLayout, train_data: MicroBatchSource,
-                 eval_batches: list[dict[str, torch.Tensor]], run_dir: str | Path, max_steps: int,
-                 resume_from: str | Path | None = None):
+    def __init__(
+        self,
+        cfg: Any,
+        layout: ParallelLayout,
+        train_data: MicroBatchSource,
+        eval_batches: list[dict[str, torch.Tensor]],
+        run_dir: str | Path,
+        max_steps: int,
+        resume_from: str | Path | None = None,
+    ):
         self.cfg, self.layout, self.max_steps = cfg, layout, max_steps
         self.run_dir = Path(run_dir)
         self.resume_from = Path(resume_from) if resume_from else None
@@ -250,8 +271,10 @@ class SFTLoop(ABC):
             if key not in batch:
                 raise KeyError(f"micro batch has no {key!r} (keys: {sorted(batch)})")
             if tuple(batch[key].shape) != shape:
-                raise ValueError(f"micro batch {key!r} has shape {tuple(batch[key].shape)}, expected "
-                                 f"[trainer.micro_batch_size, trainer.seq_length] = {list(shape)}")
+                raise ValueError(
+                    f"micro batch {key!r} has shape {tuple(batch[key].shape)}, expected "
+                    f"[trainer.micro_batch_size, trainer.seq_length] = {list(shape)}"
+                )
 
     def _find_checkpoint(self) -> Path | None:
         return find_resume_checkpoint(self.run_dir, self.resume_from)
@@ -271,9 +294,18 @@ class SFTLoop(ABC):
         start = time.perf_counter()
         loss, tokens = self.evaluate()
         seconds = time.perf_counter() - start
-        self._log({"step": self.progress.step, "split": "eval", "loss": loss, "lr": self._lr(),
-                   "tokens": tokens, "tokens_per_s": tokens / seconds, "eval_s": seconds,
-                   "elapsed_s": self.progress.train_time_s})
+        self._log(
+            {
+                "step": self.progress.step,
+                "split": "eval",
+                "loss": loss,
+                "lr": self._lr(),
+                "tokens": tokens,
+                "tokens_per_s": tokens / seconds,
+                "eval_s": seconds,
+                "elapsed_s": self.progress.train_time_s,
+            }
+        )
         if self.layout.is_rank0:
             plot_losses(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
         return loss
@@ -305,8 +337,14 @@ class SFTLoop(ABC):
             self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.progress.step)
         if resumed_from is None:
             self._eval_and_log()
-        bar = tqdm(total=self.max_steps, initial=self.progress.step, desc="sft", unit="step", dynamic_ncols=True,
-                   disable=not (self.layout.is_rank0 and t.progress))
+        bar = tqdm(
+            total=self.max_steps,
+            initial=self.progress.step,
+            desc="sft",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not (self.layout.is_rank0 and t.progress),
+        )
         last_checkpoint = resumed_from
         run_steps, run_tokens, run_time, stopped_early = 0, 0, 0.0, False
         while self.progress.step < self.max_steps:
@@ -320,9 +358,17 @@ class SFTLoop(ABC):
             run_steps, run_tokens, run_time = run_steps + 1, run_tokens + int(out["tokens"]), run_time + seconds
             step = self.progress.step
             if step % t.log_interval == 0 or step == self.max_steps:
-                self._log({"step": step, "split": "train", **out, "tokens_per_s": out["tokens"] / seconds,
-                           "input_tokens_per_s": t.global_batch_size * self.seq_length / seconds,
-                           "step_s": seconds, "elapsed_s": self.progress.train_time_s})
+                self._log(
+                    {
+                        "step": step,
+                        "split": "train",
+                        **out,
+                        "tokens_per_s": out["tokens"] / seconds,
+                        "input_tokens_per_s": t.global_batch_size * self.seq_length / seconds,
+                        "step_s": seconds,
+                        "elapsed_s": self.progress.train_time_s,
+                    }
+                )
             bar.update(1)
             bar.set_postfix(loss=f"{out['loss']:.4f}", lr=f"{out['lr']:.2e}")
             if step % t.eval_interval == 0 or step == self.max_steps:
@@ -374,20 +420,34 @@ class SFTTrainer(SFTLoop):
             whose attention ignores ``PackedSeqParams``.
     """
 
-    def __init__(self, cfg: Any, layout: ParallelLayout, model_chunks: list[torch.nn.Module],
-                 train_data: MicroBatchSource, eval_batches: list[dict[str, torch.Tensor]], run_dir: str | Path,
-                 max_steps: int, resume_from: str | Path | None = None, thd_packing: bool | None = None):
+    def __init__(
+        self,
+        cfg: Any,
+        layout: ParallelLayout,
+        model_chunks: list[torch.nn.Module],
+        train_data: MicroBatchSource,
+        eval_batches: list[dict[str, torch.Tensor]],
+        run_dir: str | Path,
+        max_steps: int,
+        resume_from: str | Path | None = None,
+        thd_packing: bool | None = None,
+    ):
         super().__init__(cfg, layout, train_data, eval_batches, run_dir, max_steps, resume_from)
         reads_thd = reads_packed_seq_params(model_chunks)
         if thd_packing and not reads_thd:
-            raise ValueError("thd_packing=True, but the model's attention does not read PackedSeqParams (use "
-                             "afm_core.models.bridge.gpt_layer_spec)")
+            raise ValueError(
+                "thd_packing=True, but the model's attention does not read PackedSeqParams (use "
+                "afm_core.models.bridge.gpt_layer_spec)"
+            )
         self.thd_packing = reads_thd if thd_packing is None else thd_packing
         t = cfg.trainer
 
         self.model = self._wrap(model_chunks)
         self.optimizer, self.scheduler = build_optimizer(
-            self.model, cfg.optim, max_steps=max_steps, grad_clip=t.grad_clip,
+            self.model,
+            cfg.optim,
+            max_steps=max_steps,
+            grad_clip=t.grad_clip,
             params_dtype=get_model_config(self.model[0]).params_dtype,
             distributed_optimizer=bool(cfg.parallel.distributed_optimizer),
         )
@@ -459,14 +519,16 @@ class SFTTrainer(SFTLoop):
         inputs["attention_mask"] = inputs["packed_seq_params"] = None
         if self.thd_packing and batch.get("cu_seqlens") is not None:
             b, s = inputs["input_ids"].shape
-            inputs.update({key: inputs[key].reshape(1, b * s)
-                           for key in ("input_ids", "labels", "loss_mask", "position_ids")})
+            inputs.update(
+                {key: inputs[key].reshape(1, b * s) for key in ("input_ids", "labels", "loss_mask", "position_ids")}
+            )
             inputs["packed_seq_params"] = thd_packed_seq_params(batch["cu_seqlens"], s, device)
         elif batch.get("attention_mask") is not None:
             inputs["attention_mask"] = batch["attention_mask"].to(device, non_blocking=True)
         elif batch.get("cu_seqlens") is not None:
             inputs["attention_mask"] = torch.cat(
-                [block_causal_attention_mask(c, self.seq_length) for c in batch["cu_seqlens"]]).to(device)
+                [block_causal_attention_mask(c, self.seq_length) for c in batch["cu_seqlens"]]
+            ).to(device)
         return inputs
 
     def _forward_step(self, data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
@@ -478,8 +540,11 @@ class SFTTrainer(SFTLoop):
     def _run_schedule(self, micro_batches: Any, forward_only: bool):
         iterators = [iter(micro_batches) for _ in self.model]
         # thd: the b rows of a micro batch travel as one [b * s, 1, hidden] activation between pipeline stages
-        shape = (self.micro_batch_size * self.seq_length, 1) if self.thd_packing else (
-            self.seq_length, self.micro_batch_size)
+        shape = (
+            (self.micro_batch_size * self.seq_length, 1)
+            if self.thd_packing
+            else (self.seq_length, self.micro_batch_size)
+        )
         return self.forward_backward(
             forward_step_func=self._forward_step,
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
@@ -501,8 +566,9 @@ class SFTTrainer(SFTLoop):
         reports = self._run_schedule(micro_batches, forward_only=False)
         update_ok, grad_norm, _ = self.optimizer.step()
         if not update_ok or (grad_norm is not None and not math.isfinite(grad_norm)):
-            raise FloatingPointError(f"optimizer step {self.progress.step + 1}: non-finite gradients "
-                                     f"(grad norm {grad_norm})")
+            raise FloatingPointError(
+                f"optimizer step {self.progress.step + 1}: non-finite gradients (grad norm {grad_norm})"
+            )
         self.scheduler.step(increment=1)
         loss, tokens = reduce_reports(reports, self.report_groups)
         return {"loss": loss, "tokens": tokens, "lr": lr, "grad_norm": float(grad_norm)}
@@ -524,8 +590,9 @@ class SFTTrainer(SFTLoop):
         common = {"progress": asdict(self.progress), "scheduler": self.scheduler.state_dict()}
         shared = [common]
         torch.distributed.broadcast_object_list(shared, src=0)  # dist_checkpointing wants identical commons
-        return self.checkpointer.save(self.progress.step, self.model, self.optimizer, shared[0],
-                                      {"data": self.train_data.state_dict()})
+        return self.checkpointer.save(
+            self.progress.step, self.model, self.optimizer, shared[0], {"data": self.train_data.state_dict()}
+        )
 
     def _resume(self) -> Path | None:
         path = self._find_checkpoint()

@@ -23,7 +23,12 @@ pytestmark = pytest.mark.slow
 def _record(i: int, question: str, answer: str) -> dict:
     return {
         "data_source": "gsm8k",
-        "prompt": [{"role": "user", "content": f"Solve it with <code> and give <answer>\\boxed{{}}</answer>.\n\nQuestion: {question}"}],
+        "prompt": [
+            {
+                "role": "user",
+                "content": f"Solve it with <code> and give <answer>\\boxed{{}}</answer>.\n\nQuestion: {question}",
+            }
+        ],
         "ability": "math",
         "reward_model": {"ground_truth": answer, "style": "rule"},
         "extra_info": {"index": str(i), "split": "test"},

@@ -48,7 +48,9 @@ def test_math_equivalent_answers_match(prediction, gold):
     assert math_equal(prediction, gold)
 
 
-@pytest.mark.parametrize("prediction,gold", [("3", "4"), ("B", "C"), ("\\frac{1}{3}", "0.33"), ("", "0"), ("12", "1,200")])
+@pytest.mark.parametrize(
+    "prediction,gold", [("3", "4"), ("B", "C"), ("\\frac{1}{3}", "0.33"), ("", "0"), ("12", "1,200")]
+)
 def test_math_different_answers_do_not_match(prediction, gold):
     assert not math_equal(prediction, gold)
 
@@ -63,7 +65,9 @@ def test_qa_exact_match_f1_and_pipe_separated_answers():
     assert grade_qa("<answer>The Animorphs</answer>", "Animorphs|K. A. Applegate").score == 1.0  # article dropped
     assert grade_qa("<answer>k a applegate</answer>", ["Animorphs", "K. A. Applegate"]).score == 1.0
     wrong = grade_qa("<answer>Chief of Staff</answer>", "Chief of Protocol")
-    assert wrong.score == 0.0 and wrong.extra["f1"] == pytest.approx(2 / 3, abs=1e-4)  # "chief of" overlaps: P = R = 2/3
+    assert wrong.score == 0.0 and wrong.extra["f1"] == pytest.approx(
+        2 / 3, abs=1e-4
+    )  # "chief of" overlaps: P = R = 2/3
     assert grade_qa("<answer>Paris|Lyon</answer>", "Paris").score == 1.0  # evaluation scores the first piece
     assert grade_qa("<answer>Paris|Lyon</answer>", "Paris", all_pieces=True).score == 0.0  # training rule
     assert grade_qa("no answer here", "Paris").reason == "no_answer"
@@ -139,7 +143,9 @@ def test_every_humaneval_canonical_solution_scores_one(sandbox, data_dir):
     with gzip.open(data_dir / "code/humaneval/HumanEval.jsonl.gz", "rt") as f:
         records = [json.loads(line) for line in f]
     assert len(records) == 164
-    grades = _run(_grade_all(sandbox[0], [(r["prompt"] + r["canonical_solution"], humaneval_tests(r)) for r in records]))
+    grades = _run(
+        _grade_all(sandbox[0], [(r["prompt"] + r["canonical_solution"], humaneval_tests(r)) for r in records])
+    )
     failed = [(r["task_id"], g) for r, g in zip(records, grades) if g.score != 1.0]
     assert not failed, failed[:3]
 
@@ -179,8 +185,10 @@ def test_code_grader_counts_missing_tests_and_an_unreachable_sandbox_as_errors()
         graders = Graders(sandbox=SandboxClient("http://127.0.0.1:9", timeout_s=1, retries=0))
         meta = {"tests": CodeTests("assert", test_code="assert True").to_dict()}
         try:
-            return (await graders.grade("code", "<answer>print(1)</answer>", gold="", meta={}),
-                    await graders.grade("code", "<answer>print(1)</answer>", gold="", meta=meta))
+            return (
+                await graders.grade("code", "<answer>print(1)</answer>", gold="", meta={}),
+                await graders.grade("code", "<answer>print(1)</answer>", gold="", meta=meta),
+            )
         finally:
             await graders.close()
 

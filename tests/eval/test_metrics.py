@@ -38,8 +38,10 @@ def test_majority_vote_by_hand():
 
 
 def test_double_check_score_reads_the_last_block():
-    response = "<suggested_answer>3</suggested_answer>\n<double_check>\nScore: 2 - unsure\n</double_check>\n" \
-               "<suggested_answer>4</suggested_answer>\n<double_check>\nThe score is 4.\n</double_check>"
+    response = (
+        "<suggested_answer>3</suggested_answer>\n<double_check>\nScore: 2 - unsure\n</double_check>\n"
+        "<suggested_answer>4</suggested_answer>\n<double_check>\nThe score is 4.\n</double_check>"
+    )
     assert double_check_score(response) == 4
     assert double_check_score("<answer>1</answer>") is None
 

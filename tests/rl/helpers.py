@@ -10,8 +10,14 @@ import torch
 
 
 def set_rank_env(rank: int, world: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
 
 
 @torch.no_grad()
@@ -40,9 +46,16 @@ def vllm_engine(hf_dir, *, seed: int = 0, max_model_len: int = 512):
     from vllm import LLM
 
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    llm = LLM(model=str(hf_dir), dtype="float32", enforce_eager=True, max_model_len=max_model_len, seed=seed,
-              worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
-              logprobs_mode="processed_logprobs", kv_cache_memory_bytes=128 * 2**20)
+    llm = LLM(
+        model=str(hf_dir),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=max_model_len,
+        seed=seed,
+        worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
+        logprobs_mode="processed_logprobs",
+        kv_cache_memory_bytes=128 * 2**20,
+    )
     set_num_threads(threads)
     return llm
 

@@ -31,8 +31,9 @@ def _loss(ratios, advantages, *, config=None, mask=None, global_num_tokens=None,
     logp = torch.log(ratios).requires_grad_(True)
     mask = torch.ones_like(ratios) if mask is None else torch.tensor([mask], dtype=torch.float32)
     n = int(mask.sum()) if global_num_tokens is None else global_num_tokens
-    loss, stats = policy_loss(logp, old, torch.tensor([advantages]), mask, global_num_tokens=n,
-                              config=config or PolicyLossConfig(), **extra)
+    loss, stats = policy_loss(
+        logp, old, torch.tensor([advantages]), mask, global_num_tokens=n, config=config or PolicyLossConfig(), **extra
+    )
     loss.backward()
     return loss.item(), stats, logp.grad[0]
 
@@ -160,15 +161,23 @@ def test_clipped_value_loss_equals_hand_computed_values():
 # -- dynamic sampling -----------------------------------------------------------------------------------------
 def test_group_filter_drops_equal_reward_groups_and_refills_until_the_batch_is_full():
     sampler = DynamicSampler(train_batch_size=3, max_num_gen_batches=3)
-    kept = sampler.add(["a", "a", "b", "b", "c", "c", "d"], [1, 0, 1, 1, 0, 0, 0.5],
-                       ["a0", "a1", "b0", "b1", "c0", "c1", "d0"])
+    kept = sampler.add(
+        ["a", "a", "b", "b", "c", "c", "d"], [1, 0, 1, 1, 0, 0, 0.5], ["a0", "a1", "b0", "b1", "c0", "c1", "d0"]
+    )
     assert kept == 2 and not sampler.is_full  # a (spread) and d (a single sample) kept; b, c dropped
     kept = sampler.add(["e", "e", "f", "f", "f"], [0, 1, 1, 0, 1], ["e0", "e1", "f0", "f1", "f2"])
     assert kept == 2 and sampler.is_full
     samples, stats = sampler.take()
     assert samples == ["a0", "a1", "d0", "e0", "e1"]  # first 3 kept groups; f is surplus
-    assert stats.as_dict() == {"gen_batches": 2, "groups_generated": 6, "samples_generated": 12, "groups_kept": 4,
-                               "groups_trained": 3, "groups_surplus": 1, "kept_group_ratio": 4 / 6}
+    assert stats.as_dict() == {
+        "gen_batches": 2,
+        "groups_generated": 6,
+        "samples_generated": 12,
+        "groups_kept": 4,
+        "groups_trained": 3,
+        "groups_surplus": 1,
+        "kept_group_ratio": 4 / 6,
+    }
     assert not sampler.is_full and sampler.gen_batches == 0  # ready for the next step
 
 
@@ -221,8 +230,16 @@ def test_grpo_advantages_equal_hand_computed_group_normalised_rewards():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 2.0, 1.0, 1.0, 1.0])
     groups = ["a", "a", "a", "a", "b", "c", "c", "c"]
     std_a = math.sqrt(4 * 0.25 / 3)  # unbiased std of [1, 0, 0, 1]
-    expected = [0.5 / (std_a + 1e-6), -0.5 / (std_a + 1e-6), -0.5 / (std_a + 1e-6), 0.5 / (std_a + 1e-6),
-                2.0 / (1 + 1e-6), 0.0, 0.0, 0.0]  # b: a single sample (mean 0, std 1); c: all equal
+    expected = [
+        0.5 / (std_a + 1e-6),
+        -0.5 / (std_a + 1e-6),
+        -0.5 / (std_a + 1e-6),
+        0.5 / (std_a + 1e-6),
+        2.0 / (1 + 1e-6),
+        0.0,
+        0.0,
+        0.0,
+    ]  # b: a single sample (mean 0, std 1); c: all equal
     torch.testing.assert_close(grpo_advantages(rewards, groups), torch.tensor(expected))
     dr_grpo = grpo_advantages(rewards, groups, norm_by_std=False)
     torch.testing.assert_close(dr_grpo, torch.tensor([0.5, -0.5, -0.5, 0.5, 2.0, 0.0, 0.0, 0.0]))
@@ -252,8 +269,13 @@ def test_gae_skips_observation_tokens_and_equals_hand_computed_values():
 
 # -- batch layout ----------------------------------------------------------------------------------------------
 def test_rollout_micro_batch_aligns_response_values_with_their_targets():
-    batch = rollout_micro_batch([[7, 8], [9]], [[1, 2, 3], [4, 5]], [[1, 0, 1], [1, 1]],
-                                per_token={"lp": [[-1.0, -2.0, -3.0], [-4.0, -5.0]]}, pad_token_id=0)
+    batch = rollout_micro_batch(
+        [[7, 8], [9]],
+        [[1, 2, 3], [4, 5]],
+        [[1, 0, 1], [1, 1]],
+        per_token={"lp": [[-1.0, -2.0, -3.0], [-4.0, -5.0]]},
+        pad_token_id=0,
+    )
     assert batch["tokens"].tolist() == [[7, 8, 1, 2, 3], [9, 4, 5, 0, 0]]
     assert batch["labels"].tolist() == [[8, 1, 2, 3, 0], [4, 5, 0, 0, 0]]
     assert batch["response_mask"].tolist() == [[0, 1, 0, 1, 0], [1, 1, 0, 0, 0]]

@@ -34,8 +34,10 @@ SCHEDULE = "[{until_step: 2, max_response_len: 32}, {max_response_len: 48}]"
 
 def _config(run_dir: Path, *overrides: str) -> dict:
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
-        cfg = compose(config_name="rl", overrides=["recipe=rl_smoke", f"run_dir={run_dir}",
-                                                    f"rollout.context_schedule={SCHEDULE}", *overrides])
+        cfg = compose(
+            config_name="rl",
+            overrides=["recipe=rl_smoke", f"run_dir={run_dir}", f"rollout.context_schedule={SCHEDULE}", *overrides],
+        )
     return OmegaConf.to_container(cfg, resolve=True)
 
 
@@ -56,8 +58,9 @@ def _rank(rank: int, world: int, port: int, cfg: dict, stop_after: int | None, o
 def _run(cfg: dict, stop_after: int | None = None) -> dict:
     out = Path(cfg["run_dir"]) / f"summary-{time.monotonic_ns()}.json"
     Path(cfg["run_dir"]).mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_rank, args=(1, free_port(), cfg, stop_after, str(out)), nprocs=1, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        _rank, args=(1, free_port(), cfg, stop_after, str(out)), nprocs=1, join=True, start_method="spawn"
+    )
     return json.loads(out.read_text())
 
 
@@ -85,12 +88,15 @@ def test_the_context_schedule_picks_the_stage_of_each_rollout_step():
     assert parse_schedule([], 4096)[0].max_response_len == 4096
 
 
-@pytest.mark.parametrize("schedule, field", [
-    ([{"until_step": 4}], "context_schedule[0].max_response_len"),
-    ([{"max_response_len": 8}, {"max_response_len": 16}], "context_schedule[0].until_step"),
-    ([{"until_step": 4, "max_response_len": 8}, {"until_step": 4, "max_response_len": 16}], "[1].until_step"),
-    ([{"until": 4, "max_response_len": 8}], "context_schedule[0]: unknown"),
-])
+@pytest.mark.parametrize(
+    "schedule, field",
+    [
+        ([{"until_step": 4}], "context_schedule[0].max_response_len"),
+        ([{"max_response_len": 8}, {"max_response_len": 16}], "context_schedule[0].until_step"),
+        ([{"until_step": 4, "max_response_len": 8}, {"until_step": 4, "max_response_len": 16}], "[1].until_step"),
+        ([{"until": 4, "max_response_len": 8}], "context_schedule[0]: unknown"),
+    ],
+)
 def test_a_bad_context_schedule_names_the_stage_and_field(schedule, field):
     with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
         parse_schedule(schedule, 4096)
@@ -146,8 +152,21 @@ def test_rl_smoke_runs_every_step_with_the_time_split_and_the_stage_switch_at_it
         assert r["response_len_max"] <= r["max_response_len"]
         assert r["optimizer_steps"] == 2  # train batch 2 groups / mini batch 1 group
         assert r["logprob_gap_vllm_trainer"] <= 1e-3, "weights in vLLM are the trainer's"
-        for key in ("generate_s", "tools_s", "logprob_s", "train_s", "weight_sync_s", "reward_mean", "accuracy",
-                    "kept_group_ratio", "gen_batches", "actor/clip_frac", "entropy", "tool_calls", "tool_errors"):
+        for key in (
+            "generate_s",
+            "tools_s",
+            "logprob_s",
+            "train_s",
+            "weight_sync_s",
+            "reward_mean",
+            "accuracy",
+            "kept_group_ratio",
+            "gen_batches",
+            "actor/clip_frac",
+            "entropy",
+            "tool_calls",
+            "tool_errors",
+        ):
             assert key in r, key
     assert (run_dir / "rl.png").stat().st_size > 0
 
@@ -211,8 +230,20 @@ def test_a_sandbox_killed_mid_rollout_gives_counted_error_observations_not_a_cra
     hf_dir = ensure_hf_checkpoint(cfg["model"])
     tokenizer = load_tokenizer(hf_dir)
     policy = ScriptedPolicy(tokenizer)
-    tasks = [(f"0:{i}", AgentTask(id=f"t{i}", task="math", prompt=f"What is 6 x 7? ({i})", question="6 x 7",
-                                  answer="42", meta={"grader": "math"})) for i in range(2)]
+    tasks = [
+        (
+            f"0:{i}",
+            AgentTask(
+                id=f"t{i}",
+                task="math",
+                prompt=f"What is 6 x 7? ({i})",
+                question="6 x 7",
+                answer="42",
+                meta={"grader": "math"},
+            ),
+        )
+        for i in range(2)
+    ]
     with ServerGroup(log_dir=tmp_path / "servers") as group:
         group.launch("sandbox", ["--max-concurrency", "4"])
         urls = group.wait()

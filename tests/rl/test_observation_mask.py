@@ -24,8 +24,14 @@ def _grads(chunks, batch, config):
         p.grad = None
     b, s = batch["tokens"].shape
     reports = get_forward_backward_func()(
-        forward_step_func=policy_forward_step(config, temperature=TEMPERATURE), data_iterator=iter([batch]),
-        model=chunks, num_microbatches=1, seq_length=s, micro_batch_size=b, forward_only=False)
+        forward_step_func=policy_forward_step(config, temperature=TEMPERATURE),
+        data_iterator=iter([batch]),
+        model=chunks,
+        num_microbatches=1,
+        seq_length=s,
+        micro_batch_size=b,
+        forward_only=False,
+    )
     return [p.grad.clone() for p in chunks[0].parameters()], reports
 
 
@@ -47,8 +53,9 @@ def _worker(rank: int, world: int, port: int) -> None:
         chunks, _ = build_policy_model(ensure_hf_checkpoint("tiny-llama"), layout)
         chunks[0].config.calculate_per_token_loss = True  # the schedule returns the masked sum (see actor.py)
         # trajectory 0: model tokens, a 3-token tool observation, model tokens; trajectory 1: model tokens only
-        batch = rollout_micro_batch([[1, 2, 3], [4, 5]], [[11, 12, 13, 14, 15, 16, 17], [21, 22, 23]],
-                                    [[1, 1, 0, 0, 0, 1, 1], [1, 1, 1]])
+        batch = rollout_micro_batch(
+            [[1, 2, 3], [4, 5]], [[11, 12, 13, 14, 15, 16, 17], [21, 22, 23]], [[1, 1, 0, 0, 0, 1, 1], [1, 1, 1]]
+        )
         mask = batch["response_mask"].bool()
         (old,) = compute_logprobs(chunks, [batch], temperature=TEMPERATURE)
         g = torch.Generator().manual_seed(0)

@@ -26,8 +26,11 @@ def _sample(llm, prompts, *, seed: int) -> list[tuple[list[int], list[int], list
 
     params = SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=12, logprobs=0, seed=seed, ignore_eos=True)
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    return [(p, list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-            for p, out in zip(prompts, outputs) for c in out.outputs]
+    return [
+        (p, list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+        for p, out in zip(prompts, outputs)
+        for c in out.outputs
+    ]
 
 
 async def _sample_async(engine, prompts, *, seed: int) -> list[tuple[list[int], list[int], list[float]]]:
@@ -36,14 +39,22 @@ async def _sample_async(engine, prompts, *, seed: int) -> list[tuple[list[int], 
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    params = SamplingParams(n=2, temperature=TEMPERATURE, max_tokens=12, logprobs=0, ignore_eos=True,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
+    params = SamplingParams(
+        n=2,
+        temperature=TEMPERATURE,
+        max_tokens=12,
+        logprobs=0,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
     samples = []
     for i, prompt in enumerate(prompts):
         async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, request_id=f"{seed}-{i}"):
             final = out
-        samples += [(prompt, list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
-                    for c in final.outputs]
+        samples += [
+            (prompt, list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+            for c in final.outputs
+        ]
     return samples
 
 
@@ -56,9 +67,12 @@ def _gap(chunks, mine) -> float:
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, mine)
     trajectories = [t for part in gathered for t in part]
-    batch = rollout_micro_batch([t[0] for t in trajectories], [t[1] for t in trajectories],
-                                [[1] * len(t[1]) for t in trajectories],
-                                per_token={"rollout_log_prob": [t[2] for t in trajectories]})
+    batch = rollout_micro_batch(
+        [t[0] for t in trajectories],
+        [t[1] for t in trajectories],
+        [[1] * len(t[1]) for t in trajectories],
+        per_token={"rollout_log_prob": [t[2] for t in trajectories]},
+    )
     (out,) = compute_logprobs(chunks, [batch], temperature=TEMPERATURE)
     mask = batch["response_mask"].bool()
     return float((out["logprobs"] - batch["rollout_log_prob"])[mask].abs().mean())
@@ -117,10 +131,18 @@ def _async_worker(rank: int, world: int, port: int, spec: dict) -> None:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
-            model=str(hf_dir), dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
-            worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension", logprobs_mode="processed_logprobs",
-            kv_cache_memory_bytes=128 * 2**20))
+        engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(
+                model=str(hf_dir),
+                dtype="float32",
+                enforce_eager=True,
+                max_model_len=512,
+                seed=0,
+                worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
+                logprobs_mode="processed_logprobs",
+                kv_cache_memory_bytes=128 * 2**20,
+            )
+        )
         try:
             result = {"initial": _gap(chunks, await _sample_async(engine, PROMPTS, seed=1))}
             perturb_weights(chunks, scale=0.02, seed=1)
@@ -139,10 +161,22 @@ def _async_worker(rank: int, world: int, port: int, spec: dict) -> None:
         destroy_distributed()
 
 
-def _run(tmp_path: Path, *, tp: int, worker=_sync_worker, model: str = "tiny-llama", transports=("tensors",),
-         bucket_bytes: int = 4 * 2**20) -> dict:
-    spec = {"tp": tp, "model": model, "transports": list(transports), "bucket_bytes": bucket_bytes,
-            "out": str(tmp_path / "result.json")}
+def _run(
+    tmp_path: Path,
+    *,
+    tp: int,
+    worker=_sync_worker,
+    model: str = "tiny-llama",
+    transports=("tensors",),
+    bucket_bytes: int = 4 * 2**20,
+) -> dict:
+    spec = {
+        "tp": tp,
+        "model": model,
+        "transports": list(transports),
+        "bucket_bytes": bucket_bytes,
+        "out": str(tmp_path / "result.json"),
+    }
     mp.start_processes(worker, args=(tp, free_port(), spec), nprocs=tp, join=True, start_method="spawn")
     result = json.loads((tmp_path / "result.json").read_text())
     print(result)

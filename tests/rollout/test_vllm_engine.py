@@ -115,8 +115,10 @@ def test_the_remote_engine_gets_token_ids_and_logprobs_from_vllm_serve(tiny_llam
 
         async def both():
             try:
-                return (await engine.generate(prompt, SamplingConfig(temperature=0, max_tokens=24), "r1"),
-                        await engine.generate(prompt, SamplingConfig(temperature=1.0, max_tokens=24), "r2"))
+                return (
+                    await engine.generate(prompt, SamplingConfig(temperature=0, max_tokens=24), "r1"),
+                    await engine.generate(prompt, SamplingConfig(temperature=1.0, max_tokens=24), "r2"),
+                )
             finally:
                 await engine.close()
 

@@ -10,8 +10,12 @@ from afm_core.launch import submit
 
 @hydra.main(config_path="../../conf", config_name="sft", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    summary = submit("tests.slurm.stand_in_trainer.run", cfg,
-                     on_preempt="tests.slurm.stand_in_trainer.request_checkpoint", job_name="stand-in")
+    summary = submit(
+        "tests.slurm.stand_in_trainer.run",
+        cfg,
+        on_preempt="tests.slurm.stand_in_trainer.request_checkpoint",
+        job_name="stand-in",
+    )
     if summary is not None:
         print("SUMMARY", summary)
 

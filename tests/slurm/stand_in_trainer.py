@@ -55,8 +55,11 @@ def run(cfg: Any) -> dict[str, Any]:
     step, weight = _latest(root)
     metrics = run_dir / "metrics.jsonl"
     if rank == 0:
-        kept = [line for line in (metrics.read_text().splitlines() if metrics.exists() else [])
-                if step and json.loads(line)["step"] <= step]
+        kept = [
+            line
+            for line in (metrics.read_text().splitlines() if metrics.exists() else [])
+            if step and json.loads(line)["step"] <= step
+        ]
         metrics.write_text("".join(line + "\n" for line in kept))
         print(f"stand-in: rank 0 of {world}, starting at step {step}", flush=True)
     stopped = False
@@ -79,6 +82,12 @@ def run(cfg: Any) -> dict[str, Any]:
             stopped = True
             break
     dist.destroy_process_group()
-    return {"step": step, "weight": weight, "world_size": world, "ranks_seen": int(ranks.item()),
-            "rank": rank, "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-            "stopped_early": stopped}
+    return {
+        "step": step,
+        "weight": weight,
+        "world_size": world,
+        "ranks_seen": int(ranks.item()),
+        "rank": rank,
+        "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        "stopped_early": stopped,
+    }

@@ -39,10 +39,17 @@ def test_web_sft_32b_sbatch_script_matches_the_recorded_one():
     if os.environ.get("AFM_UPDATE_GOLDEN") == "1":
         GOLDEN.write_text(script)
     recorded = GOLDEN.read_text()
-    diff = "".join(difflib.unified_diff(recorded.splitlines(True), script.splitlines(True),
-                                        str(GOLDEN), "generated"))
-    assert not diff, (f"the sbatch script of recipe=afm_web_sft_32b changed:\n{diff}\nIf deliberate: "
-                      f"AFM_UPDATE_GOLDEN=1 {Path(sys.executable).name} -m pytest {Path(__file__).name}")
-    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --gpus-per-node=8",
-                 "#SBATCH --time=2880", "#SBATCH --signal=USR2@120", "#SBATCH --requeue"):
+    diff = "".join(difflib.unified_diff(recorded.splitlines(True), script.splitlines(True), str(GOLDEN), "generated"))
+    assert not diff, (
+        f"the sbatch script of recipe=afm_web_sft_32b changed:\n{diff}\nIf deliberate: "
+        f"AFM_UPDATE_GOLDEN=1 {Path(sys.executable).name} -m pytest {Path(__file__).name}"
+    )
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=8",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --time=2880",
+        "#SBATCH --signal=USR2@120",
+        "#SBATCH --requeue",
+    ):
         assert line in script.splitlines()

@@ -35,7 +35,9 @@ from tests.slurm.tiny_sft import (
 
 MAX_STEPS = 20
 pytestmark = [
-    pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster"),
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.usefixtures("slurm_cluster"),
     pytest.mark.skipif(not shared_data_dir().is_dir(), reason=f"no shared data at {shared_data_dir()}"),
 ]
 
@@ -69,22 +71,41 @@ def test_three_usr2_interrupts_resume_bitwise(uninterrupted_tp2, tmp_path):
 
 def test_high_partition_preempts_and_the_job_resumes(tmp_path):
     run_dir = tmp_path / "preempted"
-    node_cpus = int(subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True, check=True)
-                    .stdout.split()[0])
+    node_cpus = int(
+        subprocess.run(["sinfo", "-h", "-o", "%c"], capture_output=True, text=True, check=True).stdout.split()[0]
+    )
     job_id = submit_slurm(run_dir, f"cluster.cpus_per_task={node_cpus}", f"trainer.max_steps={MAX_STEPS}")
     wait_until(lambda: last_step(run_dir) >= 2, "the SFT job to train")
     # The `high` job takes a CPU on every node (%D: the partition's node count), so also on the SFT job's.
-    nodes = subprocess.run(["sinfo", "-h", "-p", "high", "-o", "%D"], capture_output=True, text=True,
-                           check=True).stdout.split()[0]
-    high = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N", nodes, "-c", "1",
-                           "-o", str(tmp_path / "high.out"),
-                           "--wrap", "sleep 2"], capture_output=True, text=True, check=True).stdout.strip()
+    nodes = subprocess.run(
+        ["sinfo", "-h", "-p", "high", "-o", "%D"], capture_output=True, text=True, check=True
+    ).stdout.split()[0]
+    high = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "-p",
+            "high",
+            "-N",
+            nodes,
+            "-c",
+            "1",
+            "-o",
+            str(tmp_path / "high.out"),
+            "--wrap",
+            "sleep 2",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     row = wait_finished(run_dir)
 
     assert slurm_states([high]) == {high: "COMPLETED"}
     requeues = events_of(run_dir, "requeued")
     assert [e["reason"] for e in requeues] == ["preempted"] and row.restarts == 1
     assert [s for s, _ in train_losses(run_dir)] == list(range(1, MAX_STEPS + 1))
-    history = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job_id], capture_output=True,
-                             text=True, check=True).stdout.split()
+    history = subprocess.run(
+        ["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert history[-1] == "COMPLETED" and len(history) == 2

@@ -37,7 +37,9 @@ TWO_NODES = ["cluster.nodes=2", "cluster.tasks_per_node=1", "trainer.num_threads
 PP2 = [*TWO_NODES, "parallel.pp=2", f"trainer.max_steps={MAX_STEPS}"]
 DP2 = [*TWO_NODES, f"trainer.max_steps={MAX_STEPS}"]
 pytestmark = [
-    pytest.mark.slurm, pytest.mark.slow, pytest.mark.usefixtures("slurm_cluster"),
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.usefixtures("slurm_cluster"),
     pytest.mark.skipif(not shared_data_dir().is_dir(), reason=f"no shared data at {shared_data_dir()}"),
 ]
 
@@ -71,8 +73,9 @@ def assert_one_rank_per_node(run_dir: Path) -> None:
     assert "[afm]   afm-n2: rank(s) 1" in rank0
     rank1 = Path(record["stdout"].replace("_0_log.out", "_1_log.out")).read_text()
     assert "[afm] rank 1/2 on afm-n2 (local rank 0)" in rank1
-    status = subprocess.run([sys.executable, "-m", "jobs.status", str(run_dir)], cwd=repo_root(),
-                            capture_output=True, text=True, check=True).stdout
+    status = subprocess.run(
+        [sys.executable, "-m", "jobs.status", str(run_dir)], cwd=repo_root(), capture_output=True, text=True, check=True
+    ).stdout
     assert "afm-n[1-2]" in status and "COMPLETED" in status
 
 
@@ -94,8 +97,16 @@ def test_two_node_job_preempted_twice_resumes_bitwise(two_node_runs, tmp_path):
 
 def test_two_node_sweep_of_three_values_is_one_array(tmp_path):
     sweep = tmp_path / "sweep"
-    out = jobs_sft("-m", *TINY, "cluster=slurm", *TWO_NODES, "cluster.array_parallelism=2", "trainer.max_steps=3",
-                   "optim.lr=1e-4,2e-4,4e-4", f"hydra.sweep.dir={sweep}")
+    out = jobs_sft(
+        "-m",
+        *TINY,
+        "cluster=slurm",
+        *TWO_NODES,
+        "cluster.array_parallelism=2",
+        "trainer.max_steps=3",
+        "optim.lr=1e-4,2e-4,4e-4",
+        f"hydra.sweep.dir={sweep}",
+    )
     records = [read_job_record(sweep / str(i) / "logs") for i in range(3)]
     array_id = records[0]["job_id"].split("_")[0]
     assert [r["job_id"] for r in records] == [f"{array_id}_{i}" for i in range(3)]
@@ -107,7 +118,8 @@ def test_two_node_sweep_of_three_values_is_one_array(tmp_path):
     assert lrs == [1e-4, 2e-4, 4e-4]  # one run dir (config, metrics, checkpoints) per member
     starts = [read_job_record(sweep / str(i) / "logs")["start"] for i in range(3)]
     assert all(s["ranks"] == {"afm-n1": [0], "afm-n2": [1]} for s in starts)
-    status = subprocess.run([sys.executable, "-m", "jobs.status", str(sweep)], cwd=repo_root(),
-                            capture_output=True, text=True, check=True).stdout
+    status = subprocess.run(
+        [sys.executable, "-m", "jobs.status", str(sweep)], cwd=repo_root(), capture_output=True, text=True, check=True
+    ).stdout
     assert status.count("COMPLETED") == 3 and all(f"slurm:{array_id}_{i}" in status for i in range(3))
     assert status.count("3/3") == 3 and status.count("afm-n[1-2]") == 3

@@ -16,17 +16,26 @@ from afm_core.train.metrics import read_metrics
 from afm_core.utils.paths import repo_root
 
 TINY = [  # tiny-llama on a 114-trajectory slice of the real traces (its own cache dir, prepared once)
-    "model=tiny-llama", "data.name=jobs-tests", "data.sources.gsm8k=60", "data.sources.fireact=20",
-    "data.sources.r1searcher=20", "data.sources.tora=20", "trainer.global_batch_size=2",
-    "trainer.eval_interval=1000", "trainer.eval_sequences=2", "trainer.save_interval=1000", "trainer.keep_last=1",
+    "model=tiny-llama",
+    "data.name=jobs-tests",
+    "data.sources.gsm8k=60",
+    "data.sources.fireact=20",
+    "data.sources.r1searcher=20",
+    "data.sources.tora=20",
+    "trainer.global_batch_size=2",
+    "trainer.eval_interval=1000",
+    "trainer.eval_sequences=2",
+    "trainer.save_interval=1000",
+    "trainer.keep_last=1",
     "trainer.progress=false",
 ]
 
 
 def jobs_sft(*overrides: str) -> str:
     """Run ``python -m jobs.sft *overrides``; its stdout (the test fails on a non-zero exit)."""
-    done = subprocess.run([sys.executable, "-m", "jobs.sft", *overrides], cwd=repo_root(), capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.sft", *overrides], cwd=repo_root(), capture_output=True, text=True, timeout=900
+    )
     assert done.returncode == 0, f"jobs.sft {' '.join(overrides)} failed:\n{done.stdout}\n{done.stderr}"
     return done.stdout
 
@@ -50,8 +59,12 @@ def wait_until(condition, what: str, timeout_s: float = 600.0, poll_s: float = 0
 def wait_finished(run_dir: Path, timeout_s: float = 900.0):
     """Wait until Slurm accounting has the run's job in a final state; its status row (COMPLETED asserted)."""
     job_id = read_job_record(run_dir / "logs")["job_id"]
-    wait_until(lambda: slurm_states([job_id]).get(job_id) in TERMINAL_STATES, f"job {job_id} ({run_dir}) to end",
-               timeout_s, poll_s=2.0)
+    wait_until(
+        lambda: slurm_states([job_id]).get(job_id) in TERMINAL_STATES,
+        f"job {job_id} ({run_dir}) to end",
+        timeout_s,
+        poll_s=2.0,
+    )
     row = collect(run_dir)[0]
     assert row.state == "COMPLETED", f"{run_dir}: {row.state}; log {row.stderr}"
     return row
@@ -84,8 +97,10 @@ def interrupt_with_usr2(run_dir: Path, job_id: str, times: int) -> None:
     target = 0
     for attempt in range(1, times + 1):
         target += 3
-        wait_until(lambda n=attempt, step=target: len(events_of(run_dir, "start")) == n and last_step(run_dir) >= step,
-                   f"attempt {attempt} past step {target}")
+        wait_until(
+            lambda n=attempt, step=target: len(events_of(run_dir, "start")) == n and last_step(run_dir) >= step,
+            f"attempt {attempt} past step {target}",
+        )
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
         wait_until(lambda n=attempt: len(events_of(run_dir, "requeued")) == n, f"requeue {attempt}")
         target = events_of(run_dir, "requeued")[-1]["step"]
@@ -103,6 +118,7 @@ def assert_resumed_bitwise(run_dir: Path, reference: Path, job_id: str, times: i
     expected, resumed = hf_weights(reference), hf_weights(run_dir)
     assert resumed.keys() == expected.keys()
     assert all(torch.equal(resumed[k], expected[k]) for k in expected)
-    history = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job_id], capture_output=True,
-                             text=True, check=True).stdout.split()
+    history = subprocess.run(
+        ["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True, check=True
+    ).stdout.split()
     assert history.count("REQUEUED") == times and history[-1] == "COMPLETED"

@@ -19,8 +19,27 @@ SECRET = "afm-test-secret-7f3a9c"
 @functools.cache
 def jail_unavailable() -> str | None:
     """Why bubblewrap cannot build a jail here (None when it can)."""
-    argv = ["bwrap", "--unshare-all", "--die-with-parent", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
-            "--symlink", "usr/lib", "/lib", "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--", "/usr/bin/true"]
+    argv = [
+        "bwrap",
+        "--unshare-all",
+        "--die-with-parent",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+        "--symlink",
+        "usr/bin",
+        "/bin",
+        "--symlink",
+        "usr/lib",
+        "/lib",
+        "--symlink",
+        "usr/lib64",
+        "/lib64",
+        "--proc",
+        "/proc",
+        "--",
+        "/usr/bin/true",
+    ]
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     except FileNotFoundError:

@@ -30,8 +30,12 @@ def test_observation_formats_follow_upstream():
     assert obs("error", err="Boom", code=2) == "[FAILED] Code exited with status 2.\n[STDERR:BEGIN]\nBoom\n[STDERR:END]"
     assert obs("error", code=3) == "[FAILED] Code exited with status 3 (no output)."
     assert obs("error", out="x", code=1) == "[FAILED] Code exited with status 1.\n[STDOUT:BEGIN]\nx\n[STDOUT:END]"
-    assert obs("error", "x", "y", 1).startswith("[FAILED] Code exited with status 1 with mixed output:\n[STDOUT:BEGIN]\nx")
-    assert obs("timeout", err="Timed out", code=-9).startswith("[FAILED] Code exited with status 1.\n[STDERR:BEGIN]\nTimed out")
+    assert obs("error", "x", "y", 1).startswith(
+        "[FAILED] Code exited with status 1 with mixed output:\n[STDOUT:BEGIN]\nx"
+    )
+    assert obs("timeout", err="Timed out", code=-9).startswith(
+        "[FAILED] Code exited with status 1.\n[STDERR:BEGIN]\nTimed out"
+    )
 
 
 def test_truncate_middle_keeps_head_and_tail():

@@ -15,7 +15,7 @@ from afm_core.tools.base import Tool, ToolError
 from afm_core.tools.wiki_search import REPEATED_SEARCH
 from tests.tools.conftest import serve_app
 
-GOOD = {"result": [[{"document": {"id": "1", "title": "T", "contents": "\"T\"\nbody text"}, "score": 1.0}]]}
+GOOD = {"result": [[{"document": {"id": "1", "title": "T", "contents": '"T"\nbody text'}, "score": 1.0}]]}
 FAST_RETRY = {"timeout_s": 0.5, "retries": 2, "backoff_s": 0.01, "backoff_max_s": 0.05}
 
 
@@ -134,9 +134,13 @@ def test_no_exception_escapes_the_pool():
             raise KeyError("a bug in the tool")
 
     async def main():
-        async with ToolPool([Broken(), WikiSearchTool("http://127.0.0.1:9")], default_limits=ToolLimits(**FAST_RETRY)) as pool:
+        async with ToolPool(
+            [Broken(), WikiSearchTool("http://127.0.0.1:9")], default_limits=ToolLimits(**FAST_RETRY)
+        ) as pool:
             return await asyncio.gather(
-                pool.call("broken", "x"), pool.call("nope", "x"), pool.call("wiki_search", "   "),
+                pool.call("broken", "x"),
+                pool.call("nope", "x"),
+                pool.call("wiki_search", "   "),
             ), pool
 
     (bug, unknown, empty), pool = asyncio.run(main())
@@ -178,7 +182,9 @@ def test_errors_are_not_cached():
     async def main():
         backend = Backend("http_500", fail_first=3)
         async with serve_app(backend.app()) as url:
-            async with ToolPool([WikiSearchTool(url)], {"wiki_search": ToolLimits(**FAST_RETRY)}, cache=ToolCache()) as pool:
+            async with ToolPool(
+                [WikiSearchTool(url)], {"wiki_search": ToolLimits(**FAST_RETRY)}, cache=ToolCache()
+            ) as pool:
                 failed = await pool.call("wiki_search", "q")
                 ok = await pool.call("wiki_search", "q")
         return failed, ok
@@ -199,7 +205,15 @@ def test_duplicate_guard_per_trajectory():
                 pool.end_trajectory("t1")
                 after_end = await pool.call("wiki_search", "q", "t1")
                 no_guard = await pool.call("wiki_search", "q")
-                return failed, first, repeat, other_trajectory, after_end, no_guard, pool.metrics["wiki_search"].duplicates
+                return (
+                    failed,
+                    first,
+                    repeat,
+                    other_trajectory,
+                    after_end,
+                    no_guard,
+                    pool.metrics["wiki_search"].duplicates,
+                )
 
     failed, first, repeat, other, after_end, no_guard, duplicates = asyncio.run(main())
     assert failed.startswith("[wiki_search error")
@@ -337,7 +351,9 @@ def test_a_killed_tool_server_opens_its_circuit_once_then_recovers(data_dir, tmp
     from afm_core.tools.launcher import ServerGroup
 
     corpus = str(data_dir / "mhqa" / "hotpotqa500" / "corpus.jsonl")
-    limits = ToolLimits(timeout_s=5, retries=1, backoff_s=0.01, cache_ttl_s=None, circuit_failures=3, circuit_cooldown_s=1.0)
+    limits = ToolLimits(
+        timeout_s=5, retries=1, backoff_s=0.01, cache_ttl_s=None, circuit_failures=3, circuit_cooldown_s=1.0
+    )
     caplog.set_level(logging.INFO, logger="afm_core.tools.pool")
     with ServerGroup(log_dir=tmp_path) as group:
         group.launch("wiki", ["--corpus", corpus])

@@ -66,7 +66,9 @@ def assert_contained(result: dict, statuses: tuple[str, ...]) -> None:
 def test_socket_to_loopback_server(server):
     url, _ = server
     port = int(url.rsplit(":", 1)[1])
-    result = post_run(url, f"""
+    result = post_run(
+        url,
+        f"""
         import socket
         for port in ({port}, 22, 80):
             s = socket.socket()
@@ -76,14 +78,17 @@ def test_socket_to_loopback_server(server):
                 print("ESCAPED", port)
             except OSError as e:
                 print("blocked", port, e.errno)
-    """)
+    """,
+    )
     assert_contained(result, ("ok",))
     assert result["stdout"].count("blocked") == 3
 
 
 def test_socket_to_outside(server):
     url, _ = server
-    result = post_run(url, """
+    result = post_run(
+        url,
+        """
         import socket
         for host, port in (("1.1.1.1", 80), ("8.8.8.8", 53), ("10.0.0.1", 22)):
             s = socket.socket()
@@ -104,7 +109,9 @@ def test_socket_to_outside(server):
             print("ESCAPED dns")
         except OSError:
             print("blocked dns")
-    """, timeout_s=15)
+    """,
+        timeout_s=15,
+    )
     assert_contained(result, ("ok",))
     assert result["stdout"].count("blocked") == 5
 
@@ -116,7 +123,9 @@ def test_abstract_unix_socket_of_host(server):
     listener.bind("\0" + name)
     listener.listen(1)
     try:
-        result = post_run(url, f"""
+        result = post_run(
+            url,
+            f"""
             import socket
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
@@ -124,7 +133,8 @@ def test_abstract_unix_socket_of_host(server):
                 print("ESCAPED")
             except OSError as e:
                 print("blocked", e.errno)
-        """)
+        """,
+        )
     finally:
         listener.close()
     assert_contained(result, ("ok",))
@@ -133,7 +143,9 @@ def test_abstract_unix_socket_of_host(server):
 
 def test_read_etc_shadow_and_host_files(server):
     url, _ = server
-    result = post_run(url, """
+    result = post_run(
+        url,
+        """
         import os
         for path in ("/etc/shadow", "/etc/passwd", "/root/.bashrc", "/root/.ssh/id_rsa", "/home", "/var/log"):
             try:
@@ -144,14 +156,17 @@ def test_read_etc_shadow_and_host_files(server):
                     print("ESCAPED", path)
             except OSError as e:
                 print("blocked", path, e.errno)
-    """)
+    """,
+    )
     assert_contained(result, ("ok",))
     assert result["stdout"].count("blocked") == 6
 
 
 def test_read_the_repository(server):
     url, _ = server
-    result = post_run(url, f"""
+    result = post_run(
+        url,
+        f"""
         import os
         print(sorted(os.listdir("/")))
         for path in ({str(REPO / "pyproject.toml")!r}, {str(REPO / "sandbox" / "server.py")!r}, {str(REPO.parent)!r}):
@@ -159,7 +174,8 @@ def test_read_the_repository(server):
                 print("ESCAPED", path, open(path).read()[:20]) if os.path.isfile(path) else print("ESCAPED", os.listdir(path))
             except OSError as e:
                 print("blocked", path, e.errno)
-    """)
+    """,
+    )
     assert_contained(result, ("ok",))
     assert result["stdout"].count("blocked") == 3
     assert "work" not in result["stdout"].splitlines()[0]
@@ -167,7 +183,9 @@ def test_read_the_repository(server):
 
 def test_environment_secrets(server):
     url, _ = server
-    result = post_run(url, """
+    result = post_run(
+        url,
+        """
         import os
         print(dict(os.environ))
         for pid in [p for p in os.listdir("/proc") if p.isdigit()]:
@@ -176,7 +194,8 @@ def test_environment_secrets(server):
                     print(pid, part, open(f"/proc/{pid}/{part}", "rb").read().replace(b"\\0", b" ")[:4000])
                 except OSError as e:
                     print(pid, part, "unreadable", e.errno)
-    """)
+    """,
+    )
     assert_contained(result, ("ok",))
     assert "AFM_TEST_SECRET" not in result["stdout"]
 
@@ -184,7 +203,9 @@ def test_environment_secrets(server):
 def test_write_outside_tmp(server):
     url, _ = server
     marker = f"afm-escape-{uuid.uuid4().hex}"
-    result = post_run(url, f"""
+    result = post_run(
+        url,
+        f"""
         for path in ("/{marker}", "/usr/{marker}", "/etc/{marker}", "/code/main.py", "/proc/{marker}", "/dev/{marker}"):
             try:
                 with open(path, "w") as f:
@@ -195,7 +216,8 @@ def test_write_outside_tmp(server):
         with open("/tmp/{marker}", "w") as f:
             f.write("private")
         print("tmp ok")
-    """)
+    """,
+    )
     assert_contained(result, ("ok",))
     assert result["stdout"].count("blocked") == 6 and "tmp ok" in result["stdout"]
     for host_path in (Path("/") / marker, Path("/usr") / marker, Path("/etc") / marker, Path("/tmp") / marker):
@@ -207,7 +229,9 @@ def test_write_outside_tmp(server):
 
 def test_fill_the_disk(server):
     url, _ = server
-    result = post_run(url, """
+    result = post_run(
+        url,
+        """
         import os
         written = 0
         try:
@@ -226,7 +250,9 @@ def test_fill_the_disk(server):
             print("ESCAPED many files")
         except OSError as e:
             print("blocked after files", n, e.errno)
-    """, timeout_s=20)
+    """,
+        timeout_s=20,
+    )
     assert_contained(result, ("ok",))
     assert result["stdout"].count("blocked") == 2
 
@@ -234,14 +260,18 @@ def test_fill_the_disk(server):
 def test_fork_bomb(server):
     url, _ = server
     start = time.monotonic()
-    result = post_run(url, """
+    result = post_run(
+        url,
+        """
         import os
         while True:
             try:
                 os.fork()
             except OSError:
                 pass
-    """, timeout_s=3)
+    """,
+        timeout_s=3,
+    )
     assert_contained(result, ("timeout", "error", "killed"))
     assert time.monotonic() - start < 15
     assert health(url)["status"] == "ok"
@@ -249,7 +279,9 @@ def test_fork_bomb(server):
 
 def test_thread_bomb(server):
     url, _ = server
-    result = post_run(url, """
+    result = post_run(
+        url,
+        """
         import threading, time
         n = 0
         try:
@@ -258,7 +290,9 @@ def test_thread_bomb(server):
                 n += 1
         except RuntimeError as e:
             print("blocked after threads", n)
-    """, timeout_s=5)
+    """,
+        timeout_s=5,
+    )
     assert_contained(result, ("ok",))
     assert int(result["stdout"].split()[-1]) < 64
 
@@ -295,7 +329,9 @@ def test_huge_output(server):
 
 def test_kill_the_parent(server):
     url, _ = server
-    result = post_run(url, """
+    result = post_run(
+        url,
+        """
         import os, signal
         for pid in (os.getppid(), 1, -1):
             try:
@@ -303,7 +339,8 @@ def test_kill_the_parent(server):
             except OSError as e:
                 print("blocked", pid, e.errno)
         print("alive")
-    """)
+    """,
+    )
     assert_contained(result, ("ok", "killed"))
     assert health(url)["status"] == "ok"
 
@@ -316,12 +353,16 @@ def test_signal_a_neighbour(server):
     with ThreadPoolExecutor(2) as ex:
         sleeper = ex.submit(post_run, url, "import time\ntime.sleep(3)\nprint('neighbour alive')", 10)
         time.sleep(1.0)
-        killer = ex.submit(post_run, url, """
+        killer = ex.submit(
+            post_run,
+            url,
+            """
             import os, signal
             pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
             print("pids", pids)
             os.kill(-1, signal.SIGKILL)
-        """)
+        """,
+        )
         assert sleeper.result()["stdout"].strip() == "neighbour alive"
         assert_contained(killer.result(), ("ok", "error", "killed"))
 
@@ -329,7 +370,9 @@ def test_signal_a_neighbour(server):
 def test_proc_snooping(server):
     url, group = server
     server_pids = [p.pid for p in group.processes()]
-    result = post_run(url, f"""
+    result = post_run(
+        url,
+        f"""
         import os
         pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
         print("pids", pids)
@@ -345,7 +388,8 @@ def test_proc_snooping(server):
             print("blocked sysctl", e.errno)
         import socket
         print("hostname", socket.gethostname())
-    """)
+    """,
+    )
     assert_contained(result, ("ok",))
     pids = json.loads(result["stdout"].splitlines()[0].split(" ", 1)[1])
     assert len(pids) <= 2, pids  # only the jail's own processes: the snippet and the jail's init (the zygote)
@@ -354,7 +398,9 @@ def test_proc_snooping(server):
 
 def test_privilege_escalation(server):
     url, _ = server
-    result = post_run(url, """
+    result = post_run(
+        url,
+        """
         import os, subprocess
         caps = [l for l in open("/proc/self/status") if l.startswith("CapEff")]
         print(caps[0].strip() if caps else "CapEff unreadable")
@@ -370,7 +416,8 @@ def test_privilege_escalation(server):
         except OSError as e:
             print("blocked mount", e.errno)
         print("uid", os.getuid(), os.geteuid())
-    """)
+    """,
+    )
     assert_contained(result, ("ok",))
     assert "CapEff:\t0000000000000000" in result["stdout"]
     assert result["stdout"].count("blocked") == 4
@@ -406,7 +453,9 @@ def is_zygote(proc: psutil.Process) -> bool:
 def test_nested_user_namespace_is_refused(server):
     """unshare(CLONE_NEWUSER), clone(CLONE_NEWUSER) and unshare(1) fail: seccomp (and bwrap --disable-userns)."""
     url, _ = server
-    result = post_run(url, """
+    result = post_run(
+        url,
+        """
         import ctypes, os, subprocess
         libc = ctypes.CDLL(None, use_errno=True)
         CLONE_NEWUSER, CLONE_NEWNS, SIGCHLD = 0x10000000, 0x00020000, 17
@@ -424,7 +473,8 @@ def test_nested_user_namespace_is_refused(server):
             print("ESCAPED unshare(1)" if out.returncode == 0 else "blocked unshare(1)")
         except OSError as e:
             print("blocked unshare(1)", e.errno)
-    """)
+    """,
+    )
     assert_contained(result, ("ok",))
     assert result["stdout"].count("blocked") == 4, result
     assert "blocked unshare 1" in result["stdout"]  # EPERM: the seccomp filter answered
@@ -433,7 +483,9 @@ def test_nested_user_namespace_is_refused(server):
 def test_the_zygote_is_out_of_reach(server):
     """A snippet cannot signal, trace or read the jail's process 1 (the zygote); the next snippet still runs."""
     url, _ = server
-    result = post_run(url, """
+    result = post_run(
+        url,
+        """
         import ctypes, os, signal
         for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP, signal.SIGINT):
             os.kill(1, sig)
@@ -446,7 +498,8 @@ def test_the_zygote_is_out_of_reach(server):
         libc = ctypes.CDLL(None, use_errno=True)
         print("ESCAPED ptrace" if libc.ptrace(16, 1, 0, 0) == 0 else f"blocked ptrace {ctypes.get_errno()}")  # PTRACE_ATTACH
         print("alive")
-    """)
+    """,
+    )
     assert_contained(result, ("ok",))
     assert result["stdout"].count("blocked") == 4 and "alive" in result["stdout"], result
     assert post_run(url, "print(6 * 7)")["stdout"] == "42\n"

@@ -97,7 +97,9 @@ def test_output_is_capped_with_a_marker(tmp_path_factory):
 def test_server_refuses_to_start_without_a_working_jail(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "sandbox.server", "--port", "0", "--nsjail-path", str(tmp_path / "no-nsjail")],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode != 0 and "not found" in proc.stderr
 
@@ -114,7 +116,11 @@ def test_jail_command_lines():
     assert ns[0] == "/opt/nsjail" and ns[ns.index("--rlimit_as") + 1] == "128" and "--time_limit" in ns
     assert "clone_flags & 0x10000000" in ns[ns.index("--seccomp_string") + 1]
     warm = bwrap_zygote_argv(JailConfig(), limits, Path("/x/slot-0"), 5, seccomp_fd=7)
-    assert "--as-pid-1" in warm and not any(a.startswith("--cpu") for a in warm) and warm[-2:] == ["/sandbox/zygote.py", "5"]
+    assert (
+        "--as-pid-1" in warm
+        and not any(a.startswith("--cpu") for a in warm)
+        and warm[-2:] == ["/sandbox/zygote.py", "5"]
+    )
     assert ("--disable-userns" in warm) == bwrap_supports_disable_userns(JailConfig())
     warm_ns = nsjail_zygote_argv(JailConfig(nsjail_path="/opt/nsjail"), limits, Path("/x/slot-0"), 5)
     assert warm_ns[warm_ns.index("--pass_fd") + 1] == "5" and warm_ns[warm_ns.index("--time_limit") + 1] == "0"
@@ -162,6 +168,8 @@ def test_a_jail_that_cannot_start_is_a_sandbox_error(tmp_path):
     assert result.status == "sandbox_error" and result.stdout == "" and "bwrap" in result.stderr
     proc = subprocess.run(
         [sys.executable, "-m", "sandbox.server", "--port", "0", "--ro-path", str(private)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode != 0 and "sandbox self-test failed" in proc.stderr

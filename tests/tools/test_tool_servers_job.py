@@ -27,8 +27,13 @@ REPO = Path(__file__).resolve().parents[2]
 def start_job(tmp_path: Path, data_dir: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
     addresses = tmp_path / "addresses.json"
     argv = [
-        sys.executable, "-m", "jobs.tool_servers", f"addresses_file={addresses}", f"data_dir={data_dir}",
-        f"hydra.run.dir={tmp_path / 'hydra'}", *overrides,
+        sys.executable,
+        "-m",
+        "jobs.tool_servers",
+        f"addresses_file={addresses}",
+        f"data_dir={data_dir}",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+        *overrides,
     ]
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, addresses
@@ -98,10 +103,14 @@ def test_local_servers_addresses_and_clean_stop(tmp_path, data_dir):
 
 
 def test_a_dying_server_stops_the_group(tmp_path, data_dir):
-    proc, addresses = start_job(tmp_path, data_dir, "servers.crawl=null", "servers.sandbox=null", "servers.web_search=null")
+    proc, addresses = start_job(
+        tmp_path, data_dir, "servers.crawl=null", "servers.sandbox=null", "servers.web_search=null"
+    )
     try:
         wait_for(addresses, proc)
-        wiki = next(c for c in psutil.Process(proc.pid).children() if "afm_core.tools.servers.wiki" in " ".join(c.cmdline()))
+        wiki = next(
+            c for c in psutil.Process(proc.pid).children() if "afm_core.tools.servers.wiki" in " ".join(c.cmdline())
+        )
         wiki.kill()
         assert proc.wait(timeout=60) == 1
     finally:
@@ -110,7 +119,9 @@ def test_a_dying_server_stops_the_group(tmp_path, data_dir):
 
 
 def test_servers_die_with_a_killed_supervisor(tmp_path, data_dir):
-    proc, addresses = start_job(tmp_path, data_dir, "servers.crawl=null", "servers.sandbox=null", "servers.web_search=null")
+    proc, addresses = start_job(
+        tmp_path, data_dir, "servers.crawl=null", "servers.sandbox=null", "servers.web_search=null"
+    )
     try:
         wait_for(addresses, proc)
         children = psutil.Process(proc.pid).children()
@@ -127,9 +138,9 @@ def test_bad_server_config_is_named(tmp_path):
         server_args("wiki", {"corpus": "no/such/corpus.jsonl"}, tmp_path)
     with pytest.raises(ValueError, match=r"servers\.nope: unknown server"):
         server_args("nope", {}, tmp_path)
-    assert server_args("sandbox", {"port": 0, "ro_paths": ["/a", "/b"], "nsjail_path": None, "max_queue": 8}, tmp_path) == [
-        "--ro-path", "/a", "--ro-path", "/b", "--max-queue", "8"
-    ]
+    assert server_args(
+        "sandbox", {"port": 0, "ro_paths": ["/a", "/b"], "nsjail_path": None, "max_queue": 8}, tmp_path
+    ) == ["--ro-path", "/a", "--ro-path", "/b", "--max-queue", "8"]
 
 
 def test_addresses_file_errors(tmp_path):
@@ -153,7 +164,9 @@ def test_tools_config_errors_name_the_field(tmp_path):
         build_tools({"code": {"url": "http://x", "colour": "red"}}, {})
     with pytest.raises(ValueError, match=r"tools\.calculator: unknown tool"):
         build_tools({"calculator": {"url": "http://x"}}, {})
-    tools, limits = build_tools({"web_search": {"url": "https://google.serper.dev", "limits": {"retries": 5}}, "code": None}, {})
+    tools, limits = build_tools(
+        {"web_search": {"url": "https://google.serper.dev", "limits": {"retries": 5}}, "code": None}, {}
+    )
     assert [t.name for t in tools] == ["web_search"] and limits["web_search"].retries == 5
 
 
@@ -166,8 +179,14 @@ def test_on_slurm(tmp_path, data_dir):
     if jail_unavailable() is not None:
         pytest.skip(jail_unavailable())
     proc, addresses = start_job(
-        tmp_path, data_dir, "cluster=slurm", "servers.crawl=null", "serve_for_s=60", "cluster.time=10",
-        "cluster.cpus_per_task=2", "cluster.signal_delay_s=30",
+        tmp_path,
+        data_dir,
+        "cluster=slurm",
+        "servers.crawl=null",
+        "serve_for_s=60",
+        "cluster.time=10",
+        "cluster.cpus_per_task=2",
+        "cluster.signal_delay_s=30",
     )
     try:
         out, _ = proc.communicate(timeout=300)

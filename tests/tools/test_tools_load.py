@@ -20,7 +20,10 @@ def test_benchmark_runs_without_errors(tmp_path, data_dir):
     out = tmp_path / "load.json"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.tools_load", "--data-dir", str(data_dir), "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -51,7 +51,16 @@ def servers(data_dir, readability, tmp_path_factory):
         group.launch("pages", ["--pages", str(folder), "--corpus", str(corpus)])
         pages_url = group.wait(["pages"])["pages"]
         group.launch("crawl", ["--extract-workers", "2", "--allow", allow_entry(pages_url)])
-        search_args = ["--pages", str(folder), "--corpus", str(corpus), "--link-base", pages_url, "--api-key-env", "SEARCH_KEY"]
+        search_args = [
+            "--pages",
+            str(folder),
+            "--corpus",
+            str(corpus),
+            "--link-base",
+            pages_url,
+            "--api-key-env",
+            "SEARCH_KEY",
+        ]
         group.launch("web_search", search_args, env={"SEARCH_KEY": "k"})
         yield group.wait()
 
@@ -64,7 +73,9 @@ def test_crawl_titles_and_main_text_match_readability(servers, readability):
         async with aiohttp.ClientSession() as session:
             http = ToolHttp(session, ToolLimits(timeout_s=120), ToolMetrics())
             batches = [names[i : i + 8] for i in range(0, len(names), 8)]
-            results = await asyncio.gather(*(tool.crawl([f"{servers['pages']}/pages/{n}" for n in b], http) for b in batches))
+            results = await asyncio.gather(
+                *(tool.crawl([f"{servers['pages']}/pages/{n}" for n in b], http) for b in batches)
+            )
             return [page for batch in results for page in batch]
 
     pages = asyncio.run(main())
@@ -76,7 +87,9 @@ def test_crawl_titles_and_main_text_match_readability(servers, readability):
         expected_text = lxml.html.fromstring((folder / name / "expected.html").read_bytes()).text_content()
         f1s.append(token_f1(page["text"], expected_text))
     good_f1 = sum(f >= 0.8 for f in f1s)
-    print(f"crawl_page on {len(names)} readability pages: titles {titles_ok}/{len(names)}, F1>=0.8 on {good_f1}/{len(names)}")
+    print(
+        f"crawl_page on {len(names)} readability pages: titles {titles_ok}/{len(names)}, F1>=0.8 on {good_f1}/{len(names)}"
+    )
     assert len(names) == 24
     assert titles_ok >= 0.9 * len(names)
     assert good_f1 >= 0.8 * len(names)
@@ -86,7 +99,10 @@ def test_search_then_crawl_offline(servers, monkeypatch):
     monkeypatch.setenv("WEB_SEARCH_SERPER_API_KEY", "k")
 
     async def main():
-        tools = [WebSearchTool(servers["web_search"], num_results=3), CrawlPageTool(servers["crawl"], max_chars_per_page=300)]
+        tools = [
+            WebSearchTool(servers["web_search"], num_results=3),
+            CrawlPageTool(servers["crawl"], max_chars_per_page=300),
+        ]
         async with ToolPool(tools) as pool:
             found = await pool.call("web_search", "Hermitian matrix complex conjugate transpose", "t")
             link = re.search(r"\]\((http[^)]+)\)", found).group(1)
@@ -98,12 +114,19 @@ def test_search_then_crawl_offline(servers, monkeypatch):
         return found, crawled, again, hotpot, doc
 
     found, crawled, again, hotpot, doc = asyncio.run(main())
-    assert found.startswith("Found 3 results:\n\n## Web Results\n1. [Hermitian matrix](") and "/pages/wikipedia-3)" in found
+    assert (
+        found.startswith("Found 3 results:\n\n## Web Results\n1. [Hermitian matrix](")
+        and "/pages/wikipedia-3)" in found
+    )
     assert crawled.startswith(f"Page 1 [{found.split('](')[1].split(')')[0]}] Title: Hermitian matrix\n")
     assert "[... page truncated at 300 characters ...]" in crawled
     assert "Page 2 [" in crawled and "[Page content not accessible: HTTP 404]" in crawled
     assert again == REPEATED_CRAWL
-    assert "Shirley Temple" in hotpot and "Title: Shirley Temple\n" in doc and "Shirley Temple Black (April 23, 1928" in doc
+    assert (
+        "Shirley Temple" in hotpot
+        and "Title: Shirley Temple\n" in doc
+        and "Shirley Temple Black (April 23, 1928" in doc
+    )
 
 
 def test_search_api_key_and_bad_requests(servers, monkeypatch):
@@ -117,7 +140,11 @@ def test_search_api_key_and_bad_requests(servers, monkeypatch):
 
 
 def test_parsing_and_formats():
-    assert parse_urls("http://a/x | [t](https://b/y) | see http://c/z now | http://a/x", 5) == ["http://a/x", "https://b/y", "http://c/z"]
+    assert parse_urls("http://a/x | [t](https://b/y) | see http://c/z now | http://a/x", 5) == [
+        "http://a/x",
+        "https://b/y",
+        "http://c/z",
+    ]
     with pytest.raises(ToolInputError, match="no http"):
         parse_urls("http://a | just words", 5)
     with pytest.raises(ToolInputError, match="at most 2"):
@@ -143,10 +170,13 @@ def test_summaries_through_an_openai_compatible_endpoint(readability):
     llm.router.add_post("/v1/chat/completions", chat)
 
     async def main():
-        async with serve_app(llm) as llm_url, serve_app(pages_server.build_app(pages_server.find_pages(folder), [])) as pages_url:
+        async with (
+            serve_app(llm) as llm_url,
+            serve_app(pages_server.build_app(pages_server.find_pages(folder), [])) as pages_url,
+        ):
             cfg = crawl_server.CrawlConfig(
-                    llm_url=llm_url + "/v1", llm_model="stub", extract_workers=1, allow=(allow_entry(pages_url),)
-                )
+                llm_url=llm_url + "/v1", llm_model="stub", extract_workers=1, allow=(allow_entry(pages_url),)
+            )
             async with serve_app(crawl_server.build_app(cfg)) as crawl_url:
                 async with ToolPool([CrawlPageTool(crawl_url, summarize=True)]) as pool:
                     url = f"{pages_url}/pages/wikipedia-3"
@@ -157,7 +187,11 @@ def test_summaries_through_an_openai_compatible_endpoint(readability):
     ok, failed = asyncio.run(main())
     assert ok == f"Page 1 [{ok.split('[')[1].split(']')[0]}] Summary:\nSUMMARY of the page"
     prompt = requests[0]["messages"][1]["content"]
-    assert requests[0]["model"] == "stub" and "What is a Hermitian matrix?" in prompt and "Hermitian" in prompt.split("titled")[1]
+    assert (
+        requests[0]["model"] == "stub"
+        and "What is a Hermitian matrix?" in prompt
+        and "Hermitian" in prompt.split("titled")[1]
+    )
     assert "Title: Hermitian matrix" in failed  # a failed summary falls back to the extracted text
 
 
@@ -170,7 +204,9 @@ class Victim:
     def app(self) -> web.Application:
         async def anything(request: web.Request) -> web.Response:
             self.hits += 1
-            return web.Response(text="<html><title>secret</title><body>internal answer</body></html>", content_type="text/html")
+            return web.Response(
+                text="<html><title>secret</title><body>internal answer</body></html>", content_type="text/html"
+            )
 
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", anything)
@@ -218,7 +254,9 @@ def test_crawl_refuses_loopback_private_and_metadata_addresses(servers, tmp_path
                                 "redirect": f"http://127.0.0.1:{redirector_port}/go",
                             }.items()
                         }
-                        mixed = await pool.call("crawl_page", f"{servers['pages']}/pages/wikipedia-3 | {victim_url}/run")
+                        mixed = await pool.call(
+                            "crawl_page", f"{servers['pages']}/pages/wikipedia-3 | {victim_url}/run"
+                        )
                         snapshot = pool.metrics_snapshot()["crawl_page"]
                 finally:
                     await runner.cleanup()
@@ -226,7 +264,10 @@ def test_crawl_refuses_loopback_private_and_metadata_addresses(servers, tmp_path
 
         refused, mixed, snapshot, hits = asyncio.run(main())
     for name, observation in refused.items():
-        assert observation.startswith("[crawl_page error: blocked_url] ") and "refused" in observation, (name, observation)
+        assert observation.startswith("[crawl_page error: blocked_url] ") and "refused" in observation, (
+            name,
+            observation,
+        )
     assert "a loopback address" in refused["sandbox"] and "link-local" in refused["metadata"]
     assert "localhost resolves only to refused addresses" in refused["localhost"]
     assert "a private address" in refused["private"] and "a loopback address" in refused["redirect"]
@@ -243,8 +284,20 @@ def test_url_guard_addresses_and_allow_list():
 
     from afm_core.tools.url_guard import BlockedAddressError, UrlGuard, refusal
 
-    for address in ("127.0.0.1", "::1", "10.1.2.3", "192.168.0.1", "172.16.0.1", "169.254.169.254", "fe80::1",
-                    "fd00:ec2::254", "100.100.100.200", "0.0.0.0", "224.0.0.1", "::ffff:10.0.0.1"):
+    for address in (
+        "127.0.0.1",
+        "::1",
+        "10.1.2.3",
+        "192.168.0.1",
+        "172.16.0.1",
+        "169.254.169.254",
+        "fe80::1",
+        "fd00:ec2::254",
+        "100.100.100.200",
+        "0.0.0.0",
+        "224.0.0.1",
+        "::ffff:10.0.0.1",
+    ):
         assert refusal(ipaddress.ip_address(address)) is not None, address
     assert refusal(ipaddress.ip_address("8.8.8.8")) is None and refusal(ipaddress.ip_address("2606:4700::1111")) is None
     guard = UrlGuard(["127.0.0.1:8080", "10.1.0.0/16", "[::1]:9000"])
@@ -252,7 +305,13 @@ def test_url_guard_addresses_and_allow_list():
     guard.check_url(URL("http://10.1.200.3:1234/"))
     guard.check_url(URL("http://[::1]:9000/"))
     guard.check_url(URL("https://example.org/"))  # a host name: checked at resolution
-    for url in ("http://127.0.0.1:8081/", "http://10.2.0.1/", "http://[::1]:9001/", "file:///etc/passwd", "gopher://x/"):
+    for url in (
+        "http://127.0.0.1:8081/",
+        "http://10.2.0.1/",
+        "http://[::1]:9001/",
+        "file:///etc/passwd",
+        "gopher://x/",
+    ):
         with pytest.raises(BlockedAddressError):
             guard.check_url(URL(url))
     with pytest.raises(ValueError, match="allow-list entry 'nonsense'"):

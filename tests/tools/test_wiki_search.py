@@ -40,9 +40,7 @@ def test_gold_paragraph_in_top5_for_90_percent(hotpot, wiki_url):
             return await asyncio.gather(*(tool.retrieve(q["question"], http) for q in questions))
 
     all_hits = asyncio.run(main())
-    found = sum(
-        any(hit["document"]["id"] in q["gold_doc_ids"] for hit in hits) for q, hits in zip(questions, all_hits)
-    )
+    found = sum(any(hit["document"]["id"] in q["gold_doc_ids"] for hit in hits) for q, hits in zip(questions, all_hits))
     assert len(questions) == 500 and all(len(h) == 5 for h in all_hits)
     recall = found / len(questions)
     print(f"wiki_search BM25 recall@5 (any gold paragraph): {recall:.3f}")
@@ -54,7 +52,9 @@ def test_observation_format_and_batch_api(wiki_url):
         async with ToolPool([WikiSearchTool(wiki_url)]) as pool:
             observation = await pool.call("wiki_search", "Shirley Temple Chief of Protocol")
         async with aiohttp.ClientSession() as session:
-            async with session.post(wiki_url + "/retrieve", json={"queries": ["Shirley Temple", "Kiss and Tell"], "topk": 2}) as r:
+            async with session.post(
+                wiki_url + "/retrieve", json={"queries": ["Shirley Temple", "Kiss and Tell"], "topk": 2}
+            ) as r:
                 batch = await r.json()
             async with session.post(wiki_url + "/retrieve", json={"queries": "not a list"}) as r:
                 bad = (r.status, await r.json())
@@ -96,7 +96,9 @@ def test_dense_retriever_on_a_tiny_encoder(tmp_path):
     words = sorted({w for d in docs for w in d.contents.lower().split()})
     vocab = {token: i for i, token in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}
     BertTokenizerFast(vocab=vocab).save_pretrained(tmp_path)
-    config = BertConfig(vocab_size=len(words) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    config = BertConfig(
+        vocab_size=len(words) + 5, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
     BertModel(config).save_pretrained(tmp_path)
 
     retriever = DenseRetriever(docs, tmp_path, query_prefix="", passage_prefix="")
@@ -109,7 +111,9 @@ def test_dense_retriever_on_a_tiny_encoder(tmp_path):
             async with aiohttp.ClientSession() as session:
                 async with session.get(url + "/health") as r:
                     health = await r.json()
-                async with session.post(url + "/retrieve", json={"queries": [docs[2].contents], "topk": 1, "return_scores": True}) as r:
+                async with session.post(
+                    url + "/retrieve", json={"queries": [docs[2].contents], "topk": 1, "return_scores": True}
+                ) as r:
                     answer = await r.json()
         return health, answer
 

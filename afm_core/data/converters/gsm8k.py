@@ -60,7 +60,9 @@ def _check_arithmetic(expression: str) -> None:
     for node in ast.walk(tree):
         if not isinstance(node, _ARITHMETIC_NODES):
             raise UnsafeExpression(f"{expression!r}: {type(node).__name__} is not arithmetic")
-        if isinstance(node, ast.Constant) and (isinstance(node.value, bool) or not isinstance(node.value, (int, float))):
+        if isinstance(node, ast.Constant) and (
+            isinstance(node.value, bool) or not isinstance(node.value, (int, float))
+        ):
             raise UnsafeExpression(f"{expression!r}: {node.value!r} is not a number")
         if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow):
             base, exponent = _constant(node.left), _constant(node.right)

@@ -72,8 +72,12 @@ def convert_record(where: Where, record: dict[str, Any]) -> Trajectory:
         correct=True,
         source="tora",
         source_id=source_id,
-        meta={"file": where.path.name, "dataset": record.get("dataset"), "level": record.get("level"),
-              **({"answer_check": "math_verify_rescued"} if rescued else {})},
+        meta={
+            "file": where.path.name,
+            "dataset": record.get("dataset"),
+            "level": record.get("level"),
+            **({"answer_check": "math_verify_rescued"} if rescued else {}),
+        },
     )
 
 

@@ -37,7 +37,7 @@ from afm_core.tools.url_guard import BlockedAddressError, GuardedResolver, UrlGu
 SUMMARY_SYSTEM = "You are a summary agent robot."
 SUMMARY_PROMPT = (
     "Task: {task}\n\n"
-    "Web page {url} titled \"{title}\":\n{text}\n\n"
+    'Web page {url} titled "{title}":\n{text}\n\n'
     "Extract everything on this page that helps with the task: (1) information that answers or bears on it, "
     "(2) clues and related facts worth following up, (3) relevant links. Be concise; say so if the page is irrelevant."
 )
@@ -149,7 +149,9 @@ class Crawler:
         Raises:
             PageError: the endpoint failed or answered without ``choices[0].message.content``.
         """
-        prompt = SUMMARY_PROMPT.format(task=task or "(none given)", url=url, title=title, text=text[: self.cfg.summary_input_chars])
+        prompt = SUMMARY_PROMPT.format(
+            task=task or "(none given)", url=url, title=title, text=text[: self.cfg.summary_input_chars]
+        )
         body = {
             "model": self.cfg.llm_model,
             "messages": [{"role": "system", "content": SUMMARY_SYSTEM}, {"role": "user", "content": prompt}],
@@ -160,7 +162,9 @@ class Crawler:
         headers = {"Authorization": f"Bearer {self.cfg.llm_api_key}"} if self.cfg.llm_api_key else None
         timeout = aiohttp.ClientTimeout(total=self.cfg.llm_timeout_s)
         try:
-            async with self.session.post(self.cfg.llm_url.rstrip("/") + "/chat/completions", json=body, headers=headers, timeout=timeout) as resp:
+            async with self.session.post(
+                self.cfg.llm_url.rstrip("/") + "/chat/completions", json=body, headers=headers, timeout=timeout
+            ) as resp:
                 answer = await resp.json(content_type=None)
                 if resp.status >= 400:
                     raise PageError(f"summary endpoint HTTP {resp.status}: {str(answer)[:200]}")
@@ -171,7 +175,15 @@ class Crawler:
             raise PageError(f"summary endpoint failed: {e.__class__.__name__}: {e}") from e
 
     async def crawl_one(self, url: str, task: str, summarize: bool) -> dict[str, Any]:
-        page: dict[str, Any] = {"url": url, "title": "", "text": "", "summary": None, "summary_error": None, "error": None, "blocked": False}
+        page: dict[str, Any] = {
+            "url": url,
+            "title": "",
+            "text": "",
+            "summary": None,
+            "summary_error": None,
+            "error": None,
+            "blocked": False,
+        }
         try:
             body, ctype = await self.fetch(url)
         except PageError as e:
@@ -216,7 +228,9 @@ def build_app(cfg: CrawlConfig) -> web.Application:
             return web.json_response({"error": "field 'task' must be a string"}, status=400)
         summarize = bool(body.get("summarize", False))
         if summarize and not (cfg.llm_url and cfg.llm_model):
-            return web.json_response({"error": "field 'summarize' is true but this server has no --llm-url/--llm-model"}, status=400)
+            return web.json_response(
+                {"error": "field 'summarize' is true but this server has no --llm-url/--llm-model"}, status=400
+            )
         pages = await asyncio.gather(*(crawler.crawl_one(u, task, summarize) for u in urls))
         return web.json_response({"pages": pages, "processing_time": round(time.perf_counter() - start, 4)})
 
@@ -236,13 +250,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fetch-timeout-s", type=float, default=defaults.fetch_timeout_s)
     parser.add_argument("--max-urls", type=int, default=defaults.max_urls)
     parser.add_argument(
-        "--allow", action="append", default=[],
+        "--allow",
+        action="append",
+        default=[],
         help="a non-public address the crawler may fetch: ADDRESS[/PREFIX], IPv4:PORT or [IPv6]:PORT (repeatable)",
     )
     parser.add_argument("--extract-workers", type=int, default=defaults.extract_workers, help="extraction processes")
-    parser.add_argument("--llm-url", default=None, help="OpenAI-compatible base URL for summaries, e.g. http://host:8000/v1")
+    parser.add_argument(
+        "--llm-url", default=None, help="OpenAI-compatible base URL for summaries, e.g. http://host:8000/v1"
+    )
     parser.add_argument("--llm-model", default=None, help="model name sent to the summary endpoint")
-    parser.add_argument("--llm-api-key-env", default="SUMMARY_OPENAI_API_KEY", help="env var holding the endpoint's key")
+    parser.add_argument(
+        "--llm-api-key-env", default="SUMMARY_OPENAI_API_KEY", help="env var holding the endpoint's key"
+    )
     args = parser.parse_args(argv)
     cfg = CrawlConfig(
         fetch_timeout_s=args.fetch_timeout_s,

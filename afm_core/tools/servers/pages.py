@@ -40,7 +40,7 @@ def render_document(doc: Document) -> str:
     first, _, rest = doc.contents.partition("\n")
     body = rest if rest and first.strip().strip('"') == doc.title else doc.contents
     paragraphs = "\n".join(f"<p>{html.escape(line.strip())}</p>" for line in body.splitlines() if line.strip())
-    return f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>{title}</title></head>\n<body><article><h1>{title}</h1>\n{paragraphs}\n</article></body></html>\n"
+    return f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>{title}</title></head>\n<body><article><h1>{title}</h1>\n{paragraphs}\n</article></body></html>\n'
 
 
 def build_app(pages: dict[str, Path], docs: list[Document]) -> web.Application:
@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m afm_core.tools.servers.pages", description=__doc__.split("\n")[0])
     add_server_args(parser)
     parser.add_argument("--pages", type=Path, default=None, help="folder of <name>/source.html or <name>.html pages")
-    parser.add_argument("--corpus", type=Path, default=None, help="JSON lines {id, title, contents} served at /doc/<id>")
+    parser.add_argument(
+        "--corpus", type=Path, default=None, help="JSON lines {id, title, contents} served at /doc/<id>"
+    )
     args = parser.parse_args(argv)
     if args.pages is None and args.corpus is None:
         parser.error("give --pages and/or --corpus")

@@ -69,7 +69,9 @@ def build_app(retriever: BM25Retriever, api_key: str | None = None) -> web.Appli
 
     async def search(request: web.Request) -> web.Response:
         if api_key is not None and request.headers.get("X-API-KEY") != api_key:
-            return web.json_response({"message": "Unauthorized: missing or wrong X-API-KEY", "statusCode": 403}, status=403)
+            return web.json_response(
+                {"message": "Unauthorized: missing or wrong X-API-KEY", "statusCode": 403}, status=403
+            )
         try:
             body = await request.json()
         except json.JSONDecodeError as e:
@@ -79,7 +81,9 @@ def build_app(retriever: BM25Retriever, api_key: str | None = None) -> web.Appli
             return web.json_response({"message": "field 'q' must be a non-empty string", "statusCode": 400}, status=400)
         num = body.get("num", 10)
         if isinstance(num, bool) or not isinstance(num, int) or not 1 <= num <= MAX_NUM:
-            return web.json_response({"message": f"field 'num' must be an integer in [1, {MAX_NUM}]", "statusCode": 400}, status=400)
+            return web.json_response(
+                {"message": f"field 'num' must be an integer in [1, {MAX_NUM}]", "statusCode": 400}, status=400
+            )
         hits = retriever.search([query], num)[0]
         organic = [
             {"title": doc.title, "link": doc.url, "snippet": snippet(doc), "position": i}
@@ -97,12 +101,16 @@ def build_app(retriever: BM25Retriever, api_key: str | None = None) -> web.Appli
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m afm_core.tools.servers.web_search", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m afm_core.tools.servers.web_search", description=__doc__.split("\n")[0]
+    )
     add_server_args(parser)
     parser.add_argument("--corpus", type=Path, default=None, help="JSON lines {id, title, contents, url?}")
     parser.add_argument("--pages", type=Path, default=None, help="folder of HTML pages to index (needs --link-base)")
     parser.add_argument("--link-base", default=None, help="base URL of the pages server the links point to")
-    parser.add_argument("--api-key-env", default=None, help="require the X-API-KEY held by this env var (default: accept any)")
+    parser.add_argument(
+        "--api-key-env", default=None, help="require the X-API-KEY held by this env var (default: accept any)"
+    )
     args = parser.parse_args(argv)
     if args.corpus is None and args.pages is None:
         parser.error("give --corpus and/or --pages")

@@ -40,7 +40,9 @@ def build_app(retriever: Retriever, default_topk: int = 3) -> web.Application:
             return web.json_response({"error": f"field 'queries' has over {MAX_QUERIES} entries"}, status=400)
         topk = body.get("topk") or default_topk
         if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
-            return web.json_response({"error": f"field 'topk' must be an integer in [1, {MAX_TOPK}] or null"}, status=400)
+            return web.json_response(
+                {"error": f"field 'topk' must be an integer in [1, {MAX_TOPK}] or null"}, status=400
+            )
         with_scores = bool(body.get("return_scores", False))
         hits = retriever.search(queries, topk)
         if with_scores:
