@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -188,6 +189,61 @@ def test_an_interrupted_run_resumes_with_every_step_once_the_same_data_position_
     final = _checkpoint_common(second["checkpoint"])
     assert final["prompts"] == _checkpoint_common(straight["checkpoint"])["prompts"]
     assert final["sampler"]["kept"] == [] and final["progress"]["rollout_step"] == 3
+
+
+# -- the policy update ------------------------------------------------------------------------------------
+def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
+    set_rank_env(rank, world, port)
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.rl.batch import response_values
+    from afm_core.rl.driver import (
+        Sample,
+        _micro_batches,
+        build_policy_trainer,
+        policy_update,
+    )
+    from afm_core.rl.logprobs import compute_logprobs
+    from afm_core.rl.policy_model import build_policy_model
+    from afm_core.train.distributed import destroy_distributed, init_distributed
+
+    layout = init_distributed(OmegaConf.create(cfg["parallel"]), seed=1, num_threads=1)
+    try:
+        chunks, _ = build_policy_model(ensure_hf_checkpoint(cfg["model"]), layout)
+        trainer = build_policy_trainer(cfg, layout, chunks, Path(cfg["run_dir"]), 10)
+        g = torch.Generator().manual_seed(0)
+        samples = []
+        for i in range(4):  # two groups of two; observation tokens (mask 0) in the middle of each response
+            prompt = torch.randint(0, 1000, (6,), generator=g).tolist()
+            response = torch.randint(0, 1000, (10,), generator=g).tolist()
+            samples.append(Sample(uid=f"g{i // 2}", task_id="t", prompt_ids=prompt, response_ids=response,
+                                  response_mask=[1] * 4 + [0] * 3 + [1] * 3, logprobs=[0.0] * 10, score=0.0,
+                                  format=1.0, reward=float(i % 2 == 0), finish_reason="eos"))
+        advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+
+        def mean_logprobs() -> list[float]:
+            (batch,) = _micro_batches(samples, 4, 16, 0)
+            (res,) = compute_logprobs(trainer.model, [batch], temperature=1.0)
+            masks = response_values(batch["response_mask"], batch)
+            return [float(v[m.bool()].mean()) for v, m in zip(response_values(res["logprobs"], batch), masks)]
+
+        before = mean_logprobs()
+        stats = policy_update(trainer, samples, advantages, cfg, 16, 0)
+        after = mean_logprobs()
+        Path(out).write_text(json.dumps({"before": before, "after": after, "stats": stats}))
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.slow
+def test_a_policy_update_raises_the_logprobs_of_positive_advantage_samples_and_lowers_the_others(tmp_path):
+    cfg = _config(tmp_path / "run", "rollout.n=2", "algorithm.mini_batch_size=2", "algorithm.train_batch_size=2",
+                  "trainer.micro_batch_size=2", "optim.lr=1e-3", "optim.min_lr=1e-3", "optim.weight_decay=0.0")
+    out = tmp_path / "update.json"
+    mp.start_processes(_update_rank, args=(1, free_port(), cfg, str(out)), nprocs=1, join=True, start_method="spawn")
+    result = json.loads(out.read_text())
+    deltas = [a - b for a, b in zip(result["after"], result["before"])]
+    assert deltas[0] > 0 and deltas[2] > 0 and deltas[1] < 0 and deltas[3] < 0, deltas
+    assert result["stats"]["optimizer_steps"] == 1 and result["stats"]["actor/tokens"] == 4 * 7
 
 
 # -- tools failing mid-rollout ----------------------------------------------------------------------------
