@@ -215,9 +215,20 @@ def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
         for i in range(4):  # two groups of two; observation tokens (mask 0) in the middle of each response
             prompt = torch.randint(0, 1000, (6,), generator=g).tolist()
             response = torch.randint(0, 1000, (10,), generator=g).tolist()
-            samples.append(Sample(uid=f"g{i // 2}", task_id="t", prompt_ids=prompt, response_ids=response,
-                                  response_mask=[1] * 4 + [0] * 3 + [1] * 3, logprobs=[0.0] * 10, score=0.0,
-                                  format=1.0, reward=float(i % 2 == 0), finish_reason="eos"))
+            samples.append(
+                Sample(
+                    uid=f"g{i // 2}",
+                    task_id="t",
+                    prompt_ids=prompt,
+                    response_ids=response,
+                    response_mask=[1] * 4 + [0] * 3 + [1] * 3,
+                    logprobs=[0.0] * 10,
+                    score=0.0,
+                    format=1.0,
+                    reward=float(i % 2 == 0),
+                    finish_reason="eos",
+                )
+            )
         advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
 
         def mean_logprobs() -> list[float]:
@@ -236,8 +247,16 @@ def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
 
 @pytest.mark.slow
 def test_a_policy_update_raises_the_logprobs_of_positive_advantage_samples_and_lowers_the_others(tmp_path):
-    cfg = _config(tmp_path / "run", "rollout.n=2", "algorithm.mini_batch_size=2", "algorithm.train_batch_size=2",
-                  "trainer.micro_batch_size=2", "optim.lr=1e-3", "optim.min_lr=1e-3", "optim.weight_decay=0.0")
+    cfg = _config(
+        tmp_path / "run",
+        "rollout.n=2",
+        "algorithm.mini_batch_size=2",
+        "algorithm.train_batch_size=2",
+        "trainer.micro_batch_size=2",
+        "optim.lr=1e-3",
+        "optim.min_lr=1e-3",
+        "optim.weight_decay=0.0",
+    )
     out = tmp_path / "update.json"
     mp.start_processes(_update_rank, args=(1, free_port(), cfg, str(out)), nprocs=1, join=True, start_method="spawn")
     result = json.loads(out.read_text())
