@@ -30,6 +30,7 @@ from afm_core.train.deepspeed_engine import (  # noqa: E402
     DeepSpeedConfigError,
     deepspeed_config,
 )
+from tests.gloo_env import set_rank_env  # noqa: E402
 
 SEQ, MICRO, GLOBAL, STEPS = 256, 1, 2, 4
 GSM8K = shared_data_dir() / "math" / "gsm8k"
@@ -85,14 +86,7 @@ def data_module(data_dir: Path, hf_dir: Path):
 
 
 def worker(rank: int, world: int, port: int, spec: dict) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_rank_env(rank, world, port)
     from transformers import set_seed
 
     from afm_core.train.deepspeed_engine import init_deepspeed_distributed, train_deepspeed
@@ -280,14 +274,7 @@ def test_resume_from_checkpoint_reproduces_the_run(setup, single_rank, tmp_path)
 
 
 def run_sft_worker(rank: int, world: int, port: int, cfg: dict) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_rank_env(rank, world, port)
     from afm_core.train.sft import run_sft
 
     summary = run_sft(OmegaConf.create(cfg))

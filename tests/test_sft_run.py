@@ -4,7 +4,6 @@ trajectories (../shared/data), a real gloo process group, HF export; then a new 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch.multiprocessing as mp
 
 from afm_core.launch.distributed import free_port
 from afm_core.utils.paths import repo_root, shared_data_dir
+from tests.gloo_env import set_rank_env
 
 pytestmark = pytest.mark.skipif(
     not shared_data_dir().is_dir(), reason=f"real data folder {shared_data_dir()} is absent (set AFM_SHARED_DATA)"
@@ -29,14 +29,7 @@ OVERRIDES = [
 
 
 def sft_worker(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    set_rank_env(rank, world, port)
     from hydra import compose, initialize_config_dir
 
     from afm_core.train.sft import run_sft

@@ -21,6 +21,7 @@ from omegaconf import OmegaConf
 
 from afm_core.launch.distributed import free_port
 from afm_core.utils.paths import repo_root
+from tests.gloo_env import set_rank_env
 
 VOCAB, SEQ, HIDDEN, LAYERS = 128, 32, 32, 4
 
@@ -173,20 +174,9 @@ def init_by_global_key(model) -> None:
         sharded.data.copy_(part.reshape(sharded.data.shape))
 
 
-def _set_env(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-
-
 def train_worker(rank: int, world: int, port: int, spec: dict) -> None:
     """Train the tiny model per ``spec`` and dump the final weights of this rank under spec['out']."""
-    _set_env(rank, world, port)
+    set_rank_env(rank, world, port)
     from afm_core.train.distributed import destroy_distributed, init_distributed
     from afm_core.train.trainer import (
         SFTTrainer,
@@ -277,7 +267,7 @@ def loss_worker(rank: int, world: int, port: int, spec: dict) -> None:
     F.cross_entropy over the unmasked positions of the whole global batch."""
     import torch.nn.functional as F
 
-    _set_env(rank, world, port)
+    set_rank_env(rank, world, port)
     from afm_core.train.distributed import destroy_distributed, init_distributed
     from afm_core.train.loss import reduce_reports
     from afm_core.train.trainer import SFTTrainer, build_model_chunks

@@ -9,17 +9,6 @@ import zlib
 import torch
 
 
-def set_rank_env(rank: int, world: int, port: int) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-
-
 @torch.no_grad()
 def perturb_weights(chunks, scale: float, seed: int) -> None:
     """Add noise drawn per GLOBAL tensor (by checkpoint key), so every TP/PP layout gets the same new model:

@@ -28,7 +28,7 @@ from afm_core.rl.driver import (
     stage_at,
 )
 from afm_core.utils.paths import repo_root
-from tests.rl.helpers import set_rank_env
+from tests.gloo_env import set_rank_env
 
 SCHEDULE = "[{until_step: 2, max_response_len: 32}, {max_response_len: 48}]"
 

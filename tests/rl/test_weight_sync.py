@@ -13,7 +13,8 @@ import torch
 import torch.multiprocessing as mp
 
 from afm_core.launch.distributed import free_port
-from tests.rl.helpers import perturb_weights, set_rank_env, shutdown_engine, vllm_engine
+from tests.gloo_env import set_rank_env
+from tests.rl.helpers import perturb_weights, shutdown_engine, vllm_engine
 
 TEMPERATURE = 0.7
 PROMPTS = [[1, 2, 3, 4, 5, 6], [10, 20, 30], [100, 200, 300, 400], [7, 7, 7]]
