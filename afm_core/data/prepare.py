@@ -41,7 +41,7 @@ from afm_core.data.schema import PREPARED_SCHEMA, read_prepared, row_trajectory,
 from afm_core.utils.atomic import atomic_dir
 from afm_core.utils.paths import cache_dir, shared_data_dir
 
-FORMAT_VERSION = 2  # 2: ToRA answers checked with math-verify
+FORMAT_VERSION = 3  # 2: ToRA answers checked with math-verify; 3: code observations in the code tool's format
 """Bumped whenever converters, rendering or the schema change, so that cached data is re-prepared."""
 
 INPUT_FORMATS = ("converters", "llamafactory")
