@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
+from afm_core.coa.observations import format_code_observation, truncate_middle
 from afm_core.tools import CodeTool, ToolLimits, ToolPool
 from afm_core.tools.base import ToolInputError
-from afm_core.coa.observations import format_code_observation, truncate_middle
 from afm_core.tools.code import parse_code_blocks
 
 
