@@ -13,6 +13,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from afm_core.coa.grammar import validate_text
+from afm_core.config import check_config
+from afm_core.config.sft import SFTConfig
 from afm_core.data.prepare import is_prepared, recorded_config, resolve_out_dir
 from afm_core.data.schema import read_prepared
 from afm_core.distill.runner import run_distill
@@ -124,6 +126,7 @@ def test_a_rerun_redoes_nothing_and_sft_finds_the_data_ready(distilled):
         sft = compose(config_name="sft", overrides=["run_dir=/tmp/x", "data=distill", "data.heldout_fraction=0",
                                                     f"data.sources.trajectories.path={run_dir / 'trajectories.jsonl'}",
                                                     f"data.out_dir={run_dir / 'sft_data'}"])  # fmt: skip
+    check_config(sft, SFTConfig)  # the SFT job's own schema accepts data=distill with this run's files
     assert resolve_out_dir(sft.data) == run_dir / "sft_data"
     assert is_prepared(run_dir / "sft_data", recorded_config(sft.data))
     assert pq.read_metadata(run_dir / "sft_data" / "train.parquet").num_rows == 3
