@@ -24,6 +24,8 @@ from afm_core.utils.paths import repo_root
 from tests.distill.scripted_teacher import REQUESTS, scripted_app, serve_in_thread
 from tests.tools.conftest import jail_unavailable
 
+pytestmark = pytest.mark.slow  # ~5 s alone, 18 s on the loaded machine (tool servers start)
+
 SCRIPTS = [  # (benchmark, index) -> script; what each must do to the filters is in the comment
     ("gsm8k_train", 0, {"calls": 5, "fix_after_check": True}),  # kept, upsampled x2 (error correction)
     ("gsm8k_train", 1, {"calls": 5, "reflect": False}),  # reflection: math without reflection
