@@ -195,13 +195,8 @@ def test_an_interrupted_run_resumes_with_every_step_once_the_same_data_position_
 def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
     set_rank_env(rank, world, port)
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.rl.batch import response_values
-    from afm_core.rl.driver import (
-        Sample,
-        _micro_batches,
-        build_policy_trainer,
-        policy_update,
-    )
+    from afm_core.rl.batch import response_values, sample_micro_batches
+    from afm_core.rl.driver import Sample, build_policy_trainer, policy_update
     from afm_core.rl.logprobs import compute_logprobs
     from afm_core.rl.policy_model import build_policy_model
     from afm_core.train.distributed import destroy_distributed, init_distributed
@@ -232,7 +227,7 @@ def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
         advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
 
         def mean_logprobs() -> list[float]:
-            (batch,) = _micro_batches(samples, 4, 16, 0)
+            (batch,) = sample_micro_batches(samples, 4, 16, 0)
             (res,) = compute_logprobs(trainer.model, [batch], temperature=1.0)
             masks = response_values(batch["response_mask"], batch)
             return [float(v[m.bool()].mean()) for v, m in zip(response_values(res["logprobs"], batch), masks)]
