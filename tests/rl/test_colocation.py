@@ -18,21 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from afm_core.launch.distributed import free_port
 from afm_core.rl.colocation import select_colocation
 from afm_core.rl.driver import RolloutActor
-from afm_core.utils.paths import repo_root
-from tests.gloo_env import set_rank_env
+from tests.rl.helpers import rl_config, run_rl_ranks
 
 
 def _config(run_dir: Path, *overrides: str) -> dict:
-    with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
-        cfg = compose(config_name="rl", overrides=["recipe=rl_smoke", f"run_dir={run_dir}", *overrides])
-    return OmegaConf.to_container(cfg, resolve=True)
+    return rl_config(run_dir, *overrides)
 
 
 # -- the layout ---------------------------------------------------------------------------------------------
@@ -160,20 +153,8 @@ def test_the_in_process_engine_batches_concurrent_requests_rejects_and_aborts_on
 
 
 # -- one vLLM TP=2 engine over two trainer ranks -------------------------------------------------------------
-def _rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
-    set_rank_env(rank, world, port)
-    from afm_core.rl.driver import run_rl
-
-    summary = run_rl(cfg)
-    if rank == 0:
-        Path(out).write_text(json.dumps(summary))
-
-
 def _run(cfg: dict, world: int) -> dict:
-    out = Path(cfg["run_dir"]) / "summary.json"
-    Path(cfg["run_dir"]).mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_rank, args=(world, free_port(), cfg, str(out)), nprocs=world, join=True, start_method="spawn")
-    return json.loads(out.read_text())
+    return run_rl_ranks(cfg, world=world)
 
 
 @pytest.mark.slow

@@ -14,26 +14,22 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from afm_core.launch.distributed import free_port
 from afm_core.rl.critic import gae_per_sample
 from afm_core.rl.driver import Sample
-from afm_core.utils.paths import repo_root
 from tests.gloo_env import set_rank_env
+from tests.rl.helpers import rl_config, run_rl_ranks
 
 
 def _config(run_dir: Path, *overrides: str, recipe: str = "rl_smoke") -> dict:
-    with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
-        cfg = compose(config_name="rl", overrides=[f"recipe={recipe}", f"run_dir={run_dir}", *overrides])
-    return OmegaConf.to_container(cfg, resolve=True)
+    return rl_config(run_dir, *overrides, recipe=recipe)
 
 
 def _sample(uid: str, reward: float, mask: list[int]) -> Sample:
@@ -137,37 +133,14 @@ def test_the_critic_resumes_exactly_from_its_checkpoint(tmp_path):
 
 
 # -- the job ----------------------------------------------------------------------------------------------------
-def _rank(rank: int, world: int, port: int, cfg: dict, stop_after: int | None, out: str) -> None:
-    set_rank_env(rank, world, port)
-    from afm_core.rl.driver import run_rl
-    from afm_core.train.trainer import request_checkpoint
-
-    def after_step(step: int) -> None:
-        if step == stop_after:
-            request_checkpoint()
-
-    summary = run_rl(cfg, after_step=after_step)
-    if rank == 0:
-        Path(out).write_text(json.dumps(summary))
-
-
-def _run(cfg: dict, stop_after: int | None = None) -> dict:
-    out = Path(cfg["run_dir"]) / f"summary-{time.monotonic_ns()}.json"
-    Path(cfg["run_dir"]).mkdir(parents=True, exist_ok=True)
-    mp.start_processes(
-        _rank, args=(1, free_port(), cfg, stop_after, str(out)), nprocs=1, join=True, start_method="spawn"
-    )
-    return json.loads(out.read_text())
-
-
 @pytest.mark.slow
 def test_ppo_with_a_critic_and_the_kl_loss_runs_and_resumes_with_its_critic(tmp_path):
     run_dir = tmp_path / "ppo"
     cfg = _config(run_dir, "algorithm.adv_estimator=gae", "algorithm.kl_coef=0.001", "trainer.max_steps=2")
-    first = _run(cfg, stop_after=1)
+    first = run_rl_ranks(cfg, stop_after=1)
     assert first["stopped_early"] and first["step"] == 1
     assert (run_dir / "checkpoints" / "critic" / "step_00000001" / "COMPLETE").is_file()
-    second = _run(cfg)
+    second = run_rl_ranks(cfg)
     assert second["resumed_from"] == first["checkpoint"] and second["step"] == 2
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
