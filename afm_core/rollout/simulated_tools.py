@@ -147,10 +147,11 @@ def build_tool_runner(
     tokenizer: Any = None,
     simulator: Mapping[str, Any] | None = None,
     policy_tokenizer: Any = None,
+    temperature: float = 1.0,
 ) -> Any:
     """The tool runner of ``rollout.environment``: ``real`` gives ``pool`` (the real tools), ``simulated`` a
     :class:`SimulatedTools` on ``engine`` with ``simulator`` (``max_tokens``, ``temperature``, ``top_p``,
-    ``seed``; other keys are ignored).
+    ``seed``; other keys are ignored; a null or missing temperature is ``temperature``, the rollout's).
 
     Raises:
         ValueError: an unknown environment, or ``simulated`` without an engine and tokenizer.
@@ -163,7 +164,7 @@ def build_tool_runner(
         s = dict(simulator or {})
         config = SimulatorConfig(
             max_tokens=int(s.get("max_tokens", 256)),
-            temperature=float(s.get("temperature", 1.0)),
+            temperature=float(temperature if s.get("temperature") is None else s["temperature"]),
             top_p=float(s.get("top_p", 1.0)),
             seed=int(s.get("seed", 0)),
         )
