@@ -638,8 +638,9 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
         after_step: called with the rollout step number after each step's metrics are written (before the
             checkpoint decision), e.g. to :func:`afm_core.train.trainer.request_checkpoint`.
     Returns:
-        ``{"step", "max_steps", "stopped_early", "resumed_from", "checkpoint", "stage", "data_state",
-        "run_dir", ...}`` (identical on every rank).
+        ``{"step", "max_steps", "stopped_early", "resumed_from", "checkpoint", "hf_dir", "stage", "data_state",
+        "run_dir", ...}`` (identical on every rank); ``hf_dir`` is the policy's HF export ``RUN_DIR/hf``
+        (safetensors + config + tokenizer, written when the run completes and ``trainer.export_hf``), else None.
     Raises:
         ValueError: a bad config value (names the field).
         afm_core.rl.dynamic_sampling.DynamicSamplingExhausted: ``max_num_gen_batches`` batches did not fill a
@@ -681,7 +682,7 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
     actor = None
     try:
         resume_path = find_resume_checkpoint(run_dir, cfg.get("resume"))
-        chunks, _ = build_policy_model(
+        chunks, hf_config = build_policy_model(
             hf_dir, layout, params_dtype=training_dtype(t["precision"]), load_weights=resume_path is None
         )
         trainer = build_policy_trainer(cfg, layout, chunks, run_dir, max(1, max_steps * updates_per_step))
@@ -727,6 +728,12 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
                 cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages, metrics, pad_id, after_step
             )
         summary["resumed_from"] = str(resume_path) if resume_path else None
+        summary["hf_dir"] = None
+        if t.get("export_hf", True) and not summary["stopped_early"]:  # the policy, for python -m jobs.eval
+            from afm_core.models.bridge import save_hf_checkpoint
+
+            trainer.sync_params()
+            summary["hf_dir"] = str(save_hf_checkpoint(trainer.model, hf_config, hf_dir, run_dir / "hf"))
         return summary
     finally:
         if actor is not None:
