@@ -56,17 +56,12 @@ def _run(loop, policy, tokenizer, runner, task):
     return loop.run_until_complete(agent.run(task))
 
 
-def test_the_model_writes_the_observation_and_the_real_tool_is_a_config_switch(simulator, hotpot_question, tmp_path):
-    from afm_core.tools import ToolPool, WikiSearchTool
-    from afm_core.tools.launcher import ServerGroup
-
+def test_the_model_writes_the_observation_from_the_exact_transcript(simulator, hotpot_question):
     loop, engine, tokenizer = simulator
-    corpus, record = hotpot_question
+    _, record = hotpot_question
     question = record["question"]
     task = AgentTask("hotpot:0", "mhqa", user_prompt("mhqa", question), question, record["golden_answers"][0])
     segments, _ = _policy_segments(question)
-
-    # simulated: the simulator continues the exact transcript after "<observation>" and stops at its closing tag
     # (greedy, so that the request can be repeated by hand: vLLM-CPU has no per-request seeds)
     sim = {"max_tokens": 48, "temperature": 0.0}
     runner = build_tool_runner("simulated", pool=None, engine=engine, tokenizer=tokenizer, simulator=sim)
@@ -79,35 +74,78 @@ def test_the_model_writes_the_observation_and_the_real_tool_is_a_config_switch(s
     # the same request again, by hand, gives the same text: the observation is the model's, sampled from the
     # trajectory so far (prompt + the policy's sampled ids up to </wiki_search>) + "\n<observation>\n"
     transcript = rollout.prompt_ids + policy.calls[0][1].token_ids
-    by_hand = loop.run_until_complete(
-        SimulatedTools(engine, tokenizer, runner.config).call(
-            "wiki_search", question, "hotpot:0#0", {"token_ids": transcript}
-        )
-    )
-    assert by_hand == observation
+    again = SimulatedTools(engine, tokenizer, runner.config)
+    assert loop.run_until_complete(again.call("wiki_search", question, "x", {"token_ids": transcript})) == observation
     obs_ids = encode_text(tokenizer, render_observation(observation))
     first = len(policy.calls[0][1].token_ids)
     assert rollout.response_ids[first : first + len(obs_ids)] == obs_ids
     assert rollout.response_mask[first : first + len(obs_ids)] == [0] * len(obs_ids)  # never trained on
     assert policy.calls[1][0] == rollout.prompt_ids + rollout.response_ids[: first + len(obs_ids)]
 
-    # real: the same loop, the real wiki_search server over the HotpotQA-500 corpus
+
+def _observations(sample, tokenizer) -> list[str]:
+    """The decoded mask-0 spans of a trajectory."""
+    spans, current = [], []
+    for token, mask in zip(sample.response_ids, sample.response_mask):
+        if mask == 0:
+            current.append(token)
+        elif current:
+            spans.append(tokenizer.decode(current))
+            current = []
+    return [*spans, tokenizer.decode(current)] if current else spans
+
+
+def test_the_rl_job_switches_environment_by_config(hotpot_question, tmp_path):
+    """The RL job's rollout side (RolloutActor) from conf/rl.yaml: recipe autocoa_rl_stage1 gives the simulated
+    environment (here with a second model, rollout.simulator.model, as the simulator: the scripted policy cannot
+    write observations itself), recipe autocoa_rl_stage2 the real wiki_search; nothing else changes."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.rl.driver import RolloutActor, Stage, load_prompts
+    from afm_core.rollout.factory import load_tokenizer
+    from afm_core.tools.launcher import ServerGroup
+    from afm_core.tools.pool import ToolPool
+    from afm_core.utils.paths import repo_root
+
+    tiny = ensure_hf_checkpoint("tiny-llama")
+    tokenizer = load_tokenizer(tiny)
+    corpus, _ = hotpot_question
+    overrides = [f"run_dir={tmp_path}", "engine.cpu_kv_cache_gib=0.25", "data.limit=1", "tools.cache=null"]
+    with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
+        simulated = compose("rl", [*overrides, "recipe=autocoa_rl_stage1", f"rollout.simulator.model={tiny}"])
+        real = compose("rl", [*overrides, "recipe=autocoa_rl_stage2"])
+    assert (simulated.rollout.environment, real.rollout.environment) == ("simulated", "real")
+    simulated, real = OmegaConf.to_container(simulated, resolve=True), OmegaConf.to_container(real, resolve=True)
+    task = load_prompts({**real["data"], "data_dir": None}, tokenizer)[0]
+    segments, _ = _policy_segments(task.question)
+    stage = Stage(0, 256, None)
+
+    actor = RolloutActor(simulated, tiny, tokenizer, {}, 2048, engine=ReplayEngine(tokenizer, segments, 2048))
+    try:
+        assert isinstance(actor.tool_runner(), SimulatedTools) and actor.pool is None
+        (sample,) = actor.generate([("0:0", task)], 1, stage, seed=0)
+        stats = actor.tool_metrics()["simulated"]
+        assert stats["calls"] == 1 and stats["generated_tokens"] > 0 and sample.tool_calls == [("wiki_search", None)]
+        (simulated_obs,) = _observations(sample, tokenizer)
+        assert simulated_obs.startswith("\n<observation>\n")
+    finally:
+        actor.close()
+
     with ServerGroup(log_dir=tmp_path / "wiki") as group:
         group.launch("wiki", ["--corpus", str(corpus), "--topk", "3"])
-        url = group.wait()["wiki"]
-
-        async def real_rollout():
-            async with ToolPool([WikiSearchTool(url)]) as pool:
-                runner = build_tool_runner("real", pool=pool, engine=engine, tokenizer=tokenizer)
-                assert runner is pool
-                agent = AgentLoop(ReplayEngine(tokenizer, segments), tokenizer, runner, AgentConfig(timeout_s=None))
-                return await agent.run(task)
-
-        real = loop.run_until_complete(real_rollout())
-    real_observation = real.tool_calls[0].observation
+        urls = group.wait()
+        actor = RolloutActor(real, tiny, tokenizer, urls, 2048, engine=ReplayEngine(tokenizer, segments, 2048))
+        try:
+            assert isinstance(actor.tool_runner(), ToolPool) and actor.simulator_engine is None
+            (sample,) = actor.generate([("0:0", task)], 1, stage, seed=0)
+            assert actor.tool_metrics()["wiki_search"]["calls"] == 1
+        finally:
+            actor.close()
+    (real_obs,) = _observations(sample, tokenizer)
     titles = [json.loads(line)["title"] for line in corpus.open()]
-    assert real_observation != observation and any(title in real_observation for title in titles)
-    assert real.response_mask.count(0) == len(encode_text(tokenizer, render_observation(real_observation)))
+    assert real_obs != simulated_obs and any(title in real_obs for title in titles)
 
 
 def test_the_simulator_reports_a_full_context_as_an_error_observation(simulator):
