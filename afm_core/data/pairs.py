@@ -40,7 +40,7 @@ from afm_core.coa.prompts import TASK_TOOLS
 from afm_core.coa.render import render_block, render_response
 from afm_core.coa.trajectory import Trajectory
 from afm_core.data.loader import SFTDataModule
-from afm_core.data.packing import PackedSequences, PackingStats, _first_fit_decreasing
+from afm_core.data.packing import PackedSequences, PackingStats, fill_sequences, first_fit_decreasing
 from afm_core.data.tokenize import IGNORE_INDEX, encode_prompt, encode_text, response_segments
 
 PAIR_KINDS = ("act", "answer")
@@ -204,25 +204,16 @@ def pack_pairs(pairs: Sequence[TokenizedPair], seq_length: int, *, pad_id: int =
             raise ValueError(f"pair {i}: empty chosen or rejected branch")
     fits = [i for i, pair in enumerate(pairs) if len(pair) <= seq_length]
     lengths = np.array([len(pairs[i]) for i in fits], dtype=np.int64)
-    bins = _first_fit_decreasing(lengths, seq_length)
+    docs = []  # pair j's chosen and rejected documents are docs 2j and 2j + 1
+    for i in fits:
+        pair, masked = pairs[i], [IGNORE_INDEX] * len(pairs[i].context_ids)
+        docs += [(pair.context_ids + branch, masked + branch) for branch in (pair.chosen_ids, pair.rejected_ids)]
+    bins = [
+        [d for j in sorted(members) for d in (2 * j, 2 * j + 1)]
+        for members in first_fit_decreasing(lengths, seq_length)
+    ]
+    input_ids, labels, position_ids, cu_seqlens = fill_sequences(docs, bins, seq_length, pad_id)
     n = len(bins)
-    input_ids: np.ndarray = np.full((n, seq_length), pad_id, dtype=np.int32)
-    labels: np.ndarray = np.full((n, seq_length), IGNORE_INDEX, dtype=np.int32)
-    position_ids: np.ndarray = np.zeros((n, seq_length), dtype=np.int32)
-    cu_seqlens = []
-    for row, members in enumerate(bins):
-        offsets = [0]
-        for member in sorted(members):  # pairs in input order inside a row
-            pair = pairs[fits[member]]
-            for branch in (pair.chosen_ids, pair.rejected_ids):
-                doc = pair.context_ids + branch
-                start, end = offsets[-1], offsets[-1] + len(doc)
-                input_ids[row, start:end] = doc
-                labels[row, start + len(pair.context_ids) : end] = branch
-                position_ids[row, start:end] = np.arange(end - start)
-                offsets.append(end)
-        position_ids[row, offsets[-1] :] = np.arange(seq_length - offsets[-1])
-        cu_seqlens.append(np.array(offsets, dtype=np.int32))
     stats = PackingStats(
         num_examples=len(pairs),
         num_sequences=n,

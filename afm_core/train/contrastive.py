@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from afm_core.train.loss import LOSS_KEY
+from afm_core.train.loss import LOSS_KEY, sum_reports
 
 PAIRS_KEY = "pairs"
 REDUCTIONS = ("sum", "mean")
@@ -182,16 +182,7 @@ def reduce_pair_reports(
         branch scores above the rejected, "chosen_logprob", "rejected_logprob", "margin", "chosen_nll",
         "contrastive_loss"}`` (means over pairs), identical on every rank; nan means when there is no pair.
     """
-    total = torch.zeros(len(_STATS), dtype=torch.float64)
-    for report in reports:
-        total += report[PAIRS_KEY].detach().to("cpu", torch.float64)
-    for group in groups:
-        if torch.distributed.get_world_size(group) > 1:
-            device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"
-            on_device = total.to(device)
-            torch.distributed.all_reduce(on_device, group=group)
-            total = on_device.cpu()
-    sums = dict(zip(_STATS, total.tolist()))
+    sums = dict(zip(_STATS, sum_reports(reports, PAIRS_KEY, len(_STATS), groups).tolist()))
     pairs = sums["pairs"]
 
     def mean(key: str) -> float:
