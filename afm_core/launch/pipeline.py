@@ -12,7 +12,8 @@ through submitit on ``cluster=local|slurm`` and checkpoints, requeues and resume
 ``overrides``, the pipeline's cluster settings, ``cluster.wait=true`` and, from the second stage on,
 ``model.hf_path=<the previous stage's RUN_DIR/hf>`` (the HF export every SFT and RL run writes when it completes).
 
-Resume: ``RUN_DIR/pipeline.json`` records each finished stage (its spec, command, run dir, export, seconds, load
+Resume: a chain holds ``RUN_DIR/pipeline.lock`` (``flock``) while it runs, so a second chain on the same run dir
+fails at once. ``RUN_DIR/pipeline.json`` records each finished stage (its spec, command, run dir, export, seconds, load
 average), written atomically after the stage's export exists. Running the pipeline again on the same run dir
 (``hydra.run.dir=RUN_DIR``) skips the finished stages and starts the first unfinished one in its own run dir again,
 where the stage's job resumes from its latest complete checkpoint: the chain continues at the stage and step where
@@ -25,13 +26,15 @@ wall time and headline metrics (:func:`stage_metrics`).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,7 @@ from afm_core.utils.atomic import atomic_write_json, atomic_write_text
 
 JOBS = {"sft": "jobs.sft", "rl": "jobs.rl"}
 STATE_FILE = "pipeline.json"
+LOCK_FILE = "pipeline.lock"
 STATE_VERSION = 1
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
@@ -201,12 +205,37 @@ def run_pipeline(
     specs = parse_stages(cfg.get("stages"))
     common = list(cfg.get("overrides") or [])
     cluster = cluster_overrides(cfg["cluster"])
-    state = PipelineState(run_dir)
     if check is not None:
         for i, spec in enumerate(specs):
             check(spec, stage_overrides(spec, stage_dir(run_dir, i, spec), common=common, cluster=cluster,
                                         model_hf_path=None if i == 0 else "/previous/stage/hf"))  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
+    with _exclusive(run_dir / LOCK_FILE):
+        return _run_stages(run_dir, specs, common, cluster, runner)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` for the chain's lifetime.
+
+    Raises:
+        PipelineError: another pipeline holds it (two chains must not train into the same stage run dirs).
+    """
+    with path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PipelineError(f"another pipeline is running on {path.parent} (it holds {path})") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _run_stages(
+    run_dir: Path, specs: list[StageSpec], common: list[str], cluster: list[str], runner: Callable[[list[str]], int]
+) -> dict[str, Any]:
+    state = PipelineState(run_dir)
     previous_hf: str | None = None
     results = []
     for i, spec in enumerate(specs):

@@ -72,6 +72,13 @@ def test_a_stage_without_an_export_and_bad_stage_lists_are_errors(tmp_path):
     cfg = {"run_dir": str(tmp_path), "stages": STAGES[:1], "overrides": [], "cluster": CLUSTER}
     with pytest.raises(PipelineError, match="without an HF export"):
         run_pipeline(cfg, runner=lambda command: 0)
+
+    def second_chain(command: list[str]) -> int:  # a second pipeline on the same run dir while the first runs
+        with pytest.raises(PipelineError, match="another pipeline is running"):
+            run_pipeline(cfg, runner=stand_in_runner)
+        return stand_in_runner(command)
+
+    assert run_pipeline(cfg, runner=second_chain)["stages"][0]["name"] == "s1"
     with pytest.raises(ValueError, match="no stage"):
         parse_stages([])
     with pytest.raises(ValueError, match=r"stages\[1\].name='s1': another stage"):
