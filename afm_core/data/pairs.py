@@ -154,13 +154,26 @@ def build_pairs(trajectories: Sequence[tuple[str, Trajectory]]) -> tuple[list[Ac
     return found, {"trajectories": used, "pairs_found": len(found), "skipped": dict(skipped)}
 
 
-def select_pairs(lengths: Sequence[int], seq_length: int, max_pairs: int | None, seed: int) -> list[int]:
-    """Indices of the pairs to train on: those whose two documents fit in ``seq_length`` tokens, then a seeded
-    uniform sample of at most ``max_pairs`` of them, in input order."""
+def select_pairs(
+    lengths: Sequence[int], kinds: Sequence[str], seq_length: int, max_pairs: int | None, seed: int
+) -> list[int]:
+    """Indices of the pairs to use, in a seeded random order: those whose two documents fit in ``seq_length``
+    tokens, at most ``max_pairs`` of them, sampled per kind in the proportions of all the pairs found (the length
+    limit alone would favour the short ``act`` pairs: answer pairs carry the whole trajectory as context); a kind
+    short of its quota leaves the rest to the others."""
+    rng = random.Random(seed)
     fits = [i for i, length in enumerate(lengths) if length <= seq_length]
+    rng.shuffle(fits)
     if max_pairs is None or len(fits) <= max_pairs:
         return fits
-    return sorted(random.Random(seed).sample(fits, max_pairs))
+    found = Counter(kinds)
+    by_kind = {kind: [i for i in fits if kinds[i] == kind] for kind in found}
+    picked = [i for kind, items in by_kind.items() for i in items[: round(max_pairs * found[kind] / len(kinds))]]
+    chosen = set(picked)
+    picked += [i for i in fits if i not in chosen][: max(0, max_pairs - len(picked))]
+    picked = picked[:max_pairs]
+    rng.shuffle(picked)
+    return picked
 
 
 @dataclass(frozen=True)
@@ -184,8 +197,12 @@ def tokenize_pair(tokenizer: Any, pair: ActionPair, system: str | None = None) -
     return TokenizedPair(context, encode_text(tokenizer, pair.chosen), encode_text(tokenizer, pair.rejected))
 
 
-def pack_pairs(pairs: Sequence[TokenizedPair], seq_length: int, *, pad_id: int = 0) -> tuple[PackedSequences, int]:
-    """Pack whole pairs into ``seq_length``-token sequences, first-fit-decreasing on pair lengths.
+def pack_pairs(
+    pairs: Sequence[TokenizedPair], seq_length: int, *, pad_id: int = 0, keep_order: bool = False
+) -> tuple[PackedSequences, int]:
+    """Pack whole pairs into ``seq_length``-token sequences, first-fit-decreasing on pair lengths, or with
+    ``keep_order`` in the given order (next fit: a new sequence when a pair does not fit the current one), so that
+    the first sequences hold the first pairs (a held-out eval reads the first ``trainer.eval_sequences``).
 
     In each row, pair ``j`` is documents ``2j`` (context + chosen) and ``2j + 1`` (context + rejected); labels are
     the branch tokens, -100 on the context and padding. A pair longer than ``seq_length`` is dropped (truncating
@@ -208,10 +225,18 @@ def pack_pairs(pairs: Sequence[TokenizedPair], seq_length: int, *, pad_id: int =
     for i in fits:
         pair, masked = pairs[i], [IGNORE_INDEX] * len(pairs[i].context_ids)
         docs += [(pair.context_ids + branch, masked + branch) for branch in (pair.chosen_ids, pair.rejected_ids)]
-    bins = [
-        [d for j in sorted(members) for d in (2 * j, 2 * j + 1)]
-        for members in first_fit_decreasing(lengths, seq_length)
-    ]
+    if keep_order:
+        rows: list[list[int]] = []
+        room = 0
+        for j, length in enumerate(lengths.tolist()):
+            if not rows or length > room:
+                rows.append([])
+                room = seq_length
+            rows[-1].append(j)
+            room -= length
+    else:
+        rows = [sorted(members) for members in first_fit_decreasing(lengths, seq_length)]
+    bins = [[d for j in members for d in (2 * j, 2 * j + 1)] for members in rows]
     input_ids, labels, position_ids, cu_seqlens = fill_sequences(docs, bins, seq_length, pad_id)
     n = len(bins)
     stats = PackingStats(
@@ -235,7 +260,9 @@ class PairDataModule(SFTDataModule):
 
     Same interface, micro batches and token cache as the SFT data (the packed pairs are cached next to the
     parquet, keyed also by the pair settings and this module's code); the train split keeps at most
-    ``max_pairs`` pairs (seeded sample), the held-out split at most ``max_heldout_pairs``.
+    ``max_pairs`` pairs, the held-out split at most ``max_heldout_pairs`` (:func:`select_pairs`: seeded, in the
+    kinds' proportions); held-out pairs are packed in their random order, so the held-out eval's first
+    ``trainer.eval_sequences`` sequences are a random sample.
 
     Args:
         train_paths, tokenizer, seq_length, heldout_paths, system, dense_mask, cache: as for SFTDataModule
@@ -302,9 +329,12 @@ class PairDataModule(SFTDataModule):
         pairs, report = build_pairs(items)
         tokenizer = self.tokenizer
         tokenized = [tokenize_pair(tokenizer, pair, self.system) for pair in pairs]
-        kept = select_pairs([len(t) for t in tokenized], self.seq_length, limit, self.seed)
+        kinds = [pair.kind for pair in pairs]
+        kept = select_pairs([len(t) for t in tokenized], kinds, self.seq_length, limit, self.seed)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        packed, _ = pack_pairs([tokenized[i] for i in kept], self.seq_length, pad_id=pad_id)
+        packed, _ = pack_pairs(
+            [tokenized[i] for i in kept], self.seq_length, pad_id=pad_id, keep_order=name == "heldout"
+        )
         too_long = sum(len(t) > self.seq_length for t in tokenized)
         by_kind = Counter(pairs[i].kind for i in kept)
         self.reports[name] = {**report, "too_long": too_long, "pairs": len(kept), "by_kind": dict(by_kind)}

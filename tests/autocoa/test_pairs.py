@@ -64,10 +64,16 @@ def test_trajectories_without_calls():
     assert len(pairs) == 1 and report["trajectories"] == 1
 
 
-def test_select_pairs_keeps_what_fits_then_samples():
-    assert select_pairs([5, 50, 7, 9], 10, None, 0) == [0, 2, 3]
-    picked = select_pairs([1] * 100, 10, 30, seed=3)
-    assert len(picked) == 30 and picked == sorted(picked) and picked == select_pairs([1] * 100, 10, 30, seed=3)
+def test_select_pairs_keeps_what_fits_then_samples_in_the_kinds_proportions():
+    assert sorted(select_pairs([5, 50, 7, 9], ["act"] * 4, 10, None, 0)) == [0, 2, 3]
+    picked = select_pairs([1] * 100, ["act"] * 100, 10, 30, seed=3)
+    assert len(set(picked)) == 30 and picked == select_pairs([1] * 100, ["act"] * 100, 10, 30, seed=3)
+    # 70 act pairs (all short) and 30 answer pairs (half too long): the sample keeps 7:3 while answers last
+    lengths, kinds = [1] * 70 + [1] * 15 + [99] * 15, ["act"] * 70 + ["answer"] * 30
+    picked = select_pairs(lengths, kinds, 10, 20, seed=0)
+    assert len(picked) == 20 and sum(kinds[i] == "answer" for i in picked) == 6
+    picked = select_pairs(lengths, kinds, 10, 80, seed=0)  # answers run short: acts fill the rest
+    assert len(picked) == 80 and sum(kinds[i] == "answer" for i in picked) == 15
 
 
 def test_packed_pairs_train_exactly_the_branch_tokens(smollm2_tokenizer):  # noqa: F811
@@ -92,6 +98,14 @@ def test_packed_pairs_train_exactly_the_branch_tokens(smollm2_tokenizer):  # noq
     assert smollm2_tokenizer.decode(tokenized[0].chosen_ids) == pairs[0].chosen
     too_long, dropped = pack_pairs(tokenized, len(tokenized[0]) - 1)
     assert dropped == 2 and len(too_long) == 0
+    # in order: the first row holds the first pair, then the next pairs as they fit
+    ordered, _ = pack_pairs(
+        [tokenized[1], tokenized[0], tokenized[1]], len(tokenized[0]) + len(tokenized[1]), keep_order=True
+    )
+    first_docs = ordered.cu_seqlens[0].tolist()
+    assert len(ordered) == 2 and first_docs[2] == 2 * len(tokenized[1].context_ids) + len(
+        tokenized[1].chosen_ids
+    ) + len(tokenized[1].rejected_ids)
 
 
 @pytest.mark.skipif(not shared_data_dir().is_dir(), reason="real data folder absent (set AFM_SHARED_DATA)")
