@@ -50,7 +50,7 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
-REWARD_MODES = ("score_x_format", "score")
+REWARD_MODES = ("score_x_format", "score", "score_minus_format_penalty")
 ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "gae")
 
 
@@ -210,14 +210,18 @@ class Sample:
 
 
 def shaped_reward(score: float, fmt: float, length: int, reward_cfg: Mapping[str, Any], max_len: int) -> float:
-    """The trajectory reward: ``score x format`` (``reward.mode: score_x_format``, the default) or ``score``,
-    plus DAPO's overlong penalty over the stage's ``max_len`` when ``reward.overlong_buffer_len`` > 0."""
+    """The trajectory reward: ``score x format`` (``reward.mode: score_x_format``, the default), ``score``, or
+    ``score - reward.format_penalty`` when the format is invalid (``score_minus_format_penalty``: AutoCoA's exact
+    match plus a format penalty, arXiv 2503.06580 §3.3.1), plus DAPO's overlong penalty over the stage's
+    ``max_len`` when ``reward.overlong_buffer_len`` > 0."""
     from afm_core.rl.reward_shaping import overlong_penalty
 
     mode = reward_cfg.get("mode", "score_x_format")
     if mode not in REWARD_MODES:
         raise ValueError(f"reward.mode={mode!r}: expected one of {', '.join(REWARD_MODES)}")
     reward = score * fmt if mode == "score_x_format" else score
+    if mode == "score_minus_format_penalty":
+        reward -= float(reward_cfg.get("format_penalty", 1.0)) * (1.0 - fmt)
     buffer = int(reward_cfg.get("overlong_buffer_len") or 0)
     if buffer > 0:
         buffer = min(buffer, max_len)
@@ -302,6 +306,8 @@ class RolloutActor:
             judge=LLMJudge(judge["url"], judge["model"], judge.get("api_key_env")) if judge.get("url") else None,
         )
         self.engine = engine
+        self.simulator_engine: Any = None  # rollout.simulator.model: a second engine that writes the observations
+        self._tool_runner: Any = None
         if self.pool is not None:
             self.run(self.pool.start())
         if engine is None:
@@ -357,7 +363,7 @@ class RolloutActor:
             top_k=int(r.get("top_k", -1)),
             max_tokens=stage.max_response_len,
         )
-        loop = AgentLoop(self.engine, self.tokenizer, self.pool, agent, sampling)
+        loop = AgentLoop(self.engine, self.tokenizer, self.tool_runner(), agent, sampling)
         reward_cfg = self.cfg["reward"]
 
         async def one(uid: str, task: Any, sample: int) -> Sample:
@@ -401,13 +407,45 @@ class RolloutActor:
             self.run(self.engine.wake_up(["kv_cache"]))
         return stats
 
+    def tool_runner(self) -> Any:
+        """What answers the calls: the real tool pool, or with ``rollout.environment: simulated`` a model (the
+        policy's own engine, or ``rollout.simulator.model``) writing each observation
+        (:mod:`afm_core.rollout.simulated_tools`, AutoCoA RL stage 1)."""
+        from afm_core.rollout.factory import build_engine, load_tokenizer
+        from afm_core.rollout.simulated_tools import build_tool_runner
+
+        if self._tool_runner is None:
+            r = self.cfg["rollout"]
+            simulator = dict(r.get("simulator") or {})
+            engine, tokenizer, policy_tokenizer = self.engine, self.tokenizer, None
+            if r.get("environment", "real") == "simulated" and simulator.get("model"):
+                engine_cfg = {**self.cfg["engine"], "max_model_len": self.engine.max_model_len}
+                self.simulator_engine = self.run(build_engine(engine_cfg, simulator["model"]))
+                engine, tokenizer = self.simulator_engine, load_tokenizer(simulator["model"])
+                policy_tokenizer = self.tokenizer
+            self._tool_runner = build_tool_runner(
+                r.get("environment", "real"),
+                pool=self.pool,
+                engine=engine,
+                tokenizer=tokenizer,
+                simulator=simulator,
+                policy_tokenizer=policy_tokenizer,
+                temperature=float(r["temperature"]),
+            )
+        return self._tool_runner
+
     def tool_metrics(self) -> dict[str, dict]:
-        return self.pool.metrics_snapshot() if self.pool is not None else {}
+        metrics = self.pool.metrics_snapshot() if self.pool is not None else {}
+        if self._tool_runner is not None and self._tool_runner is not self.pool:
+            metrics.update(self._tool_runner.metrics_snapshot())
+        return metrics
 
     def close(self) -> None:
         try:
             if self.engine is not None:
                 self.run(self.engine.close())
+            if self.simulator_engine is not None:
+                self.run(self.simulator_engine.close())
             if self.pool is not None:
                 self.run(self.pool.close())
             self.run(self.graders.close())
@@ -650,8 +688,9 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
         after_step: called with the rollout step number after each step's metrics are written (before the
             checkpoint decision), e.g. to :func:`afm_core.train.trainer.request_checkpoint`.
     Returns:
-        ``{"step", "max_steps", "stopped_early", "resumed_from", "checkpoint", "stage", "data_state",
-        "run_dir", ...}`` (identical on every rank).
+        ``{"step", "max_steps", "stopped_early", "resumed_from", "checkpoint", "hf_dir", "stage", "data_state",
+        "run_dir", ...}`` (identical on every rank); ``hf_dir`` is the policy's HF export ``RUN_DIR/hf``
+        (safetensors + config + tokenizer, written when the run completes and ``trainer.export_hf``), else None.
     Raises:
         ValueError: a bad config value (names the field).
         afm_core.rl.dynamic_sampling.DynamicSamplingExhausted: ``max_num_gen_batches`` batches did not fill a
@@ -695,7 +734,7 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
     try:
         resume_path = find_resume_checkpoint(run_dir, cfg.get("resume"))
         dtype = training_dtype(t["precision"])
-        chunks, _ = build_policy_model(hf_dir, layout, params_dtype=dtype, load_weights=resume_path is None)
+        chunks, hf_config = build_policy_model(hf_dir, layout, params_dtype=dtype, load_weights=resume_path is None)
         trainer = build_policy_trainer(cfg, layout, chunks, run_dir, max(1, max_steps * updates_per_step))
         critic = reference = None
         if a["adv_estimator"] == "gae":  # PPO: a value model with its own optimizer
@@ -731,7 +770,8 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
 
         family = {task.task for task in tasks}
         graders = {task.meta.get("grader") for task in tasks}
-        names = needed_servers(family, graders, cfg["tools"])
+        simulated = cfg["rollout"].get("environment", "real") == "simulated"  # no tool servers: a model answers
+        names = needed_servers(() if simulated else family, graders, cfg["tools"])
         # rank 0 starts the servers (or reads the addresses file) and tells the others where they are
         with tool_servers(cfg, names if layout.is_rank0 else [], run_dir / "logs" / "tool_servers") as local_urls:
             urls = _broadcast(dict(local_urls))
@@ -757,6 +797,12 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
                 critic, reference,
             )  # fmt: skip
         summary["resumed_from"] = str(resume_path) if resume_path else None
+        summary["hf_dir"] = None
+        if t.get("export_hf", True) and not summary["stopped_early"]:  # the policy, for python -m jobs.eval
+            from afm_core.models.bridge import save_hf_checkpoint
+
+            trainer.sync_params()
+            summary["hf_dir"] = str(save_hf_checkpoint(trainer.model, hf_config, hf_dir, run_dir / "hf"))
         return summary
     finally:
         if actor is not None:
@@ -856,6 +902,7 @@ def _loop(
             "data_epoch": stream.epoch,
             "data_offset": stream.offset,
             "tool_metrics": actor.tool_metrics() if layout.is_rank0 else None,
+            "environment": r.get("environment", "real"),
         }
         if metrics is not None:
             metrics.write(record)
