@@ -147,6 +147,9 @@ def test_rl_smoke_runs_every_step_with_the_time_split_and_the_stage_switch_at_it
         ):
             assert key in r, key
     assert (run_dir / "rl.png").stat().st_size > 0
+    hf = Path(summary["hf_dir"])  # the policy's HF export, which python -m jobs.eval model.hf_path=... reads
+    assert hf == run_dir / "hf" and (hf / "config.json").is_file() and (hf / "tokenizer.json").is_file()
+    assert list(hf.glob("*.safetensors"))
 
 
 @pytest.mark.slow
@@ -154,7 +157,7 @@ def test_an_interrupted_run_resumes_with_every_step_once_the_same_data_position_
     straight_dir, straight = uninterrupted
     cfg = _config(tmp_path / "interrupted")
     first = _run(cfg, stop_after=1)
-    assert first["stopped_early"] and first["step"] == 1
+    assert first["stopped_early"] and first["step"] == 1 and first["hf_dir"] is None
     assert _checkpoint_common(first["checkpoint"])["progress"]["stage"] == 0
     second = _run(cfg)
     assert second["resumed_from"] == first["checkpoint"] and second["step"] == 3
