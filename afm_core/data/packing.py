@@ -181,8 +181,35 @@ def _build(examples: Sequence[TokenizedExample], seq_length: int, pad_id: int, p
         if any(label != IGNORE_INDEX for label in doc_labels):
             docs.append((ids, doc_labels))
     lengths = np.array([len(ids) for ids, _ in docs], dtype=np.int64)
-    bins = _first_fit_decreasing(lengths, seq_length) if pack else [[i] for i in range(len(docs))]
+    bins = first_fit_decreasing(lengths, seq_length) if pack else [[i] for i in range(len(docs))]
 
+    input_ids, labels, position_ids, cu_seqlens = fill_sequences(docs, bins, seq_length, pad_id)
+    n = len(bins)
+    stats = PackingStats(
+        num_examples=len(examples),
+        num_sequences=n,
+        num_truncated=num_truncated,
+        num_dropped=len(examples) - len(docs),
+        num_tokens=int(lengths.sum()),
+        num_target_tokens=int((labels != IGNORE_INDEX).sum()),
+        capacity=n * seq_length,
+    )
+    return PackedSequences(input_ids, labels, position_ids, cu_seqlens, stats)
+
+
+def fill_sequences(
+    docs: Sequence[tuple[Sequence[int], Sequence[int]]], bins: Sequence[Sequence[int]], seq_length: int, pad_id: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+    """Lay documents out in packed rows: row ``r`` holds ``docs[i]`` for ``i`` in ``bins[r]``, in that order, back
+    to back, then padding; positions restart at 0 in every document and in the padding.
+
+    Args:
+        docs: ``(input ids, labels)`` per document (labels unshifted, -100 where not trained).
+        bins: the document indices of each row; a row's documents fit in ``seq_length`` tokens.
+    Returns:
+        ``(input_ids, labels, position_ids, cu_seqlens)``: ``[n, s]`` int32 arrays and ``n`` int32 ``[d_r + 1]``
+        document offsets (the fields of :class:`PackedSequences`).
+    """
     n = len(bins)
     input_ids: np.ndarray = np.full((n, seq_length), pad_id, dtype=np.int32)
     labels: np.ndarray = np.full((n, seq_length), IGNORE_INDEX, dtype=np.int32)
@@ -199,20 +226,10 @@ def _build(examples: Sequence[TokenizedExample], seq_length: int, pad_id: int, p
             offsets.append(end)
         position_ids[row, offsets[-1] :] = np.arange(seq_length - offsets[-1])
         cu_seqlens.append(np.array(offsets, dtype=np.int32))
-
-    stats = PackingStats(
-        num_examples=len(examples),
-        num_sequences=n,
-        num_truncated=num_truncated,
-        num_dropped=len(examples) - len(docs),
-        num_tokens=int(lengths.sum()),
-        num_target_tokens=int((labels != IGNORE_INDEX).sum()),
-        capacity=n * seq_length,
-    )
-    return PackedSequences(input_ids, labels, position_ids, cu_seqlens, stats)
+    return input_ids, labels, position_ids, cu_seqlens
 
 
-def _first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Bin packing, first-fit-decreasing (Johnson 1973): ``[bins]`` lists of indices into ``lengths``."""
     order = np.argsort(-lengths, kind="stable")
     free: np.ndarray = np.empty(len(lengths), dtype=np.int64)  # room left in each open bin, in tokens

@@ -11,11 +11,13 @@ directory is missing or was prepared from another config. ``data_cfg`` is the ``
 * ``shared_dir``: the real data folder (null: :func:`~afm_core.utils.paths.shared_data_dir`);
 * ``out_dir``: where to write (null: ``$AFM_CACHE/data/<name>``);
 * ``heldout_fraction``, ``split_seed``: the held-out split, by question (see :func:`split_by_task`);
-* ``filters`` (optional): overrides of :class:`DataFilters`.
+* ``filters`` (optional): overrides of :class:`~afm_core.data.filters.DataFilters` (``preset: paper``: the
+  AFM paper's SFT filters, :mod:`afm_core.data.filters`; default: drop known-wrong trajectories and duplicates).
 
 The parquet schema is :data:`afm_core.data.schema.PREPARED_SCHEMA`. ``report.json`` holds the
 config it was prepared from (``config``), per-source conversion counts and rejections by reason
-(``sources``), filter drops by reason (``filters``), the split sizes (``split``) and the schema.
+(``sources``), filter drops by reason and each filter stage's input/kept/dropped counts (``filters``), the
+split sizes (``split``) and the schema.
 """
 
 from __future__ import annotations
@@ -26,22 +28,29 @@ import glob
 import json
 import os
 import random
-import re
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from afm_core.coa.trajectory import Trajectory
 from afm_core.data.converters import CONVERTERS
 from afm_core.data.converters.base import Conversion
+from afm_core.data.filters import (  # noqa: F401 - DataFilters, filter_trajectories, is_error_correction: re-exported
+    DataFilters,
+    filter_trajectories,
+    filters_report,
+    is_error_correction,
+    run_filters,
+    upsampled_rows,
+)
 from afm_core.data.formats import alpaca_converter, rl_task_from_trajectory, to_alpaca, write_rl_tasks
-from afm_core.data.schema import PREPARED_SCHEMA, read_prepared, row_trajectory, task_id, trajectory_row, write_prepared
+from afm_core.data.schema import PREPARED_SCHEMA, read_prepared, row_trajectory, task_id, write_prepared
 from afm_core.utils.atomic import atomic_dir
 from afm_core.utils.paths import cache_dir, shared_data_dir
 
-FORMAT_VERSION = 2  # 2: ToRA answers checked with math-verify
+FORMAT_VERSION = 3  # 2: ToRA answers checked with math-verify; 3: code observations in the code tool's format
 """Bumped whenever converters, rendering or the schema change, so that cached data is re-prepared."""
 
 INPUT_FORMATS = ("converters", "llamafactory")
@@ -51,103 +60,7 @@ SPLITS = ("train", "heldout")
 
 
 # --------------------------------------------------------------------------------------------------
-# Filters
-
-
-@dataclass(frozen=True)
-class DataFilters:
-    """Distillation-style trajectory filters: the AFM paper keeps successful multi-agent runs and
-    filters them for quality, tool use and reflective reasoning (afm-reference §7; upstream ships no
-    code for it). Defaults are lenient: only known-wrong trajectories and duplicates are dropped.
-
-    Attributes:
-        min_tool_calls: drop trajectories with fewer tool calls (reason ``few_tool_calls``).
-        require_correct: drop trajectories judged wrong, ``correct is False`` (reason ``incorrect``);
-            unknown correctness (None) is kept.
-        require_reflection: drop trajectories without a ``<reflection>`` step (reason ``no_reflection``).
-        error_correction_upsample: each error-correction trajectory (:func:`is_error_correction`)
-            appears this many times in the TRAIN split (1: no upsampling).
-    """
-
-    min_tool_calls: int = 0
-    require_correct: bool = True
-    require_reflection: bool = False
-    error_correction_upsample: int = 1
-
-    @classmethod
-    def from_config(cls, cfg: Mapping[str, Any] | None) -> DataFilters:
-        """Build from a mapping of overrides.
-
-        Raises:
-            ValueError: an unknown key (named), or ``error_correction_upsample < 1``.
-        """
-        cfg = dict(cfg or {})
-        known = {f.name for f in fields(cls)}
-        if unknown := sorted(set(cfg) - known):
-            raise ValueError(f"data.filters: unknown key(s) {unknown}; known: {sorted(known)}")
-        filters = cls(**cfg)
-        if filters.error_correction_upsample < 1:
-            raise ValueError(
-                f"data.filters.error_correction_upsample must be >= 1, got {filters.error_correction_upsample}"
-            )
-        return filters
-
-
-_TOOL_ERROR_RE = re.compile(
-    r"Traceback \(most recent call last\)|^\w*(Error|Exception)\b|Could not find|No results? found",
-    re.MULTILINE | re.IGNORECASE,
-)
-_EMPTY_RESULTS = frozenset({"", "none", "null", "[]", "{}"})
-_SCORE_RE = re.compile(r"\b([1-4])\b")
-
-
-def _failed(observation: str) -> bool:
-    return observation.strip().lower() in _EMPTY_RESULTS or bool(_TOOL_ERROR_RE.search(observation))
-
-
-def is_error_correction(trajectory: Trajectory) -> bool:
-    """Whether the trajectory recovers from a mistake: it has a ``<reflection>``, or a tool call that
-    failed (its observation is empty/``None``, a traceback, an error or "not found") followed by
-    another tool call, or a ``<double_check>`` scored 1-2 followed by more work."""
-    steps = trajectory.steps
-    for i, step in enumerate(steps):
-        later_call = any(s.kind == "tool" for s in steps[i + 1 :])
-        if step.tag == "reflection":
-            return True
-        if step.kind == "observation" and later_call and _failed(step.content):
-            return True
-        if step.tag == "double_check" and i + 1 < len(steps) and steps[i + 1].tag != "answer":
-            score = _SCORE_RE.search(step.content)
-            if score and int(score.group(1)) <= 2:
-                return True
-    return False
-
-
-def filter_trajectories(
-    trajectories: Sequence[Trajectory], filters: DataFilters
-) -> tuple[list[Trajectory], Counter[str]]:
-    """Apply ``filters`` and drop exact duplicates (same prompt and steps, reason ``duplicate``).
-
-    Returns:
-        ``(kept, dropped count by reason)``, ``kept`` in input order.
-    """
-    kept: list[Trajectory] = []
-    dropped: Counter[str] = Counter()
-    seen: set[Any] = set()
-    for trajectory in trajectories:
-        key = (trajectory.prompt, tuple(trajectory.steps))
-        if key in seen:
-            dropped["duplicate"] += 1
-        elif trajectory.num_tool_calls < filters.min_tool_calls:
-            dropped["few_tool_calls"] += 1
-        elif filters.require_correct and trajectory.correct is False:
-            dropped["incorrect"] += 1
-        elif filters.require_reflection and not any(s.tag == "reflection" for s in trajectory.steps):
-            dropped["no_reflection"] += 1
-        else:
-            seen.add(key)
-            kept.append(trajectory)
-    return kept, dropped
+# Split
 
 
 def split_by_task(
@@ -174,16 +87,6 @@ def split_by_task(
     train = [t for t in trajectories if task_id(t.question) not in heldout_ids]
     heldout = [t for t in trajectories if task_id(t.question) in heldout_ids]
     return train, heldout
-
-
-def upsampled_rows(trajectories: Sequence[Trajectory], factor: int) -> list[dict[str, Any]]:
-    """Parquet rows, with ``factor - 1`` extra copies (ids ``<id>#up<k>``) of each error-correction trajectory."""
-    rows = []
-    for trajectory in trajectories:
-        rows.append(trajectory_row(trajectory))
-        if factor > 1 and is_error_correction(trajectory):
-            rows += [trajectory_row(trajectory, row_id=f"{trajectory.id}#up{k}") for k in range(1, factor)]
-    return rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,6 +168,10 @@ def source_files(name: str, path: str | None, shared_dir: Path) -> list[Path]:
         FileNotFoundError: a default file is missing, or ``path`` matches no file.
     """
     if path is None:
+        if not CONVERTERS[name].files:
+            raise FileNotFoundError(
+                f"data.sources.{name}.path: source {name!r} has no default files; give a file or glob"
+            )
         paths = [shared_dir / f for f in CONVERTERS[name].files]
         if missing := [str(p) for p in paths if not p.exists()]:
             raise FileNotFoundError(f"source {name!r}: missing input file(s) {missing} (shared_dir={shared_dir})")
@@ -346,19 +253,14 @@ def prepare(data_cfg: Mapping[str, Any], *, source: PrepareInput = PrepareInput(
     filters = DataFilters(**config["filters"])
     conversions = _convert(config, strict)
     trajectories = [t for c in conversions for t in c.trajectories]
-    kept, dropped = filter_trajectories(trajectories, filters)
-    train, heldout = split_by_task(kept, config["heldout_fraction"], config["split_seed"])
-    rows = {"train": upsampled_rows(train, filters.error_correction_upsample), "heldout": upsampled_rows(heldout, 1)}
+    filtered = run_filters(trajectories, filters)
+    train, heldout = split_by_task(filtered.kept, config["heldout_fraction"], config["split_seed"])
+    rows = {"train": upsampled_rows(train, filters), "heldout": upsampled_rows(heldout, 1)}
     report = {
         "format_version": FORMAT_VERSION,
         "config": config,
         "sources": {c.report.source: c.report.to_dict() for c in conversions},
-        "filters": {
-            "input": len(trajectories),
-            "kept": len(kept),
-            "dropped": dict(sorted(dropped.items())),
-            "upsampled_rows": len(rows["train"]) - len(train),
-        },
+        "filters": filters_report(filtered, len(trajectories), train, len(rows["train"]), filters),
         "split": {
             **{f"{split}_rows": len(rows[split]) for split in SPLITS},
             **{f"{split}_tasks": len({r["task_id"] for r in rows[split]}) for split in SPLITS},

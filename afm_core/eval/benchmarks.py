@@ -1,7 +1,8 @@
 """Benchmarks as :class:`~afm_core.rollout.AgentTask` lists: presets (``conf/eval_benchmarks/<name>.yaml``) and user files.
 
 A preset names a loader, a data file (relative to the shared data folder unless absolute), the CoA task
-family, the grader and optional per-benchmark sampling settings. A user file (``benchmark_files=[...]``)
+family, the grader, optional per-benchmark sampling settings and, for GSM8K, ``max_calculator_steps`` (keep the
+problems whose reference uses at most that many calculator steps). A user file (``benchmark_files=[...]``)
 is read as the AFM/verl RL layout, parquet or JSON lines: ``prompt`` (chat messages), ``data_source``,
 ``ability``, ``reward_model.ground_truth``, ``extra_info``; its grader is chosen from ``data_source`` /
 ``ability`` (:func:`afm_core.rewards.grader_kind`) and its prompt is used as written.
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 
 #: Keys of a preset file; the sampling keys are null to use the run's ``eval.*`` defaults.
 PRESET_KEYS = ("name", "loader", "path", "task", "grader", "k", "temperature", "top_p", "max_response_tokens",
-               "max_tool_calls", "limit", "description")  # fmt: skip
+               "max_tool_calls", "limit", "max_calculator_steps", "description")  # fmt: skip
 SAMPLING_KEYS = ("k", "temperature", "top_p", "max_response_tokens", "max_tool_calls", "limit")
 
 
@@ -88,6 +89,9 @@ def read_preset(name: str) -> dict[str, Any]:
         raise ValueError(
             f"{path}: field 'grader' must be one of {', '.join(GRADER_KINDS)}, got {values.get('grader')!r}"
         )
+    steps = values.get("max_calculator_steps")
+    if steps is not None and (values["loader"] != "gsm8k" or isinstance(steps, bool) or not isinstance(steps, int)):
+        raise ValueError(f"{path}: field 'max_calculator_steps' is an integer for the gsm8k loader, got {steps!r}")
     return values
 
 
@@ -231,6 +235,12 @@ def _load(
     return tasks, skipped
 
 
+def within_calculator_steps(tasks: list[AgentTask], max_steps: int) -> list[AgentTask]:
+    """The GSM8K tasks whose reference solution has at most ``max_steps`` ``<<a*b=c>>`` calculator annotations
+    (``task.meta["calculator_steps"]``), in order: the short problems a small model can solve with ``<code>``."""
+    return [t for t in tasks if t.meta.get("calculator_steps", 0) <= max_steps]
+
+
 def load_preset(name: str, data_dir: Path | None = None) -> Benchmark:
     """A preset benchmark (``conf/eval_benchmarks/<name>.yaml``).
 
@@ -249,6 +259,8 @@ def load_preset(name: str, data_dir: Path | None = None) -> Benchmark:
     loader = preset["loader"]
     grader = None if loader == "rl_file" and preset.get("grader") is None else preset["grader"]
     tasks, skipped = _load(name, path, loader, preset["task"], grader)
+    if preset.get("max_calculator_steps") is not None:
+        tasks = within_calculator_steps(tasks, preset["max_calculator_steps"])
     settings = {k: preset[k] for k in SAMPLING_KEYS if preset.get(k) is not None}
     return Benchmark(name, tasks, settings, skipped)
 

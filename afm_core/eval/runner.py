@@ -16,7 +16,6 @@ redone on restart. Sampling seeds are per (problem, sample), so a resumed run dr
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Mapping
@@ -35,6 +34,7 @@ from afm_core.rewards.code import extract_program
 from afm_core.rewards.math import _normalize as normalize_math
 from afm_core.rollout import AgentConfig, AgentLoop, AgentTask, Rollout, SamplingConfig
 from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
+from afm_core.utils.aio import run_until_stopped
 from afm_core.utils.atomic import atomic_write_json
 from afm_core.utils.paths import shared_data_dir
 
@@ -192,16 +192,7 @@ async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: l
     if pool is not None:
         await pool.start()
     try:
-        work = asyncio.ensure_future(run_benchmark_items())
-        while not work.done():
-            await asyncio.wait({work}, timeout=0.5)
-            if _stop_requested and not work.done():
-                log.warning("stop requested: dropping the samples in flight (they are redone on resume)")
-                work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
-        if not work.cancelled():
-            work.result()
+        await run_until_stopped(run_benchmark_items(), lambda: _stop_requested, "the samples in flight")
     finally:
         tool_metrics = pool.metrics_snapshot() if pool is not None else {}
         if pool is not None:

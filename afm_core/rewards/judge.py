@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from afm_core.rewards.base import Grade, extract_answer
+from afm_core.utils.openai_api import auth_headers
 
 JUDGE_SYSTEM = "You are an expert evaluator."
 JUDGE_PROMPT = """Please determine if the predicted answer is equivalent to the labeled answer. 
@@ -83,9 +83,7 @@ class LLMJudge:
         """``correct`` (1.0) / ``wrong`` (0.0); after ``attempts`` failures ``judge_error`` with ``error=True``."""
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession()
-        headers = {}
-        if self.api_key_env and os.environ.get(self.api_key_env):
-            headers["Authorization"] = f"Bearer {os.environ[self.api_key_env]}"
+        headers = auth_headers(self.api_key_env)
         body = {
             "model": self.model,
             "messages": [

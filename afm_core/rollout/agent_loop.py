@@ -105,7 +105,12 @@ def sample_seed(task_id: str, sample: int, base: int = 0) -> int:
 
 
 class ToolRunner(Protocol):
-    """What the loop needs of a tool pool: ``call(name, content, trajectory_id, context) -> observation``."""
+    """What the loop needs of a tool pool: ``call(name, content, trajectory_id, context) -> observation``.
+
+    ``context`` holds ``task`` (the question); a runner with ``reads_transcript = True`` (a simulated environment,
+    :class:`afm_core.rollout.simulated_tools.SimulatedTools`) also gets ``token_ids``: the trajectory's prompt and
+    response ids up to and including the call's closing tag.
+    """
 
     async def call(self, name: str, content: str, trajectory_id: str | None = None, context: Any = None) -> str: ...
 
@@ -264,7 +269,8 @@ class AgentLoop:
                 records.append(record)
                 pending.append((record, call))
         if pending:
-            await asyncio.gather(*(self._run_call(task, sample, record, call) for record, call in pending))
+            transcript = state.prompt_ids + state.response_ids  # up to the call's closing tag
+            await asyncio.gather(*(self._run_call(task, sample, record, call, transcript) for record, call in pending))
         state.tool_calls += records
         text = render_observation("\n\n".join(record.observation for record in records))
         ids = encode_text(self.tokenizer, text)
@@ -276,10 +282,14 @@ class AgentLoop:
             state.finish = FinishReason.LENGTH
         state.add(ids, False, None, text)
 
-    async def _run_call(self, task: AgentTask, sample: int, record: ToolCallRecord, call: Any) -> None:
+    async def _run_call(
+        self, task: AgentTask, sample: int, record: ToolCallRecord, call: Any, transcript: list[int]
+    ) -> None:
         started = time.monotonic()
-        context = {"task": task.question or task.prompt}
+        context: dict[str, Any] = {"task": task.question or task.prompt}
         assert self.tools is not None
+        if getattr(self.tools, "reads_transcript", False):  # a simulated environment continues the trajectory
+            context["token_ids"] = transcript
         record.observation = await self.tools.call(call.name, call.query, _trajectory_id(task, sample), context)
         record.seconds = time.monotonic() - started
         record.error = observation_error_kind(record.observation)

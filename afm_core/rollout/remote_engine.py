@@ -11,13 +11,13 @@ marked ``extra["retokenized"] = True`` so an RL trainer can reject it).
 from __future__ import annotations
 
 import asyncio
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from afm_core.rollout.engine import EngineError, Generation, SamplingConfig
+from afm_core.utils.openai_api import auth_headers, endpoint
 
 
 @dataclass
@@ -45,8 +45,7 @@ class RemoteEngine:
 
     @property
     def endpoint(self) -> str:
-        base = self.url.rstrip("/")
-        return f"{base}/completions" if base.endswith("/v1") else f"{base}/v1/completions"
+        return endpoint(self.url, "completions")
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str) -> Generation:
         """One completion of ``prompt_ids`` (see :class:`~afm_core.rollout.engine.GenerationEngine`).
@@ -72,9 +71,7 @@ class RemoteEngine:
             body["top_k"] = sampling.top_k
         if sampling.seed is not None:
             body["seed"] = sampling.seed
-        headers = {"X-Request-Id": request_id}
-        if self.api_key_env and os.environ.get(self.api_key_env):
-            headers["Authorization"] = f"Bearer {os.environ[self.api_key_env]}"
+        headers = {"X-Request-Id": request_id, **auth_headers(self.api_key_env)}
         last = ""
         for attempt in range(self.retries + 1):
             try:

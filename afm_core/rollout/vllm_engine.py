@@ -15,14 +15,25 @@ before the engine starts (from vLLM's CPU backend docs and ``vllm/platforms/cpu.
   generators do not have ("CPU Generator does not use offset" kills the engine). Requests then draw from
   the engine's seeded generator instead.
 
-vLLM V1's ``AsyncLLM`` runs the engine core in a child process; requests from many concurrent
-trajectories are batched continuously there. Weight updates go through :meth:`VLLMEngine.collective_rpc`
-to a worker extension (``worker_extension_cls``), with bytes or file paths as arguments (tensors do not
-survive the process hop).
+Two ways to hold the engine (``VLLMConfig.in_process``):
+
+- :class:`VLLMEngine` (default): vLLM V1's ``AsyncLLM``, which runs the engine core in a child process;
+  requests from many concurrent trajectories are batched continuously there. Weight updates go through
+  :meth:`VLLMEngine.collective_rpc` to a worker extension (``worker_extension_cls``), with bytes or file paths
+  as arguments (tensors do not survive the msgpack hop to the engine-core process).
+- :class:`InprocVLLMEngine`: the engine core in THIS process (vLLM's ``LLMEngine`` with its ``InprocClient``,
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), stepped from the event loop, so that a weight update hands tensors
+  to the worker by reference. With ``distributed_executor_backend="external_launcher"`` the worker joins the
+  caller's ``torch.distributed`` world (vLLM ``examples/offline_inference/torchrun_example.py``,
+  ``vllm/v1/executor/uniproc_executor.py::ExecutorWithExternalLauncher``): vLLM's TP groups are consecutive
+  ranks of that world, and every rank of a group must feed its engine the same requests in the same order
+  (:class:`Lockstep`). On GPU this is RL colocation: with ``enable_sleep_mode`` :meth:`InprocVLLMEngine.sleep`
+  frees the weights and the KV cache while the trainer runs (vLLM docs, "Sleep Mode": CUDA only).
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import itertools
 import logging
@@ -56,6 +67,13 @@ class VLLMConfig:
         logprobs_mode: ``processed_logprobs`` (after temperature/top-p, comparable with a trainer that
             applies the same temperature) or ``raw_logprobs``.
         worker_extension_cls: dotted path of a worker extension class (weight sync for RL), or None.
+        in_process: run the engine core in this process (:class:`InprocVLLMEngine`) instead of ``AsyncLLM``'s
+            child process.
+        distributed_executor_backend: vLLM's executor; ``external_launcher`` (in-process only) makes the engine
+            one SPMD member of the caller's ``torch.distributed`` world (its TP shards live in the caller's
+            ranks); None: vLLM's default.
+        enable_sleep_mode: allow :meth:`InprocVLLMEngine.sleep` / ``wake_up`` (CUDA only: vLLM refuses it on
+            CPU).
     """
 
     model: str
@@ -70,6 +88,16 @@ class VLLMConfig:
     seed: int = 0
     logprobs_mode: str = "processed_logprobs"
     worker_extension_cls: str | None = None
+    in_process: bool = False
+    distributed_executor_backend: str | None = None
+    enable_sleep_mode: bool = False
+
+    def __post_init__(self) -> None:
+        if self.distributed_executor_backend == "external_launcher" and not self.in_process:
+            raise ValueError(
+                "engine.distributed_executor_backend=external_launcher needs engine.in_process=true (the engine "
+                "core must run in the ranks of the torch.distributed world)"
+            )
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any], model: str) -> VLLMConfig:
@@ -98,12 +126,95 @@ def prepare_cpu_environment() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
+def engine_args(cfg: VLLMConfig) -> dict[str, Any]:
+    """vLLM engine arguments of ``cfg`` on this platform (CPU: fp32, eager, a KV-cache size in bytes).
+
+    Raises:
+        ValueError: ``cpu_kv_cache_gib <= 0`` or sleep mode on CPU.
+    """
+    on_gpu = cuda_available()
+    if not on_gpu:
+        prepare_cpu_environment()
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    args: dict[str, Any] = dict(
+        model=cfg.model,
+        tokenizer=cfg.model,
+        dtype=dtype,
+        max_model_len=cfg.max_model_len,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        max_num_seqs=cfg.max_num_seqs,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        enforce_eager=cfg.enforce_eager or not on_gpu,
+        seed=cfg.seed,
+        logprobs_mode=cfg.logprobs_mode,
+    )
+    if on_gpu:
+        args["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    else:
+        if cfg.cpu_kv_cache_gib <= 0:
+            raise ValueError(f"engine.cpu_kv_cache_gib must be > 0, got {cfg.cpu_kv_cache_gib}")
+        if cfg.enable_sleep_mode:
+            raise ValueError("engine.enable_sleep_mode: vLLM's sleep mode needs CUDA (vLLM refuses it on CPU)")
+        args["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gib * 2**30)
+    if cfg.worker_extension_cls:
+        args["worker_extension_cls"] = cfg.worker_extension_cls
+    if cfg.distributed_executor_backend:
+        args["distributed_executor_backend"] = cfg.distributed_executor_backend
+    if cfg.enable_sleep_mode:
+        args["enable_sleep_mode"] = True
+    return args
+
+
+def sampling_params(sampling: SamplingConfig, per_request_seeds: bool) -> Any:
+    """vLLM ``SamplingParams`` of one sample: final output only, the stop string kept, sampled logprobs."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=1,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k if sampling.top_k > 0 else -1,
+        max_tokens=sampling.max_tokens,
+        stop=list(sampling.stop) or None,
+        include_stop_str_in_output=True,
+        seed=sampling.seed if per_request_seeds else None,
+        logprobs=0 if sampling.logprobs else None,
+        skip_special_tokens=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+
+
+def to_generation(final: Any, sampling: SamplingConfig, request_id: str) -> Generation:
+    """A finished vLLM ``RequestOutput`` as a :class:`~afm_core.rollout.engine.Generation`.
+
+    Raises:
+        EngineError: vLLM returned no output.
+    """
+    if final is None or not final.outputs:
+        raise EngineError(f"vLLM returned no output for request {request_id}")
+    out = final.outputs[0]
+    logprobs = None
+    if sampling.logprobs and out.logprobs is not None:
+        logprobs = [float(step[token].logprob) for token, step in zip(out.token_ids, out.logprobs)]
+    stop_reason = out.stop_reason if isinstance(out.stop_reason, str) else None
+    return Generation(
+        token_ids=list(out.token_ids),
+        logprobs=logprobs,
+        text=out.text,
+        finish_reason=out.finish_reason or "stop",
+        stop_reason=stop_reason,
+    )
+
+
 class VLLMEngine:
     """A vLLM ``AsyncLLM`` behind :class:`~afm_core.rollout.engine.GenerationEngine`.
 
     Create it inside a running event loop (``await VLLMEngine.start(cfg)``); call :meth:`close` when done.
     ``generate`` is safe to call from many coroutines at once: vLLM batches them.
     """
+
+    in_process = False  # the engine core runs in a child process: weights travel as bytes
 
     def __init__(self, cfg: VLLMConfig, llm: Any) -> None:
         self.cfg = cfg
@@ -114,7 +225,8 @@ class VLLMEngine:
 
     @classmethod
     async def start(cls, cfg: VLLMConfig) -> VLLMEngine:
-        """Start the engine (loads the weights; ~10-20 s on CPU for SmolLM2-135M).
+        """Start the engine (loads the weights; ~10-20 s on CPU for SmolLM2-135M as ``AsyncLLM``, ~3 s in
+        process). ``cfg.in_process`` gives an :class:`InprocVLLMEngine`.
 
         Raises:
             FileNotFoundError: ``cfg.model`` is not a directory with a ``config.json``.
@@ -124,35 +236,12 @@ class VLLMEngine:
             raise FileNotFoundError(
                 f"engine model {cfg.model}: no config.json there (an HF checkpoint directory is needed)"
             )
-        on_gpu = cuda_available()
-        if not on_gpu:
-            prepare_cpu_environment()
+        if cfg.in_process:
+            return InprocVLLMEngine.create(cfg)
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
-        args: dict[str, Any] = dict(
-            model=cfg.model,
-            tokenizer=cfg.model,
-            dtype=dtype,
-            max_model_len=cfg.max_model_len,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            max_num_seqs=cfg.max_num_seqs,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            enforce_eager=cfg.enforce_eager or not on_gpu,
-            seed=cfg.seed,
-            logprobs_mode=cfg.logprobs_mode,
-        )
-        if on_gpu:
-            args["gpu_memory_utilization"] = cfg.gpu_memory_utilization
-        else:
-            if cfg.cpu_kv_cache_gib <= 0:
-                raise ValueError(f"engine.cpu_kv_cache_gib must be > 0, got {cfg.cpu_kv_cache_gib}")
-            args["kv_cache_memory_bytes"] = int(cfg.cpu_kv_cache_gib * 2**30)
-        if cfg.worker_extension_cls:
-            args["worker_extension_cls"] = cfg.worker_extension_cls
-        llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
-        return cls(cfg, llm)
+        return cls(cfg, AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(cfg))))
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str) -> Generation:
         """One sample from ``prompt_ids`` (see :class:`~afm_core.rollout.engine.GenerationEngine`).
@@ -160,45 +249,19 @@ class VLLMEngine:
         Raises:
             EngineError: vLLM rejected or failed the request (e.g. a prompt longer than ``max_model_len``).
         """
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
-            n=1,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else -1,
-            max_tokens=sampling.max_tokens,
-            stop=list(sampling.stop) or None,
-            include_stop_str_in_output=True,
-            seed=sampling.seed if self.per_request_seeds else None,
-            logprobs=0 if sampling.logprobs else None,
-            skip_special_tokens=False,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
         final = None
         try:
             async for output in self.llm.generate(
-                TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id=f"{request_id}#{next(self._ids)}"
+                TokensPrompt(prompt_token_ids=list(prompt_ids)),
+                sampling_params(sampling, self.per_request_seeds),
+                request_id=f"{request_id}#{next(self._ids)}",
             ):
                 final = output
         except Exception as e:  # vLLM's input validation (VLLMValidationError) and engine errors
             raise EngineError(f"vLLM failed request {request_id}: {e.__class__.__name__}: {e}") from e
-        if final is None or not final.outputs:
-            raise EngineError(f"vLLM returned no output for request {request_id}")
-        out = final.outputs[0]
-        logprobs = None
-        if sampling.logprobs and out.logprobs is not None:
-            logprobs = [float(step[token].logprob) for token, step in zip(out.token_ids, out.logprobs)]
-        stop_reason = out.stop_reason if isinstance(out.stop_reason, str) else None
-        return Generation(
-            token_ids=list(out.token_ids),
-            logprobs=logprobs,
-            text=out.text,
-            finish_reason=out.finish_reason or "stop",
-            stop_reason=stop_reason,
-        )
+        return to_generation(final, sampling, request_id)
 
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         """Call ``method`` on every vLLM worker (a worker-extension method, e.g. a weight load)."""
@@ -208,10 +271,222 @@ class VLLMEngine:
         """Drop cached KV (after a weight update it was computed with the old weights)."""
         await self.llm.reset_prefix_cache()
 
+    async def sleep(self, level: int = 1) -> None:
+        """No-op: ``AsyncLLM`` engines are not put to sleep here (see :class:`InprocVLLMEngine`)."""
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """No-op (see :meth:`sleep`)."""
+
     async def close(self) -> None:
         """Shut the engine down; its ``__del__`` then runs now, not at interpreter exit (where it fails noisily)."""
         if self.llm is not None:
             llm, self.llm = self.llm, None
             llm.shutdown()
+            del llm
+            gc.collect()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The engine core in this process
+# ----------------------------------------------------------------------------------------------------------
+Command = tuple[Any, ...]  # ("add", request_id, prompt ids, SamplingParams) | ("abort", request_id)
+
+
+class Lockstep:
+    """Keeps the engines of one vLLM tensor-parallel group in step (``external_launcher``, TP > 1).
+
+    vLLM's external launcher runs one engine per rank, and the ranks of a TP group exchange activations inside
+    every forward: their schedulers must see the same requests in the same order between the same ``step()``
+    calls, or the batches differ and the collectives hang (vLLM ``ExecutorWithExternalLauncher``: "all the
+    engines ... process the same prompts"). Agent loops submit requests at times set by tool latencies, so
+    only the group's leader (its first rank) runs them; before each step it broadcasts the requests added and
+    aborted since the last one, and the followers (:meth:`InprocVLLMEngine.follow`) apply them and step too.
+
+    Args:
+        group: a ``torch.distributed`` process group of the TP group's ranks with a CPU (gloo) backend.
+        leader: the global rank of the group's first rank.
+    """
+
+    def __init__(self, group: Any, leader: int):
+        self.group, self.leader = group, leader
+
+    def exchange(self, message: Any = None) -> Any:
+        """The leader's ``message`` on every rank of the group (collective)."""
+        import torch.distributed as dist
+
+        box = [message]
+        dist.broadcast_object_list(box, src=self.leader, group=self.group)
+        return box[0]
+
+
+class InprocVLLMEngine(VLLMEngine):
+    """vLLM's ``LLMEngine`` in this process behind :class:`~afm_core.rollout.engine.GenerationEngine`.
+
+    Requests from concurrent coroutines are queued; one stepping task (on the caller's event loop) adds them to
+    the engine and calls ``LLMEngine.step()`` until none is left, resolving each request when it finishes.
+    A step blocks the loop for one forward pass; between steps the loop runs whatever became ready (tool
+    replies, graders), so batching stays continuous. ``collective_rpc`` hands arguments to the worker by
+    reference (weight sync without copies), and must not run while requests are in flight.
+
+    With a :class:`Lockstep` (``lockstep`` attribute; set on every rank of a TP group > 1) the leader runs the
+    agent loop and each of its steps is mirrored by the followers, which call :meth:`follow` instead of
+    generating; :meth:`end_round` releases them.
+    """
+
+    in_process = True
+
+    def __init__(self, cfg: VLLMConfig, llm: Any) -> None:
+        super().__init__(cfg, llm)
+        self.lockstep: Lockstep | None = None
+        self._futures: dict[str, asyncio.Future] = {}
+        self._commands: list[Command] = []
+        self._stepper: asyncio.Task | None = None
+
+    @classmethod
+    def create(cls, cfg: VLLMConfig) -> InprocVLLMEngine:
+        """Build the in-process engine (blocking; ~3 s on CPU for SmolLM2-135M).
+
+        vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING`` when the engine is created; it is set to 0 for this
+        process (vLLM sets it too for ``external_launcher``).
+        """
+        from vllm import LLM
+
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        return cls(cfg, LLM(**engine_args(cfg)))
+
+    # -- generation ------------------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str) -> Generation:
+        """One sample from ``prompt_ids`` (see :class:`~afm_core.rollout.engine.GenerationEngine`).
+
+        Raises:
+            EngineError: vLLM rejected the request or the engine failed.
+            RuntimeError: called on a follower rank of a lockstep group.
+        """
+        if self.lockstep is not None and not self._is_leader():
+            raise RuntimeError("InprocVLLMEngine.generate on a follower rank: call follow() there")
+        rid = f"{request_id}#{next(self._ids)}"
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._futures[rid] = future
+        self._commands.append(("add", rid, list(prompt_ids), sampling_params(sampling, self.per_request_seeds)))
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.ensure_future(self._step_until_idle())
+        try:
+            final = await future
+        except asyncio.CancelledError:  # the agent loop gave up on the trajectory (timeout)
+            if self._futures.pop(rid, None) is not None:
+                self._commands.append(("abort", rid))
+            raise
+        return to_generation(final, sampling, request_id)
+
+    def _is_leader(self) -> bool:
+        import torch.distributed as dist
+
+        return self.lockstep is None or dist.get_rank() == self.lockstep.leader
+
+    def _apply(self, commands: list[Command]) -> list[tuple[str, Exception]]:
+        """Add / abort requests on this rank's engine; the requests vLLM rejected, with the error."""
+        from vllm.inputs import TokensPrompt
+
+        engine, rejected = self.llm.llm_engine, []
+        for command in commands:
+            if command[0] == "add":
+                _, rid, prompt_ids, params = command
+                try:
+                    engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids), params)
+                except Exception as e:  # vLLM's input validation: same outcome on every rank of a group
+                    rejected.append((rid, e))
+            else:
+                engine.abort_request([command[1]])
+        return rejected
+
+    async def _step_until_idle(self) -> None:
+        engine = self.llm.llm_engine
+        try:
+            while self._commands or engine.has_unfinished_requests():
+                commands, self._commands = self._commands, []
+                if self.lockstep is not None:
+                    self.lockstep.exchange(("step", commands))
+                for rid, error in self._apply(commands):
+                    future = self._futures.pop(rid, None)
+                    if future is not None and not future.done():
+                        future.set_exception(EngineError(f"vLLM rejected request {rid}: {error}"))
+                if engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            future = self._futures.pop(output.request_id, None)
+                            if future is not None and not future.done():
+                                future.set_result(output)
+                await asyncio.sleep(0)  # let the coroutines whose requests finished submit their next ones
+        except Exception as e:  # the engine itself failed: every waiting request fails with it
+            for future in self._futures.values():
+                if not future.done():
+                    future.set_exception(EngineError(f"vLLM engine step failed: {e.__class__.__name__}: {e}"))
+            self._futures.clear()
+            raise
+
+    def end_round(self) -> None:
+        """Leader of a lockstep group: release the followers from :meth:`follow` (after a generation round)."""
+        if self.lockstep is not None:
+            self.lockstep.exchange(("end", []))
+
+    def follow(self) -> int:
+        """Follower of a lockstep group: mirror the leader's adds, aborts and steps until it ends the round.
+
+        Returns:
+            Steps taken.
+        """
+        if self.lockstep is None:
+            return 0
+        engine, steps = self.llm.llm_engine, 0
+        while True:
+            kind, commands = self.lockstep.exchange()
+            if kind == "end":
+                return steps
+            self._apply(commands)
+            if engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+
+    # -- weights and memory ----------------------------------------------------------------------------
+    def _check_idle(self, what: str) -> None:
+        if self._futures or self._commands:
+            raise RuntimeError(f"{what} while {len(self._futures)} requests are in flight")
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        """Call ``method`` on this process's vLLM worker with ``args`` by reference (no serialisation).
+
+        Raises:
+            RuntimeError: requests are in flight.
+        """
+        self._check_idle(f"collective_rpc({method!r})")
+        return self.llm.collective_rpc(method, args=args, kwargs=kwargs)
+
+    async def reset_prefix_cache(self) -> None:
+        """Drop cached KV (after a weight update it was computed with the old weights)."""
+        self.llm.reset_prefix_cache()
+
+    async def sleep(self, level: int = 1) -> None:
+        """Free GPU memory while the trainer runs (vLLM ``LLM.sleep``): level 1 offloads the weights to CPU
+        memory and drops the KV cache, level 2 drops both. A no-op without ``enable_sleep_mode``.
+
+        Raises:
+            RuntimeError: requests are in flight.
+        """
+        self._check_idle("sleep")
+        if self.cfg.enable_sleep_mode:
+            self.llm.sleep(level=level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Re-allocate what :meth:`sleep` freed: ``["weights"]`` before a weight sync, ``["kv_cache"]`` before
+        generating (vLLM ``LLM.wake_up``); None: both. A no-op without ``enable_sleep_mode``."""
+        if self.cfg.enable_sleep_mode:
+            self.llm.wake_up(tags=tags)
+
+    async def close(self) -> None:
+        """Shut the in-process engine core down (vLLM's cleanup also destroys torch.distributed's default
+        group: close the engine after the trainer's last collective)."""
+        if self.llm is not None:
+            llm, self.llm = self.llm, None
+            llm.llm_engine.engine_core.shutdown()
             del llm
             gc.collect()

@@ -4,8 +4,8 @@ Parsing and observation formats follow the upstream code tool (``NsjailSandbox``
 ``verl/verl/tools/code_executor.py``): the code is every
 ```` ```py ```` / ```` ```python ```` block (joined by a blank line), stdin is every ```` ```sh ```` /
 ```` ```bash ```` block; without a fence, content that parses as Python is taken as the code. Observations:
-``[EXECUTED] Code exited with status 0.`` + ``[STDOUT:BEGIN]…[STDOUT:END]``, or ``[FAILED] Code exited with
-status N.`` + stdout/stderr blocks, cut in the middle to ``max_obs_chars`` (upstream: 512 × 3).
+:mod:`afm_core.coa.observations` (the one format, shared with the converters of recorded executions), cut in
+the middle to ``max_obs_chars`` (upstream: 512 × 3).
 Unlike upstream, stdin reaches the program as its real standard input (no rewriting of ``input()``).
 """
 
@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from afm_core.coa.observations import CODE_OBSERVATION_MAX_CHARS, format_code_observation, truncate_middle
 from afm_core.tools.base import Tool, ToolError, ToolInputError
 from afm_core.tools.http import ToolHttp
 
@@ -53,38 +54,6 @@ def parse_code_blocks(content: str) -> CodeArgs:
     )
 
 
-def truncate_middle(text: str, max_chars: int) -> str:
-    """Keep the first and last ``max_chars // 2`` characters with a marker between (upstream ``truncate_content``)."""
-    if len(text) <= max_chars:
-        return text
-    half = max_chars // 2
-    return (
-        text[:half] + f"\n..._This content has been truncated to stay below {max_chars} characters_...\n" + text[-half:]
-    )
-
-
-def format_code_observation(result: Mapping) -> str:
-    """The upstream observation text for a sandbox result ``{status, stdout, stderr, exit_code, ...}``."""
-    stdout, stderr = result["stdout"].strip(), result["stderr"].strip()
-    if result["status"] == "ok":
-        if not stdout:
-            return "[EXECUTED] Code exited with status 0 (no output)."
-        return f"[EXECUTED] Code exited with status 0.\n[STDOUT:BEGIN]\n{stdout}\n[STDOUT:END]"
-    code = result["exit_code"]
-    if code is None or code <= 0:  # killed by the server (timeout, output flood): upstream reports 1
-        code = 1
-    if not stdout and stderr:
-        return f"[FAILED] Code exited with status {code}.\n[STDERR:BEGIN]\n{stderr}\n[STDERR:END]"
-    if not stdout and not stderr:
-        return f"[FAILED] Code exited with status {code} (no output)."
-    if stdout and not stderr:
-        return f"[FAILED] Code exited with status {code}.\n[STDOUT:BEGIN]\n{stdout}\n[STDOUT:END]"
-    return (
-        f"[FAILED] Code exited with status {code} with mixed output:\n"
-        f"[STDOUT:BEGIN]\n{stdout}\n[STDOUT:END]\n[STDERR:BEGIN]\n{stderr}\n[STDERR:END]"
-    )
-
-
 class CodeTool(Tool):
     """Runs ``<code>`` snippets on a sandbox server.
 
@@ -97,7 +66,13 @@ class CodeTool(Tool):
 
     name = "code"
 
-    def __init__(self, base_url: str, timeout_s: float = 10.0, memory_mb: int = 512, max_obs_chars: int = 1536) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 10.0,
+        memory_mb: int = 512,
+        max_obs_chars: int = CODE_OBSERVATION_MAX_CHARS,
+    ) -> None:
         self.url = base_url.rstrip("/") + "/run"
         self.timeout_s, self.memory_mb, self.max_obs_chars = timeout_s, memory_mb, max_obs_chars
 

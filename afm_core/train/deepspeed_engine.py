@@ -402,12 +402,13 @@ class DeepSpeedSFTTrainer(SFTLoop):
         return {"loss": loss, "tokens": tokens, "lr": lr, "grad_norm": grad_norm}
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, int]:
-        """Masked token-mean loss and unmasked token count over the held-out micro batches of all DP ranks."""
+    def evaluate(self) -> dict[str, float]:
+        """Masked token-mean ``loss`` and unmasked ``tokens`` over the held-out micro batches of all DP ranks."""
         self.engine.eval()
         reports = [self._micro_batch_loss(batch)[2] for batch in self.eval_batches]
         self.engine.train()
-        return reduce_reports(reports, self.report_groups)
+        loss, tokens = reduce_reports(reports, self.report_groups)
+        return {"loss": loss, "tokens": tokens}
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def _layout_key(self) -> dict[str, int]:

@@ -56,17 +56,26 @@ def reduce_reports(
         ``(loss, num_tokens)``: ``sum loss_sum / sum num_tokens`` over the global batch (nan if no token is
         unmasked) and the number of unmasked target tokens, identical on every rank.
     """
-    total = torch.zeros(2, dtype=torch.float64)
+    total = sum_reports(reports, LOSS_KEY, 2, groups)
+    loss_sum, num_tokens = float(total[0]), int(total[1])
+    return (loss_sum / num_tokens if num_tokens else float("nan")), num_tokens
+
+
+def sum_reports(
+    reports: list[dict[str, torch.Tensor]], key: str, size: int, groups: list[torch.distributed.ProcessGroup]
+) -> torch.Tensor:
+    """``[size]`` float64 (CPU): the sum of ``report[key]`` over the micro batches' reports and over the ranks of
+    each group in turn (a group of one rank is skipped; on NCCL the sum travels through CUDA)."""
+    total = torch.zeros(size, dtype=torch.float64)
     for report in reports:
-        total += report[LOSS_KEY].detach().to("cpu", torch.float64)
+        total += report[key].detach().to("cpu", torch.float64)
     for group in groups:
         if torch.distributed.get_world_size(group) > 1:
             device = "cuda" if torch.distributed.get_backend(group) == "nccl" else "cpu"
             on_device = total.to(device)
             torch.distributed.all_reduce(on_device, group=group)
             total = on_device.cpu()
-    loss_sum, num_tokens = float(total[0]), int(total[1])
-    return (loss_sum / num_tokens if num_tokens else float("nan")), num_tokens
+    return total
 
 
 LINEAR_CE_CHUNK_BYTES = 32 * 1024**2  # fp32 logits of one chunk of rows

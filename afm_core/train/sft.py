@@ -78,6 +78,20 @@ def _data_module(cfg: DictConfig, hf_dir: Path):
     from afm_core.data.prepare import ensure_prepared
 
     data_dir = ensure_prepared(cfg.data)
+    if cfg.trainer.get("objective", "sft") == "contrastive":  # AutoCoA stage 1: pairs built from the trajectories
+        from afm_core.data.pairs import PairDataModule
+
+        c = cfg.contrastive
+        return PairDataModule(
+            [data_dir / "train.parquet"],
+            hf_dir,
+            int(cfg.trainer.seq_length),
+            heldout_paths=[data_dir / "heldout.parquet"],
+            max_pairs=c.max_pairs,
+            max_heldout_pairs=c.max_heldout_pairs,
+            seed=int(c.seed),
+            dense_mask=needs_dense_mask(cfg),
+        )
     return SFTDataModule(
         [data_dir / "train.parquet"],
         hf_dir,
@@ -184,6 +198,8 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
     if int(os.environ.get("RANK", "0")) == 0:
         how = "tokenized and packed" if data.built["train"] else "mapped the token cache"
         print(f"[sft] data: {how} in {data_open_s:.2f} s", flush=True)
+        for split, report in getattr(data, "reports", {}).items():
+            print(f"[sft] contrastive pairs ({split}): {report}", flush=True)
     max_steps = resolve_max_steps(t, num_train)
     if t.engine == "deepspeed":
         from afm_core.train.deepspeed_engine import init_deepspeed_distributed, train_deepspeed
@@ -229,10 +245,17 @@ def print_summary(summary: dict[str, Any]) -> None:
         return "n/a" if value is None else format(value, spec)
 
     state = "stopped early (checkpointed for a requeue)" if summary["stopped_early"] else "done"
+    preference = (
+        f"  held-out preference accuracy: {fmt(summary['eval_pref_acc_before'], '.3f')} -> "
+        f"{fmt(summary['eval_pref_acc_after'], '.3f')} (chosen branch scored above the rejected one)\n"
+        if "eval_pref_acc_after" in summary
+        else ""
+    )
     print(
         f"[sft] {state} at step {summary['step']}/{summary['max_steps']} ({summary['engine']})\n"
         f"  held-out masked loss: {fmt(summary['eval_loss_before'], '.4f')} -> "
         f"{fmt(summary['eval_loss_after'], '.4f')} (drop {fmt(summary['eval_loss_drop'], '.1%')})\n"
+        f"{preference}"
         f"  throughput: {fmt(summary['tokens_per_s'], ',.0f')} target tokens/s "
         f"({fmt(summary['input_tokens_per_s'], ',.0f')} input tokens/s); "
         f"train time {summary['train_time_s']:.0f} s\n"

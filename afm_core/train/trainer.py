@@ -4,7 +4,9 @@ One optimizer step consumes ``global_batch_size`` packed sequences: ``num_microb
 (micro_batch_size * dp)`` micro batches on each DP rank, run through ``get_forward_backward_func()`` (no
 pipelining for PP=1, 1F1B for PP>1, interleaved 1F1B with virtual stages), gradients accumulated in megatron
 DDP's fp32 buffers, reduced over DP, scaled by 1 / (unmasked tokens of the global batch) (see
-:mod:`afm_core.train.loss`), clipped, and applied by megatron's AdamW (:mod:`afm_core.train.optim`).
+:mod:`afm_core.train.loss`), clipped, and applied by megatron's AdamW (:mod:`afm_core.train.optim`). The loss is
+the ``trainer.objective``'s (:mod:`afm_core.train.objective`): observation-masked SFT by default, or AutoCoA's
+contrastive pair loss (then scaled by 1 / pairs of the global batch).
 
 A micro batch is a dict of CPU tensors (the data loader's contract):
     tokens [b, s] int64, labels [b, s] int64 (next-token targets; any value where loss_mask is 0),
@@ -31,7 +33,6 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -54,8 +55,8 @@ from afm_core.train.checkpoint import Checkpointer
 from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
 from afm_core.train.distributed import ParallelLayout
 from afm_core.train.host_memory import zero_by_release
-from afm_core.train.loss import masked_token_loss, reduce_reports
 from afm_core.train.metrics import MetricsLog, plot_losses, read_metrics
+from afm_core.train.objective import Objective, build_objective
 from afm_core.train.optim import build_optimizer
 from afm_core.utils.atomic import atomic_write_text
 
@@ -271,8 +272,9 @@ class SFTLoop(ABC):
         """One optimizer step over the next global batch; returns loss, tokens, lr and grad_norm."""
 
     @abstractmethod
-    def evaluate(self) -> tuple[float, int]:
-        """Masked token-mean loss and unmasked token count over the held-out micro batches of all DP ranks."""
+    def evaluate(self) -> dict[str, float]:
+        """The held-out metrics over the micro batches of all DP ranks: ``loss`` (masked token mean for SFT),
+        ``tokens`` (unmasked target tokens) and whatever else the objective reports."""
 
     @abstractmethod
     def save_checkpoint(self) -> Path:
@@ -311,15 +313,15 @@ class SFTLoop(ABC):
 
     def _eval_and_log(self) -> float:
         start = time.perf_counter()
-        loss, tokens = self.evaluate()
+        metrics = self.evaluate()
         seconds = time.perf_counter() - start
+        loss, tokens = metrics["loss"], metrics["tokens"]
         self._log(
             {
                 "step": self.progress.step,
                 "split": "eval",
-                "loss": loss,
+                **metrics,
                 "lr": self._lr(),
-                "tokens": tokens,
                 "tokens_per_s": tokens / seconds,
                 "eval_s": seconds,
                 "elapsed_s": self.progress.train_time_s,
@@ -416,13 +418,21 @@ class SFTLoop(ABC):
         return shared[0]
 
     def _eval_summary(self) -> dict[str, Any]:
-        """Held-out loss at step 0 and at the last eval, from metrics.jsonl (rank 0; others get None)."""
+        """Held-out loss (and the contrastive objective's preference accuracy) at step 0 and at the last eval, from
+        metrics.jsonl (rank 0; others get None)."""
         if not self.layout.is_rank0:
             return {}
         evals = [r for r in read_metrics(self.run_dir / "metrics.jsonl") if r["split"] == "eval"]
-        before = next((r["loss"] for r in evals if r["step"] == 0), None)
+        first = next((r for r in evals if r["step"] == 0), {})
         after = evals[-1] if evals else {}
-        return {"eval_loss_before": before, "eval_loss_after": after.get("loss"), "eval_step_after": after.get("step")}
+        summary = {
+            "eval_loss_before": first.get("loss"),
+            "eval_loss_after": after.get("loss"),
+            "eval_step_after": after.get("step"),
+        }
+        if "pref_acc" in after:
+            summary.update(eval_pref_acc_before=first.get("pref_acc"), eval_pref_acc_after=after["pref_acc"])
+        return summary
 
 
 class SFTTrainer(SFTLoop):
@@ -434,6 +444,8 @@ class SFTTrainer(SFTLoop):
             in their training dtype (bf16 or fp32).
         thd_packing: give batches with ``cu_seqlens`` to the model in the ``thd`` format (module docstring);
             None: whenever the model's attention reads ``PackedSeqParams`` (:func:`reads_packed_seq_params`).
+        objective: what the loss is (:mod:`afm_core.train.objective`); None: ``cfg.trainer.objective`` (default
+            ``sft``, the masked token mean).
     Raises:
         ValueError: the batch sizes do not divide (names the config fields), or ``thd_packing=True`` on a model
             whose attention ignores ``PackedSeqParams``.
@@ -450,8 +462,10 @@ class SFTTrainer(SFTLoop):
         max_steps: int,
         resume_from: str | Path | None = None,
         thd_packing: bool | None = None,
+        objective: Objective | None = None,
     ):
         super().__init__(cfg, layout, train_data, eval_batches, run_dir, max_steps, resume_from)
+        self.objective = objective if objective is not None else build_objective(cfg)
         reads_thd = reads_packed_seq_params(model_chunks)
         if thd_packing and not reads_thd:
             raise ValueError(
@@ -571,10 +585,11 @@ class SFTTrainer(SFTLoop):
         return inputs
 
     def _forward_step(self, data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
-        inputs = self.model_inputs(next(data_iterator))
+        batch = next(data_iterator)
+        inputs = self.model_inputs(batch)
         loss_mask = inputs.pop("loss_mask")
         output = model(inputs.pop("input_ids"), inputs.pop("position_ids"), inputs.pop("attention_mask"), **inputs)
-        return output, partial(masked_token_loss, loss_mask)
+        return output, self.objective.loss_func(batch, loss_mask)
 
     def _run_schedule(self, micro_batches: Any, forward_only: bool):
         iterators = [iter(micro_batches) for _ in self.model]
@@ -609,19 +624,18 @@ class SFTTrainer(SFTLoop):
                 f"optimizer step {self.progress.step + 1}: non-finite gradients (grad norm {grad_norm})"
             )
         self.scheduler.step(increment=1)
-        loss, tokens = reduce_reports(reports, self.report_groups)
-        return {"loss": loss, "tokens": tokens, "lr": lr, "grad_norm": float(grad_norm)}
+        return {**self.objective.reduce(reports, self.report_groups), "lr": lr, "grad_norm": float(grad_norm)}
 
     @torch.no_grad()
-    def evaluate(self) -> tuple[float, int]:
-        """Masked token-mean loss and unmasked token count over the held-out micro batches of all DP ranks."""
+    def evaluate(self) -> dict[str, float]:
+        """The objective's held-out metrics (``loss``, ``tokens``, ...) over the micro batches of all DP ranks."""
         self.sync_params()
         for chunk in self.model:
             chunk.eval()
         reports = self._run_schedule(self.eval_batches, forward_only=True)
         for chunk in self.model:
             chunk.train()
-        return reduce_reports(reports, self.report_groups)
+        return self.objective.reduce(reports, self.report_groups)
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:

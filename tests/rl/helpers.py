@@ -3,8 +3,11 @@ an in-process vLLM-CPU engine with the weight-sync extension."""
 
 from __future__ import annotations
 
+import json
 import os
+import time
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -53,3 +56,46 @@ def shutdown_engine(llm) -> None:
     """Tear the in-process engine down before megatron's groups: vLLM's cleanup destroys the default process
     group (``cleanup_dist_env_and_memory``), so it must come last but for ``destroy_distributed``."""
     llm.llm_engine.engine_core.shutdown()
+
+
+def rl_config(run_dir, *overrides: str, recipe: str = "rl_smoke") -> dict:
+    """``conf/rl.yaml`` composed with ``recipe`` and ``overrides``, as plain containers."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from afm_core.utils.paths import repo_root
+
+    with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
+        cfg = compose(config_name="rl", overrides=[f"recipe={recipe}", f"run_dir={run_dir}", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def _rl_rank(rank: int, world: int, port: int, cfg: dict, stop_after, out: str) -> None:
+    from afm_core.rl.driver import run_rl
+    from afm_core.train.trainer import request_checkpoint
+    from tests.gloo_env import set_rank_env
+
+    set_rank_env(rank, world, port)
+
+    def after_step(step: int) -> None:  # what the USR2 relay does, at a known step
+        if step == stop_after:
+            request_checkpoint()
+
+    summary = run_rl(cfg, after_step=after_step)
+    if rank == 0:
+        Path(out).write_text(json.dumps(summary))
+
+
+def run_rl_ranks(cfg: dict, world: int = 1, stop_after: int | None = None) -> dict:
+    """``run_rl(cfg)`` on ``world`` spawned gloo ranks (a checkpoint-and-stop requested after rollout step
+    ``stop_after``); rank 0's summary."""
+    import torch.multiprocessing as mp
+
+    from afm_core.launch.distributed import free_port
+
+    out = Path(cfg["run_dir"]) / f"summary-{time.monotonic_ns()}.json"
+    Path(cfg["run_dir"]).mkdir(parents=True, exist_ok=True)
+    mp.start_processes(
+        _rl_rank, args=(world, free_port(), cfg, stop_after, str(out)), nprocs=world, join=True, start_method="spawn"
+    )
+    return json.loads(out.read_text())

@@ -29,40 +29,17 @@ from afm_core.rl.driver import (
 )
 from afm_core.utils.paths import repo_root
 from tests.gloo_env import set_rank_env
+from tests.rl.helpers import rl_config, run_rl_ranks
 
 SCHEDULE = "[{until_step: 2, max_response_len: 32}, {max_response_len: 48}]"
 
 
 def _config(run_dir: Path, *overrides: str) -> dict:
-    with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
-        cfg = compose(
-            config_name="rl",
-            overrides=["recipe=rl_smoke", f"run_dir={run_dir}", f"rollout.context_schedule={SCHEDULE}", *overrides],
-        )
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
-def _rank(rank: int, world: int, port: int, cfg: dict, stop_after: int | None, out: str) -> None:
-    set_rank_env(rank, world, port)
-    from afm_core.rl.driver import run_rl
-    from afm_core.train.trainer import request_checkpoint
-
-    def after_step(step: int) -> None:  # what the USR2 relay does, at a known step
-        if step == stop_after:
-            request_checkpoint()
-
-    summary = run_rl(cfg, after_step=after_step)
-    if rank == 0:
-        Path(out).write_text(json.dumps(summary))
+    return rl_config(run_dir, f"rollout.context_schedule={SCHEDULE}", *overrides)
 
 
 def _run(cfg: dict, stop_after: int | None = None) -> dict:
-    out = Path(cfg["run_dir"]) / f"summary-{time.monotonic_ns()}.json"
-    Path(cfg["run_dir"]).mkdir(parents=True, exist_ok=True)
-    mp.start_processes(
-        _rank, args=(1, free_port(), cfg, stop_after, str(out)), nprocs=1, join=True, start_method="spawn"
-    )
-    return json.loads(out.read_text())
+    return run_rl_ranks(cfg, stop_after=stop_after)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -170,6 +147,9 @@ def test_rl_smoke_runs_every_step_with_the_time_split_and_the_stage_switch_at_it
         ):
             assert key in r, key
     assert (run_dir / "rl.png").stat().st_size > 0
+    hf = Path(summary["hf_dir"])  # the policy's HF export, which python -m jobs.eval model.hf_path=... reads
+    assert hf == run_dir / "hf" and (hf / "config.json").is_file() and (hf / "tokenizer.json").is_file()
+    assert list(hf.glob("*.safetensors"))
 
 
 @pytest.mark.slow
@@ -177,7 +157,7 @@ def test_an_interrupted_run_resumes_with_every_step_once_the_same_data_position_
     straight_dir, straight = uninterrupted
     cfg = _config(tmp_path / "interrupted")
     first = _run(cfg, stop_after=1)
-    assert first["stopped_early"] and first["step"] == 1
+    assert first["stopped_early"] and first["step"] == 1 and first["hf_dir"] is None
     assert _checkpoint_common(first["checkpoint"])["progress"]["stage"] == 0
     second = _run(cfg)
     assert second["resumed_from"] == first["checkpoint"] and second["step"] == 3
@@ -195,13 +175,8 @@ def test_an_interrupted_run_resumes_with_every_step_once_the_same_data_position_
 def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
     set_rank_env(rank, world, port)
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.rl.batch import response_values
-    from afm_core.rl.driver import (
-        Sample,
-        _micro_batches,
-        build_policy_trainer,
-        policy_update,
-    )
+    from afm_core.rl.batch import response_values, sample_micro_batches
+    from afm_core.rl.driver import Sample, build_policy_trainer, policy_update
     from afm_core.rl.logprobs import compute_logprobs
     from afm_core.rl.policy_model import build_policy_model
     from afm_core.train.distributed import destroy_distributed, init_distributed
@@ -232,7 +207,7 @@ def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
         advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
 
         def mean_logprobs() -> list[float]:
-            (batch,) = _micro_batches(samples, 4, 16, 0)
+            (batch,) = sample_micro_batches(samples, 4, 16, 0)
             (res,) = compute_logprobs(trainer.model, [batch], temperature=1.0)
             masks = response_values(batch["response_mask"], batch)
             return [float(v[m.bool()].mean()) for v, m in zip(response_values(res["logprobs"], batch), masks)]

@@ -6,9 +6,10 @@ import asyncio
 
 import pytest
 
+from afm_core.coa.observations import format_code_observation, truncate_middle
 from afm_core.tools import CodeTool, ToolLimits, ToolPool
 from afm_core.tools.base import ToolInputError
-from afm_core.tools.code import format_code_observation, parse_code_blocks, truncate_middle
+from afm_core.tools.code import parse_code_blocks
 
 
 def test_parse_blocks_stdin_and_fallback():

@@ -84,36 +84,30 @@ def test_socket_to_loopback_server(server):
     assert result["stdout"].count("blocked") == 3
 
 
-def test_socket_to_outside(server):
+def test_no_route_to_outside(server):
+    """The jail's network namespace has loopback only: no other interface, no IPv4/IPv6 route, so nothing a snippet
+    sends can leave it. Checked by looking, not by aiming packets at outside addresses (tests here send traffic
+    to loopback only)."""
     url, _ = server
     result = post_run(
         url,
         """
         import socket
-        for host, port in (("1.1.1.1", 80), ("8.8.8.8", 53), ("10.0.0.1", 22)):
-            s = socket.socket()
-            s.settimeout(2)
-            try:
-                s.connect((host, port))
-                print("ESCAPED", host)
-            except OSError as e:
-                print("blocked", host, e.errno)
-        u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        names = sorted(name for _, name in socket.if_nameindex())
+        print("interfaces", names)
+        routes = open("/proc/net/route").read().splitlines()[1:]
+        print("ipv4 routes", len(routes))
         try:
-            u.sendto(b"x", ("8.8.8.8", 53))
-            print("ESCAPED udp")
+            routes6 = [r for r in open("/proc/net/ipv6_route").read().splitlines() if not r.rstrip().endswith(" lo")]
         except OSError:
-            print("blocked udp")
-        try:
-            socket.getaddrinfo("example.com", 80)
-            print("ESCAPED dns")
-        except OSError:
-            print("blocked dns")
+            routes6 = []
+        print("ipv6 routes", len(routes6))
     """,
         timeout_s=15,
     )
     assert_contained(result, ("ok",))
-    assert result["stdout"].count("blocked") == 5
+    assert "interfaces ['lo']" in result["stdout"], result["stdout"]
+    assert "ipv4 routes 0" in result["stdout"] and "ipv6 routes 0" in result["stdout"], result["stdout"]
 
 
 def test_abstract_unix_socket_of_host(server):

@@ -5,7 +5,7 @@ calculator annotations ``<<48/2=24>>`` and ends with ``#### 72``.
 
 Mapping: each annotation ``<<expr=result>>`` becomes a ``<code>`` call whose snippet is
 ``print(expr)``, and its ``<observation>`` is the REAL output of executing that snippet (see
-:func:`run_print`); the prose between annotations becomes ``<think>`` blocks; the final answer after
+:func:`run_print`), written as the live code tool writes it (:mod:`afm_core.coa.observations`); the prose between annotations becomes ``<think>`` blocks; the final answer after
 ``####`` becomes ``<answer>\\boxed{...}``. A trajectory is kept only if every printed result equals
 the annotated result numerically (so ``print(48/2)`` -> ``24.0`` matches ``24``).
 
@@ -21,6 +21,7 @@ import io
 import re
 from typing import Any
 
+from afm_core.coa.observations import executed_output_observation
 from afm_core.coa.parse import format_code_query
 from afm_core.coa.prompts import user_prompt
 from afm_core.coa.trajectory import Step, Trajectory
@@ -100,7 +101,10 @@ def _code_call(expression: str, annotated: str) -> list[Step]:
     value, expected = parse_number(printed), parse_number(annotated)
     if value is None or expected is None or not numbers_equal(value, expected):
         raise Rejected("calculation_mismatch", f"print({expression}) printed {printed!r}, annotated {annotated!r}")
-    return [Step("code", format_code_query(f"print({expression.strip()})")), Step("observation", printed)]
+    return [
+        Step("code", format_code_query(f"print({expression.strip()})")),
+        Step("observation", executed_output_observation(printed)),
+    ]
 
 
 def _think(text: str) -> list[Step]:

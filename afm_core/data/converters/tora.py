@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from afm_core.coa.observations import executed_output_observation
 from afm_core.coa.parse import format_code_query
 from afm_core.coa.prompts import user_prompt
 from afm_core.coa.trajectory import Step, Trajectory
@@ -50,7 +51,10 @@ def convert_record(where: Where, record: dict[str, Any]) -> Trajectory:
             steps.append(Step("think", prose))
         if program.group(2) is None:
             raise Rejected("missing_output", f"program at char {program.start()} has no ```output block")
-        steps += [Step("code", format_code_query(program.group(1))), Step("observation", program.group(2))]
+        steps += [
+            Step("code", format_code_query(program.group(1))),
+            Step("observation", executed_output_observation(program.group(2))),
+        ]
         pos = program.end()
     tail = solution[pos:].strip()
     answer = boxed_content(tail)

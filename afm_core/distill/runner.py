@@ -1,0 +1,336 @@
+"""The distillation job body (``python -m jobs.distill``): tasks -> MAS runs -> CoA trajectories -> SFT filters.
+
+Read like the algorithm::
+
+    tasks = benchmark presets + files, first distill.limit of each          # afm_core.eval.benchmarks
+    todo = every (task, sample) not yet in runs.jsonl
+    with tool servers, teachers (the job's engine and/or chat endpoints), tool pool, graders:
+        for each run (distill.concurrency at once): MAS run -> convert -> grade -> append to runs.jsonl
+    trajectories.jsonl = every run converted                              # afm_core.distill.convert
+    sft_data/ = prepare(data: sources.trajectories = trajectories.jsonl, filters)   # afm_core.data.prepare / filters
+    report.json, filters.png
+
+Resumable: ``runs.jsonl`` (one record per finished run, :mod:`afm_core.distill.mas`) is the checkpoint; a
+restarted job skips the runs it holds. On ``SIGUSR2`` (Slurm preemption) or Ctrl-C it stops taking new runs;
+runs in flight are dropped and redone on restart. Concurrency: ``distill.concurrency`` runs in flight, each
+teacher's ``concurrency`` requests, and each tool's limits in the ToolPool (``tools.tools.<name>.limits``).
+
+``sft_data/`` is the layout ``jobs.prepare_data`` writes, and its ``report.json`` records the data config, so
+``python -m jobs.sft data=distill data.sources.trajectories.path=RUN/trajectories.jsonl data.out_dir=RUN/sft_data``
+trains on it as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from afm_core.coa.grammar import validate_steps
+from afm_core.data.filters import DataFilters, build_graders, grade_trajectory
+from afm_core.distill.convert import NotConverted, convert_run, convert_runs
+from afm_core.distill.mas import MASConfig, MultiAgentSystem, RoleTeacher
+from afm_core.distill.roles import ROLES
+from afm_core.distill.teacher import Teacher, build_teacher, teacher_sampling, teacher_settings
+from afm_core.eval.benchmarks import Benchmark, load_file, load_preset
+from afm_core.eval.samples import SampleWriter, read_samples, sample_key
+from afm_core.rollout import AgentTask
+from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
+from afm_core.utils.aio import run_until_stopped
+from afm_core.utils.atomic import atomic_path, atomic_write_json
+from afm_core.utils.paths import shared_data_dir
+
+log = logging.getLogger(__name__)
+
+RUNS_FILE = "runs.jsonl"
+TRAJECTORIES_FILE = "trajectories.jsonl"
+REPORT_FILE = "report.json"
+SFT_DIR = "sft_data"
+
+_stop_requested = False
+
+
+def request_stop() -> None:
+    """Stop taking new runs and return (signal-safe: sets a flag). The job's preemption hook."""
+    global _stop_requested
+    _stop_requested = True
+
+
+def load_tasks(cfg: Mapping[str, Any]) -> list[Benchmark]:
+    """Benchmark presets (``benchmarks``) then files (``benchmark_files``), each cut to ``distill.limit``.
+
+    Raises:
+        ValueError: no task source, or two with the same name.
+    """
+    data_dir = Path(cfg["data_dir"]) if cfg.get("data_dir") else shared_data_dir()
+    benchmarks = [load_preset(name, data_dir) for name in cfg.get("benchmarks") or []]
+    benchmarks += [load_file(path) for path in cfg.get("benchmark_files") or []]
+    if not benchmarks:
+        raise ValueError("no tasks: set benchmarks=[gsm8k_train,...] and/or benchmark_files=[my_tasks.parquet]")
+    names = [b.name for b in benchmarks]
+    if len(set(names)) != len(names):
+        raise ValueError(f"two task sources share a name: {names}")
+    limit = cfg["distill"].get("limit")
+    for bench in benchmarks:
+        if limit is not None:
+            bench.tasks = bench.tasks[: int(limit)]
+    return benchmarks
+
+
+def role_specs(cfg: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``roles`` checked: every role of :data:`afm_core.distill.roles.ROLES` names a teacher of ``teachers``.
+
+    Raises:
+        ValueError: a missing or unknown role, an unknown teacher or key (named).
+    """
+    teachers = cfg.get("teachers") or {}
+    for name, spec in teachers.items():
+        teacher_settings(name, spec)
+    specs = {}
+    given = cfg.get("roles") or {}
+    if unknown := sorted(set(given) - set(ROLES)):
+        raise ValueError(f"roles.{unknown[0]}: unknown role; roles: {', '.join(ROLES)}")
+    for role in ROLES:
+        spec = dict(given.get(role) or {})
+        if unknown := sorted(set(spec) - {"teacher", "max_tokens", "temperature"}):
+            raise ValueError(f"roles.{role}.{unknown[0]}: unknown key; known: teacher, max_tokens, temperature")
+        if spec.get("teacher") not in teachers:
+            raise ValueError(f"roles.{role}.teacher: {spec.get('teacher')!r} is not in teachers ({sorted(teachers)})")
+        specs[role] = spec
+    return specs
+
+
+def _needs_engine(cfg: Mapping[str, Any], specs: Mapping[str, Mapping[str, Any]]) -> bool:
+    return any(teacher_settings(s["teacher"], cfg["teachers"][s["teacher"]])["backend"] == "engine"
+               for s in specs.values())  # fmt: skip
+
+
+def _data_cfg(cfg: Mapping[str, Any], run_dir: Path) -> dict[str, Any]:
+    """The data config of ``sft_data/``: the ``data`` group with ``sources.trajectories`` = this run's trajectories."""
+    data = dict(cfg["data"])
+    data["sources"] = {"trajectories": {"limit": None, "path": str(run_dir / TRAJECTORIES_FILE)}}
+    data["out_dir"] = data.get("out_dir") or str(run_dir / SFT_DIR)
+    return data
+
+
+async def _distill(cfg: Mapping[str, Any], todo: list[tuple[AgentTask, int]], writer: SampleWriter,
+                   urls: Mapping[str, str]) -> dict[str, Any]:  # fmt: skip
+    from tqdm import tqdm
+
+    from afm_core.tools.registry import build_tool_pool
+
+    specs = role_specs(cfg)
+    filters = DataFilters.from_config(cfg["data"].get("filters"))
+    engine, tokenizer = None, None
+    if _needs_engine(cfg, specs):
+        from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+        from afm_core.rollout.factory import build_engine, load_tokenizer
+
+        hf_dir = ensure_hf_checkpoint(cfg["model"])
+        tokenizer = load_tokenizer(hf_dir)
+        engine = await build_engine(cfg["engine"], hf_dir, tokenizer)
+    teachers: dict[str, Teacher] = {name: build_teacher(name, spec, engine, tokenizer)
+                                    for name, spec in cfg["teachers"].items()}  # fmt: skip
+    role_teachers = {}
+    for role, spec in specs.items():
+        sampling = teacher_sampling(
+            {**cfg["teachers"][spec["teacher"]], **{k: v for k, v in spec.items() if k != "teacher" and v is not None}}
+        )
+        role_teachers[role] = RoleTeacher(teachers[spec["teacher"]], sampling)  # fmt: skip
+    tools_cfg = reachable_tools_cfg(cfg["tools"], urls)
+    pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
+    graders = build_graders(filters, urls.get("sandbox"))
+    mas = MultiAgentSystem(role_teachers, pool, MASConfig(**(cfg.get("mas") or {})))
+    verification = bool(cfg["distill"].get("verification", True))
+    counts: Counter[str] = Counter()
+
+    async def one(task: AgentTask, sample: int, slots: asyncio.Semaphore, bar: Any) -> None:
+        async with slots:
+            if _stop_requested:
+                return
+            record = await mas.run(task, sample)
+            record["grade"] = None
+            try:
+                trajectory = convert_run(record, verification=verification)
+                record["grade"] = await grade_trajectory(trajectory, graders, filters.qa_min_f1)
+            except NotConverted as err:
+                record["not_converted"] = err.reason
+            writer.write(record)
+            counts["runs"] += 1
+            counts["correct"] += bool(record["grade"] and record["grade"]["correct"])
+            counts["tool_calls"] += record["tool_calls"]
+            bar.set_postfix(correct=counts["correct"], tools=f"{counts['tool_calls'] / counts['runs']:.1f}/run")
+            bar.update(1)
+
+    async def all_runs() -> None:
+        slots = asyncio.Semaphore(int(cfg["distill"]["concurrency"]))
+        bar = tqdm(total=len(todo), desc="distill", unit="run", dynamic_ncols=True)
+        try:
+            await asyncio.gather(*(one(task, sample, slots, bar) for task, sample in todo))
+        finally:
+            bar.close()
+
+    started = time.monotonic()
+    if pool is not None:
+        await pool.start()
+    try:
+        await run_until_stopped(all_runs(), lambda: _stop_requested, "the runs in flight")
+    finally:
+        tool_metrics = pool.metrics_snapshot() if pool is not None else {}
+        if pool is not None:
+            await pool.close()
+        await graders.close()
+        for teacher in teachers.values():
+            await teacher.close()
+        if engine is not None:
+            await engine.close()
+    return {"seconds": time.monotonic() - started, "tool_metrics": tool_metrics}
+
+
+def usage(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per role: calls, failed calls, prompt and completion tokens, seconds; per tool: calls, errors, seconds."""
+    roles: dict[str, Counter[str]] = defaultdict(Counter)
+    tools: dict[str, Counter[str]] = defaultdict(Counter)
+    for record in records:
+        for event in record["events"]:
+            if event["kind"] == "tool_call":
+                entry = tools[event["tool"]]
+                entry["calls"] += 1
+                entry["errors"] += event.get("error") is not None
+                entry["seconds"] += event["seconds"]
+            else:
+                entry = roles[event["role"]]
+                entry["calls"] += 1
+                entry["errors"] += event.get("error") is not None
+                entry["prompt_tokens"] += event.get("prompt_tokens") or 0
+                entry["completion_tokens"] += event.get("completion_tokens") or 0
+                entry["seconds"] += event["seconds"]
+    rounded = lambda c: {k: round(v, 1) if isinstance(v, float) else v for k, v in c.items()}  # noqa: E731
+    return {"roles": {r: rounded(c) for r, c in sorted(roles.items())},
+            "tools": {t: rounded(c) for t, c in sorted(tools.items())}}  # fmt: skip
+
+
+def plot_filters(filters_report: Mapping[str, Any], png_path: Path) -> None:
+    """The filter funnel: trajectories entering the filters, kept after each stage, and train rows after upsampling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = filters_report["stages"]
+    labels = ["converted"] + [f"after {s['name']}" for s in stages] + ["rows (train+heldout, upsampled)"]
+    values = [filters_report["input"]] + [s["kept"] for s in stages] + [filters_report["kept"]
+                                                                          + filters_report["upsampled_rows"]]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(labels) + 1))
+    ax.barh(range(len(labels)), values, color="tab:blue")
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    for i, value in enumerate(values):
+        ax.text(value, i, f" {value}", va="center")
+    ax.set_xlabel("trajectories")
+    ax.set_title("SFT filters (arXiv 2508.13167): kept after each stage")
+    fig.tight_layout()
+    with atomic_path(png_path) as tmp:
+        fig.savefig(tmp, format="png", dpi=100)
+    plt.close(fig)
+
+
+def _run_order(record: Mapping[str, Any]) -> tuple[str, int, str, int]:
+    """Runs sorted by source, then problem id (numbers in numeric order), then sample: a file order that does not
+    depend on which concurrent run finished first."""
+    pid = str(record["problem_id"])
+    return record["benchmark"], len(pid), pid, int(record["sample"])
+
+
+def finish(cfg: Mapping[str, Any], run_dir: Path, info: Mapping[str, Any]) -> dict[str, Any]:
+    """Convert every recorded run (in :func:`_run_order`), write ``trajectories.jsonl``, filter and split into
+    ``sft_data/``, and write ``report.json`` and ``filters.png``; returns the report."""
+    from afm_core.data.prepare import prepare, read_report
+
+    records = sorted(read_samples(run_dir / RUNS_FILE), key=_run_order)
+    trajectories, not_converted = convert_runs(records, verification=bool(cfg["distill"].get("verification", True)))
+    with atomic_path(run_dir / TRAJECTORIES_FILE) as tmp:
+        tmp.write_text("".join(json.dumps(t.to_dict(), ensure_ascii=False) + "\n" for t in trajectories),
+                       encoding="utf-8")  # fmt: skip
+    data_cfg = _data_cfg(cfg, run_dir)
+    sft_dir = prepare(data_cfg)
+    prepared = read_report(sft_dir) or {}
+    by_bench: dict[str, Counter[str]] = defaultdict(Counter)
+    for record in records:
+        entry = by_bench[record["benchmark"]]
+        entry["runs"] += 1
+        entry["correct"] += bool(record.get("grade") and record["grade"].get("correct"))
+        entry["tool_calls"] += record["tool_calls"]
+        entry[f"finish_{record['finish']}"] += 1
+    report = {
+        "runs": len(records),
+        "by_benchmark": {name: dict(c) for name, c in sorted(by_bench.items())},
+        "converted": len(trajectories),
+        "not_converted": dict(sorted(not_converted.items())),
+        "failing_validator": sum(bool(validate_steps(t.steps)) for t in trajectories),
+        "graded_correct": sum(t.correct is True for t in trajectories),
+        "grader_errors": sum(bool((t.meta.get("grade") or {}).get("error")) for t in trajectories),
+        "replans": dict(sorted(Counter(r.get("replans", 0) for r in records).items())),
+        "filters": prepared.get("filters"),
+        "split": prepared.get("split"),
+        "usage": usage(records),
+        "tool_metrics": info.get("tool_metrics") or None,
+        "seconds_this_job": round(info.get("seconds", 0.0), 1),
+        "run_seconds_total": round(sum(r["seconds"] for r in records), 1),
+        "sft_data": str(sft_dir),
+        "sft_command": f"python -m jobs.sft data=distill data.sources.trajectories.path={run_dir / TRAJECTORIES_FILE} "
+        f"data.out_dir={sft_dir}",
+    }
+    atomic_write_json(run_dir / REPORT_FILE, report)
+    if report["filters"]:
+        plot_filters(report["filters"], run_dir / "filters.png")
+    return report
+
+
+def run_distill(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """Distill ``cfg.benchmarks`` + ``cfg.benchmark_files`` into ``cfg.run_dir`` (see the module docstring).
+
+    Returns:
+        The report (``report.json``) with ``stopped_early`` and ``total`` added.
+
+    Raises:
+        ValueError: bad teachers, roles, MAS or filter settings (the key is named).
+    """
+    global _stop_requested
+    _stop_requested = False
+    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    run_dir = Path(cfg["run_dir"])
+    run_dir.mkdir(parents=True, exist_ok=True)
+    role_specs(cfg)
+    MASConfig(**(cfg.get("mas") or {}))
+    DataFilters.from_config(cfg["data"].get("filters"))
+    benchmarks = load_tasks(cfg)
+    samples = int(cfg["distill"].get("samples", 1))
+    runs_path = run_dir / RUNS_FILE
+    done = {sample_key(r) for r in read_samples(runs_path)}
+    todo = [(task, sample) for bench in benchmarks for sample in range(samples) for task in bench.tasks
+            if (bench.name, str(task.meta["problem_id"]), sample) not in done]  # fmt: skip
+    total = sum(len(b.tasks) for b in benchmarks) * samples
+    print(f"[distill] {', '.join(f'{b.name} ({len(b.tasks)})' for b in benchmarks)} x {samples} sample(s): "
+          f"{total} runs, {total - len(todo)} already done, {len(todo)} to run; run dir {run_dir}", flush=True)  # fmt: skip
+    info: dict[str, Any] = {}
+    if todo:
+        families = {t.task for b in benchmarks for t in b.tasks}
+        graders = {str(t.meta.get("grader")) for b in benchmarks for t in b.tasks}
+        writer = SampleWriter(runs_path)
+        try:
+            with tool_servers(cfg, needed_servers(families, graders, cfg["tools"]),
+                              run_dir / "logs" / "tool_servers") as urls:  # fmt: skip
+                info = asyncio.run(_distill(cfg, todo, writer, urls))
+        finally:
+            writer.close()
+    report = finish(cfg, run_dir, info)
+    return {**report, "total": total, "stopped_early": _stop_requested and report["runs"] < total}

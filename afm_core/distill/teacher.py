@@ -1,0 +1,253 @@
+"""A teacher: one chat model that the multi-agent system's roles talk to, behind one interface.
+
+:class:`Teacher` has one method, ``chat(messages, sampling) -> ChatReply``. Two backends implement it:
+
+- :class:`ChatEndpointTeacher`: any OpenAI-compatible ``/v1/chat/completions`` endpoint over aiohttp (a
+  ``vllm serve`` URL, a hosted API with its key in an environment variable, a local test server);
+- :class:`EngineTeacher`: the job's own generation engine (vLLM in-process, or a ``/v1/completions`` server:
+  :mod:`afm_core.rollout.engine`), with the messages rendered by the model's chat template
+  (``tokenizer.apply_chat_template(..., add_generation_prompt=True)``) and the sampled ids decoded; the same
+  token-in/token-out path the agent loop uses, so no second engine is started.
+
+Config (``teachers.<name>`` in ``conf/distill.yaml``)::
+
+    backend: engine | chat
+    url: http://host:8000/v1          # chat only
+    model: gpt-4.1-mini               # chat only: the served model name
+    api_key_env: OPENAI_API_KEY       # chat only: environment variable holding the key (null: none)
+    temperature, top_p, max_tokens    # default sampling (a role may lower max_tokens)
+    concurrency: 16                   # requests in flight to this teacher
+    timeout_s, retries                # chat only: per request; attempts after HTTP 429/5xx or a dropped connection
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+
+from afm_core.rollout.engine import EngineError, GenerationEngine, SamplingConfig
+from afm_core.utils.openai_api import auth_headers, endpoint
+
+TEACHER_BACKENDS = ("engine", "chat")
+TEACHER_KEYS = ("backend", "url", "model", "api_key_env", "temperature", "top_p", "max_tokens", "concurrency",
+                "timeout_s", "retries")  # fmt: skip
+
+Message = Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class ChatSampling:
+    """Sampling of one chat call: temperature, nucleus mass, at most ``max_tokens`` tokens, a per-request seed."""
+
+    temperature: float = 0.7
+    top_p: float = 1.0
+    max_tokens: int = 256
+    seed: int | None = None
+
+
+@dataclass
+class ChatReply:
+    """What a teacher answered.
+
+    Attributes:
+        text: the assistant message (special tokens removed), "" when the call failed.
+        finish_reason: ``stop``, ``length`` or ``error``.
+        prompt_tokens, completion_tokens: token counts (as the server reports them; None when it does not).
+        seconds: wall-clock seconds of the call, retries included.
+        error: the failure message when ``finish_reason`` is ``error``.
+    """
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    seconds: float = 0.0
+    error: str | None = None
+
+
+class Teacher(Protocol):
+    """A chat model. ``chat`` never raises for a failed request: the reply has ``finish_reason="error"``."""
+
+    name: str
+
+    async def chat(self, messages: Sequence[Message], sampling: ChatSampling, request_id: str) -> ChatReply: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class ChatEndpointTeacher:
+    """An OpenAI-compatible chat-completions endpoint.
+
+    Args:
+        name: the teacher's name in the config.
+        url: base URL (``http://host:8000`` or ``http://host:8000/v1``).
+        model: the served model name.
+        api_key_env: environment variable holding the API key (None: no ``Authorization`` header).
+        concurrency: requests in flight at once.
+        timeout_s: seconds per request.
+        retries: further attempts after HTTP 429/5xx or a connection error (exponential backoff from 0.5 s).
+    """
+
+    name: str
+    url: str
+    model: str
+    api_key_env: str | None = None
+    concurrency: int = 16
+    timeout_s: float = 300.0
+    retries: int = 3
+    _session: aiohttp.ClientSession | None = field(default=None, repr=False)
+    _slots: asyncio.Semaphore | None = field(default=None, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        return endpoint(self.url, "chat/completions")
+
+    async def chat(self, messages: Sequence[Message], sampling: ChatSampling, request_id: str) -> ChatReply:
+        """POST the messages; retries on 429/5xx and connection errors; never raises for a failed request."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.concurrency)
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": [dict(m) for m in messages],
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_tokens,
+        }
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        headers = {"X-Request-Id": request_id, **auth_headers(self.api_key_env)}
+        started = time.monotonic()
+        last = ""
+        async with self._slots:
+            for attempt in range(self.retries + 1):
+                try:
+                    async with self._session.post(self.endpoint, json=body, headers=headers) as resp:
+                        if resp.status == 429 or resp.status >= 500:
+                            last = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                        elif resp.status != 200:
+                            last = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                            break
+                        else:
+                            return self._reply(await resp.json(), time.monotonic() - started)
+                except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+                    last = f"{e.__class__.__name__}: {e}"
+                if attempt < self.retries:
+                    await asyncio.sleep(0.5 * 2**attempt)
+        return ChatReply("", "error", seconds=time.monotonic() - started, error=f"{self.endpoint}: {last}")
+
+    def _reply(self, payload: Any, seconds: float) -> ChatReply:
+        try:
+            choice = payload["choices"][0]
+            text = choice["message"].get("content") or ""
+        except (KeyError, IndexError, TypeError, AttributeError) as e:
+            error = f"{self.endpoint}: malformed chat completion ({e.__class__.__name__}: {e})"
+            return ChatReply("", "error", seconds=seconds, error=error)
+        usage = payload.get("usage") or {}
+        return ChatReply(text, choice.get("finish_reason") or "stop", usage.get("prompt_tokens"),
+                         usage.get("completion_tokens"), seconds)  # fmt: skip
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+@dataclass
+class EngineTeacher:
+    """The job's generation engine as a chat model: chat template in, sampled ids decoded out.
+
+    Args:
+        name: the teacher's name in the config.
+        engine: a started :class:`~afm_core.rollout.engine.GenerationEngine` (shared with nothing else here).
+        tokenizer: the engine model's HF tokenizer (its chat template renders the messages).
+        concurrency: requests in flight at once (vLLM batches them).
+    """
+
+    name: str
+    engine: GenerationEngine
+    tokenizer: Any
+    concurrency: int = 64
+    _slots: asyncio.Semaphore | None = field(default=None, repr=False)
+    _ids: Any = field(default_factory=itertools.count, repr=False)
+
+    def prompt_ids(self, messages: Sequence[Message]) -> list[int]:
+        """The chat-template ids of ``messages`` up to the assistant turn (as :func:`afm_core.data.tokenize.encode_prompt`)."""
+        text = self.tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True,
+                                                  tokenize=False)  # fmt: skip
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    async def chat(self, messages: Sequence[Message], sampling: ChatSampling, request_id: str) -> ChatReply:
+        """One engine generation; a prompt longer than the engine's context, or an engine error, is an error reply."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.concurrency)
+        started = time.monotonic()
+        ids = self.prompt_ids(messages)
+        budget = min(sampling.max_tokens, self.engine.max_model_len - len(ids))
+        if budget < 1:
+            error = (
+                f"prompt of {len(ids)} tokens leaves no room in the engine's {self.engine.max_model_len}-token context"
+            )
+            return ChatReply("", "error", len(ids), 0, time.monotonic() - started, error)
+        params = SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=budget,
+                                seed=sampling.seed, logprobs=False)  # fmt: skip
+        try:
+            async with self._slots:
+                gen = await self.engine.generate(ids, params, f"{request_id}#{next(self._ids)}")
+        except EngineError as e:
+            return ChatReply("", "error", len(ids), 0, time.monotonic() - started, str(e))
+        text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)
+        finish = "length" if gen.finish_reason == "length" else "stop"
+        return ChatReply(text, finish, len(ids), len(gen.token_ids), time.monotonic() - started)
+
+    async def close(self) -> None:
+        """The engine belongs to the job; it is closed there."""
+
+
+def teacher_settings(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
+    """``teachers.<name>`` checked: known keys, a known backend, a URL and model for ``chat``.
+
+    Raises:
+        ValueError: the message names the key (``teachers.strong.url``).
+    """
+    spec = dict(spec)
+    if unknown := sorted(set(spec) - set(TEACHER_KEYS)):
+        raise ValueError(f"teachers.{name}.{unknown[0]}: unknown key; known: {', '.join(TEACHER_KEYS)}")
+    backend = spec.get("backend", "engine")
+    if backend not in TEACHER_BACKENDS:
+        raise ValueError(f"teachers.{name}.backend must be one of {', '.join(TEACHER_BACKENDS)}, got {backend!r}")
+    if backend == "chat":
+        for key in ("url", "model"):
+            if not spec.get(key):
+                raise ValueError(f"teachers.{name}.{key}: required for backend=chat (an OpenAI-compatible endpoint)")
+    return {"backend": backend, **spec}
+
+
+def build_teacher(name: str, spec: Mapping[str, Any], engine: GenerationEngine | None, tokenizer: Any) -> Teacher:
+    """A :class:`Teacher` from its checked settings (:func:`teacher_settings`); ``engine`` for ``backend=engine``.
+
+    Raises:
+        ValueError: ``backend=engine`` without an engine.
+    """
+    spec = teacher_settings(name, spec)
+    if spec["backend"] == "chat":
+        return ChatEndpointTeacher(name, spec["url"], spec["model"], spec.get("api_key_env"),
+                                   concurrency=int(spec.get("concurrency") or 16),
+                                   timeout_s=float(spec.get("timeout_s") or 300.0),
+                                   retries=int(spec.get("retries", 3) or 0))  # fmt: skip
+    if engine is None:
+        raise ValueError(f"teachers.{name}: backend=engine needs the job's engine (engine section)")
+    return EngineTeacher(name, engine, tokenizer, concurrency=int(spec.get("concurrency") or 64))
+
+
+def teacher_sampling(spec: Mapping[str, Any]) -> ChatSampling:
+    """The default :class:`ChatSampling` of a teacher's settings."""
+    return ChatSampling(temperature=float(spec.get("temperature", 0.7)), top_p=float(spec.get("top_p", 1.0)),
+                        max_tokens=int(spec.get("max_tokens", 256)))  # fmt: skip

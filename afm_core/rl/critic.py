@@ -1,0 +1,294 @@
+"""PPO's critic on Megatron (``algorithm.adv_estimator=gae``): a value model, its values, GAE, its updates, its state.
+
+The value model is the policy's own build (:func:`afm_core.rl.policy_model.build_policy_model`: the same
+``GPTModel`` chunks and HF weights) whose output layer is replaced by a scalar head (``hidden -> 1``, no
+bias; verl ``verl/models/mcore/model_initializer.py`` builds its Megatron critic the same way with
+``LinearForLastLayer``), trained by the SFT trainer core (:class:`afm_core.train.trainer.SFTTrainer`: Megatron
+DDP, its own AdamW and schedule, per-token loss) with the clipped value loss of
+:func:`afm_core.rl.losses.value_loss`. Per rollout step (verl ``verl/trainer/ppo/ray_trainer.py::fit``):
+
+    old values V(s_t) of the train batch         forward-only, each DP rank its share, gathered
+    GAE over response tokens                     the outcome reward on the last model token; observation
+                                                 tokens skipped (afm_core.rl.advantages.gae_advantages), whitened
+    critic updates                               the actor's mini-batches, before the actor's updates
+
+Values are aligned like logprobs (:mod:`afm_core.rl.batch`): the value at the position that predicts response
+token ``j`` is the value of the state before ``j``.
+
+Checkpoint: ``checkpoints/critic/step_N`` (model + optimizer in megatron's dist format, scheduler in
+``common``), written before the actor's ``checkpoints/step_N`` is published, so a complete actor checkpoint
+always has its critic; the critic keeps one more checkpoint than the actor, so that a save killed between the
+two leaves the critic of the actor's previous checkpoint in place.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STATS_KEY = "critic"
+
+
+class ValueHead(torch.nn.Module):
+    """``hidden -> 1`` linear layer (no bias) standing in for ``GPTModel.output_layer``.
+
+    Replicated over tensor-parallel ranks (its input, the final norm's output, is). Called like megatron's
+    output layer: ``(hidden [s, b, h], weight=None, runtime_gather_output=None) -> ([s, b, 1], None)``; a
+    ``weight`` passed for tied embeddings is ignored.
+    """
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+        self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
+        config.init_method(self.weight)
+
+    def forward(self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states)
+        return torch.nn.functional.linear(hidden_states, self.weight), None
+
+
+def build_value_model(
+    hf_dir: Any, layout: Any, *, params_dtype: torch.dtype = torch.float32, load_weights: bool = True
+) -> list[torch.nn.Module]:
+    """This rank's value-model chunks: the policy build with HF weights, the output layer replaced by a
+    :class:`ValueHead` on the last pipeline stage and the embedding no longer tied to it (collective when
+    ``load_weights``)."""
+    from afm_core.rl.policy_model import build_policy_model
+
+    chunks, _ = build_policy_model(hf_dir, layout, params_dtype=params_dtype, load_weights=load_weights)
+    for chunk in chunks:
+        chunk.share_embeddings_and_output_weights = False
+        if chunk.post_process:
+            chunk.output_layer = ValueHead(chunk.config).to(layout.device)
+    return chunks
+
+
+def values_forward_step(clip_range_value: float | None):
+    """A megatron ``forward_step_func`` for the critic: next micro batch -> (values, value-loss func)."""
+    from functools import partial
+
+    def loss_func(batch: dict[str, torch.Tensor], output: torch.Tensor):
+        from afm_core.rl.losses import value_loss
+
+        loss_sum, stats = value_loss(
+            output[..., 0],
+            batch["old_values"],
+            batch["returns"],
+            batch["response_mask"],
+            global_num_tokens=1,  # per-token-loss mode: megatron divides by the all-reduced token count
+            clip_range_value=clip_range_value,
+        )
+        stats["values_sum"] = torch.where(batch["response_mask"].bool(), output[..., 0].detach().float(), 0.0).sum()
+        return loss_sum, batch["response_mask"].to(torch.bool).sum().to(torch.int), {STATS_KEY: stats}
+
+    def forward_step(data_iterator: Any, model: torch.nn.Module):
+        batch = next(data_iterator)
+        device = next(model.parameters()).device
+        batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        return model(batch["tokens"], batch["position_ids"], None), partial(loss_func, batch)
+
+    return forward_step
+
+
+def gae_per_sample(
+    samples: Sequence[Any], values: Sequence[Sequence[float]], *, gamma: float, lam: float
+) -> tuple[list[list[float]], list[list[float]]]:
+    """GAE advantages and returns of each trajectory over its response tokens (observation tokens skipped).
+
+    The trajectory's reward sits on its last model-generated token (never on an observation: a reward there
+    would be skipped too); advantages are whitened over all response tokens of the batch
+    (:func:`afm_core.rl.advantages.gae_advantages`).
+
+    Args:
+        samples: the train batch (``reward``, ``response_mask``).
+        values: each trajectory's old values, one per response token.
+    Returns:
+        ``(advantages, returns)``: per-token lists as long as each response (0 on observation tokens).
+    Raises:
+        ValueError: a trajectory without a model-generated token, or values of the wrong length.
+    """
+    from afm_core.rl.advantages import gae_advantages
+
+    width = max(len(s.response_mask) for s in samples)
+    shape = (len(samples), width)
+    rewards, vals, mask = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
+    for i, (s, v) in enumerate(zip(samples, values)):
+        if len(v) != len(s.response_mask):
+            raise ValueError(f"trajectory {i}: {len(v)} values for {len(s.response_mask)} response tokens")
+        generated = [j for j, m in enumerate(s.response_mask) if m]
+        if not generated:
+            raise ValueError(f"trajectory {i} ({s.uid}): no model-generated token to put its reward on")
+        rewards[i, generated[-1]] = float(s.reward)
+        vals[i, : len(v)] = torch.tensor(v, dtype=torch.float32)
+        mask[i, : len(v)] = torch.tensor(s.response_mask, dtype=torch.float32)
+    adv, returns = gae_advantages(rewards, vals, mask, gamma=gamma, lam=lam, whiten=True)
+    lengths = [len(s.response_mask) for s in samples]
+    return [adv[i, :n].tolist() for i, n in enumerate(lengths)], [
+        returns[i, :n].tolist() for i, n in enumerate(lengths)
+    ]
+
+
+class Critic:
+    """The value model of a PPO run and its optimizer (``algorithm.adv_estimator=gae``).
+
+    Args:
+        cfg: the RL config (``critic``: ``optim`` overrides of ``optim``, ``clip_range_value``, ``grad_clip``;
+            ``trainer``, ``parallel``, ``algorithm``, ``rollout``).
+        layout: this rank's parallel layout.
+        hf_dir: the policy's HF checkpoint (the critic starts from its weights).
+        run_dir: the RL run dir (checkpoints under ``checkpoints/critic``).
+        max_optimizer_steps: critic updates of the whole run (its LR schedule).
+        params_dtype: training dtype.
+        load_weights: load the HF weights (False before a checkpoint load).
+    """
+
+    def __init__(
+        self,
+        cfg: Mapping[str, Any],
+        layout: Any,
+        hf_dir: Any,
+        run_dir: Path,
+        max_optimizer_steps: int,
+        *,
+        params_dtype: torch.dtype,
+        load_weights: bool = True,
+    ):
+        from afm_core.rl.driver import _trainer_cfg
+        from afm_core.train.checkpoint import Checkpointer
+        from afm_core.train.trainer import SFTTrainer
+
+        critic_cfg = dict(cfg.get("critic") or {})
+        self.cfg, self.layout = cfg, layout
+        self.clip_range_value = critic_cfg.get("clip_range_value", 0.5)
+        merged = {
+            **cfg,
+            "optim": {**cfg["optim"], **(critic_cfg.get("optim") or {})},
+            "trainer": {**cfg["trainer"], "grad_clip": float(critic_cfg.get("grad_clip", cfg["trainer"]["grad_clip"]))},
+        }
+        chunks = build_value_model(hf_dir, layout, params_dtype=params_dtype, load_weights=load_weights)
+        self.trainer = SFTTrainer(
+            _trainer_cfg(merged, layout.dp),
+            layout,
+            chunks,
+            train_data=None,  # type: ignore[arg-type]  # the critic's batches come from the RL loop
+            eval_batches=[],
+            run_dir=run_dir / "critic",
+            max_steps=max(1, max_optimizer_steps),
+        )
+        keep = int(cfg["trainer"]["keep_last"]) + 1  # see the module docstring
+        self.trainer.checkpointer = Checkpointer(critic_checkpoints(run_dir), keep, layout)
+
+    @property
+    def model(self) -> list[torch.nn.Module]:
+        return self.trainer.model
+
+    def values(self, samples: Sequence[Any], seq_length: int, pad_id: int) -> list[list[float]]:
+        """Old values of every sample's response tokens (each DP rank computes its share; gathered, so every
+        rank returns all of them, in sample order)."""
+        from megatron.core import parallel_state as ps
+
+        from afm_core.rl.batch import response_values, sample_micro_batches
+        from afm_core.rl.logprobs import forward_only
+
+        mbs = int(self.cfg["trainer"]["micro_batch_size"])
+        dp, dp_rank = self.layout.dp, self.layout.dp_rank
+        mine = list(range(len(samples)))[dp_rank::dp]
+        batches = sample_micro_batches([samples[i] for i in mine], mbs, seq_length, pad_id)
+        for chunk in self.model:
+            chunk.eval()
+        outs = forward_only(self.model, batches, ["values"], lambda output, labels: {"values": output[..., 0].float()})
+        for chunk in self.model:
+            chunk.train()
+        local: dict[int, list[float]] = {}
+        for b, (batch, out) in enumerate(zip(batches, outs)):
+            for j, v in enumerate(response_values(out["values"], batch)):
+                local[mine[b * mbs + j]] = v.tolist()
+        if dp > 1:
+            parts: list[Any] = [None] * dp
+            torch.distributed.all_gather_object(parts, local, group=ps.get_data_parallel_group())
+            for part in parts:
+                local.update(part)
+        return [local[i] for i in range(len(samples))]
+
+    def update(
+        self,
+        samples: Sequence[Any],
+        old_values: Sequence[Sequence[float]],
+        returns: Sequence[Sequence[float]],
+        seq_length: int,
+        pad_id: int,
+    ) -> dict[str, float]:
+        """``ppo_epochs`` x mini-batches of critic optimizer steps (the actor's mini-batch split).
+
+        Returns:
+            ``critic/vf_loss``, ``critic/vf_clip_frac``, ``critic/values`` (means over response tokens),
+            ``critic/returns``, ``critic/grad_norm`` (last), ``critic/lr``, ``critic/optimizer_steps``,
+            ``critic_s``.
+        """
+        from megatron.core import parallel_state as ps
+
+        from afm_core.rl.actor import megatron_update_step
+        from afm_core.rl.batch import minibatch_shares, sample_micro_batches
+        from afm_core.rl.losses import reduce_stats
+
+        start = time.perf_counter()
+        a = self.cfg["algorithm"]
+        mbs = int(self.cfg["trainer"]["micro_batch_size"])
+        mini = int(a["mini_batch_size"]) * int(self.cfg["rollout"]["n"])
+        shares = minibatch_shares(len(samples), mini, self.layout.dp, self.layout.dp_rank)
+        forward_step = values_forward_step(self.clip_range_value)
+        stats, grad_norm, lr, steps = [], float("nan"), float("nan"), 0
+        for _ in range(int(a["ppo_epochs"])):
+            for share in shares:
+                extra = {"old_values": [old_values[i] for i in share], "returns": [returns[i] for i in share]}
+                micro = sample_micro_batches([samples[i] for i in share], mbs, seq_length, pad_id, extra=extra)
+                reports, grad_norm, lr = megatron_update_step(
+                    self.trainer, forward_step, micro, seq_length, mbs, what=f"critic update {steps + 1}"
+                )
+                steps += 1
+                stats += [r[STATS_KEY] for r in reports]
+        reduced = reduce_stats(stats, ps.get_data_parallel_group()) if stats else {}
+        tokens = [r for s, values in zip(samples, returns) for r, m in zip(values, s.response_mask) if m]
+        return {
+            **{f"critic/{k}": v for k, v in reduced.items() if k != "tokens"},
+            "critic/returns": sum(tokens) / max(len(tokens), 1),
+            "critic/grad_norm": grad_norm,
+            "critic/lr": lr,
+            "critic/optimizer_steps": steps,
+            "critic_s": time.perf_counter() - start,
+        }
+
+    def save(self, step: int) -> Path:
+        """``checkpoints/critic/step_N`` (collective)."""
+        common = [{"scheduler": self.trainer.scheduler.state_dict()}]
+        torch.distributed.broadcast_object_list(common, src=0)
+        return self.trainer.checkpointer.save(step, self.model, self.trainer.optimizer, common[0], {})
+
+    def load(self, actor_checkpoint: Path) -> Path:
+        """Load the critic saved with the actor checkpoint ``actor_checkpoint`` (collective).
+
+        Raises:
+            FileNotFoundError: that critic checkpoint is missing (the run was not a PPO run).
+        """
+        path = critic_checkpoints(actor_checkpoint.parent.parent) / actor_checkpoint.name
+        if not path.is_dir():
+            raise FileNotFoundError(
+                f"{actor_checkpoint}: no critic checkpoint at {path} (resuming a run without a critic with "
+                "algorithm.adv_estimator=gae?)"
+            )
+        common, _ = self.trainer.checkpointer.load(path, self.model, self.trainer.optimizer)
+        self.trainer.scheduler.load_state_dict(common["scheduler"])
+        return path
+
+
+def critic_checkpoints(run_dir: Path) -> Path:
+    """Where a run's critic checkpoints live: ``RUN_DIR/checkpoints/critic``."""
+    return Path(run_dir) / "checkpoints" / "critic"

@@ -1,0 +1,41 @@
+"""Multi-agent distillation into CoA trajectories, then the paper's SFT filters (conf/distill.yaml).
+
+    python -m jobs.distill                                            # the embedded model as teacher, vLLM here
+    python -m jobs.distill benchmarks=[gsm8k_train,hotpotqa500] distill.limit=20
+    python -m jobs.distill teachers.main.backend=chat teachers.main.url=http://host:8000/v1 \\
+        teachers.main.model=Qwen2.5-72B-Instruct                      # a `vllm serve` (or any OpenAI-compatible) URL
+    python -m jobs.distill hydra.run.dir=runs/distill/X               # continue X: finished runs are not redone
+
+The run dir holds ``runs.jsonl`` (every MAS run, every role message and tool call), ``trajectories.jsonl``
+(the runs as CoA trajectories), ``sft_data/`` (the filtered SFT parquet, the ``jobs.prepare_data`` layout),
+``report.json`` and ``filters.png`` (afm_core.distill).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from afm_core.launch import submit
+
+
+@hydra.main(config_path="../conf", config_name="distill", version_base="1.3")
+def main(cfg: DictConfig) -> dict[str, Any] | None:
+    report = submit(
+        "afm_core.distill.runner.run_distill",
+        cfg,
+        on_preempt="afm_core.distill.runner.request_stop",
+        job_name="distill",
+    )
+    if report is not None:
+        shown = {k: report[k] for k in ("runs", "total", "converted", "not_converted", "graded_correct",
+                                         "filters", "split", "seconds_this_job", "sft_data", "sft_command")}  # fmt: skip
+        print(json.dumps(shown, indent=2, default=str))
+    return report
+
+
+if __name__ == "__main__":
+    main()

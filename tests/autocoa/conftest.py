@@ -1,0 +1,3 @@
+"""AutoCoA tests reuse the tool tests' fixtures: the real data folder."""
+
+from tests.tools.conftest import data_dir  # noqa: F401 - a pytest fixture

@@ -1,0 +1,29 @@
+"""Benchmark presets: the GSM8K calculator-step filter (``max_calculator_steps``) that gives the RL
+learning-signal run its held-out set, and a preset that misuses it naming the file and field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from afm_core.eval import benchmarks
+from afm_core.eval.benchmarks import load_preset
+
+
+def test_the_two_step_gsm8k_preset_keeps_the_test_problems_with_at_most_two_calculator_steps(data_dir):
+    lines = (data_dir / "math/gsm8k/test.jsonl").read_text().splitlines()
+    expected = [str(i) for i, line in enumerate(lines) if json.loads(line)["answer"].count("<<") <= 2]
+    bench = load_preset("gsm8k_test_2step", data_dir)
+    assert [t.meta["problem_id"] for t in bench.tasks] == expected and len(expected) == 440
+    assert all(t.meta["calculator_steps"] <= 2 for t in bench.tasks)
+    full = {t.meta["problem_id"]: t for t in load_preset("gsm8k_test", data_dir).tasks}
+    assert all(full[t.meta["problem_id"]].prompt == t.prompt for t in bench.tasks), "same problems, same ids"
+
+
+def test_max_calculator_steps_outside_gsm8k_names_the_file_and_field(tmp_path, monkeypatch):
+    monkeypatch.setattr(benchmarks, "presets_dir", lambda: tmp_path)
+    (tmp_path / "bad.yaml").write_text("name: bad\nloader: math_jsonl\npath: x.jsonl\ntask: math\ngrader: math\n"
+                                       "max_calculator_steps: 2\n")  # fmt: skip
+    with pytest.raises(ValueError, match=r"bad\.yaml: field 'max_calculator_steps'"):
+        load_preset("bad")

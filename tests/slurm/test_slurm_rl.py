@@ -1,0 +1,109 @@
+"""The RL job on the real local Slurm cluster (acceptance g): ``python -m jobs.rl recipe=rl_smoke cluster=slurm``
+preempted twice by ``scancel --signal=USR2`` completes with every rollout step exactly once in metrics.jsonl, and
+its last checkpoint's data position (prompt stream, dynamic sampler), stage and step equal those of the same run
+left uninterrupted.
+
+Every run goes through the real CLI; the job starts its own sandbox server and vLLM engine inside the
+allocation. Run these with the cluster lock held: ``flock /tmp/afm-slurm.lock .venv/bin/python -m pytest
+tests/slurm/test_slurm_rl.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from afm_core.launch.records import read_job_record
+from afm_core.train.metrics import read_metrics
+from afm_core.utils.paths import repo_root, shared_data_dir
+from tests.slurm.tiny_sft import events_of, wait_finished, wait_until
+
+MAX_STEPS = 6
+SMOKE = [
+    "recipe=rl_smoke",
+    f"trainer.max_steps={MAX_STEPS}",
+    "rollout.context_schedule=[{until_step: 3, max_response_len: 32}, {max_response_len: 48}]",
+    "trainer.num_threads=1",
+    "cluster=slurm",
+    "cluster.time=20",  # >= 13 min: submitit counts a USR2 as a preemption, not a timeout
+    "cluster.cpus_per_task=2",
+    "tools.cache=null",
+]
+pytestmark = [
+    pytest.mark.slurm,
+    pytest.mark.slow,
+    pytest.mark.usefixtures("slurm_cluster"),
+    pytest.mark.skipif(not shared_data_dir().is_dir(), reason=f"no shared data at {shared_data_dir()}"),
+]
+
+
+def submit_rl(run_dir: Path, *overrides: str) -> str:
+    """``python -m jobs.rl ... cluster=slurm`` (returns at once); the Slurm job id."""
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.rl", *SMOKE, f"hydra.run.dir={run_dir}", *overrides],
+        cwd=repo_root(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, f"jobs.rl failed:\n{done.stdout}\n{done.stderr}"
+    job_id = read_job_record(run_dir / "logs")["job_id"]
+    assert f"Submitted Slurm job {job_id}" in done.stdout and f"python -m jobs.status {run_dir} --follow" in done.stdout
+    return job_id
+
+
+def steps(run_dir: Path) -> list[int]:
+    return [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def last_checkpoint_common(run_dir: Path) -> dict:
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
+
+    path = latest_complete_checkpoint(run_dir / "checkpoints")
+    assert path is not None, f"no complete checkpoint in {run_dir}"
+    return load_common_state_dict(str(path))["afm"]
+
+
+def test_rl_smoke_preempted_twice_on_slurm_logs_every_step_once_with_the_uninterrupted_data_position(tmp_path):
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    submit_rl(straight)
+    job_id = submit_rl(interrupted)
+
+    # two USR2s, each once the job is past a later rollout step than the last stop
+    stop = 0
+    for attempt in (1, 2):
+        wait_until(
+            lambda n=attempt, s=stop: len(events_of(interrupted, "start")) == n and bool(steps(interrupted))
+            and steps(interrupted)[-1] > s,
+            f"attempt {attempt} past rollout step {stop}",
+            timeout_s=900,
+        )  # fmt: skip
+        subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
+        wait_until(lambda n=attempt: len(events_of(interrupted, "requeued")) == n, f"requeue {attempt}", 900)
+        stop = events_of(interrupted, "requeued")[-1]["step"]
+    row = wait_finished(interrupted, timeout_s=1200)
+    wait_finished(straight, timeout_s=1200)
+
+    requeues = events_of(interrupted, "requeued")
+    assert [e["reason"] for e in requeues] == ["preempted", "preempted"] and row.restarts == 2
+    stops = [e["step"] for e in requeues]
+    assert stops == sorted(set(stops)) and stops[-1] < MAX_STEPS, f"two stops at distinct steps: {stops}"
+    assert steps(interrupted) == steps(straight) == list(range(1, MAX_STEPS + 1)), "every rollout step once"
+
+    # the checkpointed data position and stage equal the uninterrupted run's
+    resumed, expected = last_checkpoint_common(interrupted), last_checkpoint_common(straight)
+    assert resumed["prompts"] == expected["prompts"] and resumed["sampler"] == expected["sampler"]
+    assert resumed["progress"]["stage"] == expected["progress"]["stage"] == 1
+    assert resumed["progress"]["rollout_step"] == expected["progress"]["rollout_step"] == MAX_STEPS
+    keys = ("stage", "max_response_len", "data_epoch", "data_offset", "prompts_consumed")
+    by_step = {r["step"]: [r[k] for k in keys] for r in read_metrics(straight / "metrics.jsonl")}
+    assert [[r[k] for k in keys] for r in read_metrics(interrupted / "metrics.jsonl")] == list(by_step.values())
+    history = subprocess.run(
+        ["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert history.count("REQUEUED") == 2 and history[-1] == "COMPLETED"
