@@ -3,6 +3,8 @@ gradients, and only the tensors the docstring names kept for backward (one gloo 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -113,3 +115,38 @@ def _worker(rank: int, port: int) -> None:
 
 def test_fused_norm_linear_and_swiglu_mlp_equal_plain_autograd_and_keep_only_their_inputs():
     mp.start_processes(_worker, args=(free_port(),), nprocs=1, join=True, start_method="spawn")
+
+
+def test_lean_rope_equals_megatrons_and_keeps_one_cos_sin_for_all_layers():
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    from afm_core.models.local_spec import lean_apply_rotary_pos_emb
+
+    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
+    one_rank = SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    g = torch.Generator().manual_seed(0)
+    half = torch.rand(16, 1, 1, 4, generator=g) * 10
+    freqs = torch.cat([half, half], dim=-1)  # [s, 1, 1, hn] as megatron's RotaryEmbedding makes them
+    cu = torch.tensor([0, 5, 12, 16])
+    cases = [
+        ("bshd", torch.randn(16, 2, 3, 8, generator=g), freqs, None),
+        ("thd, positions of all rows", torch.randn(16, 3, 8, generator=g), freqs, cu),
+        ("thd, each document from 0", torch.randn(16, 3, 8, generator=g), freqs[:7], cu),
+    ]
+    for name, t, f, cu_seqlens in cases:
+        kwargs = {"cu_seqlens": cu_seqlens, "cp_group": one_rank}
+        x = t.clone().requires_grad_()
+        want = apply_rotary_pos_emb(x, f, config, **kwargs)
+        upstream = torch.randn(want.shape, generator=g)
+        (want_grad,) = torch.autograd.grad(want, x, upstream)
+        layers = functools.partial(
+            lambda x, f, kwargs: [lean_apply_rotary_pos_emb(x, f, config, **kwargs) for _ in range(3)], x, f, kwargs
+        )
+        saved, got = _saved_bytes(layers, set())
+        assert len(saved) == 2, (name, saved)  # cos and sin, shared by the three "layers"
+        for out in got:
+            torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6, msg=name)
+            (grad,) = torch.autograd.grad(out, x, upstream)
+            torch.testing.assert_close(grad, want_grad, rtol=1e-6, atol=1e-6, msg=name)

@@ -16,6 +16,17 @@ rest there (as transformer-engine's fused modules do):
   the SwiGLU output is recomputed in backward.
 
 Per layer 56 -> 26 MiB at those sizes, with the same matrix products: nothing but elementwise work is done twice.
+
+* :func:`lean_apply_rotary_pos_emb`: megatron's unfused RoPE (``megatron/core/models/common/embeddings/
+  rope_utils.py`` ``_apply_rotary_pos_emb_bshd``/``_thd``) computes ``cos``/``sin`` of the frequencies in every
+  layer, for query and key apart, builds ``rotate_half`` with a negation and a concatenation, and keeps its own
+  ``cos``/``sin`` for backward (4 x ``[t, 1, 1, hn]`` fp32 per layer: 30 MiB over SmolLM2's 30 layers at 1024
+  tokens). Here ``cos``/``sin`` are computed once per forward and shared by every layer (one storage kept for
+  backward), and the rotation is two multiply-adds per half (the same values: ``out1 = x1 cos - x2 sin``,
+  ``out2 = x2 cos + x1 sin``, RoFormer, Su et al. 2021, eq. 34). Megatron's ``Attention`` calls the function
+  through its module attribute ``apply_rotary_pos_emb``, which :func:`local_layer_spec` points here; other cases
+  (fused RoPE on GPU, interleaved or multi-latent RoPE, ``mscale``, context parallelism, partial rotary
+  dimensions) go to megatron's function unchanged.
 Both compute in the parameters' dtype (fp32 on CPU), with the RMS statistics in fp32 as HF's ``LlamaRMSNorm``.
 Tensor parallelism as megatron's column/row parallel linears: ``NormColumnParallelLinear`` all-reduces the gradient
 of its (replicated) input over the TP group in backward, before the norm's backward (as transformer-engine's
@@ -28,6 +39,7 @@ FFN size, ``p`` the TP size.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from typing import Any
 
@@ -178,6 +190,83 @@ class SwiGLUMLP(MLP):
         return out, None
 
 
+class _RotaryEmbedding(torch.autograd.Function):
+    """``t * cos + rotate_half(t) * sin`` (halves not interleaved) of ``t [..., hn]``; ``cos``/``sin`` broadcast
+    to ``t``'s shape (no gradient) are all it keeps for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        h = t.shape[-1] // 2
+        out = torch.empty(torch.broadcast_shapes(t.shape, cos.shape), dtype=t.dtype, device=t.device)
+        torch.mul(t[..., :h], cos[..., :h], out=out[..., :h]).addcmul_(t[..., h:], sin[..., :h], value=-1.0)
+        torch.mul(t[..., h:], cos[..., h:], out=out[..., h:]).addcmul_(t[..., :h], sin[..., h:])
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        h = grad.shape[-1] // 2
+        out = torch.empty_like(grad)
+        torch.mul(grad[..., :h], cos[..., :h], out=out[..., :h]).addcmul_(grad[..., h:], sin[..., h:])
+        torch.mul(grad[..., h:], cos[..., h:], out=out[..., h:]).addcmul_(grad[..., :h], sin[..., :h], value=-1.0)
+        return out, None, None
+
+
+# the last (key, freqs, cos, sin): every layer of a forward pass gets the same freqs tensor and bounds
+_COS_SIN: list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+
+def _cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor | None, dtype: torch.dtype):
+    """``cos``/``sin`` of the frequencies of each position as megatron's unfused RoPE picks them: ``freqs [s, 1, 1,
+    hn]`` as they are (``bshd``), or for packed ``thd`` rows (``cu_seqlens``, one context-parallel rank) the
+    rows' own positions when ``freqs`` covers all ``t`` of them, else each document's ``freqs[:len]`` again;
+    then ``[t, 1, hn]``. Cached for the next layer of the same forward pass."""
+    bounds = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens.tolist())
+    key = (freqs.data_ptr(), freqs._version, tuple(freqs.shape), bounds, dtype)
+    if _COS_SIN and _COS_SIN[0][0] == key and _COS_SIN[0][1] is freqs:
+        return _COS_SIN[0][2], _COS_SIN[0][3]
+    picked = freqs
+    if bounds is not None:
+        if freqs.shape[0] == bounds[-1]:
+            picked = freqs[bounds[0] : bounds[-1]]
+        else:
+            picked = torch.cat([freqs[: e - a] for a, e in itertools.pairwise(bounds)])
+        picked = picked.squeeze(1)
+    cos, sin = torch.cos(picked).to(dtype), torch.sin(picked).to(dtype)
+    _COS_SIN[:] = [(key, freqs, cos, sin)]
+    return cos, sin
+
+
+def lean_apply_rotary_pos_emb(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    config: Any,
+    cu_seqlens: torch.Tensor | None = None,
+    mscale: float = 1.0,
+    cp_group: Any = None,
+) -> torch.Tensor:
+    """Megatron's ``apply_rotary_pos_emb`` (same arguments and values) for plain RoPE over the whole head
+    dimension; the module docstring says what differs and what is passed on to megatron's function."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    plain = (
+        not config.apply_rope_fusion
+        and not config.rotary_interleaved
+        and not config.multi_latent_attention
+        and mscale == 1.0
+        and freqs.shape[-1] == t.shape[-1]
+        and t.shape[-1] % 2 == 0
+        and (cu_seqlens is None or (cp_group is not None and cp_group.size() == 1))
+    )
+    if not plain:
+        return rope_utils.apply_rotary_pos_emb(
+            t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group
+        )
+    cos, sin = _cos_sin(freqs, cu_seqlens, t.dtype)
+    return _RotaryEmbedding.apply(t, cos, sin)
+
+
 class _KnownMLPFilter(logging.Filter):
     """Drops megatron's "Unknown MLP type" warning, which ``TransformerLayer`` logs for every layer whose MLP is not
     exactly megatron's ``MLP`` (``transformer_layer.py``): :class:`SwiGLUMLP` is one, and the default kwargs it
@@ -193,9 +282,14 @@ _TRANSFORMER_LAYER_LOG = logging.getLogger("megatron.core.transformer.transforme
 def local_layer_spec(core_attention: type) -> ModuleSpec:
     """Megatron's local GPT layer spec (RMSNorm, SwiGLU, no qk layernorm) with the norms fused into
     ``linear_qkv`` / ``linear_fc1`` (:class:`NormColumnParallelLinear`), the SwiGLU into ``linear_fc2``
-    (:class:`SwiGLUMLP`), and ``core_attention`` as the attention kernel."""
+    (:class:`SwiGLUMLP`), and ``core_attention`` as the attention kernel. Also points megatron's attention at
+    :func:`lean_apply_rotary_pos_emb` (for the whole process: only the local spec is built where transformer-engine
+    is absent)."""
+    from megatron.core.transformer import attention as megatron_attention
+
     if not any(isinstance(f, _KnownMLPFilter) for f in _TRANSFORMER_LAYER_LOG.filters):
         _TRANSFORMER_LAYER_LOG.addFilter(_KnownMLPFilter())
+    megatron_attention.apply_rotary_pos_emb = lean_apply_rotary_pos_emb  # type: ignore[assignment]
     spec = get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
     layer = spec.submodules
     layer.input_layernorm = IdentityOp
