@@ -77,6 +77,7 @@ class EngineResult:
     engine: str
     attention: str
     step_s: list[float]
+    cpu_s: list[float]  # CPU seconds of the process (all its threads) per timed step
     input_tokens_per_step: int  # global_batch * seq_length positions
     target_tokens: list[int]  # unmasked target tokens of each timed step
     losses: list[float]  # masked token-mean loss of every step, warmup included
@@ -231,11 +232,12 @@ def hf_step(cfg: Any, hf_dir: Path, data: PackedSequences, max_steps: int, threa
     ).to(device)
     model.config.use_cache = False
     model.train()
-    optimizer = torch.optim.AdamW(
+    optimizer = torch.optim.AdamW(  # fused: HF Trainer's default optimizer (adamw_torch_fused), as ours runs it
         adamw_param_groups(model, cfg.optim.weight_decay),
         lr=cfg.optim.lr,
         betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
         eps=cfg.optim.adam_eps,
+        fused=True,
     )
     scheduler = build_lr_scheduler(optimizer, cfg.optim, max_steps)
     stream = TrainIterator(
@@ -283,6 +285,9 @@ def engine_worker(conn: Any, engine: str, args: argparse.Namespace, seq_length: 
     """One engine in a process of its own: build it, then run the parent's commands ("step", "profile",
     "stop") and answer each; the last answer carries the process's memory figures."""
     try:
+        from afm_core.train.host_memory import configure_allocator
+
+        configure_allocator()  # the SFT job's allocator settings, for both engines
         with tempfile.TemporaryDirectory(prefix=f"afm-sft-throughput-{engine}-") as run_dir:
             cfg = compose_sft_config(args, seq_length, Path(run_dir))
             from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
@@ -302,9 +307,11 @@ def engine_worker(conn: Any, engine: str, args: argparse.Namespace, seq_length: 
             while True:
                 command = conn.recv()
                 if command == "step":
-                    start = time.perf_counter()
+                    start, cpu_start = time.perf_counter(), time.process_time()
                     out = step()
-                    conn.send({"seconds": time.perf_counter() - start, **out})
+                    conn.send(
+                        {"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu_start, **out}
+                    )
                 elif command == "profile":
                     conn.send({"profile": profile_step(step)})
                 else:
@@ -350,16 +357,20 @@ class EngineProcess:
 def run_side_by_side(engines: dict[str, EngineProcess], warmup: int, timed: int) -> dict[str, dict[str, list]]:
     """Alternate the engines step by step, swapping the order every step (ABBA); time the non-warmup steps.
 
-    Returns per engine ``{"step_s": [timed seconds], "tokens": [timed target tokens], "losses": [all losses]}``.
+    Returns per engine ``{"step_s": [timed seconds], "cpu_s": [their CPU seconds], "tokens": [timed target tokens],
+    "losses": [all losses]}``.
     """
     names = list(engines)
-    record: dict[str, dict[str, list]] = {name: {"step_s": [], "tokens": [], "losses": []} for name in names}
+    record: dict[str, dict[str, list]] = {
+        name: {"step_s": [], "cpu_s": [], "tokens": [], "losses": []} for name in names
+    }
     for index in range(warmup + timed):
         for name in names if index % 2 == 0 else reversed(names):
             out = engines[name].ask("step")
             record[name]["losses"].append(float(out["loss"]))
             if index >= warmup:
                 record[name]["step_s"].append(out["seconds"])
+                record[name]["cpu_s"].append(out["cpu_seconds"])
                 record[name]["tokens"].append(int(out["tokens"]))
     return record
 
@@ -391,6 +402,7 @@ def measure(
             engine=name,
             attention=ready[name]["ready"],
             step_s=record[name]["step_s"],
+            cpu_s=record[name]["cpu_s"],
             input_tokens_per_step=args.global_batch * seq_length,
             target_tokens=record[name]["tokens"],
             losses=record[name]["losses"],
@@ -401,6 +413,12 @@ def measure(
     )
     ratio = statistics.median(h / o for h, o in zip(hf.step_s, ours.step_s))
     return ours, hf, ratio, facts
+
+
+def cpu_time_ratio(ours: EngineResult, hf: EngineResult) -> float:
+    """Median over steps of the paired ratio of CPU seconds ``hf / ours`` (all threads of each process): less
+    sensitive than wall time to other load on a shared machine, which delays a process without charging it CPU."""
+    return statistics.median(h / o for h, o in zip(hf.cpu_s, ours.cpu_s))
 
 
 def packing_table(stats: dict[int, tuple[PackingStats, PackingStats]], benchmark_lengths: list[int]) -> Table:
@@ -451,6 +469,7 @@ def throughput_table(rows: list[tuple[int, EngineResult, EngineResult, float]], 
         "input tok/s",
         "target tok/s",
         "speed ours/HF",
+        "CPU-time ours/HF",
         "peak RSS (GiB)",
         "training peak (GiB)",
         "peak ours/HF",
@@ -468,6 +487,7 @@ def throughput_table(rows: list[tuple[int, EngineResult, EngineResult, float]], 
                 f"{result.input_tokens_per_s:,.0f}",
                 f"{result.target_tokens_per_s:,.0f}",
                 f"{ratio:.2f}x" if is_ours else "",
+                f"{cpu_time_ratio(ours, hf):.2f}x" if is_ours else "",
                 _gib(result.peak_rss_bytes),
                 _gib(result.training_peak_bytes),
                 f"{memory_ratio:.2f}x" if is_ours else "",
@@ -609,6 +629,7 @@ def main() -> int:
                     {
                         "seq_length": seq_length,
                         "ratio_ours_over_hf": ratio,
+                        "cpu_time_ratio_ours_over_hf": cpu_time_ratio(ours, hf),
                         "peak_ratio_ours_over_hf": ours.peak_rss_bytes / hf.peak_rss_bytes,
                         "engines": {"ours": ours.summary(), "hf": hf.summary()},
                     }

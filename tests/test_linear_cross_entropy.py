@@ -2,24 +2,70 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from afm_core.train.loss import linear_cross_entropy
 
+CHUNK_BYTES = 4 * 50 * 8  # chunks of 8 rows
 
-def test_chunked_linear_cross_entropy_equals_full_logits_loss_and_grads():
+
+def _inputs():
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(37, 16, generator=g, requires_grad=True)
     weight = torch.randn(50, 16, generator=g, requires_grad=True)
     labels = torch.randint(0, 50, (37,), generator=g)
     labels[[3, 20]] = -100  # ignored: loss 0, no gradient
-    upstream = torch.rand(37, generator=g)  # a per-token loss mask times a scale
+    return hidden, weight, labels, g
 
-    loss = linear_cross_entropy(hidden, weight, labels, chunk_bytes=4 * 50 * 8)  # chunks of 8 rows
+
+def _grads(loss, upstream, hidden, weight, sink):
+    """d hidden and d weight of ``(loss * upstream).sum()``; with a sink, d weight is what the sink gained."""
+    grads = torch.autograd.grad((loss * upstream).sum(), (hidden, weight), allow_unused=sink is not None)
+    if sink is None:
+        return grads
+    assert grads[1] is None  # the weight's gradient went into the sink only
+    return grads[0], sink.clone()
+
+
+@pytest.mark.parametrize("sink", [False, True], ids=["autograd", "grad-sink"])
+@pytest.mark.parametrize("upstream", ["ones", "per-row", "token-sum"])
+def test_chunked_linear_cross_entropy_equals_full_logits_loss_and_grads(upstream, sink):
+    hidden, weight, labels, g = _inputs()
+    # ones: the SFT loss (a sum of masked token losses; d weight complete after forward); token-sum: one other
+    # value on every labelled row; per-row: any upstream gradient. The ignored rows get any value.
+    scale = {
+        "ones": torch.ones(37),
+        "per-row": torch.rand(37, generator=g),
+        "token-sum": torch.full((37,), 0.3),
+    }[upstream].index_fill(0, torch.tensor([3]), 5.0)
+    grad_sink = torch.zeros(50, 16) if sink else None
+
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_bytes=CHUNK_BYTES, grad_sink=grad_sink)
     expected = F.cross_entropy(hidden @ weight.t(), labels, reduction="none")
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
-    grads = torch.autograd.grad((loss * upstream).sum(), (hidden, weight))
-    expected_grads = torch.autograd.grad((expected * upstream).sum(), (hidden, weight))
+    grads = _grads(loss, scale, hidden, weight, grad_sink)
+    expected_grads = torch.autograd.grad((expected * scale).sum(), (hidden, weight))
     for grad, reference in zip(grads, expected_grads):
         torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sink", [False, True], ids=["autograd", "grad-sink"])
+def test_linear_cross_entropy_without_grad_mode_and_with_a_second_backward(sink):
+    hidden, weight, labels, _ = _inputs()
+    with torch.no_grad():
+        eval_loss = linear_cross_entropy(hidden, weight, labels, chunk_bytes=CHUNK_BYTES)
+    grad_sink = torch.zeros(50, 16) if sink else None
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_bytes=CHUNK_BYTES, grad_sink=grad_sink)
+    torch.testing.assert_close(eval_loss, loss.detach())
+    first = torch.autograd.grad(loss.sum(), (hidden, weight), retain_graph=True, allow_unused=sink)
+    first_weight = grad_sink.clone() if sink else first[1]
+    second = torch.autograd.grad(loss.sum(), (hidden, weight), allow_unused=sink)  # recomputed from the logits
+    second_weight = grad_sink - first_weight if sink else second[1]
+    expected = torch.autograd.grad(
+        F.cross_entropy(hidden @ weight.t(), labels, reduction="none").sum(), (hidden, weight)
+    )
+    for got in ((first[0], first_weight), (second[0], second_weight)):
+        for grad, reference in zip(got, expected):
+            torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-6)

@@ -36,6 +36,57 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """``[d, n, hn]`` -> ``[1, n, d, hn]`` (a view)."""
+    return x.permute(1, 0, 2).unsqueeze(0)
+
+
+class _DocumentCausalAttention(torch.autograd.Function):
+    """Causal attention of each document ``[offsets[i], offsets[i+1])`` of a packed micro batch on CPU, through the
+    kernels ``F.scaled_dot_product_attention`` itself calls there (``aten::_scaled_dot_product_flash_attention_for_cpu``
+    and its backward, GQA included). The documents' outputs are written into one ``[t, np, hn]`` tensor, which is
+    both what backward reads and what ``linear_proj`` keeps: per-document SDPA calls would keep their outputs and
+    ``linear_proj`` their concatenation, the same values twice."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: list[int], scale: float
+    ) -> torch.Tensor:
+        spans = [(a, e) for a, e in itertools.pairwise(offsets) if e > a]
+        out = None if len(spans) == 1 else q.new_empty(q.shape)
+        lses = []
+        for a, e in spans:
+            o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                _heads_first(q[a:e]), _heads_first(k[a:e]), _heads_first(v[a:e]), 0.0, True, scale=scale
+            )
+            lses.append(lse)
+            if out is None:
+                out = o.squeeze(0).permute(1, 0, 2)  # the kernel lays its output out like q: [d, np, hn]
+            else:
+                out[a:e] = o.squeeze(0).permute(1, 0, 2)
+        assert out is not None
+        ctx.save_for_backward(q, k, v, out, *lses)
+        ctx.spans, ctx.scale = spans, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):  # type: ignore[override]
+        q, k, v, out, *lses = ctx.saved_tensors
+        grads = [torch.empty_like(x) for x in (q, k, v)]
+        for (a, e), lse in zip(ctx.spans, lses):
+            parts = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                _heads_first(grad_out[a:e]),
+                *(_heads_first(x[a:e]) for x in (q, k, v, out)),
+                lse,
+                0.0,
+                True,
+                scale=ctx.scale,
+            )
+            for grad, part in zip(grads, parts):
+                grad[a:e] = part.squeeze(0).permute(1, 0, 2)
+        return grads[0], grads[1], grads[2], None, None
+
+
 class SDPAttention(MegatronModule):
     """``core_attention`` of the local layer spec on ``F.scaled_dot_product_attention`` (see the module docstring).
 
@@ -133,10 +184,19 @@ class SDPAttention(MegatronModule):
             raise ValueError(
                 f"cu_seqlens must run from 0 to the {t} tokens of the micro batch, got {offsets[0]}..{offsets[-1]}"
             )
+        # value is a view into megatron's fused [t, ng * (np/ng + 2) * hn] QKV output: saved as it is for
+        # backward, it would keep that whole buffer alive (query and key are RoPE outputs of their own)
+        value = value.contiguous()
+        if query.device.type == "cpu" and not (self.training and self.dropout_p):
+            out = _DocumentCausalAttention.apply(query, key, value, offsets, self.softmax_scale)
+            return out.reshape(t, -1)
         # [t, n, hn] -> [1, n, t, hn]; each document is a causal attention of its own
         q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+        # the CPU kernel's output [1, np, d, hn] is laid out [1, d, np, hn]: as [d, np, hn] it needs no copy
         outs = [
-            self._sdpa(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None) for a, e in itertools.pairwise(offsets) if e > a
+            self._sdpa(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None).squeeze(0).permute(1, 0, 2)
+            for a, e in itertools.pairwise(offsets)
+            if e > a
         ]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, np, t, hn]
-        return out.squeeze(0).permute(1, 0, 2).reshape(t, -1)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)  # [t, np, hn]
+        return out.reshape(t, -1)

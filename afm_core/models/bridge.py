@@ -7,13 +7,14 @@ The weight name mapping, the q/k/v and gate/up (un)fusing and the TP split/merge
 - the Megatron ``TransformerConfig`` and ``GPTModel`` are built here, not by mbridge (its builders hard-code
   the transformer-engine layer spec and read ``hf_config.rope_theta``, which transformers 5.x moved to
   ``rope_parameters``);
-- with the local (non-TE) layer spec, RMSNorm weights are separate modules (``input_layernorm``,
-  ``pre_mlp_layernorm``) instead of being fused into ``linear_qkv`` / ``linear_fc1``: both names are mapped;
+- on the local (non-TE) layer spec the RMSNorms are fused into ``linear_qkv`` / ``linear_fc1`` as on the TE spec
+  (:mod:`afm_core.models.local_spec`), so both specs have the same parameter names and mbridge's mapping;
 - tied embeddings for Llama as for Qwen2 (the last pipeline stage's ``output_layer.weight`` is
   ``model.embed_tokens.weight``), without mutating mbridge's class-level mappings;
 - HF checkpoint export that is sharded, atomic and written by rank 0 only;
 - on the local spec, :class:`~afm_core.models.attention.SDPAttention` as ``core_attention`` (fused SDPA, packed
-  documents by ``cu_seqlens``), and at TP=1 the output layer and per-token loss fused, in chunks of rows.
+  documents by ``cu_seqlens``), the lean norm/SwiGLU modules of :mod:`afm_core.models.local_spec`, and at TP=1
+  the output layer and per-token loss fused, in chunks of rows.
 
 Megatron's fused QKV layout per query group g is ``[q_g (heads/groups * head_dim rows), k_g, v_g]``;
 TP ranks hold whole query groups, so TP must divide both the attention heads and the KV heads.
@@ -28,7 +29,7 @@ import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -215,33 +216,40 @@ def gpt_layer_spec() -> Any:
     """The transformer layer spec of our GPT models (RMSNorm, SwiGLU, no qk layernorm).
 
     ``get_gpt_layer_with_transformer_engine_spec()`` when transformer-engine is importable (GPU: fused attention,
-    ``thd`` packing); else megatron's local spec ``get_gpt_layer_local_spec(normalization="RMSNorm")`` with
-    :class:`~afm_core.models.attention.SDPAttention` as ``core_attention`` (both read ``packed_seq_params``).
+    ``thd`` packing); else megatron's local spec made lean in activation memory
+    (:func:`afm_core.models.local_spec.local_layer_spec`) with :class:`~afm_core.models.attention.SDPAttention` as
+    ``core_attention`` (both read ``packed_seq_params``).
     """
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     if transformer_engine_available():
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
     from afm_core.models.attention import SDPAttention
+    from afm_core.models.local_spec import local_layer_spec
 
-    spec = get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
-    spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    return spec
+    return local_layer_spec(SDPAttention)
 
 
 class _GPTModel(GPTModel):
     """Megatron's ``GPTModel`` whose per-token loss at TP=1 is one fused linear + cross entropy.
 
+    ``labels`` below 0 (``-100``) mark positions without a loss: loss 0 and no gradient here; megatron's cross
+    entropy (the other paths) computes them for label 0, which the loss mask then drops.
     With labels, Megatron computes the full ``[s, b, vocab]`` logits, then ``vocab_parallel_cross_entropy``
     (``megatron/core/tensor_parallel/cross_entropy.py``): several passes over them, softmax and logits stored for
     backward, and three all-reduces over the TP group, all work for nothing at TP=1. There the output layer and
     the loss are :func:`afm_core.train.loss.linear_cross_entropy` instead (chunks of rows, logits never stored).
     With TP > 1, megatron's fused cross entropy configured (GPU), multi-token prediction or inference, the
     parent's ``_postprocess`` runs unchanged.
+
+    ``output_grad_into_main_grad`` (set by the trainer when megatron's DDP reduces gradients only after the
+    backward pass, never overlapped with it): the output weight's gradient is added straight into its DDP
+    ``main_grad`` (megatron's gradient-accumulation fusion, done by the fused loss), instead of a separate
+    ``[vocab, h]`` fp32 tensor that autograd holds until the tied input embedding's gradient joins it at the end of
+    backward.
     """
+
+    output_grad_into_main_grad = False
 
     def _postprocess(
         self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any
@@ -255,6 +263,7 @@ class _GPTModel(GPTModel):
             or self.config.cross_entropy_loss_fusion
             or self.pg_collection.tp.size() > 1
         ):
+            labels = None if labels is None else labels.clamp(min=0)  # megatron's cross entropy: ids in [0, V)
             return super()._postprocess(hidden_states=hidden_states, labels=labels, **kwargs)
         from afm_core.train.loss import linear_cross_entropy
 
@@ -263,28 +272,23 @@ class _GPTModel(GPTModel):
             if self.share_embeddings_and_output_weights
             else self.output_layer.weight
         )
+        sink = getattr(weight, "main_grad", None) if self.output_grad_into_main_grad else None
         s, b, h = hidden_states.shape
-        loss = linear_cross_entropy(hidden_states.reshape(s * b, h), weight, labels.transpose(0, 1).reshape(s * b))
+        loss = linear_cross_entropy(
+            hidden_states.reshape(s * b, h), weight, labels.transpose(0, 1).reshape(s * b), grad_sink=sink
+        )
         return loss.view(s, b).transpose(0, 1).contiguous()  # [b, s]
 
 
 class _HFBridge(LLMBridge):
-    """mbridge's Llama/Qwen2 mapping on a TransformerConfig built by us, for the TE and the local layer spec.
+    """mbridge's Llama/Qwen2 mapping on a TransformerConfig built by us, for the TE and the local layer spec
+    (both name the RMSNorm weights ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``).
 
     mbridge's LLaMABridge and Qwen2Bridge share the same name mappings; they differ in config building
     (replaced here) and in tied embeddings (handled here for both, on the instance).
     """
 
     _DIRECT_MAPPING: dict[str, str]  # mbridge's class attribute (typed here: mbridge is not analysed)
-
-    # Local spec: RMSNorm modules of their own. TE spec: fused layer_norm_weight (mapped by LLMBridge).
-    _OTHER_MAPPING: ClassVar[dict[str, list[str]]] = {
-        "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"],
-    }
-    _MLP_MAPPING: ClassVar[dict[str, list[str]]] = {
-        **LLMBridge._MLP_MAPPING,
-        "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"],
-    }
 
     def __init__(self, hf_config: Any, transformer_config: TransformerConfig):
         self._transformer_config = transformer_config

@@ -13,9 +13,11 @@ One checkpoint directory (``RUN_DIR/checkpoints`` and its stage/publish protocol
 Model and optimizer shards reshard across TP/PP/DP layouts (dist_checkpointing); the per-rank RNG state is
 restored only when the layout is unchanged.
 
-Per the megatron CPU notes, the optimizer state is only loaded if its sharded state dict is built with
-``is_loading=True``; the DistributedOptimizer uses the ``fully_reshardable`` format (the default one fails to
-save in megatron-core 0.16.1).
+The optimizer's sharded state dict is built with ``is_loading=True`` when loading: only then does megatron-core
+create the AdamW moments to load into (``init_state_fn`` in ``megatron/core/optimizer/optimizer.py``
+``sharded_state_dict``; without it nothing is loaded). The DistributedOptimizer uses the ``fully_reshardable``
+format (``megatron/core/optimizer/distrib_optimizer.py``; its default format fails to save in megatron-core
+0.16.1).
 """
 
 from __future__ import annotations

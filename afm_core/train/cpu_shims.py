@@ -3,7 +3,8 @@
 megatron-core hard-codes CUDA in a handful of places that the CPU path still runs through. Each patch below
 lists the verbatim failure it prevents; all were observed with torch 2.13.0+cpu and megatron-core 0.16.1
 (NVIDIA/Megatron-LM, ``megatron/core``). They are applied only when CUDA is absent, so the
-GPU path runs megatron unmodified. Nothing outside this module patches torch or megatron.
+GPU path runs megatron unmodified. Outside this module only :func:`afm_core.models.local_spec.local_layer_spec`
+(megatron's RoPE function, an optimisation of the local spec) patches megatron.
 
 Patches (in the order :func:`apply_cpu_shims` installs them):
 

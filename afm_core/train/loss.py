@@ -78,15 +78,37 @@ def sum_reports(
     return total
 
 
-LINEAR_CE_CHUNK_BYTES = 64 * 1024**2  # fp32 logits of one chunk of rows
+LINEAR_CE_CHUNK_BYTES = 32 * 1024**2  # fp32 logits of one chunk of rows
+
+
+def _exp_shifted_(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``logits [n, V]`` fp32 replaced in place by ``exp(logits - rowmax)``; returns it, its row sums ``[n, 1]`` and
+    the rows' log-sum-exp ``[n]`` (no ``[n, V]`` temporary, unlike ``torch.logsumexp``)."""
+    peak = logits.amax(dim=-1, keepdim=True)
+    exp = logits.sub_(peak).exp_()
+    total = exp.sum(dim=-1, keepdim=True)
+    return exp, total, total.log().add_(peak).squeeze(-1)
+
+
+def _softmax_minus_onehot_(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``softmax(logits) - onehot(targets)`` in place of ``logits [n, V]`` fp32 (``lse [n]`` its log-sum-exp)."""
+    logits.sub_(lse[:, None]).exp_()
+    logits[torch.arange(logits.shape[0], device=logits.device), targets] -= 1.0
+    return logits
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     """Per-row ``CE(hidden @ weight.T, labels)`` over chunks of rows: the ``[rows, vocab]`` logits never exist at
-    once. Forward keeps only the log-sum-exp per row; backward recomputes each chunk's logits (one extra matmul)
-    and accumulates ``d hidden = G @ W`` and ``d W = G^T @ hidden`` with ``G = g * (softmax - onehot)``. The
-    technique of Liger-Kernel's fused linear cross entropy (``liger_kernel/ops/fused_linear_cross_entropy.py``),
-    with per-row gradients instead of a reduced loss."""
+    once. The gradient is ``d hidden = G @ W``, ``d W = G^T @ hidden`` with ``G = g * (softmax - onehot)`` per row,
+    ``g`` the upstream gradient of each row's loss. As Liger-Kernel's fused linear cross entropy
+    (``liger_kernel/ops/fused_linear_cross_entropy.py``), forward computes both products while each chunk's logits
+    are at hand, for ``g = 1`` on the rows with a label: backward scales ``d hidden`` row by row (exact for any
+    ``g``), and ``d W`` is exact as computed when ``g`` is 1 on every labelled row (the SFT loss: a sum of masked
+    token losses, divided by the token count later, in megatron's ``finalize_model_grads``). For any other ``g``,
+    backward recomputes each chunk's logits (one more matmul) from the kept ``hidden`` and log-sum-exp and adds
+    what is missing. ``d W`` goes into ``grad_sink`` when one is given (megatron DDP's fp32 ``main_grad`` of the
+    weight, as megatron's gradient-accumulation fusion writes there), with no gradient returned for ``weight``;
+    else into a buffer of its own, returned by backward."""
 
     @staticmethod
     def forward(
@@ -95,48 +117,78 @@ class _LinearCrossEntropy(torch.autograd.Function):
         weight: torch.Tensor,
         labels: torch.Tensor,  # type: ignore[override]
         chunk_rows: int,
+        grad_enabled: bool,
+        grad_sink: torch.Tensor | None,
     ) -> torch.Tensor:
         valid = labels >= 0
         targets = labels.clamp(min=0)
         losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(losses)
+        want_hidden, want_weight = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
+        unit_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = None
+        if want_weight:
+            grad_weight = (
+                grad_sink
+                if grad_sink is not None
+                else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            )
         for a in range(0, hidden.shape[0], chunk_rows):
-            logits = (hidden[a : a + chunk_rows] @ weight.t()).float()
-            lse[a : a + chunk_rows] = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, targets[a : a + chunk_rows, None]).squeeze(1)
+            h, t = hidden[a : a + chunk_rows], targets[a : a + chunk_rows]
+            logits = (h @ weight.t()).float()
+            target_logit = logits.gather(1, t[:, None]).squeeze(1)
+            exp, total, lse[a : a + chunk_rows] = _exp_shifted_(logits)
             losses[a : a + chunk_rows] = lse[a : a + chunk_rows] - target_logit
+            if unit_hidden is not None or grad_weight is not None:
+                grad_logits = exp.div_(total)  # softmax
+                grad_logits[torch.arange(h.shape[0], device=h.device), t] -= 1.0
+                grad_logits.mul_(valid[a : a + chunk_rows, None])
+                grad_logits = grad_logits.to(hidden.dtype)
+                if unit_hidden is not None:
+                    torch.matmul(grad_logits, weight, out=unit_hidden[a : a + chunk_rows])
+                if grad_weight is not None:
+                    grad_weight.addmm_(grad_logits.t().float(), h.float())
         losses.masked_fill_(~valid, 0.0)
         ctx.save_for_backward(hidden, weight, targets, valid, lse)
         ctx.chunk_rows = chunk_rows
+        ctx.unit_hidden, ctx.grad_weight, ctx.grad_sink = unit_hidden, grad_weight, grad_sink
+        ctx.weight_rows_done = want_weight  # d W holds g = 1 on every labelled row (False after a backward)
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses: torch.Tensor):  # type: ignore[override]
         hidden, weight, targets, valid, lse = ctx.saved_tensors
-        scale = (grad_losses.float() * valid)[:, None]
-        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = (
-            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
-        )
-        rows = torch.arange(min(ctx.chunk_rows, hidden.shape[0]), device=hidden.device)
-        for a in range(0, hidden.shape[0], ctx.chunk_rows):
-            h = hidden[a : a + ctx.chunk_rows]
-            n = h.shape[0]
-            grad_logits = (h @ weight.t()).float().sub_(lse[a : a + n, None]).exp_()  # softmax
-            grad_logits[rows[:n], targets[a : a + n]] -= 1.0
-            grad_logits.mul_(scale[a : a + n])
-            grad_logits = grad_logits.to(hidden.dtype)
-            if grad_hidden is not None:
-                torch.matmul(grad_logits, weight, out=grad_hidden[a : a + n])
-            if grad_weight is not None:
-                grad_weight.addmm_(grad_logits.t().float(), h.float())
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        g = grad_losses.float() * valid
+        grad_hidden = (ctx.unit_hidden * g[:, None]).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:
+            return grad_hidden, None, None, None, None, None
+        if ctx.weight_rows_done:  # forward's d W, for g = 1 on every labelled row
+            grad_weight, missing = ctx.grad_weight, g - valid.float()
+        else:  # a second backward (retain_graph): all of this g
+            grad_weight = (
+                ctx.grad_sink
+                if ctx.grad_sink is not None
+                else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            )
+            missing = g
+        ctx.weight_rows_done, ctx.grad_weight = False, None
+        if bool(missing.any()):
+            for a in range(0, hidden.shape[0], ctx.chunk_rows):
+                h = hidden[a : a + ctx.chunk_rows]
+                n = h.shape[0]
+                grad_logits = _softmax_minus_onehot_((h @ weight.t()).float(), lse[a : a + n], targets[a : a + n])
+                grad_weight.addmm_(grad_logits.mul_(missing[a : a + n, None]).t(), h.float())
+        if ctx.grad_sink is not None:
+            return grad_hidden, None, None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_bytes: int = LINEAR_CE_CHUNK_BYTES
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_bytes: int = LINEAR_CE_CHUNK_BYTES,
+    grad_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cross entropy of the output layer's logits ``hidden @ weight.T`` per row, without materialising them.
 
@@ -147,8 +199,19 @@ def linear_cross_entropy(
         hidden: ``[n, h]`` final hidden states (after the final norm).
         weight: ``[vocab, h]`` output layer (or tied embedding) weight.
         labels: ``[n]`` int64 target ids; negative ids (``-100``) give loss 0 and no gradient.
+        grad_sink: an fp32 tensor shaped like ``weight`` to which the weight's gradient is added (from forward
+            on: see :class:`_LinearCrossEntropy`), e.g. megatron DDP's ``weight.main_grad``; backward then returns
+            no gradient for ``weight`` (megatron's DDP hook must not run for this weight, or must see the
+            gradient of its other use only: the tied input embedding). None: the gradient goes through autograd.
     Returns:
         ``[n]`` fp32 per-row loss in nats.
+    Raises:
+        ValueError: ``grad_sink`` is not fp32 or not shaped like ``weight``.
     """
+    if grad_sink is not None and (grad_sink.dtype != torch.float32 or grad_sink.shape != weight.shape):
+        raise ValueError(
+            f"grad_sink must be fp32 {tuple(weight.shape)}, got {grad_sink.dtype} {tuple(grad_sink.shape)}"
+        )
     chunk_rows = max(1, chunk_bytes // (4 * weight.shape[0]))
-    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_rows)
+    grad_enabled = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_rows, grad_enabled, grad_sink)

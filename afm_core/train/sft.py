@@ -159,6 +159,7 @@ def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_s
     summary = trainer.fit()
     export = None
     if t.export_hf and not summary["stopped_early"]:
+        trainer.release_training_state()  # saved in the last checkpoint; the export needs the weights only
         export = str(save_hf_checkpoint(trainer.model, hf_config, hf_dir, Path(cfg.run_dir) / "hf"))
     return {**summary, "hf_dir": export, "engine": "megatron"}
 
@@ -183,7 +184,9 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
     """
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.train.distributed import destroy_distributed, init_distributed
+    from afm_core.train.host_memory import configure_allocator
 
+    configure_allocator()  # freed activations leave the resident set (afm_core.train.host_memory)
     t = cfg.trainer
     if t.engine not in ENGINES:
         raise ValueError(f"trainer.engine={t.engine!r}: expected one of {ENGINES}")

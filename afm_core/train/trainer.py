@@ -54,6 +54,7 @@ from afm_core.data.packing import block_causal_attention_mask
 from afm_core.train.checkpoint import Checkpointer
 from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
 from afm_core.train.distributed import ParallelLayout
+from afm_core.train.host_memory import zero_by_release
 from afm_core.train.metrics import MetricsLog, plot_losses, read_metrics
 from afm_core.train.objective import Objective, build_objective
 from afm_core.train.optim import build_optimizer
@@ -147,12 +148,30 @@ def reads_packed_seq_params(chunks: list[torch.nn.Module]) -> bool:
 
 
 class _DistributedDataParallel(DistributedDataParallel):
-    """Megatron's DDP without the gradient collective when the data-parallel group has one rank.
+    """Megatron's DDP without the gradient collective when the data-parallel group has one rank, and with its
+    grad buffers zeroed by page release on CPU.
 
     At DP = 1, ``finish_grad_sync`` would still scan the fp32 grad buffer for NaNs and all-reduce it over a
     one-rank group: passes over the whole buffer that change nothing. Gradient scaling by the token count
     (``finalize_model_grads``) and the embedding/layernorm syncs over PP/TP are unaffected.
+
+    On CPU, :meth:`zero_grad_buffer` zeroes the fp32 grad buffers with
+    :func:`~afm_core.train.host_memory.zero_by_release` instead of a write pass, so the buffer (4 bytes/param)
+    is not resident during the forward pass, when the activations peak (see :mod:`afm_core.train.host_memory`).
     """
+
+    def zero_grad_buffer(self) -> None:
+        if torch.cuda.is_available() or getattr(self.config, "cuda_graph_impl", "none") == "transformer_engine":
+            super().zero_grad_buffer()
+            return
+        # megatron-core 0.16.1 distributed_data_parallel.py zero_grad_buffer, with buffer.reset()'s
+        # grad_data.zero_() done by page release
+        for param in self.params_with_grad:
+            param.grad_added_to_main_grad = False
+        for buffer in self.buffers + self.expert_parallel_buffers:
+            zero_by_release(buffer.grad_data)
+        for bucket_group in self.bucket_groups + self.expert_parallel_bucket_groups:
+            bucket_group.reset()
 
     def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
         if (
@@ -506,10 +525,16 @@ class SFTTrainer(SFTLoop):
             use_distributed_optimizer=distributed_optimizer,
             check_for_nan_in_grad=self.layout.on_gpu,
         )
-        return [
+        wrapped = [
             _DistributedDataParallel(config=config, ddp_config=self.ddp_config, module=m, disable_bucketing=i > 0)
             for i, m in enumerate(chunks)
         ]
+        if not self.ddp_config.overlap_grad_reduce:  # grads reduced after backward: a loss may write main_grad
+            for chunk in wrapped:
+                for module in chunk.modules():
+                    if hasattr(module, "output_grad_into_main_grad"):
+                        module.output_grad_into_main_grad = True
+        return wrapped
 
     def sync_params(self) -> None:
         """Finish the pending parameter all-gather of the distributed optimizer (``overlap_param_gather``), so the
@@ -518,18 +543,32 @@ class SFTTrainer(SFTLoop):
             for chunk in self.model:
                 chunk.start_param_sync(force_sync=True)
 
+    def release_training_state(self) -> None:
+        """Drop the optimizer state (AdamW moments) and the gradient buffers' contents when training is over (the
+        last checkpoint holds them), so what follows (the HF export) has that memory: 12 bytes/param in fp32.
+        The trainer cannot take another step afterwards."""
+        for chained in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            inner = getattr(chained, "optimizer", None)
+            if inner is not None:
+                inner.state.clear()
+        for chunk in self.model:
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers:
+                zero_by_release(buffer.grad_data)
+
     # -- one step --------------------------------------------------------------------------------------
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The ``GPTModel.forward`` arguments of a micro batch, on this rank's device (module docstring).
 
         Returns:
-            ``input_ids``, ``position_ids``, ``labels`` (-100 clamped to 0), ``loss_mask`` (``[b, s]``, or
-            ``[1, b * s]`` in the ``thd`` format), ``attention_mask`` and ``packed_seq_params`` (one of them None).
+            ``input_ids``, ``position_ids``, ``labels`` (-100 wherever ``loss_mask`` is 0: no loss, and the fused
+            output layer + loss of :class:`~afm_core.models.bridge._GPTModel` computes no gradient there),
+            ``loss_mask`` (``[b, s]``, or ``[1, b * s]`` in the ``thd`` format), ``attention_mask`` and
+            ``packed_seq_params`` (one of them None).
         """
         device = self.layout.device
         names = {"input_ids": "tokens", "labels": "labels", "loss_mask": "loss_mask", "position_ids": "position_ids"}
         inputs = {key: batch[name].to(device, non_blocking=True) for key, name in names.items()}
-        inputs["labels"] = inputs["labels"].clamp(min=0)  # -100 where loss_mask is 0
+        inputs["labels"] = inputs["labels"].masked_fill(inputs["loss_mask"] == 0, -100)
         inputs["attention_mask"] = inputs["packed_seq_params"] = None
         if self.thd_packing and batch.get("cu_seqlens") is not None:
             b, s = inputs["input_ids"].shape

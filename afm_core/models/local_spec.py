@@ -1,0 +1,305 @@
+"""Megatron's local (non transformer-engine) GPT layer spec, lean in activation memory.
+
+Megatron-core's local spec (``megatron/core/models/gpt/gpt_layer_specs.py`` ``get_gpt_layer_local_spec``) runs
+RMSNorm, SwiGLU and the linear layers as separate modules, each keeping its own tensors for backward. At
+SmolLM2-135M, 1024 tokens, fp32, one layer keeps 56 MiB: the RMSNorms their input and normalised output
+(4.5 MiB each) and the following linear the normalised output again (2.25 MiB); the MLP its fc1 output
+(12 MiB), ``silu(gate)`` (6 MiB), a copy of ``up`` (``x_linear + glu_linear_offset``, 6 MiB) and the SwiGLU
+output for fc2 (6 MiB). This spec keeps what the backward's matrix products need and recomputes the elementwise
+rest there (as transformer-engine's fused modules do):
+
+* :class:`NormColumnParallelLinear`: RMSNorm fused into the next column-parallel linear (``linear_qkv`` and
+  ``linear_fc1``, named ``layer_norm_weight`` as in transformer-engine's ``LayerNormColumnParallelLinear``, so
+  checkpoints and the HF mapping are those of the TE spec). It keeps the norm's input and the ``1/rms`` per
+  token; the normalised input is recomputed in backward (one elementwise pass).
+* :class:`SwiGLUMLP`: the MLP with ``silu(gate) * up`` fused into ``linear_fc2``: it keeps the fc1 output only;
+  the SwiGLU output is recomputed in backward.
+
+Per layer 56 -> 26 MiB at those sizes, with the same matrix products: nothing but elementwise work is done twice.
+
+* :func:`lean_apply_rotary_pos_emb`: megatron's unfused RoPE (``megatron/core/models/common/embeddings/
+  rope_utils.py`` ``_apply_rotary_pos_emb_bshd``/``_thd``) computes ``cos``/``sin`` of the frequencies in every
+  layer, for query and key apart, builds ``rotate_half`` with a negation and a concatenation, and keeps its own
+  ``cos``/``sin`` for backward (4 x ``[t, 1, 1, hn]`` fp32 per layer: 30 MiB over SmolLM2's 30 layers at 1024
+  tokens). Here ``cos``/``sin`` are computed once per forward and shared by every layer (one storage kept for
+  backward), and the rotation is two multiply-adds per half (the same values: ``out1 = x1 cos - x2 sin``,
+  ``out2 = x2 cos + x1 sin``, RoFormer, Su et al. 2021, eq. 34). Megatron's ``Attention`` calls the function
+  through its module attribute ``apply_rotary_pos_emb``, which :func:`local_layer_spec` points here; other cases
+  (fused RoPE on GPU, interleaved or multi-latent RoPE, ``mscale``, context parallelism, partial rotary
+  dimensions) go to megatron's function unchanged.
+Both compute in the parameters' dtype (fp32 on CPU), with the RMS statistics in fp32 as HF's ``LlamaRMSNorm``.
+Tensor parallelism as megatron's column/row parallel linears: ``NormColumnParallelLinear`` all-reduces the gradient
+of its (replicated) input over the TP group in backward, before the norm's backward (as transformer-engine's
+``LayerNormLinear`` does), and ``SwiGLUMLP`` all-reduces fc2's partial output in forward. Sequence parallelism,
+biases on the MLP and other activations are not covered (the module raises, or falls back to megatron's MLP).
+
+Shapes: ``[s, b, h]`` (or ``[t, 1, h]`` for packed ``thd`` micro batches); ``h`` the hidden size, ``f`` the
+FFN size, ``p`` the TP size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+class _RMSNormLinear(torch.autograd.Function):
+    """``linear(rmsnorm(x) * gamma, weight, bias)``, keeping ``x`` and ``1/rms(x)`` for backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        gamma: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        eps: float,
+        tp_group: Any,
+    ) -> torch.Tensor:
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True).add_(eps))  # [..., 1] fp32
+        normed = (x.float() * rstd).to(x.dtype).mul_(gamma)
+        out = F.linear(normed, weight, bias)
+        ctx.save_for_backward(x, rstd, gamma, weight)
+        ctx.has_bias, ctx.tp_group = bias is not None, tp_group
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        x, rstd, gamma, weight = ctx.saved_tensors
+        x_hat = (x.float() * rstd).to(x.dtype)  # the normalised input, recomputed
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[2]:
+            grad_weight = g.t() @ (x_hat * gamma).reshape(-1, x.shape[-1])
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_bias = g.sum(0)
+        grad_normed = grad_out @ weight  # partial over TP ranks: each holds a slice of the output
+        if ctx.tp_group is not None:
+            torch.distributed.all_reduce(grad_normed, group=ctx.tp_group)
+        grad_gamma = (grad_normed * x_hat).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            # d/dx of x * r, r = (mean(x^2) + eps)^-1/2:  r * (dy - x_hat * mean(dy * x_hat))
+            dy = (grad_normed * gamma).float()
+            x_hat32 = x.float() * rstd
+            grad_x = ((dy - x_hat32 * (dy * x_hat32).mean(-1, keepdim=True)) * rstd).to(x.dtype)
+        return grad_x, grad_gamma, grad_weight, grad_bias, None, None
+
+
+class _SwiGLULinear(torch.autograd.Function):
+    """``linear(silu(gate) * up, weight)`` of ``y = [gate, up]`` (last dim), keeping only ``y`` for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        gate, up = y.chunk(2, dim=-1)
+        out = F.linear(F.silu(gate).mul_(up), weight)
+        ctx.save_for_backward(y, weight)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
+        y, weight = ctx.saved_tensors
+        gate, up = y.chunk(2, dim=-1)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            act = silu * up
+            grad_weight = grad_out.reshape(-1, grad_out.shape[-1]).t() @ act.reshape(-1, act.shape[-1])
+            del act
+        grad_act = grad_out @ weight
+        grad_up = grad_act * silu
+        del silu
+        # d silu(g) / dg = sig * (1 + g * (1 - sig))
+        grad_gate = grad_act.mul_(up).mul_(sig.mul_((1 - sig).mul_(gate).add_(1)))
+        return torch.cat([grad_gate, grad_up], dim=-1), grad_weight
+
+
+class NormColumnParallelLinear(ColumnParallelLinear):
+    """Megatron's ``ColumnParallelLinear`` with the preceding RMSNorm fused in (module docstring).
+
+    Parameters: ``weight [out/p, h]``, ``bias [out/p]`` (when asked for), ``layer_norm_weight [h]`` (RMSNorm
+    gain, replicated over TP ranks). ``forward(x [s, b, h]) -> (y [s, b, out/p], None)``.
+
+    Raises:
+        NotImplementedError: a configuration this fusion does not cover (LayerNorm, zero-centred gamma,
+            sequence parallelism, a gathered output, expert parallelism or a weight passed at call time).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, **kwargs: Any):
+        if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
+            raise NotImplementedError("NormColumnParallelLinear fuses a plain RMSNorm only")
+        if config.sequence_parallel or kwargs.get("gather_output") or kwargs.get("is_expert"):
+            raise NotImplementedError(
+                "NormColumnParallelLinear does not cover sequence parallelism, gathered outputs or experts"
+            )
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.eps = config.layernorm_epsilon
+        self.layer_norm_weight = torch.nn.Parameter(
+            torch.ones(input_size, dtype=config.params_dtype, device=self.weight.device)
+        )
+
+    def forward(  # type: ignore[override]
+        self, input_: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: bool | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if weight is not None or runtime_gather_output:
+            raise NotImplementedError("NormColumnParallelLinear: no weight or gather at call time")
+        tp_group = self.tp_group if self.tp_group is not None and self.tp_group.size() > 1 else None
+        bias = None if self.skip_bias_add else self.bias
+        out = _RMSNormLinear.apply(input_, self.layer_norm_weight, self.weight, bias, self.eps, tp_group)
+        return out, (self.bias if self.skip_bias_add else None)
+
+
+class SwiGLUMLP(MLP):
+    """Megatron's ``MLP`` with the SwiGLU activation fused into ``linear_fc2`` (module docstring).
+
+    ``forward(x [s, b, h]) -> (out [s, b, h], None)``. Other MLPs (biases, another activation, a GLU offset or
+    clamp, per-token scales of experts) run megatron's ``MLP.forward`` unchanged.
+    """
+
+    def _fusable(self, per_token_scale: torch.Tensor | None) -> bool:
+        c = self.config
+        return (
+            per_token_scale is None
+            and c.gated_linear_unit
+            and self.activation_func is F.silu
+            and not c.add_bias_linear
+            and not c.glu_linear_offset
+            and c.activation_func_clamp_value is None
+            and not c.sequence_parallel
+        )
+
+    def forward(self, hidden_states: torch.Tensor, per_token_scale: torch.Tensor | None = None, **kwargs: Any):
+        if not self._fusable(per_token_scale):
+            return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
+        y, _ = self.linear_fc1(hidden_states)  # [s, b, 2f/p]: [gate, up] of this TP rank
+        out = _SwiGLULinear.apply(y, self.linear_fc2.weight)  # [s, b, h], partial over TP ranks
+        if self.tp_group is not None and self.tp_group.size() > 1:
+            out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+        return out, None
+
+
+class _RotaryEmbedding(torch.autograd.Function):
+    """``t * cos + rotate_half(t) * sin`` (halves not interleaved) of ``t [..., hn]``; ``cos``/``sin`` broadcast
+    to ``t``'s shape (no gradient) are all it keeps for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        h = t.shape[-1] // 2
+        out = torch.empty(torch.broadcast_shapes(t.shape, cos.shape), dtype=t.dtype, device=t.device)
+        torch.mul(t[..., :h], cos[..., :h], out=out[..., :h]).addcmul_(t[..., h:], sin[..., :h], value=-1.0)
+        torch.mul(t[..., h:], cos[..., h:], out=out[..., h:]).addcmul_(t[..., :h], sin[..., h:])
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        h = grad.shape[-1] // 2
+        out = torch.empty_like(grad)
+        torch.mul(grad[..., :h], cos[..., :h], out=out[..., :h]).addcmul_(grad[..., h:], sin[..., h:])
+        torch.mul(grad[..., h:], cos[..., h:], out=out[..., h:]).addcmul_(grad[..., :h], sin[..., :h], value=-1.0)
+        return out, None, None
+
+
+# the last (key, freqs, cos, sin): every layer of a forward pass gets the same freqs tensor and bounds
+_COS_SIN: list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+
+def _cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor | None, dtype: torch.dtype):
+    """``cos``/``sin`` of the frequencies of each position as megatron's unfused RoPE picks them: ``freqs [s, 1, 1,
+    hn]`` as they are (``bshd``), or for packed ``thd`` rows (``cu_seqlens``, one context-parallel rank) the
+    rows' own positions when ``freqs`` covers all ``t`` of them, else each document's ``freqs[:len]`` again;
+    then ``[t, 1, hn]``. Cached for the next layer of the same forward pass."""
+    bounds = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens.tolist())
+    key = (freqs.data_ptr(), freqs._version, tuple(freqs.shape), bounds, dtype)
+    if _COS_SIN and _COS_SIN[0][0] == key and _COS_SIN[0][1] is freqs:
+        return _COS_SIN[0][2], _COS_SIN[0][3]
+    picked = freqs
+    if bounds is not None:
+        if freqs.shape[0] == bounds[-1]:
+            picked = freqs[bounds[0] : bounds[-1]]
+        else:
+            picked = torch.cat([freqs[: e - a] for a, e in itertools.pairwise(bounds)])
+        picked = picked.squeeze(1)
+    cos, sin = torch.cos(picked).to(dtype), torch.sin(picked).to(dtype)
+    _COS_SIN[:] = [(key, freqs, cos, sin)]
+    return cos, sin
+
+
+def lean_apply_rotary_pos_emb(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    config: Any,
+    cu_seqlens: torch.Tensor | None = None,
+    mscale: float = 1.0,
+    cp_group: Any = None,
+) -> torch.Tensor:
+    """Megatron's ``apply_rotary_pos_emb`` (same arguments and values) for plain RoPE over the whole head
+    dimension; the module docstring says what differs and what is passed on to megatron's function."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    plain = (
+        not config.apply_rope_fusion
+        and not config.rotary_interleaved
+        and not config.multi_latent_attention
+        and mscale == 1.0
+        and freqs.shape[-1] == t.shape[-1]
+        and t.shape[-1] % 2 == 0
+        and (cu_seqlens is None or (cp_group is not None and cp_group.size() == 1))
+    )
+    if not plain:
+        return rope_utils.apply_rotary_pos_emb(
+            t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group
+        )
+    cos, sin = _cos_sin(freqs, cu_seqlens, t.dtype)
+    return _RotaryEmbedding.apply(t, cos, sin)
+
+
+class _KnownMLPFilter(logging.Filter):
+    """Drops megatron's "Unknown MLP type" warning, which ``TransformerLayer`` logs for every layer whose MLP is not
+    exactly megatron's ``MLP`` (``transformer_layer.py``): :class:`SwiGLUMLP` is one, and the default kwargs it
+    then gets (megatron's TP group) are the right ones."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Unknown MLP type")
+
+
+_TRANSFORMER_LAYER_LOG = logging.getLogger("megatron.core.transformer.transformer_layer")
+
+
+def local_layer_spec(core_attention: type) -> ModuleSpec:
+    """Megatron's local GPT layer spec (RMSNorm, SwiGLU, no qk layernorm) with the norms fused into
+    ``linear_qkv`` / ``linear_fc1`` (:class:`NormColumnParallelLinear`), the SwiGLU into ``linear_fc2``
+    (:class:`SwiGLUMLP`), and ``core_attention`` as the attention kernel. Also points megatron's attention at
+    :func:`lean_apply_rotary_pos_emb` (for the whole process: only the local spec is built where transformer-engine
+    is absent)."""
+    from megatron.core.transformer import attention as megatron_attention
+
+    if not any(isinstance(f, _KnownMLPFilter) for f in _TRANSFORMER_LAYER_LOG.filters):
+        _TRANSFORMER_LAYER_LOG.addFilter(_KnownMLPFilter())
+    megatron_attention.apply_rotary_pos_emb = lean_apply_rotary_pos_emb  # type: ignore[assignment]
+    spec = get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
+    layer = spec.submodules
+    layer.input_layernorm = IdentityOp
+    layer.pre_mlp_layernorm = IdentityOp
+    layer.sharded_state_dict_keys_map = {}  # the norms now have the names the keys map pointed to
+    attention = layer.self_attention.submodules
+    attention.linear_qkv = NormColumnParallelLinear
+    attention.core_attention = core_attention
+    fc2 = layer.mlp.submodules.linear_fc2
+    layer.mlp = ModuleSpec(
+        module=SwiGLUMLP, submodules=MLPSubmodules(linear_fc1=NormColumnParallelLinear, linear_fc2=fc2)
+    )
+    return spec
