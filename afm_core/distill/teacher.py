@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from afm_core.rollout.engine import EngineError, GenerationEngine, SamplingConfig
-from afm_core.utils.openai_api import auth_headers, endpoint
+from afm_core.utils.openai_api import EndpointError, auth_headers, endpoint, post_json
 
 TEACHER_BACKENDS = ("engine", "chat")
 TEACHER_KEYS = ("backend", "url", "model", "api_key_env", "temperature", "top_p", "max_tokens", "concurrency",
@@ -126,23 +126,12 @@ class ChatEndpointTeacher:
             body["seed"] = sampling.seed
         headers = {"X-Request-Id": request_id, **auth_headers(self.api_key_env)}
         started = time.monotonic()
-        last = ""
         async with self._slots:
-            for attempt in range(self.retries + 1):
-                try:
-                    async with self._session.post(self.endpoint, json=body, headers=headers) as resp:
-                        if resp.status == 429 or resp.status >= 500:
-                            last = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                        elif resp.status != 200:
-                            last = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                            break
-                        else:
-                            return self._reply(await resp.json(), time.monotonic() - started)
-                except (TimeoutError, aiohttp.ClientError, ValueError) as e:
-                    last = f"{e.__class__.__name__}: {e}"
-                if attempt < self.retries:
-                    await asyncio.sleep(0.5 * 2**attempt)
-        return ChatReply("", "error", seconds=time.monotonic() - started, error=f"{self.endpoint}: {last}")
+            try:
+                payload = await post_json(self._session, self.endpoint, body, headers, retries=self.retries)
+            except EndpointError as e:
+                return ChatReply("", "error", seconds=time.monotonic() - started, error=str(e))
+        return self._reply(payload, time.monotonic() - started)
 
     def _reply(self, payload: Any, seconds: float) -> ChatReply:
         try:

@@ -10,14 +10,13 @@ marked ``extra["retokenized"] = True`` so an RL trainer can reject it).
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from afm_core.rollout.engine import EngineError, Generation, SamplingConfig
-from afm_core.utils.openai_api import auth_headers, endpoint
+from afm_core.utils.openai_api import EndpointError, auth_headers, endpoint, post_json
 
 
 @dataclass
@@ -72,21 +71,11 @@ class RemoteEngine:
         if sampling.seed is not None:
             body["seed"] = sampling.seed
         headers = {"X-Request-Id": request_id, **auth_headers(self.api_key_env)}
-        last = ""
-        for attempt in range(self.retries + 1):
-            try:
-                async with self._session.post(self.endpoint, json=body, headers=headers) as resp:
-                    if resp.status == 429 or resp.status >= 500:
-                        last = f"HTTP {resp.status}: {(await resp.text())[:300]}"
-                    elif resp.status != 200:
-                        raise EngineError(f"{self.endpoint} answered HTTP {resp.status}: {(await resp.text())[:500]}")
-                    else:
-                        return self._generation(await resp.json())
-            except (TimeoutError, aiohttp.ClientError) as e:
-                last = f"{e.__class__.__name__}: {e}"
-            if attempt < self.retries:
-                await asyncio.sleep(0.5 * 2**attempt)
-        raise EngineError(f"{self.endpoint}: no completion after {self.retries + 1} attempts ({last})")
+        try:
+            payload = await post_json(self._session, self.endpoint, body, headers, retries=self.retries)
+        except EndpointError as e:
+            raise EngineError(str(e)) from e
+        return self._generation(payload)
 
     def _generation(self, payload: dict[str, Any]) -> Generation:
         try:

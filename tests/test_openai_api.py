@@ -1,0 +1,56 @@
+"""The shared POST with retries of every OpenAI-compatible client (afm_core.utils.openai_api.post_json), against
+a real aiohttp server on 127.0.0.1 that answers a scripted sequence of statuses."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from afm_core.utils.openai_api import EndpointError, endpoint, post_json
+
+
+async def _post(statuses: list[int], retries: int) -> tuple[object, int]:
+    calls = 0
+
+    async def handler(request: web.Request) -> web.Response:
+        nonlocal calls
+        status = statuses[min(calls, len(statuses) - 1)]
+        calls += 1
+        if status == 200:
+            return web.json_response({"echo": await request.json()})
+        return web.Response(status=status, text=f"status {status}")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    async with TestServer(app, host="127.0.0.1") as server, aiohttp.ClientSession() as session:
+        url = endpoint(str(server.make_url("")), "completions")
+        try:
+            return await post_json(session, url, {"x": 1}, {}, retries=retries), calls
+        except EndpointError as e:
+            return e, calls
+
+
+def test_a_429_and_a_503_are_retried_then_the_reply_is_returned():
+    reply, calls = asyncio.run(_post([429, 503, 200], retries=3))
+    assert reply == {"echo": {"x": 1}} and calls == 3
+
+
+def test_a_client_error_fails_at_once_with_the_url_and_status():
+    error, calls = asyncio.run(_post([400, 200], retries=3))
+    assert isinstance(error, EndpointError) and calls == 1
+    assert "/v1/completions answered HTTP 400: status 400" in str(error)
+
+
+def test_the_last_failure_is_raised_after_the_retries():
+    error, calls = asyncio.run(_post([500], retries=2))
+    assert isinstance(error, EndpointError) and calls == 3
+    assert "no reply after 3 attempts (HTTP 500: status 500)" in str(error)
+
+
+@pytest.mark.parametrize("url", ["http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"])
+def test_the_endpoint_url_ends_in_v1_and_the_path(url):
+    assert endpoint(url, "chat/completions") == "http://h:8000/v1/chat/completions"
