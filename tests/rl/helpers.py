@@ -37,17 +37,20 @@ def vllm_engine(hf_dir, *, seed: int = 0, max_model_len: int = 512):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
+    from afm_core.rollout.vllm_engine import modules_hidden_from_vllms_kernel_scan
+
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-    llm = LLM(
-        model=str(hf_dir),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=max_model_len,
-        seed=seed,
-        worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
-        logprobs_mode="processed_logprobs",
-        kv_cache_memory_bytes=128 * 2**20,
-    )
+    with modules_hidden_from_vllms_kernel_scan():
+        llm = LLM(
+            model=str(hf_dir),
+            dtype="float32",
+            enforce_eager=True,
+            max_model_len=max_model_len,
+            seed=seed,
+            worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
+            logprobs_mode="processed_logprobs",
+            kv_cache_memory_bytes=128 * 2**20,
+        )
     set_num_threads(threads)
     return llm
 

@@ -122,7 +122,21 @@ def test_the_actor_sleeps_after_generating_and_wakes_weights_then_kv_cache_aroun
 
 # -- the in-process engine ------------------------------------------------------------------------------------
 @pytest.mark.slow
+def test_vllms_kernel_scan_does_not_see_llvmlites_ctypes_proxy_while_an_engine_starts():
+    import sys
+
+    import llvmlite.binding.ffi  # numba's; vLLM-CPU's kernel scan raises on its ``lib`` proxy
+
+    from afm_core.rollout.vllm_engine import modules_hidden_from_vllms_kernel_scan
+
+    with modules_hidden_from_vllms_kernel_scan():
+        assert "llvmlite.binding.ffi" not in sys.modules
+    assert sys.modules["llvmlite.binding.ffi"] is llvmlite.binding.ffi
+
+
 def test_the_in_process_engine_batches_concurrent_requests_rejects_and_aborts_one_at_a_time():
+    import llvmlite.binding  # noqa: F401 - as after an earlier engine imported numba: the start must not trip on it
+
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rollout.engine import EngineError, SamplingConfig
     from afm_core.rollout.vllm_engine import VLLMConfig, VLLMEngine
