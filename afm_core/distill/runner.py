@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -43,7 +42,7 @@ from afm_core.eval.benchmarks import Benchmark, load_file, load_preset
 from afm_core.eval.samples import SampleWriter, read_samples, sample_key
 from afm_core.rollout import AgentTask
 from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
-from afm_core.utils.aio import run_until_stopped
+from afm_core.utils.aio import run_with_tools
 from afm_core.utils.atomic import atomic_path, atomic_write_json
 from afm_core.utils.paths import shared_data_dir
 
@@ -177,21 +176,10 @@ async def _distill(cfg: Mapping[str, Any], todo: list[tuple[AgentTask, int]], wr
         finally:
             bar.close()
 
-    started = time.monotonic()
-    if pool is not None:
-        await pool.start()
-    try:
-        await run_until_stopped(all_runs(), lambda: _stop_requested, "the runs in flight")
-    finally:
-        tool_metrics = pool.metrics_snapshot() if pool is not None else {}
-        if pool is not None:
-            await pool.close()
-        await graders.close()
-        for teacher in teachers.values():
-            await teacher.close()
-        if engine is not None:
-            await engine.close()
-    return {"seconds": time.monotonic() - started, "tool_metrics": tool_metrics}
+    closers = [graders.close, *(teacher.close for teacher in teachers.values())]
+    if engine is not None:
+        closers.append(engine.close)
+    return await run_with_tools(all_runs, pool, lambda: _stop_requested, "the runs in flight", close=closers)
 
 
 def usage(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from afm_core.rewards.code import extract_program
 from afm_core.rewards.math import _normalize as normalize_math
 from afm_core.rollout import AgentConfig, AgentLoop, AgentTask, Rollout, SamplingConfig
 from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
-from afm_core.utils.aio import run_until_stopped
+from afm_core.utils.aio import run_with_tools
 from afm_core.utils.atomic import atomic_write_json
 from afm_core.utils.paths import shared_data_dir
 
@@ -188,18 +187,9 @@ async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: l
         finally:
             bar.close()
 
-    started = time.monotonic()
-    if pool is not None:
-        await pool.start()
-    try:
-        await run_until_stopped(run_benchmark_items(), lambda: _stop_requested, "the samples in flight")
-    finally:
-        tool_metrics = pool.metrics_snapshot() if pool is not None else {}
-        if pool is not None:
-            await pool.close()
-        await graders.close()
-        await engine.close()
-    return {"seconds": time.monotonic() - started, "tool_metrics": tool_metrics}
+    return await run_with_tools(
+        run_benchmark_items, pool, lambda: _stop_requested, "the samples in flight", close=(graders.close, engine.close)
+    )
 
 
 def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:

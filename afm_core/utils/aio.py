@@ -5,7 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from afm_core.tools.pool import ToolPool
 
 log = logging.getLogger(__name__)
 
@@ -38,3 +43,43 @@ async def run_until_stopped(
         return True
     task.result()
     return False
+
+
+async def run_with_tools(
+    work: Callable[[], Awaitable[object]],
+    pool: ToolPool | None,
+    stop: Callable[[], bool],
+    dropped: str,
+    close: Sequence[Callable[[], Awaitable[object]]] = (),
+) -> dict[str, Any]:
+    """Open ``pool``, run ``work()`` until it ends or ``stop()`` turns true, then close everything.
+
+    The run-and-teardown of the jobs that drive many agent loops at once (evaluation, distillation): the tool
+    pool's metrics are read before it closes, then the pool and each of ``close`` (graders, engines, teachers)
+    are closed in order, also when ``work`` raised or was cancelled by :func:`run_until_stopped`.
+
+    Args:
+        work: makes the coroutine to run (called once the pool is open).
+        pool: the shared :class:`~afm_core.tools.pool.ToolPool`, or None when no tool runs.
+        stop: the preemption flag, polled by :func:`run_until_stopped`.
+        dropped: what a stop drops, for its warning.
+        close: coroutine functions awaited after the pool closes.
+
+    Returns:
+        ``{"seconds": wall seconds of the run, "tool_metrics": ToolPool.metrics_snapshot() or {}}``.
+
+    Raises:
+        whatever ``work`` or a ``close`` raised.
+    """
+    started = time.monotonic()
+    try:
+        if pool is not None:
+            await pool.start()
+        await run_until_stopped(work(), stop, dropped)
+    finally:
+        tool_metrics = pool.metrics_snapshot() if pool is not None else {}
+        if pool is not None:
+            await pool.close()
+        for closer in close:
+            await closer()
+    return {"seconds": time.monotonic() - started, "tool_metrics": tool_metrics}
