@@ -20,7 +20,10 @@ from afm_core.coa.observations import CODE_OBSERVATION_MAX_CHARS, format_code_ob
 from afm_core.tools.base import Tool, ToolError, ToolInputError
 from afm_core.tools.http import ToolHttp
 
-_CODE_BLOCK = re.compile(r"```(?:py|python)\n(.*?)\n```", re.DOTALL)
+# Upstream wants the closing fence on a line of its own; a small model often closes it on the code's last line
+# (the line reads print(1+3) followed by the three backticks), which upstream rejects as invalid; here that
+# fence closes the block too.
+_CODE_BLOCK = re.compile(r"```(?:py|python)\n(.*?)\n?```", re.DOTALL)
 _STDIN_BLOCK = re.compile(r"```(?:sh|bash)\n(.*?)```", re.DOTALL)
 _FORMAT_HINT = "<code>\n```py\n# your python code here\n```\n</code>"
 

@@ -16,6 +16,8 @@ def test_parse_blocks_stdin_and_fallback():
     args = parse_code_blocks("think first\n```py\na = 1\n```\ntext\n```python\nprint(a)\n```\n```sh\n3 4\n```")
     assert args.code == "a = 1\n\nprint(a)" and args.stdin == "3 4\n"
     assert parse_code_blocks("print('bare')").code == "print('bare')"
+    # the closing fence on the code's last line (a small model's habit) still closes the block
+    assert parse_code_blocks("\n```py\nprint(8.5)\nprint(1+3)```\n").code == "print(8.5)\nprint(1+3)"
     with pytest.raises(ToolInputError, match="no ```py block"):
         parse_code_blocks("this is not python at all")
     with pytest.raises(ToolInputError):
