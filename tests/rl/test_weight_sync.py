@@ -119,7 +119,7 @@ def _async_worker(rank: int, world: int, port: int, spec: dict) -> None:
 
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.policy_model import build_policy_model
-    from afm_core.rl.weight_sync import sync_weights_async
+    from afm_core.rl.weight_sync import fp32_sync_engine_args, sync_weights_async
     from afm_core.train.distributed import destroy_distributed, init_distributed
 
     layout = init_distributed(OmegaConf.create({"tp": 1, "pp": 1}), seed=1, num_threads=1)
@@ -133,16 +133,7 @@ def _async_worker(rank: int, world: int, port: int, spec: dict) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         engine = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(
-                model=str(hf_dir),
-                dtype="float32",
-                enforce_eager=True,
-                max_model_len=512,
-                seed=0,
-                worker_extension_cls="afm_core.rl.weight_sync.WeightSyncExtension",
-                logprobs_mode="processed_logprobs",
-                kv_cache_memory_bytes=128 * 2**20,
-            )
+            AsyncEngineArgs(**fp32_sync_engine_args(hf_dir, max_model_len=512, kv_cache_bytes=128 * 2**20))
         )
         try:
             result = {"initial": _gap(chunks, await _sample_async(engine, PROMPTS, seed=1))}
