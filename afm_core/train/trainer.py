@@ -532,8 +532,8 @@ class SFTTrainer(SFTLoop):
         if not self.ddp_config.overlap_grad_reduce:  # grads reduced after backward: a loss may write main_grad
             for chunk in wrapped:
                 for module in chunk.modules():
-                    if hasattr(module, "output_grad_into_main_grad"):
-                        module.output_grad_into_main_grad = True
+                    if hasattr(module, "grad_into_main_grad"):  # the fused loss and the local spec's linears
+                        module.grad_into_main_grad = True
         return wrapped
 
     def sync_params(self) -> None:
