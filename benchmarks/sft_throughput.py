@@ -5,6 +5,7 @@
     .venv/bin/python -m benchmarks.sft_throughput --model tiny-llama       # about a minute, mostly setup
     .venv/bin/python -m benchmarks.sft_throughput --profile                # + both top-20 torch.profiler op tables
     .venv/bin/python -m benchmarks.sft_throughput --recompute full         # ours with activation recomputation
+    .venv/bin/python -m benchmarks.sft_throughput --seq-length 2048 4096 --one-engine-at-a-time 4096
 
 Both engines train the same model (``ensure_hf_checkpoint``: the HF safetensors of the preset, fp32), from the
 same weights, on the same global batches: two :class:`~afm_core.data.loader.TrainIterator` streams with one seed
@@ -27,7 +28,11 @@ Each engine lives in a process of its own (spawned per sequence length), so its 
 resident set size (``VmHWM``) of the process, setup included (the same packed data in both), and the rise of the
 peak over the resident size before the first step (what training itself adds). The engines never run at the same
 time: each runs ``--warmup`` untimed steps, then ``--steps`` timed ones, alternating step by step and swapping
-which goes first every step (ABBA), so load drift on a shared machine hits both alike. Reported: median step
+which goes first every step (ABBA), so load drift on a shared machine hits both alike. Both engine processes are
+alive side by side, so the machine must hold both peaks at once; ``--one-engine-at-a-time`` (for the lengths it
+names, e.g. 4096) runs ours to the end and lets its process exit before HF's starts, so only one is alive. That
+loses the step-by-step pairing: the speed ratio is then the ratio of the two engines' median step times, taken
+minutes apart, and load drift between the two halves goes straight into it. Reported: median step
 time and throughput in input tokens/s (all ``global_batch * seq_length`` positions) and target tokens/s
 (unmasked, trained tokens); the speed ratio ours/HF is the median over steps of the paired ratio
 ``hf_step_s / ours_step_s`` (same batch, adjacent in time). The losses of both engines on the first batch must
@@ -375,18 +380,19 @@ def run_side_by_side(engines: dict[str, EngineProcess], warmup: int, timed: int)
     return record
 
 
-def measure(
-    args: argparse.Namespace, seq_length: int, data: PackedSequences, console: Console
-) -> tuple[EngineResult, EngineResult, float, dict[str, Any]]:
-    """Both engines at one sequence length: results, speed ratio ours/HF, and the run's facts."""
-    engines = {name: EngineProcess(name, args, seq_length, data) for name in ("ours", "hf")}
+def _run_engines(
+    names: tuple[str, ...], args: argparse.Namespace, seq_length: int, data: PackedSequences, console: Console
+) -> tuple[dict[str, dict], dict[str, dict[str, list]], dict[str, str | None], dict[str, dict]]:
+    """Start the engines ``names`` side by side, run their steps alternated (:func:`run_side_by_side`), the
+    profiled step if asked, and stop them: ``(ready, record, profiles, memory)`` per engine."""
+    engines = {name: EngineProcess(name, args, seq_length, data) for name in names}
     try:
         ready = {name: engine.ask() for name, engine in engines.items()}
-        facts = {"threads": ready["ours"]["threads"], "device": ready["ours"]["device"]}
+        first = ready[names[0]]
         console.print(
-            f"[sft_throughput] {args.model} on {facts['device']}, {facts['threads']} threads per engine: "
-            f"{args.warmup} warmup + {args.steps} timed steps each, {args.global_batch} x {seq_length} "
-            f"tokens per step, micro batch {args.micro_batch}",
+            f"[sft_throughput] {args.model} on {first['device']}, {first['threads']} threads per engine"
+            f" ({' + '.join(names)} alive): {args.warmup} warmup + {args.steps} timed steps each, "
+            f"{args.global_batch} x {seq_length} tokens per step, micro batch {args.micro_batch}",
             markup=False,
         )
         record = run_side_by_side(engines, args.warmup, args.steps)
@@ -397,6 +403,24 @@ def measure(
     finally:
         for engine in engines.values():
             engine.close()
+    return ready, record, profiles, memory
+
+
+def measure(
+    args: argparse.Namespace, seq_length: int, data: PackedSequences, console: Console
+) -> tuple[EngineResult, EngineResult, float, dict[str, Any]]:
+    """Both engines at one sequence length: results, speed ratio ours/HF, and the run's facts.
+
+    Side by side (default): the ratio is the median of the paired per-step ratios. With
+    ``--one-engine-at-a-time`` at this length, ours runs all its steps and exits before HF starts: the ratio is
+    that of the two medians (no step pairing, so load drift between the two halves is not cancelled)."""
+    alone = seq_length in args.one_engine_at_a_time
+    ready, record, profiles, memory = {}, {}, {}, {}
+    for names in (("ours",), ("hf",)) if alone else (("ours", "hf"),):
+        parts = _run_engines(names, args, seq_length, data, console)
+        for whole, part in zip((ready, record, profiles, memory), parts):
+            whole.update(part)
+    facts = {"threads": ready["ours"]["threads"], "device": ready["ours"]["device"], "one_engine_at_a_time": alone}
     ours, hf = (
         EngineResult(
             engine=name,
@@ -411,13 +435,19 @@ def measure(
         )
         for name in ("ours", "hf")
     )
-    ratio = statistics.median(h / o for h, o in zip(hf.step_s, ours.step_s))
+    if alone:
+        ratio = hf.median_step_s / ours.median_step_s
+    else:
+        ratio = statistics.median(h / o for h, o in zip(hf.step_s, ours.step_s))
     return ours, hf, ratio, facts
 
 
-def cpu_time_ratio(ours: EngineResult, hf: EngineResult) -> float:
+def cpu_time_ratio(ours: EngineResult, hf: EngineResult, paired: bool = True) -> float:
     """Median over steps of the paired ratio of CPU seconds ``hf / ours`` (all threads of each process): less
-    sensitive than wall time to other load on a shared machine, which delays a process without charging it CPU."""
+    sensitive than wall time to other load on a shared machine, which delays a process without charging it CPU.
+    Not ``paired`` (the engines ran one after the other): the ratio of the two medians."""
+    if not paired:
+        return statistics.median(hf.cpu_s) / statistics.median(ours.cpu_s)
     return statistics.median(h / o for h, o in zip(hf.cpu_s, ours.cpu_s))
 
 
@@ -460,7 +490,10 @@ def _gib(n: int) -> str:
     return f"{n / 1024**3:.2f}"
 
 
-def throughput_table(rows: list[tuple[int, EngineResult, EngineResult, float]], title: str) -> Table:
+def throughput_table(
+    rows: list[tuple[int, EngineResult, EngineResult, float]], title: str, alone: frozenset[int] = frozenset()
+) -> Table:
+    """The results table; a length in ``alone`` ran one engine at a time: its ratios are of medians, marked."""
     table = Table(title=title)
     for column in (
         "seq",
@@ -477,6 +510,8 @@ def throughput_table(rows: list[tuple[int, EngineResult, EngineResult, float]], 
     ):
         table.add_column(column, justify="left" if column == "engine" else "right")
     for seq_length, ours, hf, ratio in rows:
+        paired = seq_length not in alone
+        mark = "" if paired else " (medians, alone)"
         memory_ratio = ours.peak_rss_bytes / hf.peak_rss_bytes
         for result in (ours, hf):
             is_ours = result is ours
@@ -486,8 +521,8 @@ def throughput_table(rows: list[tuple[int, EngineResult, EngineResult, float]], 
                 f"{result.median_step_s:.3f}",
                 f"{result.input_tokens_per_s:,.0f}",
                 f"{result.target_tokens_per_s:,.0f}",
-                f"{ratio:.2f}x" if is_ours else "",
-                f"{cpu_time_ratio(ours, hf):.2f}x" if is_ours else "",
+                f"{ratio:.2f}x{mark}" if is_ours else "",
+                f"{cpu_time_ratio(ours, hf, paired):.2f}x{mark}" if is_ours else "",
                 _gib(result.peak_rss_bytes),
                 _gib(result.training_peak_bytes),
                 f"{memory_ratio:.2f}x" if is_ours else "",
@@ -533,8 +568,22 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help=f"profile one more step per engine: top-{PROFILE_ROWS} op tables (with --out: files)",
     )
+    parser.add_argument(
+        "--one-engine-at-a-time",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="SEQ",
+        help="at these --seq-length values (all, if none given) ours runs all its steps and exits before HF "
+        "starts, so only one engine's memory is alive (e.g. 4096 tokens on a small machine); the ratios are then "
+        "of medians, not of paired steps",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    alone = args.one_engine_at_a_time
+    if alone is not None and set(alone) - set(args.seq_length):
+        parser.error(f"--one-engine-at-a-time {sorted(set(alone) - set(args.seq_length))}: not in --seq-length")
+    args.one_engine_at_a_time = frozenset(() if alone is None else alone or args.seq_length)
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     if args.global_batch % args.micro_batch:
@@ -589,7 +638,7 @@ def main() -> int:
         f"{args.global_batch} x seq tokens per step, median of {args.steps} steps, each engine in its own "
         f"process (1-min load avg {load_before[0]:.1f} -> {load_after[0]:.1f})"
     )
-    console.print(throughput_table(rows, title))
+    console.print(throughput_table(rows, title, args.one_engine_at_a_time))
     ours0, hf0 = rows[0][1], rows[0][2]
     console.print(f"attention  ours: {ours0.attention}\n           hf:   {hf0.attention}", markup=False)
     disagreements = []
@@ -629,7 +678,10 @@ def main() -> int:
                     {
                         "seq_length": seq_length,
                         "ratio_ours_over_hf": ratio,
-                        "cpu_time_ratio_ours_over_hf": cpu_time_ratio(ours, hf),
+                        "one_engine_at_a_time": seq_length in args.one_engine_at_a_time,
+                        "cpu_time_ratio_ours_over_hf": cpu_time_ratio(
+                            ours, hf, seq_length not in args.one_engine_at_a_time
+                        ),
                         "peak_ratio_ours_over_hf": ours.peak_rss_bytes / hf.peak_rss_bytes,
                         "engines": {"ours": ours.summary(), "hf": hf.summary()},
                     }

@@ -69,3 +69,12 @@ def test_linear_cross_entropy_without_grad_mode_and_with_a_second_backward(sink)
     for got in ((first[0], first_weight), (second[0], second_weight)):
         for grad, reference in zip(got, expected):
             torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-6)
+
+
+def test_linear_cross_entropy_with_no_labelled_row_is_zero():
+    hidden, weight, _, _ = _inputs()
+    labels = torch.full((37,), -100)
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_bytes=CHUNK_BYTES)
+    assert torch.equal(loss, torch.zeros(37))
+    grad_hidden, grad_weight = torch.autograd.grad(loss.sum(), (hidden, weight))
+    assert not grad_hidden.any() and not grad_weight.any()

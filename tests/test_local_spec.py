@@ -1,5 +1,6 @@
 """The lean local-spec modules (afm_core.models.local_spec) against plain torch autograd: same outputs and
-gradients, and only the tensors the docstring names kept for backward (one gloo rank, TP=1)."""
+gradients (also when the weights' gradients go into megatron's ``main_grad``), and only the tensors the
+docstring names kept for backward (one gloo rank, TP=1)."""
 
 from __future__ import annotations
 
@@ -108,6 +109,18 @@ def _worker(rank: int, port: int) -> None:
         want = torch.autograd.grad(reference, inputs, upstream)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+        # grad_into_main_grad (the trainer's setting): the weights' gradients are added to what main_grad holds
+        weights = (mlp.linear_fc1.weight, mlp.linear_fc2.weight)
+        mlp.grad_into_main_grad = mlp.linear_fc1.grad_into_main_grad = True
+        for weight in weights:
+            weight.main_grad = torch.ones(weight.shape)
+        x.grad = None
+        mlp(x)[0].backward(upstream)
+        torch.testing.assert_close(x.grad, want[0], rtol=1e-5, atol=1e-5)
+        for weight, grad in zip(weights, want[2:]):
+            assert weight.grad is None
+            torch.testing.assert_close(weight.main_grad, grad + 1, rtol=1e-5, atol=1e-5)
     finally:
         ps.destroy_model_parallel()
         torch.distributed.destroy_process_group()

@@ -158,7 +158,8 @@ def test_training_dtype():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the shims apply only without CUDA")
 def test_cpu_shims_in_a_fresh_process():
-    """Idempotent; device="cuda" lands on the CPU; `with torch.device("meta")` still applies (primed cache)."""
+    """Idempotent; device="cuda" lands on the CPU; `with torch.device("meta")` still applies (primed cache);
+    megatron's gradient clipping scales in place."""
     code = """
 import torch
 from afm_core.train.cpu_shims import apply_cpu_shims
@@ -170,6 +171,17 @@ assert torch.zeros(1).type() == "torch.cuda.FloatTensor" and torch.zeros(1).type
 with torch.device("meta"):
     assert torch.empty(3).device.type == "meta" and torch.nn.Linear(2, 2).weight.device.type == "meta"
 torch.cuda.manual_seed(7); a = torch.rand(1); torch.manual_seed(7); assert torch.equal(a, torch.rand(1))
+# gradient clipping scales the grads in place, to the same values as megatron's src * scale
+from megatron.core.optimizer import clip_grads
+from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+assert clip_grads.multi_tensor_scale_impl.__module__ == "afm_core.train.cpu_shims"
+params = [torch.nn.Parameter(torch.ones(5, 3)), torch.nn.Parameter(torch.ones(7))]
+for p in params:
+    p.grad = torch.randn(p.shape)
+grads = [p.grad for p in params]
+want = [g * (1.0 / (4.0 + 1.0e-6)) for g in grads]
+clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=4.0)
+assert all(p.grad is g and torch.equal(g, w) for p, g, w in zip(params, grads, want))
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=repo_root(), capture_output=True, text=True, timeout=120)

@@ -242,14 +242,14 @@ class _GPTModel(GPTModel):
     With TP > 1, megatron's fused cross entropy configured (GPU), multi-token prediction or inference, the
     parent's ``_postprocess`` runs unchanged.
 
-    ``output_grad_into_main_grad`` (set by the trainer when megatron's DDP reduces gradients only after the
+    ``grad_into_main_grad`` (set by the trainer when megatron's DDP reduces gradients only after the
     backward pass, never overlapped with it): the output weight's gradient is added straight into its DDP
     ``main_grad`` (megatron's gradient-accumulation fusion, done by the fused loss), instead of a separate
     ``[vocab, h]`` fp32 tensor that autograd holds until the tied input embedding's gradient joins it at the end of
     backward.
     """
 
-    output_grad_into_main_grad = False
+    grad_into_main_grad = False
 
     def _postprocess(
         self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any
@@ -272,7 +272,7 @@ class _GPTModel(GPTModel):
             if self.share_embeddings_and_output_weights
             else self.output_layer.weight
         )
-        sink = getattr(weight, "main_grad", None) if self.output_grad_into_main_grad else None
+        sink = getattr(weight, "main_grad", None) if self.grad_into_main_grad else None
         s, b, h = hidden_states.shape
         loss = linear_cross_entropy(
             hidden_states.reshape(s * b, h), weight, labels.transpose(0, 1).reshape(s * b), grad_sink=sink

@@ -54,8 +54,27 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
+def _weight_grad(grad_sink: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``a @ b``, the gradient of a weight: added into ``grad_sink`` (megatron DDP's fp32 ``main_grad``, as its
+    gradient-accumulation fusion does, in the same matrix product) and None returned, or returned when there is
+    no sink (autograd then stores it and DDP's hook adds it to ``main_grad``: one more tensor and pass)."""
+    if grad_sink is None:
+        return a @ b
+    grad_sink.addmm_(a, b)
+    return None
+
+
+def _main_grad_sink(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight.main_grad`` when the trainer enabled ``grad_into_main_grad`` on ``module`` and the weight is fp32
+    (the sink's dtype), else None."""
+    if not getattr(module, "grad_into_main_grad", False) or weight.dtype != torch.float32:
+        return None
+    return getattr(weight, "main_grad", None)
+
+
 class _RMSNormLinear(torch.autograd.Function):
-    """``linear(rmsnorm(x) * gamma, weight, bias)``, keeping ``x`` and ``1/rms(x)`` for backward."""
+    """``linear(rmsnorm(x) * gamma, weight, bias)``, keeping ``x`` and ``1/rms(x)`` for backward; ``d weight`` goes
+    into ``grad_sink`` when one is given (:func:`_weight_grad`)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -66,12 +85,13 @@ class _RMSNormLinear(torch.autograd.Function):
         bias: torch.Tensor | None,
         eps: float,
         tp_group: Any,
+        grad_sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True).add_(eps))  # [..., 1] fp32
         normed = (x.float() * rstd).to(x.dtype).mul_(gamma)
         out = F.linear(normed, weight, bias)
         ctx.save_for_backward(x, rstd, gamma, weight)
-        ctx.has_bias, ctx.tp_group = bias is not None, tp_group
+        ctx.has_bias, ctx.tp_group, ctx.grad_sink = bias is not None, tp_group, grad_sink
         return out
 
     @staticmethod
@@ -81,7 +101,7 @@ class _RMSNormLinear(torch.autograd.Function):
         g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[2]:
-            grad_weight = g.t() @ (x_hat * gamma).reshape(-1, x.shape[-1])
+            grad_weight = _weight_grad(ctx.grad_sink, g.t(), (x_hat * gamma).reshape(-1, x.shape[-1]))
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_bias = g.sum(0)
         grad_normed = grad_out @ weight  # partial over TP ranks: each holds a slice of the output
@@ -94,17 +114,21 @@ class _RMSNormLinear(torch.autograd.Function):
             dy = (grad_normed * gamma).float()
             x_hat32 = x.float() * rstd
             grad_x = ((dy - x_hat32 * (dy * x_hat32).mean(-1, keepdim=True)) * rstd).to(x.dtype)
-        return grad_x, grad_gamma, grad_weight, grad_bias, None, None
+        return grad_x, grad_gamma, grad_weight, grad_bias, None, None, None
 
 
 class _SwiGLULinear(torch.autograd.Function):
-    """``linear(silu(gate) * up, weight)`` of ``y = [gate, up]`` (last dim), keeping only ``y`` for backward."""
+    """``linear(silu(gate) * up, weight)`` of ``y = [gate, up]`` (last dim), keeping only ``y`` for backward;
+    ``d weight`` goes into ``grad_sink`` when one is given (:func:`_weight_grad`)."""
 
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, y: torch.Tensor, weight: torch.Tensor, grad_sink: torch.Tensor | None = None
+    ) -> torch.Tensor:
         gate, up = y.chunk(2, dim=-1)
         out = F.linear(F.silu(gate).mul_(up), weight)
         ctx.save_for_backward(y, weight)
+        ctx.grad_sink = grad_sink
         return out
 
     @staticmethod
@@ -116,26 +140,34 @@ class _SwiGLULinear(torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[1]:
             act = silu * up
-            grad_weight = grad_out.reshape(-1, grad_out.shape[-1]).t() @ act.reshape(-1, act.shape[-1])
+            grad_weight = _weight_grad(
+                ctx.grad_sink, grad_out.reshape(-1, grad_out.shape[-1]).t(), act.reshape(-1, act.shape[-1])
+            )
             del act
         grad_act = grad_out @ weight
-        grad_up = grad_act * silu
+        grad_y = torch.empty_like(y)  # [d gate, d up], written in place: no concatenation
+        grad_gate, grad_up = grad_y.chunk(2, dim=-1)
+        torch.mul(grad_act, silu, out=grad_up)
         del silu
         # d silu(g) / dg = sig * (1 + g * (1 - sig))
-        grad_gate = grad_act.mul_(up).mul_(sig.mul_((1 - sig).mul_(gate).add_(1)))
-        return torch.cat([grad_gate, grad_up], dim=-1), grad_weight
+        torch.mul(grad_act, up, out=grad_gate).mul_(sig.mul_((1 - sig).mul_(gate).add_(1)))
+        return grad_y, grad_weight, None
 
 
 class NormColumnParallelLinear(ColumnParallelLinear):
     """Megatron's ``ColumnParallelLinear`` with the preceding RMSNorm fused in (module docstring).
 
     Parameters: ``weight [out/p, h]``, ``bias [out/p]`` (when asked for), ``layer_norm_weight [h]`` (RMSNorm
-    gain, replicated over TP ranks). ``forward(x [s, b, h]) -> (y [s, b, out/p], None)``.
+    gain, replicated over TP ranks). ``forward(x [s, b, h]) -> (y [s, b, out/p], None)``. ``grad_into_main_grad``
+    (set by the trainer when megatron's DDP reduces gradients only after backward): ``d weight`` is added straight
+    into the fp32 ``weight.main_grad`` by its matrix product.
 
     Raises:
         NotImplementedError: a configuration this fusion does not cover (LayerNorm, zero-centred gamma,
             sequence parallelism, a gathered output, expert parallelism or a weight passed at call time).
     """
+
+    grad_into_main_grad = False
 
     def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, **kwargs: Any):
         if config.normalization != "RMSNorm" or config.layernorm_zero_centered_gamma:
@@ -157,7 +189,8 @@ class NormColumnParallelLinear(ColumnParallelLinear):
             raise NotImplementedError("NormColumnParallelLinear: no weight or gather at call time")
         tp_group = self.tp_group if self.tp_group is not None and self.tp_group.size() > 1 else None
         bias = None if self.skip_bias_add else self.bias
-        out = _RMSNormLinear.apply(input_, self.layer_norm_weight, self.weight, bias, self.eps, tp_group)
+        sink = _main_grad_sink(self, self.weight)
+        out = _RMSNormLinear.apply(input_, self.layer_norm_weight, self.weight, bias, self.eps, tp_group, sink)
         return out, (self.bias if self.skip_bias_add else None)
 
 
@@ -165,8 +198,11 @@ class SwiGLUMLP(MLP):
     """Megatron's ``MLP`` with the SwiGLU activation fused into ``linear_fc2`` (module docstring).
 
     ``forward(x [s, b, h]) -> (out [s, b, h], None)``. Other MLPs (biases, another activation, a GLU offset or
-    clamp, per-token scales of experts) run megatron's ``MLP.forward`` unchanged.
+    clamp, per-token scales of experts) run megatron's ``MLP.forward`` unchanged. ``grad_into_main_grad``: as for
+    :class:`NormColumnParallelLinear`, for ``linear_fc2``'s weight.
     """
+
+    grad_into_main_grad = False
 
     def _fusable(self, per_token_scale: torch.Tensor | None) -> bool:
         c = self.config
@@ -184,7 +220,8 @@ class SwiGLUMLP(MLP):
         if not self._fusable(per_token_scale):
             return super().forward(hidden_states, per_token_scale=per_token_scale, **kwargs)
         y, _ = self.linear_fc1(hidden_states)  # [s, b, 2f/p]: [gate, up] of this TP rank
-        out = _SwiGLULinear.apply(y, self.linear_fc2.weight)  # [s, b, h], partial over TP ranks
+        sink = _main_grad_sink(self, self.linear_fc2.weight)
+        out = _SwiGLULinear.apply(y, self.linear_fc2.weight, sink)  # [s, b, h], partial over TP ranks
         if self.tp_group is not None and self.tp_group.size() > 1:
             out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
         return out, None

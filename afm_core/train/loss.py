@@ -105,10 +105,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
     are at hand, for ``g = 1`` on the rows with a label: backward scales ``d hidden`` row by row (exact for any
     ``g``), and ``d W`` is exact as computed when ``g`` is 1 on every labelled row (the SFT loss: a sum of masked
     token losses, divided by the token count later, in megatron's ``finalize_model_grads``). For any other ``g``,
-    backward recomputes each chunk's logits (one more matmul) from the kept ``hidden`` and log-sum-exp and adds
+    backward recomputes each chunk's logits (one more matmul) from the kept rows and log-sum-exp and adds
     what is missing. ``d W`` goes into ``grad_sink`` when one is given (megatron DDP's fp32 ``main_grad`` of the
     weight, as megatron's gradient-accumulation fusion writes there), with no gradient returned for ``weight``;
-    else into a buffer of its own, returned by backward."""
+    else into a buffer of its own, returned by backward.
+
+    Only the labelled rows are computed (gathered first when some are not): an unlabelled row's loss is 0 and its
+    gradient is 0 whatever its logits are, so its ``[vocab]`` logits, softmax and both gradient products would be
+    work for nothing (in observation-masked SFT most rows are prompt or observation tokens)."""
 
     @staticmethod
     def forward(
@@ -120,12 +124,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_enabled: bool,
         grad_sink: torch.Tensor | None,
     ) -> torch.Tensor:
+        n = hidden.shape[0]
         valid = labels >= 0
-        targets = labels.clamp(min=0)
-        losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        rows = None if bool(valid.all()) else valid.nonzero().squeeze(1)  # None: every row
+        kept = hidden if rows is None else hidden.index_select(0, rows)  # [m, h]
+        targets = labels if rows is None else labels.index_select(0, rows)
+        m = kept.shape[0]
+        losses = torch.empty(m, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(losses)
         want_hidden, want_weight = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
-        unit_hidden = torch.empty_like(hidden) if want_hidden else None
+        unit_hidden = torch.empty_like(kept) if want_hidden else None
         grad_weight = None
         if want_weight:
             grad_weight = (
@@ -133,8 +141,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if grad_sink is not None
                 else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             )
-        for a in range(0, hidden.shape[0], chunk_rows):
-            h, t = hidden[a : a + chunk_rows], targets[a : a + chunk_rows]
+        for a in range(0, m, chunk_rows):
+            h, t = kept[a : a + chunk_rows], targets[a : a + chunk_rows]
             logits = (h @ weight.t()).float()
             target_logit = logits.gather(1, t[:, None]).squeeze(1)
             exp, total, lse[a : a + chunk_rows] = _exp_shifted_(logits)
@@ -142,28 +150,33 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if unit_hidden is not None or grad_weight is not None:
                 grad_logits = exp.div_(total)  # softmax
                 grad_logits[torch.arange(h.shape[0], device=h.device), t] -= 1.0
-                grad_logits.mul_(valid[a : a + chunk_rows, None])
                 grad_logits = grad_logits.to(hidden.dtype)
                 if unit_hidden is not None:
                     torch.matmul(grad_logits, weight, out=unit_hidden[a : a + chunk_rows])
                 if grad_weight is not None:
                     grad_weight.addmm_(grad_logits.t().float(), h.float())
-        losses.masked_fill_(~valid, 0.0)
-        ctx.save_for_backward(hidden, weight, targets, valid, lse)
-        ctx.chunk_rows = chunk_rows
+        ctx.save_for_backward(kept, weight, targets, lse, rows)
+        ctx.n, ctx.chunk_rows = n, chunk_rows
         ctx.unit_hidden, ctx.grad_weight, ctx.grad_sink = unit_hidden, grad_weight, grad_sink
         ctx.weight_rows_done = want_weight  # d W holds g = 1 on every labelled row (False after a backward)
-        return losses
+        if rows is None:
+            return losses
+        return losses.new_zeros(n).index_copy_(0, rows, losses)
 
     @staticmethod
     def backward(ctx, grad_losses: torch.Tensor):  # type: ignore[override]
-        hidden, weight, targets, valid, lse = ctx.saved_tensors
-        g = grad_losses.float() * valid
-        grad_hidden = (ctx.unit_hidden * g[:, None]).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        kept, weight, targets, lse, rows = ctx.saved_tensors
+        g = grad_losses.float() if rows is None else grad_losses.float().index_select(0, rows)  # [m]
+        grad_hidden = None
+        if ctx.needs_input_grad[0]:
+            kept_grad = (ctx.unit_hidden * g[:, None]).to(kept.dtype)
+            grad_hidden = (
+                kept_grad if rows is None else kept.new_zeros(ctx.n, kept.shape[1]).index_copy_(0, rows, kept_grad)
+            )
         if not ctx.needs_input_grad[1]:
             return grad_hidden, None, None, None, None, None
         if ctx.weight_rows_done:  # forward's d W, for g = 1 on every labelled row
-            grad_weight, missing = ctx.grad_weight, g - valid.float()
+            grad_weight, missing = ctx.grad_weight, g - 1.0
         else:  # a second backward (retain_graph): all of this g
             grad_weight = (
                 ctx.grad_sink
@@ -173,8 +186,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             missing = g
         ctx.weight_rows_done, ctx.grad_weight = False, None
         if bool(missing.any()):
-            for a in range(0, hidden.shape[0], ctx.chunk_rows):
-                h = hidden[a : a + ctx.chunk_rows]
+            for a in range(0, kept.shape[0], ctx.chunk_rows):
+                h = kept[a : a + ctx.chunk_rows]
                 n = h.shape[0]
                 grad_logits = _softmax_minus_onehot_((h @ weight.t()).float(), lse[a : a + n], targets[a : a + n])
                 grad_weight.addmm_(grad_logits.mul_(missing[a : a + n, None]).t(), h.float())
