@@ -6,10 +6,10 @@
 """
 
 from afm_core.rollout.agent_loop import AgentConfig, AgentLoop, observation_error_kind, sample_seed
-from afm_core.rollout.engine import EngineError, Generation, GenerationEngine, SamplingConfig
+from afm_core.rollout.engine import EngineDead, EngineError, Generation, GenerationEngine, SamplingConfig
 from afm_core.rollout.types import AgentTask, FinishReason, Rollout, ToolCallRecord
 
 __all__ = [
-    "AgentConfig", "AgentLoop", "AgentTask", "EngineError", "FinishReason", "Generation", "GenerationEngine",
+    "AgentConfig", "AgentLoop", "AgentTask", "EngineDead", "EngineError", "FinishReason", "Generation", "GenerationEngine",
     "Rollout", "SamplingConfig", "ToolCallRecord", "observation_error_kind", "sample_seed",
 ]  # fmt: skip

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from afm_core.rollout.engine import EngineError, Generation, SamplingConfig
+from afm_core.rollout.engine import EngineDead, EngineError, Generation, SamplingConfig
 from afm_core.utils.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -282,6 +282,7 @@ class VLLMEngine:
 
         Raises:
             EngineError: vLLM rejected or failed the request (e.g. a prompt longer than ``max_model_len``).
+            EngineDead: vLLM's engine core died (``EngineDeadError``); every later request fails too.
         """
         from vllm.inputs import TokensPrompt
 
@@ -294,7 +295,10 @@ class VLLMEngine:
             ):
                 final = output
         except Exception as e:  # vLLM's input validation (VLLMValidationError) and engine errors
-            raise EngineError(f"vLLM failed request {request_id}: {e.__class__.__name__}: {e}") from e
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            error = EngineDead if isinstance(e, EngineDeadError) else EngineError
+            raise error(f"vLLM failed request {request_id}: {e.__class__.__name__}: {e}") from e
         return to_generation(final, sampling, request_id)
 
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
@@ -455,7 +459,7 @@ class InprocVLLMEngine(VLLMEngine):
         except Exception as e:  # the engine itself failed: every waiting request fails with it
             for future in self._futures.values():
                 if not future.done():
-                    future.set_exception(EngineError(f"vLLM engine step failed: {e.__class__.__name__}: {e}"))
+                    future.set_exception(EngineDead(f"vLLM engine step failed: {e.__class__.__name__}: {e}"))
             self._futures.clear()
             raise
 

@@ -4,6 +4,7 @@ logprobs; and the remote engine against a real ``vllm serve`` speaking the OpenA
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import socket
 import subprocess
@@ -131,3 +132,34 @@ def test_the_remote_engine_gets_token_ids_and_logprobs_from_vllm_serve(tiny_llam
         server.terminate()
         server.wait(timeout=60)
         log.close()
+
+
+def test_a_dead_engine_stops_the_agent_loop_instead_of_recording_error_trajectories(tiny_llama):
+    """vLLM's engine core killed under the loop (as a preemption's SIGTERM to every process of the job does):
+    requests fail with EngineDead and the loop re-raises it, so no trajectory is written as done with score 0."""
+    import multiprocessing
+    import os
+    import signal
+
+    from afm_core.rollout import EngineDead
+    from afm_core.rollout.factory import load_tokenizer
+    from afm_core.rollout.vllm_engine import VLLMConfig, VLLMEngine
+
+    loop = asyncio.new_event_loop()
+    before = {p.pid for p in multiprocessing.active_children()}
+    engine = loop.run_until_complete(VLLMEngine.start(VLLMConfig(model=str(tiny_llama), max_model_len=512, seed=0)))
+    try:
+        cores = [p for p in multiprocessing.active_children() if p.pid not in before]
+        assert cores, "the AsyncLLM engine core runs in a child process"
+        for core in cores:
+            os.kill(core.pid, signal.SIGKILL)
+            core.join(timeout=30)
+        agent = AgentLoop(engine, load_tokenizer(tiny_llama), None, AgentConfig(max_response_tokens=32),
+                          SamplingConfig(max_tokens=32))  # fmt: skip
+        task = AgentTask("dead:0", "math", user_prompt("math", "What is 1 + 1?"), "What is 1 + 1?", "2")
+        with pytest.raises(EngineDead):
+            loop.run_until_complete(asyncio.wait_for(agent.run(task, 0, seed=None), timeout=120))
+    finally:
+        with contextlib.suppress(Exception):
+            loop.run_until_complete(engine.close())
+        loop.close()
