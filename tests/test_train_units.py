@@ -187,3 +187,20 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], cwd=repo_root(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_a_preemption_signal_during_the_boundary_all_reduce_is_kept_for_the_next_boundary(monkeypatch):
+    """SIGUSR2 can land while the ranks all-reduce the flags; the request must survive to the next boundary."""
+    from afm_core.train import trainer
+
+    def all_reduce_while_a_signal_lands(tensor, op=None):
+        trainer.request_checkpoint(stop=True)  # what the signal handler does, mid-collective
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce_while_a_signal_lands)
+    monkeypatch.setattr(trainer, "_checkpoint_requested", False)
+    monkeypatch.setattr(trainer, "_stop_requested", False)
+    fake = SimpleNamespace(layout=SimpleNamespace(on_gpu=False))
+    assert trainer.SFTTrainer._boundary_flags(fake) == (False, False)  # nothing was requested before this boundary
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None: None)
+    assert trainer.SFTTrainer._boundary_flags(fake) == (True, True)  # ...and the late request is not lost
+    assert trainer.SFTTrainer._boundary_flags(fake) == (False, False)  # consumed once

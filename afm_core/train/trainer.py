@@ -335,12 +335,20 @@ class SFTLoop(ABC):
         return self.optimizer.param_groups[0]["lr"]
 
     def _boundary_flags(self) -> tuple[bool, bool]:
-        """(checkpoint requested, stop requested) OR-ed over all ranks."""
+        """(checkpoint requested, stop requested) OR-ed over all ranks.
+
+        A flag is cleared only if it was read as set, before the all-reduce: a signal that lands during the
+        collective (or between the read and the clear) stays set for the next boundary instead of being lost.
+        """
         global _checkpoint_requested, _stop_requested
+        checkpoint, stop = _checkpoint_requested, _stop_requested
+        if checkpoint:
+            _checkpoint_requested = False
+        if stop:
+            _stop_requested = False
         device = "cuda" if self.layout.on_gpu else "cpu"
-        flags = torch.tensor([int(_checkpoint_requested), int(_stop_requested)], device=device)
+        flags = torch.tensor([int(checkpoint), int(stop)], device=device)
         torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        _checkpoint_requested = _stop_requested = False
         return bool(flags[0]), bool(flags[1])
 
     def fit(self) -> dict[str, Any]:

@@ -70,9 +70,11 @@ def run(cfg: Any) -> dict[str, Any]:
         if rank == 0:
             with metrics.open("a") as out:
                 out.write(json.dumps({"step": step, "split": "train", "loss": 1.0 / step}) + "\n")
-        flag = torch.tensor([float(_stop)])
+        requested = _stop
+        if requested:  # cleared before the collective: a signal landing during it waits for the next step
+            _stop = False
+        flag = torch.tensor([float(requested)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        _stop = False
         if flag.item() or step % cfg.trainer.save_interval == 0 or step == cfg.trainer.max_steps:
             dist.barrier()
             if rank == 0:
