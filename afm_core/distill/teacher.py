@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from afm_core.rollout.engine import EngineDead, EngineError, GenerationEngine, SamplingConfig
+from afm_core.rollout.engine import EngineError, GenerationEngine, SamplingConfig
 from afm_core.utils.openai_api import EndpointError, auth_headers, endpoint, post_json
 
 TEACHER_BACKENDS = ("engine", "chat")
@@ -190,8 +190,6 @@ class EngineTeacher:
         try:
             async with self._slots:
                 gen = await self.engine.generate(ids, params, f"{request_id}#{next(self._ids)}")
-        except EngineDead:
-            raise  # the engine is gone: the job stops and a resumed run redoes this
         except EngineError as e:
             return ChatReply("", "error", len(ids), 0, time.monotonic() - started, str(e))
         text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=True)

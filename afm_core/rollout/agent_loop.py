@@ -36,7 +36,7 @@ from afm_core.coa.parse import ToolCall
 from afm_core.coa.prompts import TASK_TOOLS, TASKS
 from afm_core.coa.render import render_observation
 from afm_core.data.tokenize import encode_prompt, encode_text
-from afm_core.rollout.engine import EngineDead, EngineError, GenerationEngine, SamplingConfig
+from afm_core.rollout.engine import EngineError, GenerationEngine, SamplingConfig
 from afm_core.rollout.types import AgentTask, FinishReason, Rollout, ToolCallRecord
 
 # The pool's error observations start "[<tool> error: <kind>]" (afm_core.tools.pool.error_observation).
@@ -202,8 +202,6 @@ class AgentLoop:
                 gen = await self.engine.generate(
                     state.prompt_ids + state.response_ids, params, f"{_trajectory_id(task, sample)}-t{state.turns}"
                 )
-            except EngineDead:
-                raise  # the engine is gone: a resumed run redoes this trajectory
             except EngineError as e:
                 state.finish, state.error = FinishReason.ERROR, str(e)
                 break

@@ -80,7 +80,7 @@ class GenerationEngine(Protocol):
         Raises:
             EngineError: the engine failed on this request (the agent loop ends the trajectory with
                 finish reason ``error``).
-            EngineDead: the engine is gone (the agent loop re-raises it).
+            EngineDead: the engine is gone (nothing in the agent loop catches it).
         """
         ...
 
@@ -91,9 +91,10 @@ class EngineError(RuntimeError):
     """A generation request failed in the engine (not a sampling outcome)."""
 
 
-class EngineDead(EngineError):
+class EngineDead(RuntimeError):
     """The engine itself is gone (vLLM's ``EngineDeadError``: its engine core process died, e.g. killed by a
     preemption's SIGTERM before the job's stop flag was seen; or the in-process engine's step failed), so every
-    request fails alike. Unlike an :class:`EngineError` of one request, the agent loop does not turn it into a
-    trajectory with finish reason ``error``: it propagates, the job stops, and a resumed run redoes the trajectories
-    that were in flight (recording them would score them 0 and mark them done)."""
+    request fails alike. Deliberately not an :class:`EngineError`: the handlers that turn one failed request into
+    a trajectory with finish reason ``error`` (agent loop, simulated tools, engine teacher) do not catch it, so it
+    propagates, the job stops, and a resumed run redoes the trajectories that were in flight (recording them would
+    score them 0 and mark them done)."""

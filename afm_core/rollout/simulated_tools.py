@@ -31,7 +31,7 @@ from typing import Any
 
 from afm_core.coa.render import OBSERVATION_CLOSE, OBSERVATION_OPEN
 from afm_core.data.tokenize import encode_text
-from afm_core.rollout.engine import EngineDead, EngineError, GenerationEngine, SamplingConfig
+from afm_core.rollout.engine import EngineError, GenerationEngine, SamplingConfig
 
 ENVIRONMENTS = ("real", "simulated")
 TRANSCRIPT_KEY = "token_ids"
@@ -119,8 +119,6 @@ class SimulatedTools:
         start = time.monotonic()
         try:
             gen = await self.engine.generate(ids, sampling, f"sim-{key}-{position}")
-        except EngineDead:
-            raise  # the engine is gone: the job stops and a resumed run redoes this
         except EngineError as err:
             self.stats["errors"] += 1
             return f"[{name} error: simulator] {err}"
