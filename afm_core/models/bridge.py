@@ -242,6 +242,11 @@ class _GPTModel(GPTModel):
     With TP > 1, megatron's fused cross entropy configured (GPU), multi-token prediction or inference, the
     parent's ``_postprocess`` runs unchanged.
 
+    Without labels and with ``loss_mask`` ``[b, s]`` (``model(tokens, position_ids, None, loss_mask=rows)``),
+    the output is the logits of the selected rows only, ``[1, n, vocab / tp]`` (:meth:`_row_logits`; the RL
+    losses, :mod:`afm_core.rl.logprobs`); where that cannot apply (sequence parallelism, multi-token prediction,
+    inference) it is the full ``[b, s, vocab / tp]`` as without ``loss_mask``.
+
     ``grad_into_main_grad`` (set by the trainer when megatron's DDP reduces gradients only after the
     backward pass, never overlapped with it): the output weight's gradient is added straight into its DDP
     ``main_grad`` (megatron's gradient-accumulation fusion, done by the fused loss), instead of a separate
@@ -254,6 +259,9 @@ class _GPTModel(GPTModel):
     def _postprocess(
         self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any
     ) -> torch.Tensor:
+        rows = kwargs.get("loss_mask")
+        if labels is None and rows is not None and self._rows_only(kwargs):
+            return self._row_logits(hidden_states, rows)
         if (
             labels is None
             or not self.post_process
@@ -278,6 +286,31 @@ class _GPTModel(GPTModel):
             hidden_states.reshape(s * b, h), weight, labels.transpose(0, 1).reshape(s * b), grad_sink=sink
         )
         return loss.view(s, b).transpose(0, 1).contiguous()  # [b, s]
+
+    def _rows_only(self, kwargs: dict[str, Any]) -> bool:
+        """Whether the output layer may run on selected rows only: last stage, no multi-token prediction, no
+        inference context, and the hidden states not split over the sequence (sequence parallelism)."""
+        return bool(
+            self.post_process
+            and not kwargs.get("mtp_in_postprocess")
+            and self.config.mtp_num_layers is None
+            and kwargs.get("inference_context") is None
+            and not self.config.sequence_parallel
+        )
+
+    def _row_logits(self, hidden_states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits of the rows where ``rows`` ``[b, s]`` is nonzero: ``[1, n, vocab / tp]``, in row-major
+        ``[b, s]`` order (``logits[0, k]`` is the ``k``-th True of ``rows.bool()`` read batch-first).
+
+        The RL losses need the logits of the model's own response tokens only (``response_mask``: ~25% of the
+        positions of a padded rollout micro batch, less with long prompts and observations), so the output layer
+        (``[*, h] x [h, vocab]``, the largest matmul of a small model) and the fp32 softmax passes over
+        ``[*, vocab]`` are skipped for every other row. Exact: the output layer is row-wise.
+        """
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        selected = hidden_states.transpose(0, 1)[rows.to(torch.bool)]  # [n, h]
+        logits, _ = self.output_layer(selected.unsqueeze(1), weight=weight)  # [n, 1, vocab / tp]
+        return logits.transpose(0, 1).contiguous()
 
 
 class _HFBridge(LLMBridge):

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from afm_core.rl.logprobs import vocab_parallel_logprobs
+from afm_core.rl.logprobs import response_logprobs
 from afm_core.rl.losses import PolicyLossConfig, policy_loss
 
 STATS_KEY = "policy"
@@ -39,12 +39,18 @@ def megatron_policy_loss(
         batch: the micro batch on the logits' device (see the module docstring).
         config: :class:`~afm_core.rl.losses.PolicyLossConfig`.
         temperature: the rollout's sampling temperature (the logprobs are of ``softmax(logits / T)``).
-        logits: ``[b, s, V / tp]`` from the last pipeline stage.
+        logits: from the last pipeline stage: the response rows' ``[1, n, V / tp]`` (the policy computes only
+            those, :func:`policy_forward_step`) or the full ``[b, s, V / tp]``.
     Returns:
         ``(masked loss sum, valid tokens (int), {"policy": additive stats})``.
     """
-    log_prob, entropy = vocab_parallel_logprobs(
-        logits, batch["labels"], temperature=temperature, with_entropy=True, entropy_grad=config.entropy_coeff > 0
+    log_prob, entropy = response_logprobs(
+        logits,
+        batch["labels"],
+        batch["response_mask"],
+        temperature=temperature,
+        with_entropy=True,
+        entropy_grad=config.entropy_coeff > 0,
     )
     loss_sum, stats = policy_loss(
         log_prob,
@@ -64,13 +70,16 @@ def megatron_policy_loss(
 def policy_forward_step(
     config: PolicyLossConfig, *, temperature: float = 1.0
 ) -> Callable[[Iterator[dict[str, torch.Tensor]], torch.nn.Module], tuple[torch.Tensor, Any]]:
-    """A megatron ``forward_step_func``: next micro batch -> (logits, loss_func) with :func:`megatron_policy_loss`."""
+    """A megatron ``forward_step_func``: next micro batch -> (logits, loss_func) with :func:`megatron_policy_loss`.
+
+    The policy computes the logits of the response rows only (``loss_mask=response_mask``: the output layer and
+    the fp32 softmax passes skip the prompt, observation and padding rows, which no loss term reads)."""
 
     def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
         batch = next(data_iterator)
         device = next(model.parameters()).device
         batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        logits = model(batch["tokens"], batch["position_ids"], None)
+        logits = model(batch["tokens"], batch["position_ids"], None, loss_mask=batch["response_mask"])
         return logits, partial(megatron_policy_loss, batch, config, temperature)
 
     return forward_step

@@ -113,12 +113,13 @@ def minibatch_shares(num_samples: int, mini: int, dp: int, dp_rank: int) -> list
 def sample_micro_batches(
     samples: Sequence[Any],
     mbs: int,
-    seq_length: int,
+    seq_length: int | None,
     pad_id: int,
     extra: Mapping[str, Sequence[Sequence[float]]] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Micro batches of ``mbs`` graded trajectories (:class:`afm_core.rl.driver.Sample`: ``prompt_ids``,
-    ``response_ids``, ``response_mask``, ``logprobs``) padded to ``seq_length``, with the engine's logprobs as
+    ``response_ids``, ``response_mask``, ``logprobs``) padded to ``seq_length`` (None: each micro batch to its
+    own longest), with the engine's logprobs as
     ``rollout_log_prob`` and each ``extra`` per-response-token list (one per sample, in order) placed alike."""
     out = []
     for i in range(0, len(samples), mbs):

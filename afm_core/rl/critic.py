@@ -204,7 +204,7 @@ class Critic:
         batches = sample_micro_batches([samples[i] for i in mine], mbs, seq_length, pad_id)
         for chunk in self.model:
             chunk.eval()
-        outs = forward_only(self.model, batches, ["values"], lambda output, labels: {"values": output[..., 0].float()})
+        outs = forward_only(self.model, batches, ["values"], lambda output, batch: {"values": output[..., 0].float()})
         for chunk in self.model:
             chunk.train()
         local: dict[int, list[float]] = {}

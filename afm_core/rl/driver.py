@@ -553,14 +553,21 @@ def policy_update(
         token_adv = [[float(a_)] * len(s.response_ids) for s, a_ in zip(samples, advantages.tolist())]
     else:
         token_adv = [list(map(float, values)) for values in advantages]
-    shares = minibatch_shares(len(samples), mini, dp, dp_rank)
-    mine = [i for share in shares for i in share]
+    # each micro batch holds samples of similar length and, without pipeline stages (whose p2p shapes are
+    # fixed), is padded to its own longest: fewer padded positions through the transformer
+    pad_to = seq_length if layout.pp > 1 else None
+
+    def by_length(indices: Sequence[int]) -> list[int]:
+        return sorted(indices, key=lambda i: len(samples[i].prompt_ids) + len(samples[i].response_ids))
+
+    shares = [by_length(share) for share in minibatch_shares(len(samples), mini, dp, dp_rank)]
+    mine = by_length([i for share in shares for i in share])
 
     # old logprobs (the trainer's, before this step's updates) and the gap to vLLM's; reference logprobs
     start = time.perf_counter()
     for chunk in trainer.model:
         chunk.eval()
-    batches = sample_micro_batches([samples[i] for i in mine], mbs, seq_length, pad_id)
+    batches = sample_micro_batches([samples[i] for i in mine], mbs, pad_to, pad_id)
     outs = compute_logprobs(trainer.model, batches, temperature=temperature, with_entropy=True)
     refs = compute_logprobs(reference, batches, temperature=temperature) if kl_coef > 0 and reference else []
     for chunk in trainer.model:
@@ -601,7 +608,7 @@ def policy_update(
             extra = {"old_log_prob": [old[i] for i in share], "advantages": [token_adv[i] for i in share]}
             if ref:
                 extra["ref_log_prob"] = [ref[i] for i in share]
-            micro = sample_micro_batches([samples[i] for i in share], mbs, seq_length, pad_id, extra=extra)
+            micro = sample_micro_batches([samples[i] for i in share], mbs, pad_to, pad_id, extra=extra)
             reports, grad_norm, lr = megatron_update_step(
                 trainer, forward_step, micro, seq_length, mbs, what=f"policy update {steps + 1} of this rollout step"
             )
