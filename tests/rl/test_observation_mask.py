@@ -1,7 +1,8 @@
 """Observation tokens (response mask 0) never enter the policy loss: through the real Megatron model and
 megatron-core's schedule, the gradient does not change when everything at observation positions is replaced
 by garbage, and it equals a hand-written loss over the model-generated tokens only (full-vocabulary
-log_softmax, gathered over TP at TP=2, so the vocab-parallel logprob path is checked too)."""
+log_softmax, gathered over TP at TP=2, so the vocab-parallel logprob path is checked too). The policy's logits
+of the response rows only (``loss_mask=response_mask``) are the full logits' rows."""
 
 from __future__ import annotations
 
@@ -79,8 +80,8 @@ def _worker(rank: int, world: int, port: int) -> None:
         # hand-written: the clipped objective summed over model-generated tokens only, full-vocab log_softmax
         for p in chunks[0].parameters():
             p.grad = None
-        logits = chunks[0](batch["tokens"], batch["position_ids"], None)
-        logits = gather_from_tensor_model_parallel_region(logits.contiguous())
+        logits_local = chunks[0](batch["tokens"], batch["position_ids"], None)  # [b, s, V / tp]: every row
+        logits = gather_from_tensor_model_parallel_region(logits_local.contiguous())
         logp = torch.log_softmax(logits.float() / TEMPERATURE, dim=-1)
         logp = logp.gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)[mask]
         ratio = torch.exp(logp - batch["old_log_prob"][mask])
@@ -90,6 +91,14 @@ def _worker(rank: int, world: int, port: int) -> None:
         per_token.sum().backward()
         for param, mine in zip(chunks[0].parameters(), grads_clean):
             torch.testing.assert_close(mine, param.grad, rtol=1e-4, atol=1e-6)
+
+        # the old logprobs (output layer on the response rows only) are the full-vocab ones there, 0 elsewhere
+        torch.testing.assert_close(old["logprobs"][mask], logp.detach(), rtol=1e-5, atol=1e-5)
+        assert not old["logprobs"][~mask].any()
+        with torch.no_grad():
+            rows = chunks[0](batch["tokens"], batch["position_ids"], None, loss_mask=batch["response_mask"])
+        assert tuple(rows.shape[:2]) == (1, int(mask.sum()))
+        torch.testing.assert_close(rows[0], logits_local.detach()[mask], rtol=1e-5, atol=1e-5)
     finally:
         destroy_distributed()
 
