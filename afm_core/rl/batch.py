@@ -32,7 +32,8 @@ def rollout_micro_batch(
 
     Args:
         prompts, responses, response_masks: ``b`` token-id lists each; ``len(response_masks[i]) ==
-            len(responses[i])``; neither a prompt nor a response may be empty.
+            len(responses[i])``; a prompt may not be empty; an empty response (e.g. a rollout that ended
+            before its first token) is a prompt-only row with nothing to train.
         seq_length: ``S``; None: the longest ``prompt + response``.
         pad_token_id: token used for padding (its positions have mask 0).
         per_token: extra per-response-token values (e.g. ``{"rollout_log_prob": vllm_logprobs}``), one list per
@@ -41,7 +42,7 @@ def rollout_micro_batch(
         ``tokens``, ``labels``, ``position_ids`` ``[b, S]`` int64; ``response_mask`` ``[b, S]`` float32;
         ``prompt_lengths`` and ``response_lengths`` ``[b]`` int64; each ``per_token`` key ``[b, S]`` float32.
     Raises:
-        ValueError: mismatched lengths, an empty prompt or response, or a trajectory longer than ``seq_length``.
+        ValueError: mismatched lengths, an empty prompt, or a trajectory longer than ``seq_length``.
     """
     if not len(prompts) == len(responses) == len(response_masks):
         raise ValueError(f"{len(prompts)} prompts, {len(responses)} responses, {len(response_masks)} masks")
@@ -53,11 +54,8 @@ def rollout_micro_batch(
     mask = torch.zeros(b, S + 1, dtype=torch.float32)
     extra = {key: torch.zeros(b, S + 1, dtype=torch.float32) for key in per_token}
     for i, (prompt, response, rmask) in enumerate(zip(prompts, responses, response_masks)):
-        if not prompt or not response:
-            raise ValueError(
-                f"trajectory {i}: empty prompt or response (the first response token is predicted "
-                "from the last prompt token)"
-            )
+        if not prompt:
+            raise ValueError(f"trajectory {i}: empty prompt (the first response token is predicted from the last one)")
         if len(rmask) != len(response):
             raise ValueError(f"trajectory {i}: response_mask has {len(rmask)} entries for {len(response)} tokens")
         if lengths[i] > S:

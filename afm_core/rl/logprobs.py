@@ -80,6 +80,9 @@ def response_logprobs(
     selected = rows.to(torch.bool)
     if tuple(output.shape[:-1]) == tuple(selected.shape):  # full logits: select here
         output = output[selected].unsqueeze(0)
+    if output.shape[1] == 0:  # no response token in the micro batch: zeros, still attached to the graph
+        zeros = torch.zeros(selected.shape, dtype=torch.float32, device=output.device) + output.sum().float()
+        return zeros, (zeros.clone() if with_entropy else None)
     logprobs, entropy = vocab_parallel_logprobs(
         output,
         labels[selected].unsqueeze(0),

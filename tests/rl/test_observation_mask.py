@@ -2,7 +2,7 @@
 megatron-core's schedule, the gradient does not change when everything at observation positions is replaced
 by garbage, and it equals a hand-written loss over the model-generated tokens only (full-vocabulary
 log_softmax, gathered over TP at TP=2, so the vocab-parallel logprob path is checked too). The policy's logits
-of the response rows only (``loss_mask=response_mask``) are the full logits' rows."""
+of the response rows only (``loss_mask=response_mask``) are the full logits' rows; empty responses train nothing."""
 
 from __future__ import annotations
 
@@ -99,6 +99,15 @@ def _worker(rank: int, world: int, port: int) -> None:
             rows = chunks[0](batch["tokens"], batch["position_ids"], None, loss_mask=batch["response_mask"])
         assert tuple(rows.shape[:2]) == (1, int(mask.sum()))
         torch.testing.assert_close(rows[0], logits_local.detach()[mask], rtol=1e-5, atol=1e-5)
+
+        # a rollout that ended before its first token is a prompt-only row; a micro batch of such rows trains nothing
+        empty = rollout_micro_batch([[1, 2, 3], [4, 5]], [[11, 12], []], [[1, 1], []])
+        (values,) = compute_logprobs(chunks, [empty], temperature=TEMPERATURE)
+        assert values["logprobs"][0, 2:4].all() and not values["logprobs"][1].any()
+        nothing = rollout_micro_batch([[1, 2, 3]], [[]], [[]])
+        nothing["old_log_prob"] = nothing["advantages"] = torch.zeros_like(nothing["response_mask"])
+        grads_nothing, _ = _grads(chunks, nothing, config)
+        assert not any(g.any() for g in grads_nothing)
     finally:
         destroy_distributed()
 
