@@ -96,16 +96,18 @@ def minibatch_shares(num_samples: int, mini: int, dp: int, dp_rank: int) -> list
     """The sample indices this data-parallel rank trains on in each mini-batch.
 
     The train batch (``num_samples``, grouped by prompt) is cut into consecutive mini-batches of ``mini``
-    samples; data-parallel rank ``r`` takes every ``dp``-th sample of each, starting at ``r``.
+    samples, the last one holding the rest when ``mini`` does not divide the batch (a partial train batch of
+    dynamic sampling, ``algorithm.allow_partial``); data-parallel rank ``r`` takes every ``dp``-th sample of
+    each, starting at ``r``.
 
     Raises:
-        ValueError: ``mini`` does not divide ``num_samples``, or ``dp`` does not divide ``mini``.
+        ValueError: ``mini`` < 1, or ``dp`` does not divide ``mini`` or the last mini-batch.
     """
-    if mini < 1 or num_samples % mini or mini % dp:
+    if mini < 1 or mini % dp or (num_samples % mini) % dp:
         raise ValueError(
-            f"a mini-batch of {mini} samples must divide the train batch ({num_samples}) and split over {dp} DP ranks"
+            f"mini-batches of {mini} samples over a train batch of {num_samples} must split over {dp} DP ranks"
         )
-    return [list(range(k, k + mini))[dp_rank::dp] for k in range(0, num_samples, mini)]
+    return [list(range(k, min(k + mini, num_samples)))[dp_rank::dp] for k in range(0, num_samples, mini)]
 
 
 def sample_micro_batches(

@@ -526,7 +526,7 @@ def policy_update(
         Reduced loss statistics (clip fraction, entropy, KL, vLLM-vs-trainer logprob gap...), ``logprob_s``,
         ``train_s``, ``optimizer_steps``, ``grad_norm`` (last), ``lr``.
     Raises:
-        ValueError: the mini-batch does not split over the train batch, DP ranks and micro batches, or
+        ValueError: the mini-batch or the train batch does not split over DP ranks and micro batches, or
             ``kl_coef`` > 0 without ``reference``.
     """
     from megatron.core import parallel_state as ps
@@ -540,10 +540,10 @@ def policy_update(
     layout = trainer.layout
     dp, dp_rank, mbs = layout.dp, layout.dp_rank, int(t["micro_batch_size"])
     mini = int(a["mini_batch_size"]) * int(cfg["rollout"]["n"])
-    if len(samples) % mini or mini % (dp * mbs):
+    if mini % (dp * mbs) or len(samples) % (dp * mbs):
         raise ValueError(
-            f"algorithm.mini_batch_size x rollout.n = {mini} samples must divide the train batch "
-            f"({len(samples)}) and be a multiple of dp x trainer.micro_batch_size = {dp * mbs}"
+            f"algorithm.mini_batch_size x rollout.n = {mini} samples and the train batch ({len(samples)}) must be "
+            f"multiples of dp x trainer.micro_batch_size = {dp * mbs}"
         )
     kl_coef = float(a.get("kl_coef") or 0.0)
     if kl_coef > 0 and reference is None:

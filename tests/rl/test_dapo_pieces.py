@@ -283,3 +283,12 @@ def test_rollout_micro_batch_aligns_response_values_with_their_targets():
     assert [v.tolist() for v in response_values(batch["lp"], batch)] == [[-1, -2, -3], [-4, -5]]
     with pytest.raises(ValueError, match="seq_length"):
         rollout_micro_batch([[1]], [[2, 3]], [[1, 1]], seq_length=2)
+
+
+def test_minibatch_shares_give_the_last_mini_batch_the_rest_of_a_partial_train_batch():
+    from afm_core.rl.batch import minibatch_shares
+
+    assert minibatch_shares(40, 32, 1, 0) == [list(range(32)), list(range(32, 40))]
+    assert minibatch_shares(12, 8, 2, 1) == [[1, 3, 5, 7], [9, 11]]
+    with pytest.raises(ValueError, match="DP ranks"):
+        minibatch_shares(10, 8, 4, 0)

@@ -187,7 +187,7 @@ def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
         trainer = build_policy_trainer(cfg, layout, chunks, Path(cfg["run_dir"]), 10)
         g = torch.Generator().manual_seed(0)
         samples = []
-        for i in range(4):  # two groups of two; observation tokens (mask 0) in the middle of each response
+        for i in range(cfg.get("_samples", 4)):  # groups of two; observation tokens (mask 0) mid-response
             prompt = torch.randint(0, 1000, (6,), generator=g).tolist()
             response = torch.randint(0, 1000, (10,), generator=g).tolist()
             samples.append(
@@ -204,10 +204,10 @@ def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
                     finish_reason="eos",
                 )
             )
-        advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+        advantages = torch.tensor([1.0, -1.0] * (len(samples) // 2))
 
         def mean_logprobs() -> list[float]:
-            (batch,) = sample_micro_batches(samples, 4, 16, 0)
+            (batch,) = sample_micro_batches(samples, len(samples), 16, 0)
             (res,) = compute_logprobs(trainer.model, [batch], temperature=1.0)
             masks = response_values(batch["response_mask"], batch)
             return [float(v[m.bool()].mean()) for v, m in zip(response_values(res["logprobs"], batch), masks)]
@@ -238,6 +238,25 @@ def test_a_policy_update_raises_the_logprobs_of_positive_advantage_samples_and_l
     deltas = [a - b for a, b in zip(result["after"], result["before"])]
     assert deltas[0] > 0 and deltas[2] > 0 and deltas[1] < 0 and deltas[3] < 0, deltas
     assert result["stats"]["optimizer_steps"] == 1 and result["stats"]["actor/tokens"] == 4 * 7
+
+
+@pytest.mark.slow
+def test_a_partial_train_batch_trains_its_last_mini_batch_on_the_remaining_groups(tmp_path):
+    """Dynamic sampling with ``allow_partial`` can hand over a number of groups that the mini-batch does not
+    divide (rl_demo: 5 groups of 8 for mini-batches of 4 groups): the last mini-batch takes the rest."""
+    cfg = _config(
+        tmp_path / "run",
+        "rollout.n=2",
+        "algorithm.mini_batch_size=2",
+        "algorithm.train_batch_size=4",
+        "algorithm.allow_partial=true",
+        "trainer.micro_batch_size=2",
+    )
+    cfg["_samples"] = 6  # 3 groups: mini-batches of 4 and 2 samples
+    out = tmp_path / "update.json"
+    mp.start_processes(_update_rank, args=(1, free_port(), cfg, str(out)), nprocs=1, join=True, start_method="spawn")
+    stats = json.loads(out.read_text())["stats"]
+    assert stats["optimizer_steps"] == 2 and stats["actor/tokens"] == 6 * 7
 
 
 # -- tools failing mid-rollout ----------------------------------------------------------------------------
