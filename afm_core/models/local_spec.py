@@ -53,6 +53,8 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from afm_core.train.host_memory import populate_for_write
+
 
 def _weight_grad(grad_sink: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """``a @ b``, the gradient of a weight: added into ``grad_sink`` (megatron DDP's fp32 ``main_grad``, as its
@@ -60,6 +62,7 @@ def _weight_grad(grad_sink: torch.Tensor | None, a: torch.Tensor, b: torch.Tenso
     no sink (autograd then stores it and DDP's hook adds it to ``main_grad``: one more tensor and pass)."""
     if grad_sink is None:
         return a @ b
+    populate_for_write(grad_sink)  # its pages may be released (zero_by_release): no zero-page faults
     grad_sink.addmm_(a, b)
     return None
 
