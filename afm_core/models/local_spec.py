@@ -53,6 +53,8 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from afm_core.train.host_memory import populate_for_write
+
 
 def _weight_grad(grad_sink: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """``a @ b``, the gradient of a weight: added into ``grad_sink`` (megatron DDP's fp32 ``main_grad``, as its
@@ -60,6 +62,7 @@ def _weight_grad(grad_sink: torch.Tensor | None, a: torch.Tensor, b: torch.Tenso
     no sink (autograd then stores it and DDP's hook adds it to ``main_grad``: one more tensor and pass)."""
     if grad_sink is None:
         return a @ b
+    populate_for_write(grad_sink)  # its pages may be released (zero_by_release): no zero-page faults
     grad_sink.addmm_(a, b)
     return None
 
@@ -97,23 +100,31 @@ class _RMSNormLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         x, rstd, gamma, weight = ctx.saved_tensors
-        x_hat = (x.float() * rstd).to(x.dtype)  # the normalised input, recomputed
+        h = x.shape[-1]
+        x_hat32 = x.float() * rstd  # the normalised input, recomputed (fp32)
+        x_hat = x_hat32.to(x.dtype)  # in the input dtype: x_hat32 itself when that is fp32
+        # one scratch tensor for the elementwise products (fp32 runs: three [t, h] temporaries in all, where each
+        # product had one of its own; each fresh one is a new mapping, faulted in page by page on CPU)
+        scratch = x_hat * gamma  # the norm's output, input of the weight's gradient
         g = grad_out.reshape(-1, grad_out.shape[-1])
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[2]:
-            grad_weight = _weight_grad(ctx.grad_sink, g.t(), (x_hat * gamma).reshape(-1, x.shape[-1]))
+            grad_weight = _weight_grad(ctx.grad_sink, g.t(), scratch.reshape(-1, h))
         if ctx.has_bias and ctx.needs_input_grad[3]:
             grad_bias = g.sum(0)
         grad_normed = grad_out @ weight  # partial over TP ranks: each holds a slice of the output
         if ctx.tp_group is not None:
             torch.distributed.all_reduce(grad_normed, group=ctx.tp_group)
-        grad_gamma = (grad_normed * x_hat).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        grad_gamma = None
+        if ctx.needs_input_grad[1]:
+            grad_gamma = torch.mul(grad_normed, x_hat, out=scratch).reshape(-1, h).sum(0)
         grad_x = None
         if ctx.needs_input_grad[0]:
             # d/dx of x * r, r = (mean(x^2) + eps)^-1/2:  r * (dy - x_hat * mean(dy * x_hat))
-            dy = (grad_normed * gamma).float()
-            x_hat32 = x.float() * rstd
-            grad_x = ((dy - x_hat32 * (dy * x_hat32).mean(-1, keepdim=True)) * rstd).to(x.dtype)
+            dy = grad_normed.mul_(gamma).float()  # grad_normed is spent: in place
+            product = torch.mul(dy, x_hat32, out=scratch) if scratch.dtype == dy.dtype else dy * x_hat32
+            mean = product.mean(-1, keepdim=True)
+            grad_x = dy.sub_(x_hat32.mul_(mean)).mul_(rstd).to(x.dtype)
         return grad_x, grad_gamma, grad_weight, grad_bias, None, None, None
 
 

@@ -19,14 +19,24 @@ here without changing what is computed:
   gradients into them, while the activations are being freed (HF frees its ``.grad`` tensors for the same
   reason: ``zero_grad(set_to_none=True)``).
 
-Both act only on Linux with glibc; elsewhere they fall back to the plain behaviour (no allocator change; a
-``zero_()`` write).
+* **Zero-page faults on the released buffer.** A gradient accumulated into that buffer (``main_grad.addmm_``,
+  ``add_``) reads each page before writing it: the read fault maps the kernel's shared zero page, the write then
+  faults again to copy it into a page of its own (copy-on-write, with a TLB flush across the process's
+  threads). Measured on this CPU VM, 2 threads: ``main_grad.addmm_`` of SmolLM2-135M's ``linear_fc1`` weight
+  (3072 x 576) takes 35 ms on released pages against 10 ms on resident ones. :func:`populate_for_write` maps
+  the pages of a tensor writable in one ``madvise(MADV_POPULATE_WRITE)`` call (``madvise(2)``, Linux 5.14)
+  right before it is written, so the pages still come back only when backward reaches them, without the
+  faults: 11 ms for the same ``addmm_``.
+
+All act only on Linux with glibc; elsewhere they fall back to the plain behaviour (no allocator change; a
+``zero_()`` write; no populating).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import logging
 import mmap
 import os
@@ -42,6 +52,7 @@ log = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MADV_DONTNEED = 4
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
 PAGE_BYTES = mmap.PAGESIZE
 DEFAULT_MMAP_THRESHOLD_BYTES = 256 * 1024  # blocks from here up get their own mapping, returned on free
 DEFAULT_TRIM_THRESHOLD_BYTES = 64 * 1024**2  # free heap top kept before it is given back
@@ -131,3 +142,27 @@ def zero_by_release(tensor: torch.Tensor) -> None:
         return
     flat[:head].zero_()
     flat[tail:].zero_()
+
+
+_POPULATE_UNSUPPORTED: list[bool] = []  # set once the kernel refused MADV_POPULATE_WRITE (before Linux 5.14)
+
+
+def populate_for_write(tensor: torch.Tensor) -> None:
+    """Map the pages under a contiguous CPU tensor writable (``madvise(MADV_POPULATE_WRITE)``) before a
+    read-modify-write such as ``tensor.addmm_(a, b)``: the pages a :func:`zero_by_release` gave back come back in
+    one call instead of two page faults each (module docstring). Contents are unchanged (zeros stay zeros);
+    pages already resident cost a page-table walk (about 50 us per 7 MiB). A no-op off Linux/glibc, for GPU or
+    non-contiguous tensors, and where the kernel does not know the advice."""
+    libc = _libc()
+    if libc is None or _POPULATE_UNSUPPORTED or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes < 4 * PAGE_BYTES:
+        return
+    start = tensor.data_ptr() // PAGE_BYTES * PAGE_BYTES
+    end = -(-(tensor.data_ptr() + nbytes) // PAGE_BYTES) * PAGE_BYTES
+    if libc.madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+        code = ctypes.get_errno()
+        if code == errno.EINVAL:  # a kernel without the advice
+            _POPULATE_UNSUPPORTED.append(True)
+        log.debug("madvise(MADV_POPULATE_WRITE) failed (errno %d)", code)

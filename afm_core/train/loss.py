@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from afm_core.train.host_memory import populate_for_write
+
 LOSS_KEY = "lm loss"
 
 
@@ -141,6 +143,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if grad_sink is not None
                 else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             )
+        if grad_sink is not None and want_weight:
+            populate_for_write(grad_sink)  # released pages (zero_by_release) come back without zero-page faults
         for a in range(0, m, chunk_rows):
             h, t = kept[a : a + chunk_rows], targets[a : a + chunk_rows]
             logits = (h @ weight.t()).float()

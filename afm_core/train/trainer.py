@@ -54,7 +54,7 @@ from afm_core.data.packing import block_causal_attention_mask
 from afm_core.train.checkpoint import Checkpointer
 from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
 from afm_core.train.distributed import ParallelLayout
-from afm_core.train.host_memory import zero_by_release
+from afm_core.train.host_memory import populate_for_write, zero_by_release
 from afm_core.train.metrics import MetricsLog, plot_losses, read_metrics
 from afm_core.train.objective import Objective, build_objective
 from afm_core.train.optim import build_optimizer
@@ -158,7 +158,22 @@ class _DistributedDataParallel(DistributedDataParallel):
     On CPU, :meth:`zero_grad_buffer` zeroes the fp32 grad buffers with
     :func:`~afm_core.train.host_memory.zero_by_release` instead of a write pass, so the buffer (4 bytes/param)
     is not resident during the forward pass, when the activations peak (see :mod:`afm_core.train.host_memory`).
+    The backward hook that adds an autograd gradient into ``main_grad`` first maps that slice of the released
+    buffer writable (:func:`~afm_core.train.host_memory.populate_for_write`), so the add does not fault on every
+    page twice.
     """
+
+    def _make_backward_post_hook(self, param: torch.nn.Parameter):
+        hook = super()._make_backward_post_hook(param)
+        if torch.cuda.is_available():
+            return hook
+
+        def populate_then_hook(*args: Any) -> None:
+            if param.grad is not None and getattr(param, "main_grad", None) is not None:
+                populate_for_write(param.main_grad)
+            hook(*args)
+
+        return populate_then_hook
 
     def zero_grad_buffer(self) -> None:
         if torch.cuda.is_available() or getattr(self.config, "cuda_graph_impl", "none") == "transformer_engine":
