@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from afm_core.rl.logprobs import response_logprobs
+from afm_core.rl.logprobs import batch_to_device, response_logprobs
 from afm_core.rl.losses import PolicyLossConfig, policy_loss
 
 STATS_KEY = "policy"
@@ -76,9 +76,7 @@ def policy_forward_step(
     the fp32 softmax passes skip the prompt, observation and padding rows, which no loss term reads)."""
 
     def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
-        batch = next(data_iterator)
-        device = next(model.parameters()).device
-        batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch = batch_to_device(next(data_iterator), next(model.parameters()).device)
         logits = model(batch["tokens"], batch["position_ids"], None, loss_mask=batch["response_mask"])
         return logits, partial(megatron_policy_loss, batch, config, temperature)
 

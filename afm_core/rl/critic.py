@@ -75,6 +75,8 @@ def values_forward_step(clip_range_value: float | None):
     """A megatron ``forward_step_func`` for the critic: next micro batch -> (values, value-loss func)."""
     from functools import partial
 
+    from afm_core.rl.logprobs import batch_to_device
+
     def loss_func(batch: dict[str, torch.Tensor], output: torch.Tensor):
         from afm_core.rl.losses import value_loss
 
@@ -90,9 +92,7 @@ def values_forward_step(clip_range_value: float | None):
         return loss_sum, batch["response_mask"].to(torch.bool).sum().to(torch.int), {STATS_KEY: stats}
 
     def forward_step(data_iterator: Any, model: torch.nn.Module):
-        batch = next(data_iterator)
-        device = next(model.parameters()).device
-        batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        batch = batch_to_device(next(data_iterator), next(model.parameters()).device)
         return model(batch["tokens"], batch["position_ids"], None), partial(loss_func, batch)
 
     return forward_step
@@ -105,7 +105,9 @@ def gae_per_sample(
 
     The trajectory's reward sits on its last model-generated token (never on an observation: a reward there
     would be skipped too); advantages are whitened over all response tokens of the batch
-    (:func:`afm_core.rl.advantages.gae_advantages`).
+    (:func:`afm_core.rl.advantages.gae_advantages`). A trajectory without a model-generated token (a rollout
+    that ended before its first token) has nothing to train: its advantages and returns are 0, as on the GRPO
+    path.
 
     Args:
         samples: the train batch (``reward``, ``response_mask``).
@@ -113,7 +115,7 @@ def gae_per_sample(
     Returns:
         ``(advantages, returns)``: per-token lists as long as each response (0 on observation tokens).
     Raises:
-        ValueError: a trajectory without a model-generated token, or values of the wrong length.
+        ValueError: values of the wrong length.
     """
     from afm_core.rl.advantages import gae_advantages
 
@@ -124,12 +126,12 @@ def gae_per_sample(
         if len(v) != len(s.response_mask):
             raise ValueError(f"trajectory {i}: {len(v)} values for {len(s.response_mask)} response tokens")
         generated = [j for j, m in enumerate(s.response_mask) if m]
-        if not generated:
-            raise ValueError(f"trajectory {i} ({s.uid}): no model-generated token to put its reward on")
-        rewards[i, generated[-1]] = float(s.reward)
+        if generated:  # else (e.g. a rollout that ended before its first token): nothing to train, advantage 0
+            rewards[i, generated[-1]] = float(s.reward)
         vals[i, : len(v)] = torch.tensor(v, dtype=torch.float32)
         mask[i, : len(v)] = torch.tensor(s.response_mask, dtype=torch.float32)
-    adv, returns = gae_advantages(rewards, vals, mask, gamma=gamma, lam=lam, whiten=True)
+    whiten = int(mask.sum()) >= 2  # whitening needs two model tokens in the batch (an all-empty batch has none)
+    adv, returns = gae_advantages(rewards, vals, mask, gamma=gamma, lam=lam, whiten=whiten)
     lengths = [len(s.response_mask) for s in samples]
     return [adv[i, :n].tolist() for i, n in enumerate(lengths)], [
         returns[i, :n].tolist() for i, n in enumerate(lengths)

@@ -233,11 +233,15 @@ def forward_only(
     return [{key: stacked[k, m] for k, key in enumerate(keys)} for m in range(len(micro_batches))]
 
 
+def batch_to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """``batch`` with every tensor moved to ``device`` (non-blocking); other values as they are."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def _forward_step(
     data_iterator: Any, model: torch.nn.Module, *, device: torch.device, per_token: Callable, rows_key: str | None
 ):
-    batch = next(data_iterator)
-    batch = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    batch = batch_to_device(next(data_iterator), device)
     rows = batch.get(rows_key) if rows_key else None
     if rows is None:
         output = model(batch["tokens"], batch["position_ids"], None)

@@ -58,8 +58,16 @@ def test_gae_puts_the_reward_on_the_last_model_token_and_skips_observations():
     # whitened over the 10 model tokens of the batch: 3 at +x, 7 at -y, mean 0
     model = [a for s, adv in zip(samples, advantages) for a, m in zip(adv, s.response_mask) if m]
     assert abs(sum(model)) < 1e-5 and len(model) == 10 and model[0] > 0 > model[-1]
-    with pytest.raises(ValueError, match="no model-generated token"):
-        gae_per_sample([_sample("c", 1.0, [0, 0])], [[0.0, 0.0]], gamma=1.0, lam=1.0)
+
+
+def test_gae_gives_a_trajectory_without_model_tokens_zero_advantage():
+    # an empty response (the rollout ended before its first token) beside a normal one; then a batch of only it
+    samples = [_sample("c", 1.0, []), _sample("d", 1.0, [1, 1, 0, 1])]
+    advantages, returns = gae_per_sample(samples, [[], [0.5, 0.5, 0.0, 0.5]], gamma=1.0, lam=1.0)
+    assert advantages[0] == returns[0] == [] and len(advantages[1]) == 4 and advantages[1][2] == 0.0
+    assert returns[1] == [1.0, 1.0, 0.0, 1.0]
+    advantages, returns = gae_per_sample([_sample("e", 1.0, [0, 0])], [[0.0, 0.0]], gamma=1.0, lam=1.0)
+    assert advantages == returns == [[0.0, 0.0]]
 
 
 # -- the critic's state ---------------------------------------------------------------------------------------
