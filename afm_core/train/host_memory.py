@@ -22,11 +22,11 @@ here without changing what is computed:
 * **Zero-page faults on the released buffer.** A gradient accumulated into that buffer (``main_grad.addmm_``,
   ``add_``) reads each page before writing it: the read fault maps the kernel's shared zero page, the write then
   faults again to copy it into a page of its own (copy-on-write, with a TLB flush across the process's
-  threads). Measured on this CPU VM, 2 threads: ``main_grad.addmm_`` of SmolLM2-135M's ``linear_fc1`` weight
-  (3072 x 576) takes 35 ms on released pages against 10 ms on resident ones. :func:`populate_for_write` maps
-  the pages of a tensor writable in one ``madvise(MADV_POPULATE_WRITE)`` call (``madvise(2)``, Linux 5.14)
-  right before it is written, so the pages still come back only when backward reaches them, without the
-  faults: 11 ms for the same ``addmm_``.
+  threads). Measured on a 2-core x86-64 Linux VM, 2 threads: ``main_grad.addmm_`` of SmolLM2-135M's
+  ``linear_fc1`` weight (3072 x 576) takes 35 ms on released pages against 10 ms on resident ones.
+  :func:`populate_for_write` maps the pages of a tensor writable in one ``madvise(MADV_POPULATE_WRITE)`` call
+  (``madvise(2)``, Linux 5.14) right before it is written, so the pages still come back only when backward
+  reaches them, without the faults: 11 ms for the same ``addmm_``.
 
 All act only on Linux with glibc; elsewhere they fall back to the plain behaviour (no allocator change; a
 ``zero_()`` write; no populating).
