@@ -12,7 +12,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from afm_core.train.checkpoint_dirs import COMPLETE_MARKER, complete_checkpoints, latest_complete_checkpoint
+from afm_core.train.checkpoint_dirs import (
+    COMPLETE_MARKER,
+    complete_checkpoints,
+    latest_complete_checkpoint,
+    stage_checkpoint,
+)
 from afm_core.train.loss import masked_token_loss, reduce_reports
 from afm_core.train.metrics import MetricsLog, plot_losses, read_metrics
 from afm_core.utils.paths import repo_root
@@ -90,6 +95,27 @@ def test_latest_complete_checkpoint_ignores_partial_ones(tmp_path):
     (tmp_path / "step_abc").mkdir()
     assert [s for s, _ in complete_checkpoints(tmp_path)] == [100, 200]
     assert latest_complete_checkpoint(tmp_path) == best
+
+
+def test_a_save_the_disk_cannot_hold_fails_before_writing(tmp_path, monkeypatch):
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    assert stage_checkpoint(tmp_path, 100).name == ".tmp-step_00000100"  # no checkpoint yet: nothing to estimate
+    latest = _make_checkpoint(tmp_path, 100)
+    (latest / "model.bin").write_bytes(b"x" * 4096)
+    (tmp_path / ".tmp-step_00000150").mkdir()  # a killed save
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(
+        OSError, match=r"no space for checkpoint step_00000200: .* step_00000100 is still the latest"
+    ) as err:
+        stage_checkpoint(tmp_path, 200)
+    assert err.value.errno == errno.ENOSPC and err.value.filename == str(tmp_path)
+    assert latest_complete_checkpoint(tmp_path) == latest and not list(tmp_path.glob(".tmp-*"))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 0, 10**9))
+    assert stage_checkpoint(tmp_path, 200).name == ".tmp-step_00000200"
 
 
 def test_metrics_log_resumes_without_duplicates(tmp_path):

@@ -15,6 +15,7 @@ as the latest one. What an engine writes inside is its own (:mod:`afm_core.train
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 import shutil
@@ -58,13 +59,47 @@ def staging_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"{_TMP_PREFIX}{checkpoint_dir_name(step)}"
 
 
+def directory_bytes(path: str | Path) -> int:
+    """Bytes of the regular files under ``path``, recursively."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+
+
+def check_free_space(root: str | Path, step: int) -> None:
+    """Fail before a save that the file system of ``root`` cannot hold: a full disk otherwise surfaces as an
+    engine's cryptic write error (``torch.save``: "unexpected pos ...") halfway through the staging dir. The
+    estimate is the size of the latest complete checkpoint (a job's checkpoints are the same size); with none
+    yet, nothing is checked.
+
+    Raises:
+        OSError: ``errno.ENOSPC``, naming ``root``, the bytes free and needed; nothing was written and the
+            latest complete checkpoint is untouched.
+    """
+    latest = latest_complete_checkpoint(root)
+    if latest is None:
+        return
+    needed, free = directory_bytes(latest), shutil.disk_usage(root).free
+    if free < needed:
+        raise OSError(
+            errno.ENOSPC,
+            f"no space for checkpoint {checkpoint_dir_name(step)}: {free / 2**30:.2f} GiB free, {latest.name} took "
+            f"{needed / 2**30:.2f} GiB. Nothing was written; {latest.name} is still the latest complete checkpoint. "
+            "Free space on this file system, or lower trainer.keep_last",
+            str(root),
+        )
+
+
 def stage_checkpoint(root: str | Path, step: int) -> Path:
-    """Rank 0, before a save: create ``root``, remove staging dirs of killed saves; returns :func:`staging_dir`
-    (not created: the engine's writer creates it)."""
+    """Rank 0, before a save: create ``root``, remove staging dirs of killed saves, check the free space
+    (:func:`check_free_space`); returns :func:`staging_dir` (not created: the engine's writer creates it).
+
+    Raises:
+        OSError: ``errno.ENOSPC`` from :func:`check_free_space`.
+    """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(f"{_TMP_PREFIX}*"):
         shutil.rmtree(stale, ignore_errors=True)
+    check_free_space(root, step)
     return staging_dir(root, step)
 
 
