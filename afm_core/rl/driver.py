@@ -505,6 +505,20 @@ def build_policy_trainer(
     )
 
 
+def check_batch_split(mini_batch: int, train_batch: int, dp: int, micro_batch_size: int) -> None:
+    """Every mini-batch and the train batch (in samples) must split evenly over the data-parallel ranks' micro
+    batches.
+
+    Raises:
+        ValueError: naming ``algorithm.mini_batch_size``, ``rollout.n`` and ``trainer.micro_batch_size``.
+    """
+    if mini_batch % (dp * micro_batch_size) or train_batch % (dp * micro_batch_size):
+        raise ValueError(
+            f"algorithm.mini_batch_size x rollout.n = {mini_batch} samples and the train batch ({train_batch}) must "
+            f"be multiples of dp x trainer.micro_batch_size = {dp * micro_batch_size}"
+        )
+
+
 def policy_update(
     trainer: Any,
     samples: Sequence[Sample],
@@ -540,11 +554,7 @@ def policy_update(
     layout = trainer.layout
     dp, dp_rank, mbs = layout.dp, layout.dp_rank, int(t["micro_batch_size"])
     mini = int(a["mini_batch_size"]) * int(cfg["rollout"]["n"])
-    if mini % (dp * mbs) or len(samples) % (dp * mbs):
-        raise ValueError(
-            f"algorithm.mini_batch_size x rollout.n = {mini} samples and the train batch ({len(samples)}) must be "
-            f"multiples of dp x trainer.micro_batch_size = {dp * mbs}"
-        )
+    check_batch_split(mini, len(samples), dp, mbs)
     kl_coef = float(a.get("kl_coef") or 0.0)
     if kl_coef > 0 and reference is None:
         raise ValueError("algorithm.kl_coef > 0 needs the reference policy's chunks")
@@ -740,6 +750,8 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
     layout = init_distributed(OmegaConf.create(cfg["parallel"]), seed=int(t["seed"]), num_threads=t.get("num_threads"))
     actor = None
     try:
+        # before any model or engine starts, not after the first rollout step's generation
+        check_batch_split(int(a["mini_batch_size"]) * n, train_bs * n, layout.dp, int(t["micro_batch_size"]))
         resume_path = find_resume_checkpoint(run_dir, cfg.get("resume"))
         dtype = training_dtype(t["precision"])
         chunks, hf_config = build_policy_model(hf_dir, layout, params_dtype=dtype, load_weights=resume_path is None)

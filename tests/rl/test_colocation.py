@@ -6,6 +6,8 @@
   rejected request into an EngineError and aborts a cancelled one without stopping the others;
 - ``recipe=rl_smoke`` on two ranks at Megatron TP=2 with ONE vLLM TP=2 engine whose shards live in both ranks
   (rank 1 follows rank 0's engine steps), with vLLM's logprobs equal to the trainer's after every sync;
+- the same at DP=2: one vLLM TP=1 engine per rank, each generating its share of the prompts, the groups gathered
+  for training, and a batch that does not split over the ranks refused before the engines start;
 - on a CUDA machine (marked ``gpu``, skipped here): the same job with sleep mode, and a sync into a sleeping
   engine.
 """
@@ -187,6 +189,25 @@ def test_rl_smoke_with_one_vllm_tp2_engine_sharded_over_two_trainer_ranks(tmp_pa
     for r in records:
         assert r["gen_batches"] >= 1 and r["optimizer_steps"] == 2
         assert r["logprob_gap_vllm_trainer"] <= 1e-3, "the TP-sharded engine serves the trainer's weights"
+
+
+@pytest.mark.slow
+def test_rl_smoke_with_one_vllm_engine_per_data_parallel_rank_splits_the_prompts_and_gathers_the_groups(tmp_path):
+    from torch.multiprocessing import ProcessRaisedException
+
+    dp2 = ("parallel.tp=1", "trainer.max_steps=2", "trainer.num_threads=1")
+    # a mini-batch of 1 group x n=2 does not split into 2 ranks x 2 micro batches: refused before any engine starts
+    with pytest.raises(ProcessRaisedException, match=r"dp x trainer.micro_batch_size = 4"):
+        _run(_config(tmp_path / "bad", *dp2, "trainer.micro_batch_size=2"), world=2)
+    assert not (tmp_path / "bad" / "metrics.jsonl").exists()
+    cfg = _config(tmp_path / "run", *dp2, "trainer.micro_batch_size=1")
+    summary = _run(cfg, world=2)
+    assert summary["step"] == 2
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["gen_batches"] == 1 and r["optimizer_steps"] == 2
+        assert r["logprob_gap_vllm_trainer"] <= 1e-3, "both engines serve the trainer's weights"
 
 
 # -- GPU (skipped without CUDA) -------------------------------------------------------------------------------
