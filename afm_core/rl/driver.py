@@ -698,6 +698,19 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
+def node_tool_urls(gathered: Sequence[tuple[str, int, dict[str, str]]], node: str) -> dict[str, str]:
+    """The tool server URLs that the first rank (local rank 0) of ``node`` started or read, from every rank's
+    ``(node, local_rank, urls)``.
+
+    Raises:
+        RuntimeError: no rank of ``node`` has local rank 0 (a launcher that does not set ``LOCAL_RANK`` per node).
+    """
+    for where, local_rank, urls in gathered:
+        if where == node and local_rank == 0:
+            return urls
+    raise RuntimeError(f"no rank with LOCAL_RANK=0 on node {node}: nobody started its tool servers")
+
+
 def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None] | None = None) -> dict[str, Any]:
     """DAPO with tool rollouts on this rank (see the module docstring); every rank of the job calls it.
 
@@ -714,6 +727,7 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
         afm_core.rl.dynamic_sampling.DynamicSamplingExhausted: ``max_num_gen_batches`` batches did not fill a
             train batch.
     """
+    from afm_core.launch.placement import this_node
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.colocation import lockstep_group, select_colocation
     from afm_core.rl.critic import Critic
@@ -792,9 +806,12 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
         graders = {task.meta.get("grader") for task in tasks}
         simulated = cfg["rollout"].get("environment", "real") == "simulated"  # no tool servers: a model answers
         names = needed_servers(() if simulated else family, graders, cfg["tools"])
-        # rank 0 starts the servers (or reads the addresses file) and tells the others where they are
-        with tool_servers(cfg, names if layout.is_rank0 else [], run_dir / "logs" / "tool_servers") as local_urls:
-            urls = _broadcast(dict(local_urls))
+        # the first rank of each node starts the servers on its loopback (or reads the addresses file) and tells
+        # its node's other ranks where they are: no sandbox is exposed to the network, no tool call leaves its node
+        node, nodes = this_node(), sorted(set(_gather(this_node())))
+        log_dir = run_dir / "logs" / "tool_servers" / (node if len(nodes) > 1 else "")
+        with tool_servers(cfg, names if layout.local_rank == 0 else [], log_dir) as local_urls:
+            urls = node_tool_urls(_gather((node, layout.local_rank, dict(local_urls))), node)
             colocation = select_colocation(
                 cfg.get("colocation"), cfg["engine"], on_gpu=layout.on_gpu, rank=layout.rank,
                 world_size=layout.world_size,

@@ -22,6 +22,7 @@ from afm_core.launch.distributed import free_port
 from afm_core.rl.driver import (
     PromptStream,
     RolloutActor,
+    node_tool_urls,
     parse_schedule,
     rollout_metrics,
     shaped_reward,
@@ -88,6 +89,18 @@ def test_the_prompt_stream_resumes_at_its_saved_position_across_epochs():
     assert a.take(6) == b.take(6)
     uids = [uid for uid, _ in PromptStream(5, seed=3).take(12)]
     assert len(set(uids)) == 12, "uids stay unique when the data wraps"
+
+
+def test_each_rank_uses_the_tool_servers_of_its_own_nodes_first_rank():
+    gathered = [
+        ("n1", 0, {"sandbox": "http://127.0.0.1:8001"}),
+        ("n1", 1, {}),
+        ("n2", 0, {"sandbox": "http://127.0.0.1:9002"}),
+    ]
+    assert node_tool_urls(gathered, "n1") == {"sandbox": "http://127.0.0.1:8001"}
+    assert node_tool_urls(gathered, "n2") == {"sandbox": "http://127.0.0.1:9002"}
+    with pytest.raises(RuntimeError, match="no rank with LOCAL_RANK=0 on node n3"):
+        node_tool_urls(gathered, "n3")
 
 
 def test_the_reward_is_score_times_format_with_the_overlong_penalty():

@@ -1,7 +1,7 @@
 """The RL job on the real local Slurm cluster (acceptance g): ``python -m jobs.rl recipe=rl_smoke cluster=slurm``
 preempted twice by ``scancel --signal=USR2`` completes with every rollout step exactly once in metrics.jsonl, and
 its last checkpoint's data position (prompt stream, dynamic sampler), stage and step equal those of the same run
-left uninterrupted.
+left uninterrupted; and the same job on two nodes (DP=2), with a vLLM engine and the tool servers on each node.
 
 Every run goes through the real CLI; the job starts its own sandbox server and vLLM engine inside the
 allocation. Run these with the cluster lock held: ``flock /tmp/afm-slurm.lock .venv/bin/python -m pytest
@@ -107,3 +107,15 @@ def test_rl_smoke_preempted_twice_on_slurm_logs_every_step_once_with_the_uninter
         ["sacct", "-D", "-X", "-n", "-P", "-o", "State", "-j", job_id], capture_output=True, text=True, check=True
     ).stdout.split()
     assert history.count("REQUEUED") == 2 and history[-1] == "COMPLETED"
+
+
+def test_rl_smoke_on_two_nodes_runs_an_engine_and_its_own_tool_servers_on_each_node(tmp_path):
+    run_dir = tmp_path / "two-nodes"
+    submit_rl(run_dir, "cluster.nodes=2", "cluster.tasks_per_node=1", "parallel.tp=1", "trainer.micro_batch_size=1")
+    wait_finished(run_dir, timeout_s=1200)
+    assert read_job_record(run_dir / "logs")["start"]["ranks"] == {"afm-n1": [0], "afm-n2": [1]}
+    assert steps(run_dir) == list(range(1, MAX_STEPS + 1))
+    for record in read_metrics(run_dir / "metrics.jsonl"):
+        assert record["logprob_gap_vllm_trainer"] <= 1e-3, "each node's engine serves the trainer's weights"
+    # the first rank of each node started its node's sandbox on loopback: no tool call crosses nodes
+    assert sorted(p.name for p in (run_dir / "logs" / "tool_servers").iterdir()) == ["afm-n1", "afm-n2"]
