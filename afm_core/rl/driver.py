@@ -808,8 +808,9 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
         names = needed_servers(() if simulated else family, graders, cfg["tools"])
         # the first rank of each node starts the servers on its loopback (or reads the addresses file) and tells
         # its node's other ranks where they are: no sandbox is exposed to the network, no tool call leaves its node
-        node, nodes = this_node(), sorted(set(_gather(this_node())))
-        log_dir = run_dir / "logs" / "tool_servers" / (node if len(nodes) > 1 else "")
+        node, log_dir = this_node(), run_dir / "logs" / "tool_servers"
+        if len(set(_gather(node))) > 1:  # a job across nodes: one log folder per node
+            log_dir /= node
         with tool_servers(cfg, names if layout.local_rank == 0 else [], log_dir) as local_urls:
             urls = node_tool_urls(_gather((node, layout.local_rank, dict(local_urls))), node)
             colocation = select_colocation(
