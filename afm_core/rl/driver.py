@@ -328,6 +328,13 @@ class RolloutActor:
             "max_model_len": int(max_model_len),
             "worker_extension_cls": EXTENSION,
         }
+        from afm_core.train.distributed import training_dtype
+
+        if (
+            engine_cfg.get("dtype", "auto") == "auto"
+            and training_dtype(self.cfg["trainer"]["precision"]) == torch.float32
+        ):
+            engine_cfg["dtype"] = "float32"  # an fp32 trainer gets fp32 rollouts: logprobs agree to ~1e-5 (TIS, tests)
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         self.engine = self.run(build_engine(engine_cfg, self.hf_dir, self.tokenizer))
         set_num_threads(threads)  # vLLM may patch torch's thread setter; the trainer keeps its threads

@@ -9,7 +9,14 @@ before the engine starts (from vLLM's CPU backend docs and ``vllm/platforms/cpu.
   ``vllm/platforms/cpu.py``) still wins when the user sets it;
 - an inductor cache under ``$AFM_CACHE`` (``TORCHINDUCTOR_CACHE_DIR``): vLLM compiles its sampler with
   inductor once (~15 s cold), then reuses it;
-- ``enforce_eager`` (no CUDA graphs, no model compile) and fp32 by default;
+- the engine's OpenMP threads (``cpu_threads``): vLLM binds its worker to one core per physical core *minus one
+  reserved for the scheduler* (``vllm/utils/ompmultiprocessing.py``, ``OMPProcessManager``), which on a 2-core
+  machine halves decoding; ``VLLM_CPU_OMP_THREADS_BIND`` is set to the cores this process may use instead;
+- bf16 weights and KV cache where the CPU multiplies bf16 natively (AVX512-BF16 or AMX: vLLM's oneDNN GEMMs and
+  its CPU attention then move half the bytes), else fp32;
+- eager execution unless ``enforce_eager=false`` asks for vLLM's CPU compile path (``vllm/platforms/cpu.py``: dynamo
+  traced once, inductor's C++ backend, no Triton; RMSNorm, SiLU-and-mul and the residual adds fused), which costs
+  a compile of a minute or more at engine start on a cold cache (``VLLM_CACHE_ROOT`` under ``$AFM_CACHE``);
 - no per-request seeds: when chunked prefill splits a seeded request, vLLM rewinds its generator with
   ``torch.Generator.set_offset`` (``vllm/v1/worker/gpu_model_runner.py``, ``sample_tokens``), which CPU
   generators do not have ("CPU Generator does not use offset" kills the engine). Requests then draw from
@@ -57,14 +64,19 @@ class VLLMConfig:
 
     Attributes:
         model: an HF checkpoint directory (config.json, safetensors, tokenizer).
-        dtype: ``auto`` (bf16 on GPU, fp32 on CPU), ``float32``, ``bfloat16``, ``float16``.
+        dtype: ``auto`` (bf16 on GPU and on CPUs with native bf16 matmuls, else fp32), ``float32``,
+            ``bfloat16``, ``float16``.
         max_model_len: context length in tokens (prompt + response).
         tensor_parallel_size: vLLM TP degree.
         gpu_memory_utilization: GPU only: fraction of GPU memory vLLM may take.
         cpu_kv_cache_gib: CPU only: KV-cache size in GiB, fractions allowed (``kv_cache_memory_bytes``).
         max_num_seqs: sequences batched at once.
         enable_prefix_caching: reuse the KV of shared prompt prefixes (the long task prompt).
-        enforce_eager: no CUDA graphs / no compile of the model (always on for CPU).
+        enforce_eager: no CUDA graphs / no compile of the model; None: eager on CPU (no inductor compile at
+            start), compiled on GPU.
+        cpu_threads: CPU only: OpenMP threads of the engine's worker, bound to this process's first
+            ``cpu_threads`` allowed cores; None: all of them (``os.sched_getaffinity``). A user's
+            ``VLLM_CPU_OMP_THREADS_BIND`` wins.
         seed: the engine's sampling seed.
         logprobs_mode: ``processed_logprobs`` (after temperature/top-p, comparable with a trainer that
             applies the same temperature) or ``raw_logprobs``.
@@ -86,7 +98,8 @@ class VLLMConfig:
     cpu_kv_cache_gib: float = 1.0
     max_num_seqs: int = 128
     enable_prefix_caching: bool = True
-    enforce_eager: bool = False
+    enforce_eager: bool | None = None
+    cpu_threads: int | None = None
     seed: int = 0
     logprobs_mode: str = "processed_logprobs"
     worker_extension_cls: str | None = None
@@ -122,10 +135,38 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def prepare_cpu_environment() -> None:
-    """Environment vLLM-CPU reads at engine start (set only where the user has not set them)."""
+def prepare_cpu_environment(cpu_threads: int | None = None) -> list[int]:
+    """Environment vLLM-CPU reads at engine start (set only where the user has not set them).
+
+    Returns:
+        The cores the engine's worker is bound to (``VLLM_CPU_OMP_THREADS_BIND``).
+
+    Raises:
+        ValueError: ``cpu_threads`` < 1 or more than the cores this process may use.
+    """
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    os.environ.setdefault("VLLM_CACHE_ROOT", str(cache_dir() / "vllm"))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    allowed = sorted(os.sched_getaffinity(0))
+    if cpu_threads is not None and not 1 <= cpu_threads <= len(allowed):
+        raise ValueError(
+            f"engine.cpu_threads must be in [1, {len(allowed)}] (the cores this process may use), got {cpu_threads}"
+        )
+    cores = allowed[: cpu_threads or len(allowed)]
+    global _bind_set_here
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") in (None, _bind_set_here):  # unset, or set by an earlier engine
+        _bind_set_here = os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+    return cores
+
+
+_bind_set_here: str | None = None  # the VLLM_CPU_OMP_THREADS_BIND this module set (a user's value is left alone)
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX tiles: ``torch.cpu`` capability checks)."""
+    import torch
+
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 @contextlib.contextmanager
@@ -160,15 +201,17 @@ def modules_hidden_from_vllms_kernel_scan() -> Iterator[None]:
 
 
 def engine_args(cfg: VLLMConfig) -> dict[str, Any]:
-    """vLLM engine arguments of ``cfg`` on this platform (CPU: fp32, eager, a KV-cache size in bytes).
+    """vLLM engine arguments of ``cfg`` on this platform (CPU: bf16 where native, a KV-cache size in bytes).
 
     Raises:
         ValueError: ``cpu_kv_cache_gib <= 0`` or sleep mode on CPU.
     """
     on_gpu = cuda_available()
     if not on_gpu:
-        prepare_cpu_environment()
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+        prepare_cpu_environment(cfg.cpu_threads)
+    dtype = cfg.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if on_gpu or cpu_has_native_bf16() else "float32"
     args: dict[str, Any] = dict(
         model=cfg.model,
         tokenizer=cfg.model,
@@ -177,7 +220,7 @@ def engine_args(cfg: VLLMConfig) -> dict[str, Any]:
         tensor_parallel_size=cfg.tensor_parallel_size,
         max_num_seqs=cfg.max_num_seqs,
         enable_prefix_caching=cfg.enable_prefix_caching,
-        enforce_eager=cfg.enforce_eager or not on_gpu,
+        enforce_eager=(not on_gpu) if cfg.enforce_eager is None else cfg.enforce_eager,
         seed=cfg.seed,
         logprobs_mode=cfg.logprobs_mode,
     )

@@ -43,6 +43,44 @@ def loop_and_engine(tiny_llama):
     loop.close()
 
 
+def test_the_engine_worker_runs_one_openmp_thread_per_core_this_job_may_use(loop_and_engine):
+    # vLLM's own binding reserves a core for its scheduler: on 2 cores every worker thread sat on core 0
+    import os
+
+    import psutil
+
+    loop, engine, _ = loop_and_engine
+    loop.run_until_complete(engine.generate([1, 2, 3], SamplingConfig(max_tokens=4), "omp"))  # OpenMP threads exist
+    workers = [p for p in psutil.Process().children(recursive=True) if p.name() == "VLLM::Worker"]
+    assert workers, "no vLLM worker process under this one"
+    bound = {core for thread in workers[0].threads() for core in os.sched_getaffinity(thread.id)}
+    assert bound == set(os.sched_getaffinity(0))
+
+
+def test_cpu_engine_settings_bf16_only_where_native_eager_by_default_and_a_users_binding_wins(monkeypatch):
+    import os
+
+    from afm_core.rollout import vllm_engine
+    from afm_core.rollout.vllm_engine import VLLMConfig, engine_args
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(vllm_engine, "_bind_set_here", None)
+    monkeypatch.setattr(vllm_engine, "cuda_available", lambda: False)
+    for native, dtype in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(vllm_engine, "cpu_has_native_bf16", lambda native=native: native)
+        args = engine_args(VLLMConfig(model="m"))
+        assert args["dtype"] == dtype and args["enforce_eager"] is True
+    first = sorted(os.sched_getaffinity(0))[0]
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    engine_args(VLLMConfig(model="m", cpu_threads=1, enforce_eager=False))
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == str(first)  # our own earlier value is replaced
+    with pytest.raises(ValueError, match=r"engine\.cpu_threads must be in"):
+        engine_args(VLLMConfig(model="m", cpu_threads=10_000))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")  # the user's: left alone
+    assert engine_args(VLLMConfig(model="m", enforce_eager=False))["enforce_eager"] is False
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "auto"
+
+
 def test_generation_keeps_the_stop_string_and_returns_sampled_logprobs(loop_and_engine):
     loop, engine, tokenizer = loop_and_engine
     prompt = encode_prompt(tokenizer, "Say something.")
