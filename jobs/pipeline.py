@@ -52,7 +52,7 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
     except PipelineError as err:
         print(f"jobs.pipeline: {err}", file=sys.stderr)
         raise SystemExit(1) from None
-    print(json.dumps({"run_dir": summary["run_dir"], "hf_dir": summary["hf_dir"]}, indent=2))
+    print(json.dumps({k: v for k, v in summary.items() if k != "stages"}, indent=2, default=str))
     return summary
 
 

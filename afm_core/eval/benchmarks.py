@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 #: Keys of a preset file; the sampling keys are null to use the run's ``eval.*`` defaults.
 PRESET_KEYS = ("name", "loader", "path", "task", "grader", "k", "temperature", "top_p", "max_response_tokens",
-               "max_tool_calls", "limit", "max_calculator_steps", "description")  # fmt: skip
+               "max_tool_calls", "skip", "limit", "max_calculator_steps", "description")  # fmt: skip
 SAMPLING_KEYS = ("k", "temperature", "top_p", "max_response_tokens", "max_tool_calls", "limit")
 
 
@@ -259,6 +259,7 @@ def load_preset(name: str, data_dir: Path | None = None) -> Benchmark:
     loader = preset["loader"]
     grader = None if loader == "rl_file" and preset.get("grader") is None else preset["grader"]
     tasks, skipped = _load(name, path, loader, preset["task"], grader)
+    tasks = tasks[int(preset.get("skip") or 0) :]  # the file's first records (e.g. another job's training data)
     if preset.get("max_calculator_steps") is not None:
         tasks = within_calculator_steps(tasks, preset["max_calculator_steps"])
     settings = {k: preset[k] for k in SAMPLING_KEYS if preset.get(k) is not None}

@@ -85,10 +85,14 @@ def plot_metrics(metrics: Mapping[str, Mapping[str, Any]], png_path: Path) -> No
     plt.close(fig)
 
 
-def compare_runs(run_a: Path, run_b: Path) -> str:
-    """A table of per-benchmark avg@k deltas (B − A) with standard errors, from the two runs' samples.
+def compare_scores(run_a: Path, run_b: Path) -> list[dict[str, Any]]:
+    """Per-benchmark avg@k deltas (B − A) with standard errors, from the two runs' ``samples.jsonl``.
 
     Problems present in both runs are paired (SE of the per-problem differences); the rest are unpaired.
+
+    Returns:
+        One dict per benchmark: ``benchmark``, ``n_paired``, ``a``, ``b``, ``delta``, ``se``, ``z`` (fractions,
+        not points; ``z`` is NaN when the SE is 0).
 
     Raises:
         FileNotFoundError: a run has no ``samples.jsonl``.
@@ -105,10 +109,8 @@ def compare_runs(run_a: Path, run_b: Path) -> str:
         for s in read_samples(path):
             scores.setdefault((s["benchmark"], str(s["problem_id"])), []).append(float(s["score"]))
         per.append(scores)
-    benchmarks = sorted({b for b, _ in per[0]} | {b for b, _ in per[1]})
-    rows = [f"A = {run_a}", f"B = {run_b}", "",
-            "| benchmark | n paired | A avg | B avg | B − A | SE | z |", "|---|---|---|---|---|---|---|"]  # fmt: skip
-    for bench in benchmarks:
+    out = []
+    for bench in sorted({b for b, _ in per[0]} | {b for b, _ in per[1]}):
         a = {p: sum(v) / len(v) for (b, p), v in per[0].items() if b == bench}
         b = {p: sum(v) / len(v) for (bb, p), v in per[1].items() if bb == bench}
         common = sorted(set(a) & set(b))
@@ -122,6 +124,20 @@ def compare_runs(run_a: Path, run_b: Path) -> str:
             delta = mean_b - mean_a
             se = math.hypot(standard_error(list(a.values())), standard_error(list(b.values())))
         z = delta / se if se > 0 else math.nan
-        rows.append(f"| {bench} | {len(common)} | {100 * mean_a:.1f} | {100 * mean_b:.1f} | {100 * delta:+.1f} | "
-                    f"{100 * se:.1f} | {z:+.2f} |")  # fmt: skip
+        out.append({"benchmark": bench, "n_paired": len(common), "a": mean_a, "b": mean_b, "delta": delta, "se": se,
+                    "z": z})  # fmt: skip
+    return out
+
+
+def compare_runs(run_a: Path, run_b: Path) -> str:
+    """:func:`compare_scores` as a markdown table (points).
+
+    Raises:
+        FileNotFoundError: a run has no ``samples.jsonl``.
+    """
+    rows = [f"A = {run_a}", f"B = {run_b}", "",
+            "| benchmark | n paired | A avg | B avg | B − A | SE | z |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in compare_scores(run_a, run_b):
+        rows.append(f"| {r['benchmark']} | {r['n_paired']} | {100 * r['a']:.1f} | {100 * r['b']:.1f} | "
+                    f"{100 * r['delta']:+.1f} | {100 * r['se']:.1f} | {r['z']:+.2f} |")  # fmt: skip
     return "\n".join(rows)

@@ -32,6 +32,7 @@ from afm_core.rewards.base import extract_answer
 from afm_core.rewards.code import extract_program
 from afm_core.rewards.math import _normalize as normalize_math
 from afm_core.rollout import AgentConfig, AgentLoop, AgentTask, Rollout, SamplingConfig
+from afm_core.rollout.agent_loop import sample_seed
 from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
 from afm_core.utils.aio import run_with_tools
 from afm_core.utils.atomic import atomic_write_json
@@ -167,6 +168,8 @@ async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: l
                                     question=task.question, meta=task.meta)  # fmt: skip
         writer.write(sample_record(rollout, grade))
 
+    seed_base = int(ev.get("seed") or 0)  # another seed draws other samples (GPU: per request; CPU: engine.seed)
+
     async def run_benchmark_items() -> None:
         from tqdm import tqdm
 
@@ -178,7 +181,7 @@ async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: l
                 if _stop_requested:
                     return
                 loop, _ = loops[task.meta["benchmark"]]
-                rollout = await loop.run(task, sample, seed=None)
+                rollout = await loop.run(task, sample, seed=sample_seed(task.id, sample, seed_base))
                 await grade_and_write(rollout)
                 bar.update(1)
 

@@ -1,16 +1,22 @@
-"""A chain of training stages, each a job of its own, each stage's HF export the next stage's model.
+"""A chain of stages, each a job of its own, each training stage's HF export the next stages' model.
 
 ``python -m jobs.pipeline recipe=autocoa_demo`` reads ``stages`` (``conf/pipeline.yaml``, a recipe fills it)::
 
     stages:
       - {name: sft_stage1, job: sft, recipe: autocoa_stage1, overrides: [trainer.max_steps=12]}
       - {name: rl_stage1, job: rl, recipe: autocoa_rl_stage1, overrides: []}
+      - {name: after, job: eval, overrides: ["benchmark_files=[@{slice}/rl_data.parquet]"]}
 
 and runs them in order. Stage ``i`` is the stage's own entry point, ``python -m jobs.<job>`` (so it is submitted
 through submitit on ``cluster=local|slurm`` and checkpoints, requeues and resumes exactly as when run by hand), with
 ``hydra.run.dir=RUN_DIR/<i>_<name>``, ``recipe=<recipe>``, the pipeline's ``overrides`` (every stage), the stage's
-``overrides``, the pipeline's cluster settings, ``cluster.wait=true`` and, from the second stage on,
-``model.hf_path=<the previous stage's RUN_DIR/hf>`` (the HF export every SFT and RL run writes when it completes).
+``overrides``, the pipeline's ``job_overrides[<job>]`` (every stage of that job, e.g. a test's tiny sizes), the
+pipeline's cluster settings, ``cluster.wait=true`` and ``model.hf_path=<RUN_DIR/hf of a training
+stage>``: the stage named by the stage's ``model`` key, else the last training stage (``sft``, ``rl``) before it
+(none before the first). ``@{name}`` in an override is the run dir of the earlier stage ``name`` (an ``eval`` or
+``filter_rl`` stage reads what another wrote: ``rl_data.parquet``, ``samples.jsonl``). A training stage is finished
+when its HF export exists, an ``eval`` stage when its ``metrics.json`` does, a ``filter_rl`` stage when its
+``filter_report.json`` does.
 
 Resume: a chain holds ``RUN_DIR/pipeline.lock`` (``flock``) while it runs, so a second chain on the same run dir
 fails at once. ``RUN_DIR/pipeline.json`` records each finished stage (its spec, command, run dir, export, seconds, load
@@ -21,7 +27,9 @@ it stopped. A finished stage whose spec has changed since is an error (its succe
 
 Before the first stage runs, every stage's config is composed (and an SFT stage's checked against its schema), so a
 bad override fails at once, not hours later. At the end ``RUN_DIR/summary.md`` / ``summary.json`` hold each stage's
-wall time and headline metrics (:func:`stage_metrics`).
+wall time and headline metrics (:func:`stage_metrics`); a ``report`` (a dotted path of a function
+``report(run_dir, stages) -> dict``, e.g. :func:`afm_core.rl.demo.rl_demo_report`) adds its keys to
+``summary.json``.
 """
 
 from __future__ import annotations
@@ -41,7 +49,16 @@ from typing import Any
 
 from afm_core.utils.atomic import atomic_write_json, atomic_write_text
 
-JOBS = {"sft": "jobs.sft", "rl": "jobs.rl"}
+JOBS = {"sft": "jobs.sft", "rl": "jobs.rl", "eval": "jobs.eval", "filter_rl": "jobs.filter_rl"}
+TRAINING_JOBS = ("sft", "rl")
+# What a finished stage leaves in its run dir (training stages: the HF export's config.json).
+FINISHED_MARKER = {
+    "sft": "hf/config.json",
+    "rl": "hf/config.json",
+    "eval": "metrics.json",
+    "filter_rl": "filter_report.json",
+}
+_STAGE_REF_RE = re.compile(r"@\{([A-Za-z0-9][A-Za-z0-9_.-]*)\}")
 STATE_FILE = "pipeline.json"
 LOCK_FILE = "pipeline.lock"
 STATE_VERSION = 1
@@ -58,15 +75,17 @@ class StageSpec:
 
     Attributes:
         name: unique in the chain; names the stage's run dir ``<i>_<name>``.
-        job: ``sft`` or ``rl``.
+        job: ``sft``, ``rl``, ``eval`` or ``filter_rl``.
         recipe: a ``conf/recipe`` name, or None.
-        overrides: Hydra overrides of this stage.
+        overrides: Hydra overrides of this stage; ``@{name}`` is an earlier stage's run dir.
+        model: the earlier training stage whose HF export is this stage's model; None: the last one before it.
     """
 
     name: str
     job: str
     recipe: str | None = None
     overrides: tuple[str, ...] = ()
+    model: str | None = None
 
 
 def parse_stages(stages: Sequence[Mapping[str, Any]] | None) -> list[StageSpec]:
@@ -80,9 +99,9 @@ def parse_stages(stages: Sequence[Mapping[str, Any]] | None) -> list[StageSpec]:
     specs, seen = [], set()
     for i, entry in enumerate(stages):
         where = f"stages[{i}]"
-        unknown = set(entry) - {"name", "job", "recipe", "overrides"}
+        unknown = set(entry) - {"name", "job", "recipe", "overrides", "model"}
         if unknown:
-            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; expected name, job, recipe, overrides")
+            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; expected name, job, recipe, overrides, model")
         name = entry.get("name")
         if not isinstance(name, str) or not _NAME_RE.match(name):
             raise ValueError(f"{where}.name={name!r}: letters, digits, '_', '-' and '.' only")
@@ -95,7 +114,14 @@ def parse_stages(stages: Sequence[Mapping[str, Any]] | None) -> list[StageSpec]:
         overrides = entry.get("overrides") or []
         if not all(isinstance(o, str) for o in overrides):
             raise ValueError(f"{where}.overrides: a list of Hydra override strings")
-        specs.append(StageSpec(name, job, entry.get("recipe"), tuple(overrides)))
+        for ref in (r for o in overrides for r in _STAGE_REF_RE.findall(o)):
+            if ref not in seen - {name}:
+                raise ValueError(f"{where}.overrides: @{{{ref}}} names no earlier stage")
+        model = entry.get("model")
+        trained = {s.name for s in specs if s.job in TRAINING_JOBS}
+        if model is not None and model not in trained:
+            raise ValueError(f"{where}.model={model!r}: not an earlier training stage ({', '.join(sorted(trained))})")
+        specs.append(StageSpec(name, job, entry.get("recipe"), tuple(overrides), model))
     return specs
 
 
@@ -119,13 +145,23 @@ def stage_dir(run_dir: Path, index: int, spec: StageSpec) -> Path:
 
 
 def stage_overrides(
-    spec: StageSpec, directory: Path, *, common: Sequence[str], cluster: Sequence[str], model_hf_path: str | None
+    spec: StageSpec,
+    directory: Path,
+    *,
+    common: Sequence[str],
+    cluster: Sequence[str],
+    model_hf_path: str | None,
+    stage_dirs: Mapping[str, Path] | None = None,
+    per_job: Sequence[str] = (),
 ) -> list[str]:
-    """The Hydra overrides of one stage's job (module docstring), in the order they apply."""
+    """The Hydra overrides of one stage's job (module docstring), in the order they apply; ``@{name}`` becomes
+    ``stage_dirs[name]``."""
     out = [f"hydra.run.dir={directory}"]
     if spec.recipe:
         out.append(f"recipe={spec.recipe}")
-    out += [*common, *spec.overrides, *cluster]
+    dirs = stage_dirs or {}
+    own = [_STAGE_REF_RE.sub(lambda m: str(dirs.get(m.group(1), m.group(0))), o) for o in spec.overrides]
+    out += [*common, *own, *per_job, *cluster]
     if model_hf_path is not None:
         out.append(f"model.hf_path={model_hf_path}")
     return out
@@ -190,28 +226,44 @@ def run_pipeline(
     runner: Callable[[list[str]], int] = run_subprocess,
     check: Callable[[StageSpec, list[str]], None] | None = None,
 ) -> dict[str, Any]:
-    """Run (or continue) the chain of ``cfg`` (``run_dir``, ``stages``, ``overrides``, ``cluster``).
+    """Run (or continue) the chain of ``cfg`` (``run_dir``, ``stages``, ``overrides``, ``job_overrides``,
+    ``cluster``, ``report``).
 
     Args:
         runner: runs one stage's command and returns its exit status (default: a foreground subprocess).
         check: called with each stage and its overrides before anything runs (config composition and schema).
     Returns:
-        ``{"run_dir", "stages": [{name, job, run_dir, hf_dir, seconds, skipped, metrics...}], "hf_dir"}``.
+        ``{"run_dir", "stages": [{name, job, run_dir, hf_dir, seconds, skipped, metrics...}], "hf_dir"}`` and the
+        keys of ``report``'s result.
     Raises:
-        PipelineError: a stage's job failed (its exit status and run dir named) or left no ``hf/`` export.
+        PipelineError: a stage's job failed (its exit status and run dir named) or left no output (``hf/``,
+            ``metrics.json``, ``filter_report.json``).
         ValueError: a bad ``stages`` list.
     """
     run_dir = Path(cfg["run_dir"]).absolute()
     specs = parse_stages(cfg.get("stages"))
     common = list(cfg.get("overrides") or [])
+    per_job = {job: list(values or []) for job, values in dict(cfg.get("job_overrides") or {}).items()}
+    unknown = sorted(set(per_job) - set(JOBS))
+    if unknown:
+        raise ValueError(f"job_overrides.{unknown[0]}: not a job ({', '.join(JOBS)})")
     cluster = cluster_overrides(cfg["cluster"])
+    dirs = {spec.name: stage_dir(run_dir, i, spec) for i, spec in enumerate(specs)}
     if check is not None:
         for i, spec in enumerate(specs):
-            check(spec, stage_overrides(spec, stage_dir(run_dir, i, spec), common=common, cluster=cluster,
-                                        model_hf_path=None if i == 0 else "/previous/stage/hf"))  # fmt: skip
+            model = None if _model_stage(specs, i) is None else "/previous/stage/hf"
+            check(spec, stage_overrides(spec, dirs[spec.name], common=common, cluster=cluster, model_hf_path=model,
+                                        stage_dirs=dirs, per_job=per_job.get(spec.job, ())))  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
     with _exclusive(run_dir / LOCK_FILE):
-        return _run_stages(run_dir, specs, common, cluster, runner)
+        return _run_stages(run_dir, specs, common, cluster, runner, cfg.get("report"), per_job)
+
+
+def _model_stage(specs: Sequence[StageSpec], index: int) -> str | None:
+    """The training stage whose export is stage ``index``'s model (its ``model`` key, else the last one before)."""
+    if specs[index].model is not None:
+        return specs[index].model
+    return next((s.name for s in reversed(specs[:index]) if s.job in TRAINING_JOBS), None)
 
 
 @contextlib.contextmanager
@@ -233,22 +285,33 @@ def _exclusive(path: Path) -> Iterator[None]:
 
 
 def _run_stages(
-    run_dir: Path, specs: list[StageSpec], common: list[str], cluster: list[str], runner: Callable[[list[str]], int]
+    run_dir: Path,
+    specs: list[StageSpec],
+    common: list[str],
+    cluster: list[str],
+    runner: Callable[[list[str]], int],
+    report: str | None = None,
+    per_job: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, Any]:
     state = PipelineState(run_dir)
-    previous_hf: str | None = None
+    dirs = {spec.name: stage_dir(run_dir, i, spec) for i, spec in enumerate(specs)}
+    exports: dict[str, str] = {}
     results = []
     for i, spec in enumerate(specs):
-        directory = stage_dir(run_dir, i, spec)
+        directory = dirs[spec.name]
         done = state.finished(spec)
         if done is not None:
-            print(f"[pipeline] stage {i} {spec.name}: finished before ({done['hf_dir']}), skipped", flush=True)
-            previous_hf = done["hf_dir"]
+            print(f"[pipeline] stage {i} {spec.name}: finished before ({done['run_dir']}), skipped", flush=True)
+            if done.get("hf_dir"):
+                exports[spec.name] = done["hf_dir"]
             results.append({**done, "skipped": True})
             continue
-        overrides = stage_overrides(spec, directory, common=common, cluster=cluster, model_hf_path=previous_hf)
+        model = _model_stage(specs, i)
+        overrides = stage_overrides(spec, directory, common=common, cluster=cluster,
+                                    model_hf_path=exports[model] if model else None, stage_dirs=dirs,
+                                    per_job=(per_job or {}).get(spec.job, ()))  # fmt: skip
         command = stage_command(spec, overrides)
-        resuming = (directory / "checkpoints").is_dir()
+        resuming = (directory / "checkpoints").is_dir() or (directory / "samples.jsonl").is_file()
         print(
             f"[pipeline] stage {i} {spec.name} ({spec.job}, recipe {spec.recipe}): "
             f"{'resuming in' if resuming else 'starting'} {directory}",
@@ -262,15 +325,17 @@ def _run_stages(
                 f"stage {i} {spec.name} failed (exit status {status}); its run dir is {directory}. Run the pipeline "
                 f"again with hydra.run.dir={run_dir} to resume it there"
             )
-        hf_dir = directory / "hf"
-        if not (hf_dir / "config.json").is_file():
-            raise PipelineError(f"stage {i} {spec.name} ended without an HF export in {hf_dir} (stopped early?)")
+        marker = directory / FINISHED_MARKER[spec.job]
+        if not marker.is_file():
+            what = "an HF export" if spec.job in TRAINING_JOBS else marker.name
+            raise PipelineError(f"stage {i} {spec.name} ended without {what} in {marker.parent} (stopped early?)")
+        hf_dir = str(directory / "hf") if spec.job in TRAINING_JOBS else None
         record = {
             "name": spec.name,
             "job": spec.job,
             "index": i,
             "run_dir": str(directory),
-            "hf_dir": str(hf_dir),
+            "hf_dir": hf_dir,
             "command": command,
             "seconds": round(seconds, 1),
             "resumed": resuming,
@@ -281,12 +346,31 @@ def _run_stages(
         }
         state.record(spec, record)
         results.append({**record, "skipped": False})
-        previous_hf = str(hf_dir)
-    summary = {"run_dir": str(run_dir), "stages": results, "hf_dir": previous_hf}
+        if hf_dir is not None:
+            exports[spec.name] = hf_dir
+    last_training = next((s.name for s in reversed(specs) if s.job in TRAINING_JOBS), None)
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "stages": results, "hf_dir": exports.get(last_training or "")}
+    if report:
+        summary.update(_import(report)(run_dir, results))
     atomic_write_json(run_dir / "summary.json", summary)
     atomic_write_text(run_dir / "summary.md", summary_table(results))
     print(summary_table(results), flush=True)
     return summary
+
+
+def _import(dotted: str) -> Callable[..., Any]:
+    """The function at ``package.module.name``.
+
+    Raises:
+        ValueError: not importable (names the path).
+    """
+    import importlib
+
+    module, _, name = dotted.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"report={dotted!r}: not an importable function ({err})") from None
 
 
 def stage_metrics(job: str, directory: Path) -> dict[str, Any]:
@@ -298,6 +382,14 @@ def stage_metrics(job: str, directory: Path) -> dict[str, Any]:
     """
     from afm_core.train.metrics import read_metrics
 
+    if job == "eval" and (directory / "metrics.json").is_file():
+        metrics = json.loads((directory / "metrics.json").read_text(encoding="utf-8"))
+        return {bench: {key: value for key, value in m.items() if key.startswith(("avg@", "pass@")) or key == "n"}
+                for bench, m in metrics.items() if isinstance(m, dict)}  # fmt: skip
+    if job == "filter_rl" and (directory / "filter_report.json").is_file():
+        report = json.loads((directory / "filter_report.json").read_text(encoding="utf-8"))
+        return {"kept": report["counts"].get("kept", 0), "written": report["counts"].get("written", 0),
+                "sampled": report["counts"].get("sampled", 0)}  # fmt: skip
     path = directory / "metrics.jsonl"
     if not path.is_file():
         return {}
