@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from afm_core.eval.benchmarks import SAMPLING_KEYS, Benchmark, load_file, load_preset
+from afm_core.eval.benchmarks import SAMPLING_KEYS, Benchmark, load_sources
 from afm_core.eval.metrics import benchmark_metrics, double_check_score
 from afm_core.eval.report import write_report
 from afm_core.eval.samples import SampleWriter, read_samples, sample_key
@@ -35,7 +35,6 @@ from afm_core.rollout import AgentConfig, AgentLoop, AgentTask, Rollout, Samplin
 from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
 from afm_core.utils.aio import run_with_tools
 from afm_core.utils.atomic import atomic_write_json
-from afm_core.utils.paths import shared_data_dir
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +69,12 @@ def load_benchmarks(cfg: Mapping[str, Any]) -> list[Benchmark]:
     Raises:
         ValueError: no benchmark, an unknown preset, or two benchmarks with the same name.
     """
-    data_dir = Path(cfg["data_dir"]) if cfg.get("data_dir") else shared_data_dir()
-    benchmarks = [load_preset(name, data_dir) for name in cfg.get("benchmarks") or []]
-    benchmarks += [load_file(path) for path in cfg.get("benchmark_files") or []]
-    if not benchmarks:
-        raise ValueError("nothing to evaluate: set benchmarks=[gsm8k_test,...] and/or benchmark_files=[my.parquet]")
-    names = [b.name for b in benchmarks]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two benchmarks share a name: {names}")
+    benchmarks = load_sources(
+        cfg.get("benchmarks"),
+        cfg.get("benchmark_files"),
+        cfg.get("data_dir"),
+        empty="nothing to evaluate: set benchmarks=[gsm8k_test,...] and/or benchmark_files=[my.parquet]",
+    )
     for bench in benchmarks:
         limit = benchmark_settings(cfg["eval"], bench).get("limit")
         if limit is not None:

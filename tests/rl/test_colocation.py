@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from afm_core.rl.colocation import select_colocation
-from afm_core.rl.driver import RolloutActor
+from afm_core.rl.rollout_actor import RolloutActor
 from tests.rl.helpers import rl_config, run_rl_ranks
 
 

@@ -19,15 +19,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from afm_core.launch.distributed import free_port
-from afm_core.rl.driver import (
-    PromptStream,
-    RolloutActor,
-    node_tool_urls,
-    parse_schedule,
-    rollout_metrics,
-    shaped_reward,
-    stage_at,
-)
+from afm_core.rl.metrics import rollout_metrics
+from afm_core.rl.prompts import PromptStream
+from afm_core.rl.reward_shaping import shaped_reward
+from afm_core.rl.rollout_actor import RolloutActor, node_tool_urls
+from afm_core.rl.schedule import parse_schedule, stage_at
 from afm_core.utils.paths import repo_root
 from tests.gloo_env import set_rank_env
 from tests.rl.helpers import rl_config, run_rl_ranks
@@ -189,9 +185,10 @@ def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
     set_rank_env(rank, world, port)
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.batch import response_values, sample_micro_batches
-    from afm_core.rl.driver import Sample, build_policy_trainer, policy_update
+    from afm_core.rl.grading import Sample
     from afm_core.rl.logprobs import compute_logprobs
     from afm_core.rl.policy_model import build_policy_model
+    from afm_core.rl.policy_trainer import build_policy_trainer, policy_update
     from afm_core.train.distributed import destroy_distributed, init_distributed
 
     layout = init_distributed(OmegaConf.create(cfg["parallel"]), seed=1, num_threads=1)

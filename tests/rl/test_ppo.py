@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 
 from afm_core.launch.distributed import free_port
 from afm_core.rl.critic import gae_per_sample
-from afm_core.rl.driver import Sample
+from afm_core.rl.grading import Sample
 from tests.gloo_env import set_rank_env
 from tests.rl.helpers import rl_config, run_rl_ranks
 
