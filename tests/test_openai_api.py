@@ -54,3 +54,39 @@ def test_the_last_failure_is_raised_after_the_retries():
 @pytest.mark.parametrize("url", ["http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"])
 def test_the_endpoint_url_ends_in_v1_and_the_path(url):
     assert endpoint(url, "chat/completions") == "http://h:8000/v1/chat/completions"
+
+
+async def _judge(statuses: list[int], reply: str) -> tuple[object, int]:
+    from afm_core.rewards.judge import LLMJudge
+
+    calls = 0
+
+    async def handler(request: web.Request) -> web.Response:
+        nonlocal calls
+        status = statuses[min(calls, len(statuses) - 1)]
+        calls += 1
+        if status != 200:
+            return web.Response(status=status, text=f"status {status}")
+        assert (await request.json())["model"] == "judge-model"
+        return web.json_response({"choices": [{"message": {"content": reply}}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handler)
+    async with TestServer(app, host="127.0.0.1") as server:
+        judge = LLMJudge(str(server.make_url("/v1")), "judge-model", attempts=3)
+        try:
+            return await judge.judge("Capital of France?", "Paris", "paris"), calls
+        finally:
+            await judge.close()
+
+
+def test_the_llm_judge_retries_a_503_through_the_shared_post_and_reads_the_verdict():
+    grade, calls = asyncio.run(_judge([503, 200], '{"rationale": "same city", "judgement": "correct"}'))
+    assert calls == 2 and grade.score == 1.0 and grade.reason == "correct" and not grade.error
+
+
+def test_the_llm_judge_turns_a_client_error_or_a_reply_without_verdict_into_a_judge_error():
+    grade, calls = asyncio.run(_judge([400], ""))
+    assert calls == 1 and grade.reason == "judge_error" and grade.error and "HTTP 400" in grade.extra["message"]
+    grade, calls = asyncio.run(_judge([200], "no idea"))
+    assert calls == 1 and grade.reason == "judge_error" and "no verdict" in grade.extra["message"]

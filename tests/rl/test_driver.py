@@ -26,7 +26,7 @@ from afm_core.rl.rollout_actor import RolloutActor, node_tool_urls
 from afm_core.rl.schedule import parse_schedule, stage_at
 from afm_core.utils.paths import repo_root
 from tests.gloo_env import set_rank_env
-from tests.rl.helpers import rl_config, run_rl_ranks
+from tests.rl.helpers import needs_shared_data, rl_config, run_rl_ranks
 
 SCHEDULE = "[{until_step: 2, max_response_len: 32}, {max_response_len: 48}]"
 
@@ -128,6 +128,7 @@ def test_the_paper_rl_recipes_carry_the_upstream_dapo_settings(recipe, tmp_path)
 
 
 # -- the job --------------------------------------------------------------------------------------------
+@needs_shared_data
 @pytest.mark.slow
 def test_rl_smoke_runs_every_step_with_the_time_split_and_the_stage_switch_at_its_step(uninterrupted):
     run_dir, summary = uninterrupted
@@ -161,6 +162,7 @@ def test_rl_smoke_runs_every_step_with_the_time_split_and_the_stage_switch_at_it
     assert list(hf.glob("*.safetensors"))
 
 
+@needs_shared_data
 @pytest.mark.slow
 def test_an_interrupted_run_resumes_with_every_step_once_the_same_data_position_and_stage(uninterrupted, tmp_path):
     straight_dir, straight = uninterrupted

@@ -9,7 +9,6 @@ API (the Search-R1 retriever API of OPPO-PersonalAI/Agent_Foundation_Models, ``A
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 from aiohttp import web
 
 from afm_core.tools.retrieval import BM25Retriever, DenseRetriever, Retriever, load_corpus
-from afm_core.tools.serving import add_server_args, serve
+from afm_core.tools.serving import serve, server_parser, tool_app
 
 MAX_QUERIES = 512
 MAX_TOPK = 100
@@ -51,17 +50,13 @@ def build_app(retriever: Retriever, default_topk: int = 3) -> web.Application:
             result = [[d.to_json() for d, _ in row] for row in hits]
         return web.json_response({"result": result})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "documents": len(retriever.docs), "retriever": kind})
-
-    app.router.add_post("/retrieve", retrieve)
-    app.router.add_get("/health", health)
-    return app
+    return tool_app(
+        app, {"POST /retrieve": retrieve}, lambda request: {"documents": len(retriever.docs), "retriever": kind}
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m afm_core.tools.servers.wiki", description=__doc__.split("\n")[0])
-    add_server_args(parser)
+    parser = server_parser("afm_core.tools.servers.wiki", __doc__)
     parser.add_argument("--corpus", type=Path, required=True, help="JSON lines {id, title, contents}")
     parser.add_argument("--topk", type=int, default=3, help="passages per query when the request gives none")
     parser.add_argument("--retriever", choices=("bm25", "dense"), default="bm25")
