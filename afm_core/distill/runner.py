@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from afm_core.coa.grammar import validate_steps
 from afm_core.data.filters import DataFilters, build_graders, grade_trajectory
@@ -44,6 +44,7 @@ from afm_core.rollout import AgentTask
 from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
 from afm_core.utils.aio import run_with_tools
 from afm_core.utils.atomic import atomic_path, atomic_write_json
+from afm_core.utils.run_config import open_run
 
 log = logging.getLogger(__name__)
 
@@ -290,10 +291,7 @@ def run_distill(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """
     global _stop_requested
     _stop_requested = False
-    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_dir = Path(cfg["run_dir"])
-    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg, run_dir = open_run(cfg)
     role_specs(cfg)
     MASConfig(**(cfg.get("mas") or {}))
     DataFilters.from_config(cfg["data"].get("filters"))

@@ -18,10 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from afm_core.eval.benchmarks import SAMPLING_KEYS, Benchmark, load_sources
 from afm_core.eval.metrics import benchmark_metrics, double_check_score
@@ -35,6 +34,7 @@ from afm_core.rollout import AgentConfig, AgentLoop, AgentTask, Rollout, Samplin
 from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
 from afm_core.utils.aio import run_with_tools
 from afm_core.utils.atomic import atomic_write_json
+from afm_core.utils.run_config import open_run
 
 log = logging.getLogger(__name__)
 
@@ -200,10 +200,7 @@ def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """
     global _stop_requested
     _stop_requested = False
-    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_dir = Path(cfg["run_dir"])
-    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg, run_dir = open_run(cfg)
     benchmarks = load_benchmarks(cfg)
     samples_path = run_dir / "samples.jsonl"
     done = {sample_key(r) for r in read_samples(samples_path)}

@@ -159,18 +159,18 @@ def minibatch_updates(
     shares: Sequence[Sequence[int]],
     forward_step: Callable,
     extra: Callable[[Sequence[int]], Mapping[str, Sequence[Sequence[float]]]],
-    *,
-    epochs: int,
-    micro_batch_size: int,
+    cfg: Mapping[str, Any],
     seq_length: int,
     pad_to: int | None,
     pad_id: int,
+    *,
     stats_key: str,
     what: str,
 ) -> Updates:
-    """The one PPO mini-batch loop of the policy and the critic: ``epochs`` x one optimizer step per mini-batch
-    (``shares``: this DP rank's sample indices of each, :func:`minibatch_shares`), on
-    :meth:`~afm_core.train.trainer.MegatronTrainer.step` with ``forward_step``'s loss.
+    """The one PPO mini-batch loop of the policy and the critic: ``algorithm.ppo_epochs`` x one optimizer step per
+    mini-batch (``shares``: this DP rank's sample indices of each, :func:`minibatch_shares`), on
+    :meth:`~afm_core.train.trainer.MegatronTrainer.step` with ``forward_step``'s loss, in micro batches of
+    ``trainer.micro_batch_size`` samples.
 
     Args:
         extra: a share's per-response-token inputs of the loss (old logprobs, advantages, returns...).
@@ -181,6 +181,7 @@ def minibatch_updates(
     Raises:
         FloatingPointError: non-finite gradients.
     """
+    epochs, micro_batch_size = int(cfg["algorithm"]["ppo_epochs"]), int(cfg["trainer"]["micro_batch_size"])
     done = Updates()
     for _ in range(epochs):
         for share in shares:

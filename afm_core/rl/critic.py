@@ -233,22 +233,15 @@ class Critic:
 
         start = time.perf_counter()
         a = self.cfg["algorithm"]
-        mbs = int(self.cfg["trainer"]["micro_batch_size"])
         mini = int(a["mini_batch_size"]) * int(self.cfg["rollout"]["n"])
-        done = minibatch_updates(
-            self.trainer,
-            samples,
-            minibatch_shares(len(samples), mini, self.layout.dp, self.layout.dp_rank),
-            values_forward_step(self.clip_range_value),
-            lambda share: {"old_values": [old_values[i] for i in share], "returns": [returns[i] for i in share]},
-            epochs=int(a["ppo_epochs"]),
-            micro_batch_size=mbs,
-            seq_length=seq_length,
-            pad_to=seq_length,
-            pad_id=pad_id,
-            stats_key=STATS_KEY,
-            what="critic update {step}",
-        )
+        shares = minibatch_shares(len(samples), mini, self.layout.dp, self.layout.dp_rank)
+
+        def inputs(share: Sequence[int]) -> dict[str, list[Sequence[float]]]:
+            return {"old_values": [old_values[i] for i in share], "returns": [returns[i] for i in share]}
+
+        forward_step = values_forward_step(self.clip_range_value)
+        done = minibatch_updates(self.trainer, samples, shares, forward_step, inputs, self.cfg, seq_length,
+                                 seq_length, pad_id, stats_key=STATS_KEY, what="critic update {step}")  # fmt: skip
         stats, grad_norm, lr, steps = done.stats, done.grad_norm, done.lr, done.steps
         reduced = reduce_stats(stats, ps.get_data_parallel_group()) if stats else {}
         tokens = [r for s, values in zip(samples, returns) for r, m in zip(values, s.response_mask) if m]

@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from afm_core.rl.checkpoint import RLProgress, RLState
 from afm_core.rl.metrics import RLMetricsLog, step_record
 from afm_core.rl.schedule import Stage, parse_schedule, stage_at, train_seq_length
+from afm_core.utils.run_config import plain_config
 
 
 def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None] | None = None) -> dict[str, Any]:
@@ -62,7 +63,7 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
     from afm_core.train.distributed import destroy_distributed, init_distributed
     from afm_core.train.trainer import find_resume_checkpoint
 
-    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    cfg = plain_config(cfg)
     t, a, r = cfg["trainer"], cfg["algorithm"], cfg["rollout"]
     check_adv_estimator(a["adv_estimator"])
     run_dir = Path(cfg["run_dir"])

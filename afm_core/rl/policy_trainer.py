@@ -249,20 +249,9 @@ def policy_update(
             inputs["ref_log_prob"] = [ref[i] for i in share]
         return inputs
 
-    done = minibatch_updates(
-        trainer,
-        samples,
-        shares,
-        policy_forward_step(loss_cfg, temperature=temperature),
-        extra,
-        epochs=int(a["ppo_epochs"]),
-        micro_batch_size=mbs,
-        seq_length=seq_length,
-        pad_to=pad_to,
-        pad_id=pad_id,
-        stats_key=STATS_KEY,
-        what="policy update {step} of this rollout step",
-    )
+    forward_step = policy_forward_step(loss_cfg, temperature=temperature)
+    done = minibatch_updates(trainer, samples, shares, forward_step, extra, cfg, seq_length, pad_to, pad_id,
+                             stats_key=STATS_KEY, what="policy update {step} of this rollout step")  # fmt: skip
     reduced = reduce_stats(done.stats, ps.get_data_parallel_group()) if done.stats else {}
     return {
         **{f"actor/{k}": v for k, v in reduced.items()},

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -45,6 +46,29 @@ def tool_app(
         app.router.add_route(method, path, handler)
     app.router.add_get("/health", health_handler)
     return app
+
+
+def bad_request(message: str) -> web.HTTPBadRequest:
+    """HTTP 400 with the JSON body ``{"error": message}`` (raise it from a handler)."""
+    return web.HTTPBadRequest(text=json.dumps({"error": message}), content_type="application/json")
+
+
+async def string_list_field(request: web.Request, field: str, max_items: int) -> tuple[dict[str, Any], list[str]]:
+    """The request's JSON object and its ``field``: a non-empty list of at most ``max_items`` strings.
+
+    Raises:
+        aiohttp.web.HTTPBadRequest: (:func:`bad_request`) a body that is not JSON, or a bad ``field``.
+    """
+    try:
+        body = await request.json()
+    except json.JSONDecodeError as e:
+        raise bad_request(f"body is not valid JSON: {e}") from None
+    items = body.get(field) if isinstance(body, dict) else None
+    if not isinstance(items, list) or not items or not all(isinstance(item, str) for item in items):
+        raise bad_request(f"field {field!r} must be a non-empty list of strings")
+    if len(items) > max_items:
+        raise bad_request(f"field {field!r} has over {max_items} entries")
+    return body, items
 
 
 def server_parser(module: str, doc: str | None) -> argparse.ArgumentParser:

@@ -23,8 +23,8 @@ from typing import Any
 
 from afm_core.coa.trajectory import Step, Trajectory
 from afm_core.data.converters.answer_check import numbers_equal, parse_number
-from afm_core.data.converters.base import Converter, Rejected
-from afm_core.data.converters.math_tools import code_call, math_trajectory, steps_around_calls
+from afm_core.data.converters.base import Converter, Rejected, kept_trajectory
+from afm_core.data.converters.math_tools import code_call, steps_around_calls
 from afm_core.data.io import Where, require
 
 _ANNOTATION_RE = re.compile(r"<<(.*?)>>", re.DOTALL)
@@ -127,7 +127,7 @@ def convert_record(where: Where, record: dict[str, Any]) -> Trajectory:
     gold = final.replace(",", "")
     steps.append(Step("answer", f"\\boxed{{{gold}}}"))
     source_id = f"{where.path.stem}:{where.line}"
-    return math_trajectory("gsm8k", source_id, question, steps, gold, {"file": where.path.name})
+    return kept_trajectory("gsm8k", "math", source_id, question, steps, gold, {"file": where.path.name})
 
 
 GSM8K = Converter(name="gsm8k", files=("math/gsm8k/train.jsonl",), convert_record=convert_record)

@@ -1,17 +1,16 @@
 """The shared shape of the answer-with-calculator converters (:mod:`.gsm8k`, :mod:`.tora`): a worked math solution
 whose tool calls (GSM8K's ``<<expr=result>>`` annotations, ToRA's python programs) become ``<code>`` calls with
-their ``<observation>``, the prose between them ``<think>`` blocks, and the final answer ``<answer>\\boxed{}``."""
+their ``<observation>``, the prose between them ``<think>`` blocks, and the final answer ``<answer>\\boxed{}``
+(kept with :func:`afm_core.data.converters.base.kept_trajectory`)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
 
 from afm_core.coa.observations import executed_output_observation
 from afm_core.coa.parse import format_code_query
-from afm_core.coa.prompts import user_prompt
-from afm_core.coa.trajectory import Step, Trajectory
+from afm_core.coa.trajectory import Step
 
 
 def code_call(program: str, output: str) -> list[Step]:
@@ -33,21 +32,3 @@ def steps_around_calls(
         steps += call_steps(match)
         pos = match.end()
     return steps, solution[pos:]
-
-
-def math_trajectory(
-    source: str, source_id: str, question: str, steps: list[Step], answer: str, meta: dict[str, Any]
-) -> Trajectory:
-    """A correct ``math`` trajectory of ``source`` (id ``"{source}:{source_id}"``) with the CoA user prompt."""
-    return Trajectory(
-        id=f"{source}:{source_id}",
-        task="math",
-        question=question,
-        prompt=user_prompt("math", question),
-        steps=steps,
-        answer=answer,
-        correct=True,
-        source=source,
-        source_id=source_id,
-        meta=meta,
-    )

@@ -20,8 +20,8 @@ from typing import Any
 
 from afm_core.coa.trajectory import Step, Trajectory
 from afm_core.data.converters.answer_check import boxed_content, math_answers_equal
-from afm_core.data.converters.base import Converter, Rejected
-from afm_core.data.converters.math_tools import code_call, math_trajectory, steps_around_calls
+from afm_core.data.converters.base import Converter, Rejected, kept_trajectory
+from afm_core.data.converters.math_tools import code_call, steps_around_calls
 from afm_core.data.io import Where, require
 from afm_core.rewards.math import math_equal
 
@@ -65,7 +65,7 @@ def convert_record(where: Where, record: dict[str, Any]) -> Trajectory:
         "level": record.get("level"),
         **({"answer_check": "math_verify_rescued"} if rescued else {}),
     }
-    return math_trajectory("tora", source_id, question, steps, gold, meta)
+    return kept_trajectory("tora", "math", source_id, question, steps, gold, meta)
 
 
 TORA = Converter(name="tora", files=("trajectories/tora/examples.jsonl",), convert_record=convert_record)

@@ -30,7 +30,7 @@ from aiohttp import web
 from yarl import URL
 
 from afm_core.tools.extract import extract_page
-from afm_core.tools.serving import serve, server_parser, tool_app
+from afm_core.tools.serving import serve, server_parser, string_list_field, tool_app
 from afm_core.tools.url_guard import BlockedAddressError, GuardedResolver, UrlGuard
 
 SUMMARY_SYSTEM = "You are a summary agent robot."
@@ -213,15 +213,7 @@ def build_app(cfg: CrawlConfig) -> web.Application:
 
     async def crawl_page(request: web.Request) -> web.Response:
         start = time.perf_counter()
-        try:
-            body = await request.json()
-        except json.JSONDecodeError as e:
-            return web.json_response({"error": f"body is not valid JSON: {e}"}, status=400)
-        urls = body.get("urls") if isinstance(body, dict) else None
-        if not isinstance(urls, list) or not urls or not all(isinstance(u, str) for u in urls):
-            return web.json_response({"error": "field 'urls' must be a non-empty list of strings"}, status=400)
-        if len(urls) > cfg.max_urls:
-            return web.json_response({"error": f"field 'urls' has over {cfg.max_urls} entries"}, status=400)
+        body, urls = await string_list_field(request, "urls", cfg.max_urls)
         task = body.get("task") or ""
         if not isinstance(task, str):
             return web.json_response({"error": "field 'task' must be a string"}, status=400)

@@ -9,14 +9,13 @@ API (the Search-R1 retriever API of OPPO-PersonalAI/Agent_Foundation_Models, ``A
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 from aiohttp import web
 
 from afm_core.tools.retrieval import BM25Retriever, DenseRetriever, Retriever, load_corpus
-from afm_core.tools.serving import serve, server_parser, tool_app
+from afm_core.tools.serving import serve, server_parser, string_list_field, tool_app
 
 MAX_QUERIES = 512
 MAX_TOPK = 100
@@ -28,15 +27,7 @@ def build_app(retriever: Retriever, default_topk: int = 3) -> web.Application:
     kind = "dense" if isinstance(retriever, DenseRetriever) else "bm25"
 
     async def retrieve(request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-        except json.JSONDecodeError as e:
-            return web.json_response({"error": f"body is not valid JSON: {e}"}, status=400)
-        queries = body.get("queries") if isinstance(body, dict) else None
-        if not isinstance(queries, list) or not queries or not all(isinstance(q, str) for q in queries):
-            return web.json_response({"error": "field 'queries' must be a non-empty list of strings"}, status=400)
-        if len(queries) > MAX_QUERIES:
-            return web.json_response({"error": f"field 'queries' has over {MAX_QUERIES} entries"}, status=400)
+        body, queries = await string_list_field(request, "queries", MAX_QUERIES)
         topk = body.get("topk") or default_topk
         if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
             return web.json_response(
