@@ -158,9 +158,9 @@ def test_read_etc_shadow_and_host_files(server):
 
 
 def test_read_the_repository(server):
-    """The repository's files cannot be read from the jail, and the path to it leads nowhere there: no directory on
-    the way (``/work``, ``/tmp/...``: the jail may have its own, empty ``/tmp``) lists the next one, wherever the
-    repository is checked out."""
+    """The repository's files cannot be read from the jail, and the path to it leads nowhere there: some directory
+    on the way is absent or does not list the next one (``/work`` is not in the jail; ``/tmp`` is the jail's own,
+    empty), wherever the repository is checked out."""
     url, _ = server
     ancestors = [str(p) for p in reversed(REPO.parents)] + [str(REPO)]  # "/", ..., REPO
     result = post_run(
@@ -185,8 +185,12 @@ def test_read_the_repository(server):
     lines = result["stdout"].splitlines()
     assert [line.split()[0] for line in lines[:2]] == ["blocked", "blocked"], result
     listings = json.loads(lines[2])
-    for parent, child in itertools.pairwise(ancestors):
-        assert listings[parent] == "blocked" or Path(child).name not in listings[parent], (parent, listings[parent])
+    breaks = [
+        parent
+        for parent, child in itertools.pairwise(ancestors)
+        if listings[parent] == "blocked" or Path(child).name not in listings[parent]
+    ]
+    assert breaks, f"the jail reaches the repository at {REPO}: {listings}"
 
 
 def test_environment_secrets(server):
