@@ -168,8 +168,8 @@ def _loop(
             actor.sleep()  # GPU: the engine's memory goes to the trainer until the weight sync
             lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
             seq_length = train_seq_length(stage, max_prompt_len, lengths, layout.pp)
-            advantages, advantage_times = policy.advantages(samples, seq_length)
-            times.update(advantage_times)
+            advantages = policy.advantages(samples, seq_length)
+            times.update(advantages.times)
             train = policy.train(samples, advantages, seq_length)
             start = time.perf_counter()
             sync = actor.sync_weights(policy.model, int(cfg["weight_sync"]["bucket_mb"]) * 2**20)

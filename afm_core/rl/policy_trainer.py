@@ -2,7 +2,7 @@
 (:class:`~afm_core.train.trainer.MegatronTrainer`), the PPO critic (``algorithm.adv_estimator=gae``) and the frozen
 reference policy (``algorithm.kl_coef`` > 0), with the two calls of each rollout step::
 
-    advantages = policy.advantages(samples, seq_length)   # GRPO / Dr. GRPO over groups, or critic values -> GAE
+    advantages = policy.advantages(samples, seq_length)      # GRPO / Dr. GRPO over groups, or critic -> GAE
     metrics = policy.train(samples, advantages, seq_length)  # critic updates, then the policy's mini-batches
 
 :func:`policy_update` is the policy's part (verl ``verl/workers/actor/megatron_actor.py::update_policy``): old
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,17 @@ def build_policy_trainer(
     )
 
 
+@dataclass
+class Advantages:
+    """One train batch's advantages: ``values`` ``[N]`` (GRPO, one per trajectory) or per-token lists (GAE); for
+    PPO also the critic's ``old_values`` and the ``returns``; ``times`` in seconds (``values_s``)."""
+
+    values: Any
+    old_values: list[list[float]] | None = None
+    returns: list[list[float]] | None = None
+    times: dict[str, float] = field(default_factory=dict)
+
+
 class PolicyTrainer:
     """The policy, its critic (PPO) and its reference (KL) on this rank.
 
@@ -99,30 +111,32 @@ class PolicyTrainer:
     def model(self) -> list[torch.nn.Module]:
         return self.trainer.model
 
-    def advantages(self, samples: Sequence[Any], seq_length: int) -> tuple[Any, dict[str, Any]]:
-        """GRPO (``grpo``: group mean and std; ``drgrpo``: group mean) over each prompt's group: ``[N]``; or, PPO,
-        the critic's old values -> GAE: per-token lists, and the returns kept for :meth:`train`. Returns
-        ``(advantages, timings)`` (``values_s`` for PPO)."""
+    def advantages(self, samples: Sequence[Any], seq_length: int) -> Advantages:
+        """GRPO (``grpo``: group mean and std; ``drgrpo``: group mean) over each prompt's group, or, PPO, the
+        critic's old values -> GAE (per token), with the returns its updates need."""
         from afm_core.rl.advantages import grpo_advantages
         from afm_core.rl.critic import gae_per_sample
 
         a = self.cfg["algorithm"]
         if self.critic is None:
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-            return grpo_advantages(rewards, [s.uid for s in samples], norm_by_std=a["adv_estimator"] == "grpo"), {}
+            return Advantages(
+                grpo_advantages(rewards, [s.uid for s in samples], norm_by_std=a["adv_estimator"] == "grpo")
+            )
         start = time.perf_counter()
-        self._old_values = self.critic.values(samples, seq_length, self.pad_id)
-        advantages, self._returns = gae_per_sample(
-            samples, self._old_values, gamma=float(a.get("gamma", 1.0)), lam=float(a.get("lam", 1.0))
+        old_values = self.critic.values(samples, seq_length, self.pad_id)
+        advantages, returns = gae_per_sample(
+            samples, old_values, gamma=float(a.get("gamma", 1.0)), lam=float(a.get("lam", 1.0))
         )
-        return advantages, {"values_s": time.perf_counter() - start}
+        return Advantages(advantages, old_values, returns, {"values_s": time.perf_counter() - start})
 
-    def train(self, samples: Sequence[Any], advantages: Any, seq_length: int) -> dict[str, Any]:
+    def train(self, samples: Sequence[Any], advantages: Advantages, seq_length: int) -> dict[str, Any]:
         """The critic's updates (PPO), then the policy's (:func:`policy_update`); their metrics."""
         critic_out: dict[str, Any] = {}
         if self.critic is not None:
-            critic_out = self.critic.update(samples, self._old_values, self._returns, seq_length, self.pad_id)
-        out = policy_update(self.trainer, samples, advantages, self.cfg, seq_length, self.pad_id, self.reference)
+            old_values, returns = advantages.old_values or [], advantages.returns or []
+            critic_out = self.critic.update(samples, old_values, returns, seq_length, self.pad_id)
+        out = policy_update(self.trainer, samples, advantages.values, self.cfg, seq_length, self.pad_id, self.reference)
         return {**out, **critic_out}
 
     def save(self, step: int, common: dict[str, Any]) -> Path:
