@@ -40,6 +40,14 @@ import time
 from pathlib import Path
 
 
+def one_rank_env() -> None:
+    """The env:// variables of a one-rank job in this process (a free port on loopback)."""
+    from afm_core.launch.distributed import free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(free_port()))  # fmt: skip
+
+
 def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="model preset (conf/model/<name>.yaml)")
@@ -69,19 +77,11 @@ def step_split(args: argparse.Namespace) -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from afm_core.launch.distributed import free_port
     from afm_core.rl.driver import run_rl
     from afm_core.train.metrics import read_metrics
     from afm_core.utils.paths import repo_root
 
-    os.environ.update(
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
+    one_rank_env()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with tempfile.TemporaryDirectory(prefix="rl_step-") as run_dir:
         with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
@@ -143,20 +143,12 @@ def main() -> None:
     import torch
     from omegaconf import OmegaConf
 
-    from afm_core.launch.distributed import free_port
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.policy_model import build_policy_model
     from afm_core.rl.weight_sync import EXTENSION, fp32_sync_engine_args, sync_weights, sync_weights_async
     from afm_core.train.distributed import destroy_distributed, init_distributed
 
-    os.environ.update(
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        LOCAL_WORLD_SIZE="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-    )
+    one_rank_env()
     layout = init_distributed(OmegaConf.create({"tp": 1, "pp": 1}), seed=0, num_threads=args.threads)
     threads = torch.get_num_threads()
     hf_dir = ensure_hf_checkpoint(args.model)

@@ -116,6 +116,14 @@ class EngineResult:
         }
 
 
+def train_stream(data: Any, trainer_cfg: Any, *, dense_mask: bool) -> Any:
+    """One rank's packed training micro batches of ``data`` (seed and micro batch size from ``trainer_cfg``)."""
+    from afm_core.data.loader import TrainIterator
+
+    seed, mbs = int(trainer_cfg.seed), int(trainer_cfg.micro_batch_size)
+    return TrainIterator(data, seed=seed, micro_batch_size=mbs, dp_rank=0, dp_size=1, pack=True, dense_mask=dense_mask)
+
+
 def _proc_status_bytes(field: str) -> int:
     """``VmHWM`` (peak resident set) or ``VmRSS`` of this process, in bytes (Linux ``/proc/self/status``)."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -167,7 +175,6 @@ def megatron_step(
     """Our SFT step (``SFTTrainer.train_step``) on the GPTModel with the HF weights; and its attention kind."""
     from transformers import AutoConfig
 
-    from afm_core.data.loader import TrainIterator
     from afm_core.models.bridge import (
         build_gpt_model,
         load_hf_weights,
@@ -189,15 +196,7 @@ def megatron_step(
     chunks = build_model_chunks(provider, layout)
     load_hf_weights(chunks, hf_dir)
     t = cfg.trainer
-    stream = TrainIterator(
-        data,
-        seed=int(t.seed),
-        micro_batch_size=int(t.micro_batch_size),
-        dp_rank=0,
-        dp_size=1,
-        pack=True,
-        dense_mask=False,
-    )
+    stream = train_stream(data, t, dense_mask=False)
     trainer = SFTTrainer(cfg, layout, chunks, stream, [], cfg.run_dir, max_steps)
     if not trainer.thd_packing:
         raise RuntimeError("the model's attention does not read cu_seqlens: not the layer spec of models/bridge.py")
@@ -219,7 +218,6 @@ def hf_step(cfg: Any, hf_dir: Path, data: PackedSequences, max_steps: int, threa
     """HF forward + backward + AdamW on the same batches and loss; and its attention kind."""
     from transformers import AutoModelForCausalLM
 
-    from afm_core.data.loader import TrainIterator
     from afm_core.train.deepspeed_engine import (
         adamw_param_groups,
         per_token_cross_entropy,
@@ -245,15 +243,7 @@ def hf_step(cfg: Any, hf_dir: Path, data: PackedSequences, max_steps: int, threa
         fused=True,
     )
     scheduler = build_lr_scheduler(optimizer, cfg.optim, max_steps)
-    stream = TrainIterator(
-        data,
-        seed=int(t.seed),
-        micro_batch_size=int(t.micro_batch_size),
-        dp_rank=0,
-        dp_size=1,
-        pack=True,
-        dense_mask=True,
-    )
+    stream = train_stream(data, t, dense_mask=True)
     num_microbatches = int(t.global_batch_size) // int(t.micro_batch_size)
 
     def step() -> dict[str, float]:

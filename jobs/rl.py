@@ -12,23 +12,17 @@ the next rollout-step boundary and the job is requeued (afm_core.launch.requeue)
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig
 
-from afm_core.launch import submit
+from afm_core.launch.submit import run_training_job
 
 
 @hydra.main(config_path="../conf", config_name="rl", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
-    summary = submit(
-        "afm_core.rl.driver.run_rl", cfg, on_preempt="afm_core.train.trainer.request_checkpoint", job_name="rl"
-    )
-    if summary is not None:
-        print(json.dumps(summary, indent=2, default=str))
-    return summary
+    return run_training_job("afm_core.rl.driver.run_rl", cfg, job_name="rl")
 
 
 if __name__ == "__main__":

@@ -15,31 +15,18 @@ checkpoints at the next step boundary and the job is requeued (afm_core.launch.r
 
 from __future__ import annotations
 
-import json
-import sys
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig
 
-from afm_core.config import ConfigError, check_config
 from afm_core.config.sft import SFTConfig
-from afm_core.launch import submit
+from afm_core.launch.submit import run_training_job
 
 
 @hydra.main(config_path="../conf", config_name="sft", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
-    try:
-        check_config(cfg, SFTConfig)
-    except ConfigError as err:
-        print(f"jobs.sft: bad config: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    summary = submit(
-        "afm_core.train.sft.run_sft", cfg, on_preempt="afm_core.train.trainer.request_checkpoint", job_name="sft"
-    )
-    if summary is not None:
-        print(json.dumps(summary, indent=2, default=str))
-    return summary
+    return run_training_job("afm_core.train.sft.run_sft", cfg, job_name="sft", schema=SFTConfig)
 
 
 if __name__ == "__main__":

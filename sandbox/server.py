@@ -16,14 +16,14 @@ back to running code unjailed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import sys
+from typing import Any
 
 from aiohttp import web
 
-from afm_core.tools.serving import add_server_args, serve
+from afm_core.tools.serving import serve, server_parser, tool_app
 from sandbox.jail import JailConfig
 from sandbox.runner import QueueFullError, RunnerConfig, SnippetRunner
 from sandbox.warm import JailStartError
@@ -85,19 +85,16 @@ async def handle_run(request: web.Request) -> web.Response:
     return web.json_response(result.to_json())
 
 
-async def handle_health(request: web.Request) -> web.Response:
+def health(request: web.Request) -> dict[str, Any]:
     runner = request.app[RUNNER]
-    return web.json_response(
-        {
-            "status": "ok",
-            "backend": runner.cfg.jail.backend,
-            "warm": runner.cfg.warm,
-            "running": runner.running,
-            "queued": runner.queued,
-            "max_concurrency": runner.cfg.max_concurrency,
-            "max_queue": runner.cfg.max_queue,
-        }
-    )
+    return {
+        "backend": runner.cfg.jail.backend,
+        "warm": runner.cfg.warm,
+        "running": runner.running,
+        "queued": runner.queued,
+        "max_concurrency": runner.cfg.max_concurrency,
+        "max_queue": runner.cfg.max_queue,
+    }
 
 
 async def self_test(runner: SnippetRunner) -> None:
@@ -138,15 +135,11 @@ def build_app(cfg: RunnerConfig) -> web.Application:
         finally:
             await runner.aclose()
 
-    app.cleanup_ctx.append(lifecycle)
-    app.router.add_post("/run", handle_run)
-    app.router.add_get("/health", handle_health)
-    return app
+    return tool_app(app, {"POST /run": handle_run}, health, lifecycle)
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m sandbox.server", description=__doc__.split("\n")[0])
-    add_server_args(parser)
+    parser = server_parser("sandbox.server", __doc__)
     defaults = RunnerConfig()
     parser.add_argument("--max-concurrency", type=int, default=defaults.max_concurrency, help="snippets run at once")
     parser.add_argument(

@@ -225,8 +225,7 @@ def test_a_preemption_signal_during_the_boundary_all_reduce_is_kept_for_the_next
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce_while_a_signal_lands)
     monkeypatch.setattr(trainer, "_checkpoint_requested", False)
     monkeypatch.setattr(trainer, "_stop_requested", False)
-    fake = SimpleNamespace(layout=SimpleNamespace(on_gpu=False))
-    assert trainer.SFTTrainer._boundary_flags(fake) == (False, False)  # nothing was requested before this boundary
+    assert trainer.boundary_flags(on_gpu=False) == (False, False)  # nothing was requested before this boundary
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None: None)
-    assert trainer.SFTTrainer._boundary_flags(fake) == (True, True)  # ...and the late request is not lost
-    assert trainer.SFTTrainer._boundary_flags(fake) == (False, False)  # consumed once
+    assert trainer.boundary_flags(on_gpu=False) == (True, True)  # ...and the late request is not lost
+    assert trainer.boundary_flags(on_gpu=False) == (False, False)  # consumed once

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from afm_core.coa.grammar import validate_steps
 from afm_core.data.filters import DataFilters, build_graders, grade_trajectory
@@ -38,13 +38,13 @@ from afm_core.distill.convert import NotConverted, convert_run, convert_runs
 from afm_core.distill.mas import MASConfig, MultiAgentSystem, RoleTeacher
 from afm_core.distill.roles import ROLES
 from afm_core.distill.teacher import Teacher, build_teacher, teacher_sampling, teacher_settings
-from afm_core.eval.benchmarks import Benchmark, load_file, load_preset
+from afm_core.eval.benchmarks import Benchmark, load_sources
 from afm_core.eval.samples import SampleWriter, read_samples, sample_key
 from afm_core.rollout import AgentTask
 from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
 from afm_core.utils.aio import run_with_tools
 from afm_core.utils.atomic import atomic_path, atomic_write_json
-from afm_core.utils.paths import shared_data_dir
+from afm_core.utils.run_config import open_run
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +68,12 @@ def load_tasks(cfg: Mapping[str, Any]) -> list[Benchmark]:
     Raises:
         ValueError: no task source, or two with the same name.
     """
-    data_dir = Path(cfg["data_dir"]) if cfg.get("data_dir") else shared_data_dir()
-    benchmarks = [load_preset(name, data_dir) for name in cfg.get("benchmarks") or []]
-    benchmarks += [load_file(path) for path in cfg.get("benchmark_files") or []]
-    if not benchmarks:
-        raise ValueError("no tasks: set benchmarks=[gsm8k_train,...] and/or benchmark_files=[my_tasks.parquet]")
-    names = [b.name for b in benchmarks]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two task sources share a name: {names}")
+    benchmarks = load_sources(
+        cfg.get("benchmarks"),
+        cfg.get("benchmark_files"),
+        cfg.get("data_dir"),
+        empty="no tasks: set benchmarks=[gsm8k_train,...] and/or benchmark_files=[my_tasks.parquet]",
+    )
     limit = cfg["distill"].get("limit")
     for bench in benchmarks:
         if limit is not None:
@@ -293,10 +291,7 @@ def run_distill(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """
     global _stop_requested
     _stop_requested = False
-    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_dir = Path(cfg["run_dir"])
-    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg, run_dir = open_run(cfg)
     role_specs(cfg)
     MASConfig(**(cfg.get("mas") or {}))
     DataFilters.from_config(cfg["data"].get("filters"))

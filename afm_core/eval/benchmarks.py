@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -278,3 +278,32 @@ def load_file(path: str | Path) -> Benchmark:
     name = re.sub(r"\.(jsonl|json|parquet)(\.gz)?$", "", path.name)
     tasks, skipped = _load(name, path, "rl_file", None, None)
     return Benchmark(name, tasks, {}, skipped)
+
+
+def load_sources(
+    presets: Sequence[str] | None,
+    files: Sequence[str | Path] | None,
+    data_dir: str | Path | None,
+    *,
+    empty: str,
+    unique: bool = True,
+) -> list[Benchmark]:
+    """The one task loader of eval, distillation, RL and the RL prompt filter: the ``presets`` (read with
+    ``data_dir``, default :func:`~afm_core.utils.paths.shared_data_dir`) then the user ``files``, in order.
+
+    Args:
+        empty: the error message when neither names a source (names the config fields to set).
+        unique: refuse two sources with the same name (their results are reported by name).
+    Raises:
+        ValueError: no source (``empty``), an unknown preset, or (``unique``) two sources with the same name.
+        FileNotFoundError: a missing data file.
+    """
+    root = Path(data_dir) if data_dir else None
+    benchmarks = [load_preset(name, root) for name in presets or []]
+    benchmarks += [load_file(path) for path in files or []]
+    if not benchmarks:
+        raise ValueError(empty)
+    names = [b.name for b in benchmarks]
+    if unique and len(set(names)) != len(names):
+        raise ValueError(f"two task sources share a name: {names}")
+    return benchmarks

@@ -18,12 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from afm_core.eval.benchmarks import SAMPLING_KEYS, Benchmark, load_file, load_preset
+from afm_core.eval.benchmarks import SAMPLING_KEYS, Benchmark, load_sources
 from afm_core.eval.metrics import benchmark_metrics, double_check_score
 from afm_core.eval.report import write_report
 from afm_core.eval.samples import SampleWriter, read_samples, sample_key
@@ -36,7 +35,7 @@ from afm_core.rollout.agent_loop import sample_seed
 from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
 from afm_core.utils.aio import run_with_tools
 from afm_core.utils.atomic import atomic_write_json
-from afm_core.utils.paths import shared_data_dir
+from afm_core.utils.run_config import open_run
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +70,12 @@ def load_benchmarks(cfg: Mapping[str, Any]) -> list[Benchmark]:
     Raises:
         ValueError: no benchmark, an unknown preset, or two benchmarks with the same name.
     """
-    data_dir = Path(cfg["data_dir"]) if cfg.get("data_dir") else shared_data_dir()
-    benchmarks = [load_preset(name, data_dir) for name in cfg.get("benchmarks") or []]
-    benchmarks += [load_file(path) for path in cfg.get("benchmark_files") or []]
-    if not benchmarks:
-        raise ValueError("nothing to evaluate: set benchmarks=[gsm8k_test,...] and/or benchmark_files=[my.parquet]")
-    names = [b.name for b in benchmarks]
-    if len(set(names)) != len(names):
-        raise ValueError(f"two benchmarks share a name: {names}")
+    benchmarks = load_sources(
+        cfg.get("benchmarks"),
+        cfg.get("benchmark_files"),
+        cfg.get("data_dir"),
+        empty="nothing to evaluate: set benchmarks=[gsm8k_test,...] and/or benchmark_files=[my.parquet]",
+    )
     for bench in benchmarks:
         limit = benchmark_settings(cfg["eval"], bench).get("limit")
         if limit is not None:
@@ -206,10 +203,7 @@ def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """
     global _stop_requested
     _stop_requested = False
-    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run_dir = Path(cfg["run_dir"])
-    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg, run_dir = open_run(cfg)
     benchmarks = load_benchmarks(cfg)
     samples_path = run_dir / "samples.jsonl"
     done = {sample_key(r) for r in read_samples(samples_path)}

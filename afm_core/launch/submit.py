@@ -67,3 +67,25 @@ def submit(fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str) -> dict[
     if not cluster.get("wait"):
         return None
     return wait_streaming(submitted)
+
+
+def run_training_job(fn: str, cfg: DictConfig, *, job_name: str, schema: type | None = None) -> dict[str, Any] | None:
+    """The body of a training app (``jobs.sft``, ``jobs.rl``): check ``cfg`` against its typed ``schema``
+    (:func:`afm_core.config.check_config`; a bad value exits with status 2 and one line naming the key, before
+    anything is built or submitted), :func:`submit` ``fn`` with the trainer's checkpoint-and-requeue hook
+    (:func:`afm_core.train.trainer.request_checkpoint`), and print rank 0's summary as JSON when waiting."""
+    import json
+    import sys
+
+    if schema is not None:
+        from afm_core.config import ConfigError, check_config
+
+        try:
+            check_config(cfg, schema)
+        except ConfigError as err:
+            print(f"jobs.{job_name}: bad config: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+    summary = submit(fn, cfg, on_preempt="afm_core.train.trainer.request_checkpoint", job_name=job_name)
+    if summary is not None:
+        print(json.dumps(summary, indent=2, default=str))
+    return summary

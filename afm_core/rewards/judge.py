@@ -8,7 +8,6 @@ failure as a silent 0, a failure grades ``judge_error`` with ``error=True`` and 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from afm_core.rewards.base import Grade, extract_answer
-from afm_core.utils.openai_api import auth_headers
+from afm_core.utils.openai_api import EndpointError, auth_headers, endpoint, post_json
 
 JUDGE_SYSTEM = "You are an expert evaluator."
 JUDGE_PROMPT = """Please determine if the predicted answer is equivalent to the labeled answer. 
@@ -60,12 +59,14 @@ def parse_verdict(text: str) -> tuple[bool, str]:
 class LLMJudge:
     """Grades an answer against the labelled answer with an LLM.
 
+    Requests go through :func:`afm_core.utils.openai_api.post_json` (retries on HTTP 429/5xx, a dropped
+    connection, a timeout or a reply that is not JSON, with exponential backoff from 0.5 s).
+
     Args:
-        url: base URL of an OpenAI-compatible server, ending in ``/v1``.
+        url: base URL of an OpenAI-compatible server (with or without the trailing ``/v1``).
         model: the served model name.
         api_key_env: environment variable holding the API key (None: no key).
         attempts: tries per question (upstream: 3).
-        retry_delay_s: seconds between tries.
         timeout_s: seconds per request.
     """
 
@@ -73,17 +74,16 @@ class LLMJudge:
     model: str
     api_key_env: str | None = None
     attempts: int = 3
-    retry_delay_s: float = 1.0
     timeout_s: float = 120.0
     temperature: float = 0.0
     failures: int = 0
     _session: aiohttp.ClientSession | None = field(default=None, repr=False)
 
     async def judge(self, question: str, gold: str, prediction: str) -> Grade:
-        """``correct`` (1.0) / ``wrong`` (0.0); after ``attempts`` failures ``judge_error`` with ``error=True``."""
+        """``correct`` (1.0) / ``wrong`` (0.0); a request that fails for good, or a reply without a verdict, gives
+        ``judge_error`` with ``error=True`` (counted in :attr:`failures`)."""
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession()
-        headers = auth_headers(self.api_key_env)
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         body = {
             "model": self.model,
             "messages": [
@@ -95,25 +95,19 @@ class LLMJudge:
             ],
             "temperature": self.temperature,
         }
-        last = ""
-        for attempt in range(self.attempts):
-            try:
-                async with self._session.post(
-                    f"{self.url.rstrip('/')}/chat/completions",
-                    json=body,
-                    headers=headers,
-                    timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                ) as resp:
-                    resp.raise_for_status()
-                    reply = (await resp.json())["choices"][0]["message"]["content"]
-                correct, rationale = parse_verdict(reply)
-                return Grade(float(correct), "correct" if correct else "wrong", extra={"rationale": rationale[:300]})
-            except (TimeoutError, aiohttp.ClientError, KeyError, IndexError, TypeError, ValueError) as e:
-                last = f"{e.__class__.__name__}: {e}"
-                if attempt + 1 < self.attempts:
-                    await asyncio.sleep(self.retry_delay_s)
-        self.failures += 1
-        return Grade(0.0, "judge_error", error=True, extra={"message": last[:300]})
+        try:
+            reply = await post_json(
+                self._session,
+                endpoint(self.url, "chat/completions"),
+                body,
+                auth_headers(self.api_key_env),
+                retries=self.attempts - 1,
+            )
+            correct, rationale = parse_verdict(reply["choices"][0]["message"]["content"])
+        except (EndpointError, KeyError, IndexError, TypeError, ValueError) as e:
+            self.failures += 1
+            return Grade(0.0, "judge_error", error=True, extra={"message": f"{e.__class__.__name__}: {e}"[:300]})
+        return Grade(float(correct), "correct" if correct else "wrong", extra={"rationale": rationale[:300]})
 
     async def grade(self, response: str, question: str, gold: str) -> Grade:
         """Judge the last ``<answer>`` of a CoA response (``no_answer`` without calling the judge)."""

@@ -2,8 +2,8 @@
 
 One optimizer step (one mini-batch) of the actor runs ``get_forward_backward_func()(forward_step_func=
 policy_forward_step(config, temperature=...), ...)`` over the mini-batch's micro batches, with the model
-wrapped as in SFT (``afm_core.train.trainer.SFTTrainer._wrap``: Megatron DDP with
-``TransformerConfig.calculate_per_token_loss=True``). In that mode megatron sums the micro-batch losses,
+wrapped by the one trainer core (:class:`afm_core.train.trainer.MegatronTrainer`: Megatron DDP with
+``TransformerConfig.calculate_per_token_loss=True``; the step is :meth:`~afm_core.train.trainer.MegatronTrainer.step`). In that mode megatron sums the micro-batch losses,
 all-reduces the returned token counts over data-parallel ranks and divides the gradients by the total
 (``megatron/core/distributed/finalize_model_grads.py``), so :func:`megatron_policy_loss` returns the masked
 token SUM and the local token count, and the result is DAPO's token-mean over the global mini-batch.
@@ -17,7 +17,6 @@ over the data-parallel group, on the last stage.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -81,41 +80,3 @@ def policy_forward_step(
         return logits, partial(megatron_policy_loss, batch, config, temperature)
 
     return forward_step
-
-
-def megatron_update_step(
-    trainer: Any,
-    forward_step: Callable,
-    micro_batches: list[dict[str, torch.Tensor]],
-    seq_length: int,
-    micro_batch_size: int,
-    *,
-    what: str,
-) -> tuple[list[dict[str, Any]], float, float]:
-    """One optimizer step of ``trainer`` (:class:`afm_core.train.trainer.SFTTrainer`: Megatron DDP, optimizer,
-    scheduler) over ``micro_batches`` with megatron-core's forward-backward schedule and ``forward_step``.
-
-    Returns:
-        ``(loss reports of the micro batches (last pipeline stage), grad norm, lr used)``.
-    Raises:
-        FloatingPointError: non-finite gradients (``what`` names the update).
-    """
-    for chunk in trainer.model:
-        chunk.zero_grad_buffer()
-    trainer.optimizer.zero_grad()
-    lr = trainer.optimizer.param_groups[0]["lr"]
-    iterators = [iter(micro_batches) for _ in trainer.model]
-    reports = trainer.forward_backward(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(iterators) > 1 else iterators[0],
-        model=trainer.model,
-        num_microbatches=len(micro_batches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=False,
-    )
-    ok, norm, _ = trainer.optimizer.step()
-    if not ok or not math.isfinite(float(norm)):
-        raise FloatingPointError(f"{what}: non-finite gradients (grad norm {norm})")
-    trainer.scheduler.step(increment=1)
-    return list(reports), float(norm), float(lr)

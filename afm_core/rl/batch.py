@@ -11,7 +11,9 @@ with causal attention leaves the real positions' logits unchanged, so no attenti
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -117,7 +119,7 @@ def sample_micro_batches(
     pad_id: int,
     extra: Mapping[str, Sequence[Sequence[float]]] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
-    """Micro batches of ``mbs`` graded trajectories (:class:`afm_core.rl.driver.Sample`: ``prompt_ids``,
+    """Micro batches of ``mbs`` graded trajectories (:class:`afm_core.rl.grading.Sample`: ``prompt_ids``,
     ``response_ids``, ``response_mask``, ``logprobs``) padded to ``seq_length`` (None: each micro batch to its
     own longest), with the engine's logprobs as
     ``rollout_log_prob`` and each ``extra`` per-response-token list (one per sample, in order) placed alike."""
@@ -138,3 +140,61 @@ def sample_micro_batches(
             )
         )
     return out
+
+
+@dataclass
+class Updates:
+    """What :func:`minibatch_updates` did: each micro batch's loss stats (last pipeline stage), the last step's
+    grad norm and lr, and the optimizer steps taken."""
+
+    stats: list[dict[str, Any]] = field(default_factory=list)
+    grad_norm: float = math.nan
+    lr: float = math.nan
+    steps: int = 0
+
+
+def minibatch_updates(
+    trainer: Any,
+    samples: Sequence[Any],
+    shares: Sequence[Sequence[int]],
+    forward_step: Callable,
+    extra: Callable[[Sequence[int]], Mapping[str, Sequence[Sequence[float]]]],
+    cfg: Mapping[str, Any],
+    seq_length: int,
+    pad_to: int | None,
+    pad_id: int,
+    *,
+    stats_key: str,
+    what: str,
+) -> Updates:
+    """The one PPO mini-batch loop of the policy and the critic: ``algorithm.ppo_epochs`` x one optimizer step per
+    mini-batch (``shares``: this DP rank's sample indices of each, :func:`minibatch_shares`), on
+    :meth:`~afm_core.train.trainer.MegatronTrainer.step` with ``forward_step``'s loss, in micro batches of
+    ``trainer.micro_batch_size`` samples.
+
+    Args:
+        extra: a share's per-response-token inputs of the loss (old logprobs, advantages, returns...).
+        seq_length: the activation length megatron's schedule is given; pad_to: the micro batches' padded
+            length (None: each to its own longest, without pipeline stages).
+        stats_key: the loss reports' key whose stats are collected; what: names the update in errors
+            (``{step}``: the step number).
+    Raises:
+        FloatingPointError: non-finite gradients.
+    """
+    epochs, micro_batch_size = int(cfg["algorithm"]["ppo_epochs"]), int(cfg["trainer"]["micro_batch_size"])
+    done = Updates()
+    for _ in range(epochs):
+        for share in shares:
+            micro = sample_micro_batches(
+                [samples[i] for i in share], micro_batch_size, pad_to, pad_id, extra=extra(share)
+            )
+            reports, done.grad_norm, done.lr = trainer.step(
+                micro,
+                forward_step,
+                seq_length=seq_length,
+                micro_batch_size=micro_batch_size,
+                what=what.format(step=done.steps + 1),
+            )
+            done.steps += 1
+            done.stats += [r[stats_key] for r in reports]
+    return done

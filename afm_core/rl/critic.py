@@ -3,8 +3,8 @@
 The value model is the policy's own build (:func:`afm_core.rl.policy_model.build_policy_model`: the same
 ``GPTModel`` chunks and HF weights) whose output layer is replaced by a scalar head (``hidden -> 1``, no
 bias; verl ``verl/models/mcore/model_initializer.py`` builds its Megatron critic the same way with
-``LinearForLastLayer``), trained by the SFT trainer core (:class:`afm_core.train.trainer.SFTTrainer`: Megatron
-DDP, its own AdamW and schedule, per-token loss) with the clipped value loss of
+``LinearForLastLayer``), trained by the one trainer core (:class:`afm_core.train.trainer.MegatronTrainer`:
+Megatron DDP, its own AdamW and schedule, per-token loss) with the clipped value loss of
 :func:`afm_core.rl.losses.value_loss`. Per rollout step (verl ``verl/trainer/ppo/ray_trainer.py::fit``):
 
     old values V(s_t) of the train batch         forward-only, each DP rank its share, gathered
@@ -163,30 +163,22 @@ class Critic:
         params_dtype: torch.dtype,
         load_weights: bool = True,
     ):
-        from afm_core.rl.driver import _trainer_cfg
-        from afm_core.train.checkpoint import Checkpointer
-        from afm_core.train.trainer import SFTTrainer
+        from afm_core.train.trainer import MegatronTrainer
 
         critic_cfg = dict(cfg.get("critic") or {})
+        t = cfg["trainer"]
         self.cfg, self.layout = cfg, layout
         self.clip_range_value = critic_cfg.get("clip_range_value", 0.5)
-        merged = {
-            **cfg,
-            "optim": {**cfg["optim"], **(critic_cfg.get("optim") or {})},
-            "trainer": {**cfg["trainer"], "grad_clip": float(critic_cfg.get("grad_clip", cfg["trainer"]["grad_clip"]))},
-        }
-        chunks = build_value_model(hf_dir, layout, params_dtype=params_dtype, load_weights=load_weights)
-        self.trainer = SFTTrainer(
-            _trainer_cfg(merged, layout.dp),
+        self.trainer = MegatronTrainer(
             layout,
-            chunks,
-            train_data=None,  # type: ignore[arg-type]  # the critic's batches come from the RL loop
-            eval_batches=[],
-            run_dir=run_dir / "critic",
+            build_value_model(hf_dir, layout, params_dtype=params_dtype, load_weights=load_weights),
+            optim={**cfg["optim"], **(critic_cfg.get("optim") or {})},
             max_steps=max(1, max_optimizer_steps),
+            grad_clip=float(critic_cfg.get("grad_clip", t["grad_clip"])),
+            distributed_optimizer=bool(cfg["parallel"]["distributed_optimizer"]),
+            checkpoint_dir=critic_checkpoints(run_dir),
+            keep_last=int(t["keep_last"]) + 1,  # see the module docstring
         )
-        keep = int(cfg["trainer"]["keep_last"]) + 1  # see the module docstring
-        self.trainer.checkpointer = Checkpointer(critic_checkpoints(run_dir), keep, layout)
 
     @property
     def model(self) -> list[torch.nn.Module]:
@@ -199,6 +191,7 @@ class Critic:
 
         from afm_core.rl.batch import response_values, sample_micro_batches
         from afm_core.rl.logprobs import forward_only
+        from afm_core.train.distributed import gather_objects
 
         mbs = int(self.cfg["trainer"]["micro_batch_size"])
         dp, dp_rank = self.layout.dp, self.layout.dp_rank
@@ -214,9 +207,7 @@ class Critic:
             for j, v in enumerate(response_values(out["values"], batch)):
                 local[mine[b * mbs + j]] = v.tolist()
         if dp > 1:
-            parts: list[Any] = [None] * dp
-            torch.distributed.all_gather_object(parts, local, group=ps.get_data_parallel_group())
-            for part in parts:
+            for part in gather_objects(local, group=ps.get_data_parallel_group()):
                 local.update(part)
         return [local[i] for i in range(len(samples))]
 
@@ -237,26 +228,21 @@ class Critic:
         """
         from megatron.core import parallel_state as ps
 
-        from afm_core.rl.actor import megatron_update_step
-        from afm_core.rl.batch import minibatch_shares, sample_micro_batches
+        from afm_core.rl.batch import minibatch_shares, minibatch_updates
         from afm_core.rl.losses import reduce_stats
 
         start = time.perf_counter()
         a = self.cfg["algorithm"]
-        mbs = int(self.cfg["trainer"]["micro_batch_size"])
         mini = int(a["mini_batch_size"]) * int(self.cfg["rollout"]["n"])
         shares = minibatch_shares(len(samples), mini, self.layout.dp, self.layout.dp_rank)
+
+        def inputs(share: Sequence[int]) -> dict[str, list[Sequence[float]]]:
+            return {"old_values": [old_values[i] for i in share], "returns": [returns[i] for i in share]}
+
         forward_step = values_forward_step(self.clip_range_value)
-        stats, grad_norm, lr, steps = [], float("nan"), float("nan"), 0
-        for _ in range(int(a["ppo_epochs"])):
-            for share in shares:
-                extra = {"old_values": [old_values[i] for i in share], "returns": [returns[i] for i in share]}
-                micro = sample_micro_batches([samples[i] for i in share], mbs, seq_length, pad_id, extra=extra)
-                reports, grad_norm, lr = megatron_update_step(
-                    self.trainer, forward_step, micro, seq_length, mbs, what=f"critic update {steps + 1}"
-                )
-                steps += 1
-                stats += [r[STATS_KEY] for r in reports]
+        done = minibatch_updates(self.trainer, samples, shares, forward_step, inputs, self.cfg, seq_length,
+                                 seq_length, pad_id, stats_key=STATS_KEY, what="critic update {step}")  # fmt: skip
+        stats, grad_norm, lr, steps = done.stats, done.grad_norm, done.lr, done.steps
         reduced = reduce_stats(stats, ps.get_data_parallel_group()) if stats else {}
         tokens = [r for s, values in zip(samples, returns) for r, m in zip(values, s.response_mask) if m]
         return {
@@ -270,9 +256,7 @@ class Critic:
 
     def save(self, step: int) -> Path:
         """``checkpoints/critic/step_N`` (collective)."""
-        common = [{"scheduler": self.trainer.scheduler.state_dict()}]
-        torch.distributed.broadcast_object_list(common, src=0)
-        return self.trainer.checkpointer.save(step, self.model, self.trainer.optimizer, common[0], {})
+        return self.trainer.save(step, {})
 
     def load(self, actor_checkpoint: Path) -> Path:
         """Load the critic saved with the actor checkpoint ``actor_checkpoint`` (collective).
@@ -286,8 +270,7 @@ class Critic:
                 f"{actor_checkpoint}: no critic checkpoint at {path} (resuming a run without a critic with "
                 "algorithm.adv_estimator=gae?)"
             )
-        common, _ = self.trainer.checkpointer.load(path, self.model, self.trainer.optimizer)
-        self.trainer.scheduler.load_state_dict(common["scheduler"])
+        self.trainer.load(path)
         return path
 
 

@@ -36,11 +36,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from afm_core.data.formats import RLTask, write_rl_tasks
 from afm_core.data.schema import task_id
 from afm_core.utils.atomic import atomic_write_json
+from afm_core.utils.run_config import plain_config
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ def run_filter(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     from afm_core.eval.runner import load_benchmarks, run_eval
     from afm_core.eval.samples import read_samples
 
-    cfg = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    cfg = plain_config(cfg)
     run_dir = Path(cfg["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     rule = dict(cfg["filter"])

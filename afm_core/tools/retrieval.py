@@ -14,13 +14,14 @@ layout, where ``contents`` starts with the title line).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 import bm25s
 import numpy as np
+
+from afm_core.data.io import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -42,34 +43,25 @@ def load_corpus(path: str | Path) -> list[Document]:
 
     Raises:
         FileNotFoundError: no such file.
-        ValueError: a line is not JSON or lacks a string ``contents``/``id`` (names file, line and field),
+        ValueError: (:class:`~afm_core.data.io.DataFormatError`) a line is not JSON or lacks a string ``contents``/``id`` (names file, line and field),
             or two lines share an ``id``.
     """
     path = Path(path)
     docs: list[Document] = []
     seen: set[str] = set()
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object")
-            for field in ("id", "contents"):
-                if not isinstance(record.get(field), (str, int)) or (
-                    field == "contents" and not isinstance(record[field], str)
-                ):
-                    raise ValueError(f"{path}:{lineno}: field {field!r} missing or not a string")
-            doc_id = str(record["id"])
-            if doc_id in seen:
-                raise ValueError(f"{path}:{lineno}: field 'id' repeats {doc_id!r}")
-            seen.add(doc_id)
-            contents = record["contents"]
-            title = record.get("title") or contents.partition("\n")[0].strip().strip('"')
-            docs.append(Document(doc_id, str(title), contents, record.get("url")))
+    for where, record in read_jsonl(path):
+        for field in ("id", "contents"):
+            if not isinstance(record.get(field), (str, int)) or (
+                field == "contents" and not isinstance(record[field], str)
+            ):
+                raise where.error(f"field {field!r} missing or not a string")
+        doc_id = str(record["id"])
+        if doc_id in seen:
+            raise where.error(f"field 'id' repeats {doc_id!r}")
+        seen.add(doc_id)
+        contents = record["contents"]
+        title = record.get("title") or contents.partition("\n")[0].strip().strip('"')
+        docs.append(Document(doc_id, str(title), contents, record.get("url")))
     if not docs:
         raise ValueError(f"{path}: empty corpus")
     return docs

@@ -177,3 +177,17 @@ def destroy_distributed() -> None:
         ps.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def gather_objects(obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's picklable ``obj`` of the process ``group`` (default: all ranks), in rank order (collective)."""
+    parts: list[Any] = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(parts, obj, group=group)
+    return parts
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's picklable ``obj`` on every rank (collective)."""
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]

@@ -47,6 +47,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
+from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from afm_core.data.loader import StepMicroBatches
@@ -77,6 +78,24 @@ def request_checkpoint(stop: bool = True) -> None:
     global _checkpoint_requested, _stop_requested
     _checkpoint_requested = True
     _stop_requested = _stop_requested or stop
+
+
+def boundary_flags(on_gpu: bool) -> tuple[bool, bool]:
+    """``(checkpoint requested, stop requested)`` OR-ed over all ranks: the requeue check every training loop
+    (SFT's and RL's) makes at each step boundary (a collective: every rank calls it).
+
+    A flag is cleared only if it was read as set, before the all-reduce: a signal that lands during the
+    collective (or between the read and the clear) stays set for the next boundary instead of being lost.
+    """
+    global _checkpoint_requested, _stop_requested
+    checkpoint, stop = _checkpoint_requested, _stop_requested
+    if checkpoint:
+        _checkpoint_requested = False
+    if stop:
+        _stop_requested = False
+    flags = torch.tensor([int(checkpoint), int(stop)], device="cuda" if on_gpu else "cpu")
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    return bool(flags[0]), bool(flags[1])
 
 
 class MicroBatchSource(Protocol):
@@ -349,23 +368,6 @@ class SFTLoop(ABC):
     def _lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
-    def _boundary_flags(self) -> tuple[bool, bool]:
-        """(checkpoint requested, stop requested) OR-ed over all ranks.
-
-        A flag is cleared only if it was read as set, before the all-reduce: a signal that lands during the
-        collective (or between the read and the clear) stays set for the next boundary instead of being lost.
-        """
-        global _checkpoint_requested, _stop_requested
-        checkpoint, stop = _checkpoint_requested, _stop_requested
-        if checkpoint:
-            _checkpoint_requested = False
-        if stop:
-            _stop_requested = False
-        device = "cuda" if self.layout.on_gpu else "cpu"
-        flags = torch.tensor([int(checkpoint), int(stop)], device=device)
-        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-        return bool(flags[0]), bool(flags[1])
-
     def fit(self) -> dict[str, Any]:
         """Resume if a complete checkpoint exists, train to ``max_steps``, evaluate, checkpoint.
 
@@ -417,7 +419,7 @@ class SFTLoop(ABC):
             bar.set_postfix(loss=f"{out['loss']:.4f}", lr=f"{out['lr']:.2e}")
             if step % t.eval_interval == 0 or step == self.max_steps:
                 self._eval_and_log()
-            want_checkpoint, stop = self._boundary_flags()
+            want_checkpoint, stop = boundary_flags(self.layout.on_gpu)
             if want_checkpoint or step % t.save_interval == 0 or step == self.max_steps:
                 last_checkpoint = self.save_checkpoint()
             if stop and step < self.max_steps:
@@ -458,54 +460,52 @@ class SFTLoop(ABC):
         return summary
 
 
-class SFTTrainer(SFTLoop):
-    """Runs observation-masked SFT on prebuilt megatron model chunks.
+class MegatronTrainer:
+    """The one Megatron trainer core that SFT (:class:`SFTTrainer`), the RL policy
+    (:mod:`afm_core.rl.policy_trainer`) and the PPO critic (:mod:`afm_core.rl.critic`) share: this rank's model
+    chunks wrapped as Megatron-LM wraps them (Float16Module for bf16, DDP with fp32 grad buffers and per-token
+    loss), AdamW and its LR schedule (:mod:`afm_core.train.optim`), one optimizer step over micro batches with a
+    caller's loss (:meth:`step`), and checkpoints (:meth:`save` / :meth:`load`, :mod:`afm_core.train.checkpoint`).
+    The requeue check is :func:`boundary_flags`.
 
     Args:
-        cfg, layout, train_data, eval_batches, run_dir, max_steps, resume_from: as for :class:`SFTLoop`.
-        model_chunks: unwrapped GPTModel chunk(s) of this rank, weights already loaded, on ``layout.device``,
+        layout: this rank's parallel layout.
+        model_chunks: unwrapped GPTModel chunk(s) of this rank (:func:`build_model_chunks`), on ``layout.device``,
             in their training dtype (bf16 or fp32).
-        thd_packing: give batches with ``cu_seqlens`` to the model in the ``thd`` format (module docstring);
-            None: whenever the model's attention reads ``PackedSeqParams`` (:func:`reads_packed_seq_params`).
-        objective: what the loss is (:mod:`afm_core.train.objective`); None: ``cfg.trainer.objective`` (default
-            ``sft``, the masked token mean).
+        optim: the ``optim`` config (lr, schedule, weight decay, Adam betas/eps, warmup_ratio, min_lr).
+        max_steps: optimizer steps of the whole run (the LR schedule's length).
+        grad_clip: global gradient-norm clip.
+        distributed_optimizer: megatron's distributed optimizer (GPU only).
+        checkpoint_dir: where ``step_N`` checkpoints go.
+        keep_last: complete checkpoints kept.
     Raises:
-        ValueError: the batch sizes do not divide (names the config fields), or ``thd_packing=True`` on a model
-            whose attention ignores ``PackedSeqParams``.
+        ValueError: a bad ``optim`` value (names the field).
     """
+
+    optimizer: Any
+    report_groups: list[Any]
 
     def __init__(
         self,
-        cfg: Any,
         layout: ParallelLayout,
         model_chunks: list[torch.nn.Module],
-        train_data: MicroBatchSource,
-        eval_batches: list[dict[str, torch.Tensor]],
-        run_dir: str | Path,
+        *,
+        optim: Any,
         max_steps: int,
-        resume_from: str | Path | None = None,
-        thd_packing: bool | None = None,
-        objective: Objective | None = None,
+        grad_clip: float,
+        distributed_optimizer: bool,
+        checkpoint_dir: str | Path,
+        keep_last: int,
     ):
-        super().__init__(cfg, layout, train_data, eval_batches, run_dir, max_steps, resume_from)
-        self.objective = objective if objective is not None else build_objective(cfg)
-        reads_thd = reads_packed_seq_params(model_chunks)
-        if thd_packing and not reads_thd:
-            raise ValueError(
-                "thd_packing=True, but the model's attention does not read PackedSeqParams (use "
-                "afm_core.models.bridge.gpt_layer_spec)"
-            )
-        self.thd_packing = reads_thd if thd_packing is None else thd_packing
-        t = cfg.trainer
-
-        self.model = self._wrap(model_chunks)
+        self.layout = layout
+        self.model = self._wrap(model_chunks, bool(distributed_optimizer))
         self.optimizer, self.scheduler = build_optimizer(
             self.model,
-            cfg.optim,
+            optim if isinstance(optim, DictConfig) else OmegaConf.create(dict(optim)),
             max_steps=max_steps,
-            grad_clip=t.grad_clip,
+            grad_clip=grad_clip,
             params_dtype=get_model_config(self.model[0]).params_dtype,
-            distributed_optimizer=bool(cfg.parallel.distributed_optimizer),
+            distributed_optimizer=bool(distributed_optimizer),
         )
         config = get_model_config(self.model[0])
         config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
@@ -518,11 +518,11 @@ class SFTTrainer(SFTLoop):
             syncs = [m.start_param_sync for m in self.model]
             config.param_sync_func = syncs if len(syncs) > 1 else syncs[0]
         self.forward_backward = get_forward_backward_func()
-        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", t.keep_last, layout)
+        self.checkpointer = Checkpointer(checkpoint_dir, keep_last, layout)
         self.report_groups = [ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()]
 
     # -- setup -----------------------------------------------------------------------------------------
-    def _wrap(self, chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    def _wrap(self, chunks: list[torch.nn.Module], distributed_optimizer: bool) -> list[torch.nn.Module]:
         """Megatron-LM's wrapping: Float16Module for bf16, then DDP with fp32 grad buffers."""
         config = get_model_config(chunks[0])
         config.calculate_per_token_loss = True  # read by DDP and the schedules: see afm_core.train.loss
@@ -538,8 +538,7 @@ class SFTTrainer(SFTLoop):
         # GPU with DP > 1: overlap the gradient reduce-scatter/all-reduce with backward, and with the distributed
         # optimizer the parameter all-gather with the next forward (Megatron-LM's --overlap-grad-reduce /
         # --overlap-param-gather). CPU (gloo): synchronous, and no NaN scan of the grad buffer (the grad norm,
-        # computed for clipping anyway, is checked instead in train_step).
-        distributed_optimizer = bool(self.cfg.parallel.distributed_optimizer)
+        # computed for clipping anyway, is checked instead in step).
         overlap = self.layout.on_gpu and self.layout.dp > 1
         self.ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -585,6 +584,125 @@ class SFTTrainer(SFTLoop):
                 zero_by_release(buffer.grad_data)
 
     # -- one step --------------------------------------------------------------------------------------
+    def run_schedule(
+        self, micro_batches: Any, forward_step: Any, *, seq_length: int, micro_batch_size: int, forward_only: bool
+    ) -> list[Any]:
+        """megatron-core's forward(-backward) schedule over ``micro_batches`` (a sized iterable, read once per
+        model chunk) with ``forward_step`` (megatron's ``forward_step_func``: ``(data_iterator, model) ->
+        (output, loss_func)``); ``seq_length`` x ``micro_batch_size`` is the activation shape sent between
+        pipeline stages. Returns the loss reports of the micro batches (last pipeline stage; others get none)."""
+        iterators = [iter(micro_batches) for _ in self.model]
+        return self.forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.model,
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            forward_only=forward_only,
+        )
+
+    def step(
+        self, micro_batches: Any, forward_step: Any, *, seq_length: int, micro_batch_size: int, what: str
+    ) -> tuple[list[Any], float, float]:
+        """One optimizer step over ``micro_batches`` with ``forward_step``'s loss (see :meth:`run_schedule`):
+        gradients zeroed, accumulated, reduced over DP, scaled by the reported token count (per-token loss),
+        clipped, applied; the LR schedule advances.
+
+        Returns:
+            ``(loss reports of the micro batches, grad norm, lr used)``.
+        Raises:
+            FloatingPointError: non-finite gradients (``what`` names the update).
+        """
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = self.optimizer.param_groups[0]["lr"]
+        reports = self.run_schedule(
+            micro_batches, forward_step, seq_length=seq_length, micro_batch_size=micro_batch_size, forward_only=False
+        )
+        update_ok, grad_norm, _ = self.optimizer.step()
+        if not update_ok or (grad_norm is not None and not math.isfinite(grad_norm)):
+            raise FloatingPointError(f"{what}: non-finite gradients (grad norm {grad_norm})")
+        self.scheduler.step(increment=1)
+        return list(reports), float(grad_norm), float(lr)
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def save(self, step: int, common: dict[str, Any], rank_state: dict[str, Any] | None = None) -> Path:
+        """Write ``checkpoint_dir/step_N`` (every rank calls it): model, optimizer, the LR schedule and ``common``
+        (rank 0's copy, identical on every rank as dist_checkpointing wants), and this rank's ``rank_state``.
+
+        The spent gradients are released first: megatron's writer clones every tensor view it saves
+        (``dist_checkpointing/strategies/filesystem_async.py`` ``prepare_write_data``), and the SwiGLU halves of
+        ``linear_fc1``'s weight and of its AdamW moments are views (``transformer/mlp.py``
+        ``apply_swiglu_sharded_factory``): 12 bytes per fc1 parameter, 0.6 GB at SmolLM2-135M, on top of
+        everything else. With the 4 bytes/param of gradients still resident, the save, not training, set the
+        SFT job's peak resident memory."""
+        self.sync_params()
+        self._release_grad_buffers()
+        shared = [{**common, "scheduler": self.scheduler.state_dict()}]
+        torch.distributed.broadcast_object_list(shared, src=0)  # dist_checkpointing wants identical commons
+        return self.checkpointer.save(step, self.model, self.optimizer, shared[0], rank_state or {})
+
+    def load(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Load the checkpoint ``path`` into the model, optimizer and LR schedule (collective); returns its
+        ``(common, this rank's state)``."""
+        common, rank_state = self.checkpointer.load(path, self.model, self.optimizer)
+        self.scheduler.load_state_dict(common["scheduler"])
+        return common, rank_state
+
+
+class SFTTrainer(SFTLoop, MegatronTrainer):
+    """Runs observation-masked SFT on prebuilt megatron model chunks: :class:`SFTLoop` on :class:`MegatronTrainer`.
+
+    Args:
+        cfg, layout, train_data, eval_batches, run_dir, max_steps, resume_from: as for :class:`SFTLoop`.
+        model_chunks: unwrapped GPTModel chunk(s) of this rank, weights already loaded, on ``layout.device``,
+            in their training dtype (bf16 or fp32).
+        thd_packing: give batches with ``cu_seqlens`` to the model in the ``thd`` format (module docstring);
+            None: whenever the model's attention reads ``PackedSeqParams`` (:func:`reads_packed_seq_params`).
+        objective: what the loss is (:mod:`afm_core.train.objective`); None: ``cfg.trainer.objective`` (default
+            ``sft``, the masked token mean).
+    Raises:
+        ValueError: the batch sizes do not divide (names the config fields), or ``thd_packing=True`` on a model
+            whose attention ignores ``PackedSeqParams``.
+    """
+
+    def __init__(
+        self,
+        cfg: Any,
+        layout: ParallelLayout,
+        model_chunks: list[torch.nn.Module],
+        train_data: MicroBatchSource,
+        eval_batches: list[dict[str, torch.Tensor]],
+        run_dir: str | Path,
+        max_steps: int,
+        resume_from: str | Path | None = None,
+        thd_packing: bool | None = None,
+        objective: Objective | None = None,
+    ):
+        SFTLoop.__init__(self, cfg, layout, train_data, eval_batches, run_dir, max_steps, resume_from)
+        self.objective = objective if objective is not None else build_objective(cfg)
+        reads_thd = reads_packed_seq_params(model_chunks)
+        if thd_packing and not reads_thd:
+            raise ValueError(
+                "thd_packing=True, but the model's attention does not read PackedSeqParams (use "
+                "afm_core.models.bridge.gpt_layer_spec)"
+            )
+        self.thd_packing = reads_thd if thd_packing is None else thd_packing
+        t = cfg.trainer
+        MegatronTrainer.__init__(
+            self,
+            layout,
+            model_chunks,
+            optim=cfg.optim,
+            max_steps=max_steps,
+            grad_clip=t.grad_clip,
+            distributed_optimizer=bool(cfg.parallel.distributed_optimizer),
+            checkpoint_dir=self.run_dir / "checkpoints",
+            keep_last=t.keep_last,
+        )
+
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The ``GPTModel.forward`` arguments of a micro batch, on this rank's device (module docstring).
 
@@ -621,39 +739,34 @@ class SFTTrainer(SFTLoop):
         return output, self.objective.loss_func(batch, loss_mask)
 
     def _run_schedule(self, micro_batches: Any, forward_only: bool):
-        iterators = [iter(micro_batches) for _ in self.model]
-        # thd: the b rows of a micro batch travel as one [b * s, 1, hidden] activation between pipeline stages
-        shape = (
-            (self.micro_batch_size * self.seq_length, 1)
-            if self.thd_packing
-            else (self.seq_length, self.micro_batch_size)
-        )
-        return self.forward_backward(
-            forward_step_func=self._forward_step,
-            data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self.model,
-            num_microbatches=len(micro_batches),
-            seq_length=shape[0],
-            micro_batch_size=shape[1],
+        seq_length, micro_batch_size = self._shape()
+        return self.run_schedule(
+            micro_batches,
+            self._forward_step,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
             forward_only=forward_only,
         )
+
+    def _shape(self) -> tuple[int, int]:
+        """The activation shape between pipeline stages: ``thd`` sends a micro batch's b rows as one row."""
+        if self.thd_packing:
+            return self.micro_batch_size * self.seq_length, 1
+        return self.seq_length, self.micro_batch_size
 
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the next global batch; returns loss, tokens, lr and grad_norm."""
         # Each micro batch is built when the schedule asks for it, not all of the step's up front.
         micro_batches = StepMicroBatches(self.train_data, self.num_microbatches, check=self._check_batch)
-        for chunk in self.model:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        lr = self.optimizer.param_groups[0]["lr"]
-        reports = self._run_schedule(micro_batches, forward_only=False)
-        update_ok, grad_norm, _ = self.optimizer.step()
-        if not update_ok or (grad_norm is not None and not math.isfinite(grad_norm)):
-            raise FloatingPointError(
-                f"optimizer step {self.progress.step + 1}: non-finite gradients (grad norm {grad_norm})"
-            )
-        self.scheduler.step(increment=1)
-        return {**self.objective.reduce(reports, self.report_groups), "lr": lr, "grad_norm": float(grad_norm)}
+        seq_length, micro_batch_size = self._shape()
+        reports, grad_norm, lr = self.step(
+            micro_batches,
+            self._forward_step,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            what=f"optimizer step {self.progress.step + 1}",
+        )
+        return {**self.objective.reduce(reports, self.report_groups), "lr": lr, "grad_norm": grad_norm}
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
@@ -668,28 +781,18 @@ class SFTTrainer(SFTLoop):
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_N`` (every rank calls it). The spent gradients are released first: megatron's
-        writer clones every tensor view it saves (``dist_checkpointing/strategies/filesystem_async.py``
-        ``prepare_write_data``), and the SwiGLU halves of ``linear_fc1``'s weight and of its AdamW moments are
-        views (``transformer/mlp.py`` ``apply_swiglu_sharded_factory``): 12 bytes per fc1 parameter, 0.6 GB at
-        SmolLM2-135M, on top of everything else. With the 4 bytes/param of gradients still resident, the save,
-        not training, set the SFT job's peak resident memory."""
-        self.sync_params()
-        self._release_grad_buffers()
-        common = {"progress": asdict(self.progress), "scheduler": self.scheduler.state_dict()}
-        shared = [common]
-        torch.distributed.broadcast_object_list(shared, src=0)  # dist_checkpointing wants identical commons
-        return self.checkpointer.save(
-            self.progress.step, self.model, self.optimizer, shared[0], {"data": self.train_data.state_dict()}
+        """Write ``checkpoints/step_N`` (every rank calls it; :meth:`MegatronTrainer.save`) with the step
+        counters and this rank's data-loader position."""
+        return self.save(
+            self.progress.step, {"progress": asdict(self.progress)}, {"data": self.train_data.state_dict()}
         )
 
     def _resume(self) -> Path | None:
         path = self._find_checkpoint()
         if path is None:
             return None
-        common, rank_state = self.checkpointer.load(path, self.model, self.optimizer)
+        common, rank_state = self.load(path)
         self.progress = Progress(**common["progress"])
-        self.scheduler.load_state_dict(common["scheduler"])
         if "data" in rank_state:
             self.train_data.load_state_dict(rank_state["data"])
         if self.layout.is_rank0 and not path.is_relative_to(self.run_dir):

@@ -7,7 +7,7 @@ import pytest
 
 from afm_core.rewards import grade_format
 from afm_core.rewards.qa import grade_qa
-from afm_core.rl.driver import shaped_reward
+from afm_core.rl.reward_shaping import shaped_reward
 
 VALID = (
     "<think>\nsearch\n</think>\n<wiki_search>\nHamlet\n</wiki_search>\n<observation>\nby Shakespeare\n"

@@ -103,7 +103,9 @@ def test_the_rl_job_switches_environment_by_config(hotpot_question, tmp_path):
     from omegaconf import OmegaConf
 
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.rl.driver import RolloutActor, Stage, load_prompts
+    from afm_core.rl.prompts import load_prompts
+    from afm_core.rl.rollout_actor import RolloutActor
+    from afm_core.rl.schedule import Stage
     from afm_core.rollout.factory import load_tokenizer
     from afm_core.tools.launcher import ServerGroup
     from afm_core.tools.pool import ToolPool

@@ -9,7 +9,16 @@ import time
 import zlib
 from pathlib import Path
 
+import pytest
 import torch
+
+from afm_core.utils.paths import shared_data_dir
+
+needs_shared_data = pytest.mark.skipif(
+    not shared_data_dir().is_dir(),
+    reason=f"run_rl reads its prompts from the shared data folder, absent here: {shared_data_dir()} "
+    "(set AFM_SHARED_DATA to it)",
+)
 
 
 @torch.no_grad()

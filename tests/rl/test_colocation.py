@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from afm_core.rl.colocation import select_colocation
-from afm_core.rl.driver import RolloutActor
-from tests.rl.helpers import rl_config, run_rl_ranks
+from afm_core.rl.rollout_actor import RolloutActor
+from tests.rl.helpers import needs_shared_data, rl_config, run_rl_ranks
 
 
 def _config(run_dir: Path, *overrides: str) -> dict:
@@ -173,6 +173,7 @@ def _run(cfg: dict, world: int) -> dict:
     return run_rl_ranks(cfg, world=world)
 
 
+@needs_shared_data
 @pytest.mark.slow
 def test_rl_smoke_with_one_vllm_tp2_engine_sharded_over_two_trainer_ranks(tmp_path):
     cfg = _config(
@@ -191,6 +192,7 @@ def test_rl_smoke_with_one_vllm_tp2_engine_sharded_over_two_trainer_ranks(tmp_pa
         assert r["logprob_gap_vllm_trainer"] <= 1e-3, "the TP-sharded engine serves the trainer's weights"
 
 
+@needs_shared_data
 @pytest.mark.slow
 def test_rl_smoke_with_one_vllm_engine_per_data_parallel_rank_splits_the_prompts_and_gathers_the_groups(tmp_path):
     from torch.multiprocessing import ProcessRaisedException
@@ -214,6 +216,7 @@ def test_rl_smoke_with_one_vllm_engine_per_data_parallel_rank_splits_the_prompts
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (vLLM sleep mode is CUDA-only)")
 
 
+@needs_shared_data
 @pytest.mark.gpu
 @pytest.mark.slow
 @gpu

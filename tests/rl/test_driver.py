@@ -19,18 +19,14 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from afm_core.launch.distributed import free_port
-from afm_core.rl.driver import (
-    PromptStream,
-    RolloutActor,
-    node_tool_urls,
-    parse_schedule,
-    rollout_metrics,
-    shaped_reward,
-    stage_at,
-)
+from afm_core.rl.metrics import rollout_metrics
+from afm_core.rl.prompts import PromptStream
+from afm_core.rl.reward_shaping import shaped_reward
+from afm_core.rl.rollout_actor import RolloutActor, node_tool_urls
+from afm_core.rl.schedule import parse_schedule, stage_at
 from afm_core.utils.paths import repo_root
 from tests.gloo_env import set_rank_env
-from tests.rl.helpers import rl_config, run_rl_ranks
+from tests.rl.helpers import needs_shared_data, rl_config, run_rl_ranks
 
 SCHEDULE = "[{until_step: 2, max_response_len: 32}, {max_response_len: 48}]"
 
@@ -132,6 +128,7 @@ def test_the_paper_rl_recipes_carry_the_upstream_dapo_settings(recipe, tmp_path)
 
 
 # -- the job --------------------------------------------------------------------------------------------
+@needs_shared_data
 @pytest.mark.slow
 def test_rl_smoke_runs_every_step_with_the_time_split_and_the_stage_switch_at_its_step(uninterrupted):
     run_dir, summary = uninterrupted
@@ -165,6 +162,7 @@ def test_rl_smoke_runs_every_step_with_the_time_split_and_the_stage_switch_at_it
     assert list(hf.glob("*.safetensors"))
 
 
+@needs_shared_data
 @pytest.mark.slow
 def test_an_interrupted_run_resumes_with_every_step_once_the_same_data_position_and_stage(uninterrupted, tmp_path):
     straight_dir, straight = uninterrupted
@@ -189,9 +187,10 @@ def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
     set_rank_env(rank, world, port)
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.batch import response_values, sample_micro_batches
-    from afm_core.rl.driver import Sample, build_policy_trainer, policy_update
+    from afm_core.rl.grading import Sample
     from afm_core.rl.logprobs import compute_logprobs
     from afm_core.rl.policy_model import build_policy_model
+    from afm_core.rl.policy_trainer import build_policy_trainer, policy_update
     from afm_core.train.distributed import destroy_distributed, init_distributed
 
     layout = init_distributed(OmegaConf.create(cfg["parallel"]), seed=1, num_threads=1)

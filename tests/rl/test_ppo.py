@@ -23,9 +23,9 @@ from omegaconf import OmegaConf
 
 from afm_core.launch.distributed import free_port
 from afm_core.rl.critic import gae_per_sample
-from afm_core.rl.driver import Sample
+from afm_core.rl.grading import Sample
 from tests.gloo_env import set_rank_env
-from tests.rl.helpers import rl_config, run_rl_ranks
+from tests.rl.helpers import needs_shared_data, rl_config, run_rl_ranks
 
 
 def _config(run_dir: Path, *overrides: str, recipe: str = "rl_smoke") -> dict:
@@ -141,6 +141,7 @@ def test_the_critic_resumes_exactly_from_its_checkpoint(tmp_path):
 
 
 # -- the job ----------------------------------------------------------------------------------------------------
+@needs_shared_data
 @pytest.mark.slow
 def test_ppo_with_a_critic_and_the_kl_loss_runs_and_resumes_with_its_critic(tmp_path):
     run_dir = tmp_path / "ppo"

@@ -8,6 +8,7 @@ attack works; the tests also look at the host afterwards (files, processes).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -157,22 +158,39 @@ def test_read_etc_shadow_and_host_files(server):
 
 
 def test_read_the_repository(server):
+    """The repository's files cannot be read from the jail, and the path to it leads nowhere there: some directory
+    on the way is absent or does not list the next one (``/work`` is not in the jail; ``/tmp`` is the jail's own,
+    empty), wherever the repository is checked out."""
     url, _ = server
+    ancestors = [str(p) for p in reversed(REPO.parents)] + [str(REPO)]  # "/", ..., REPO
     result = post_run(
         url,
         f"""
-        import os
-        print(sorted(os.listdir("/")))
-        for path in ({str(REPO / "pyproject.toml")!r}, {str(REPO / "sandbox" / "server.py")!r}, {str(REPO.parent)!r}):
+        import json, os
+        listings = {{}}
+        for path in {ancestors!r}:
             try:
-                print("ESCAPED", path, open(path).read()[:20]) if os.path.isfile(path) else print("ESCAPED", os.listdir(path))
+                listings[path] = sorted(os.listdir(path))
+            except OSError as e:
+                listings[path] = "blocked"
+        for path in ({str(REPO / "pyproject.toml")!r}, {str(REPO / "sandbox" / "server.py")!r}):
+            try:
+                print("ESCAPED", path, open(path).read()[:20])
             except OSError as e:
                 print("blocked", path, e.errno)
+        print(json.dumps(listings))
     """,
     )
     assert_contained(result, ("ok",))
-    assert result["stdout"].count("blocked") == 3
-    assert "work" not in result["stdout"].splitlines()[0]
+    lines = result["stdout"].splitlines()
+    assert [line.split()[0] for line in lines[:2]] == ["blocked", "blocked"], result
+    listings = json.loads(lines[2])
+    breaks = [
+        parent
+        for parent, child in itertools.pairwise(ancestors)
+        if listings[parent] == "blocked" or Path(child).name not in listings[parent]
+    ]
+    assert breaks, f"the jail reaches the repository at {REPO}: {listings}"
 
 
 def test_environment_secrets(server):

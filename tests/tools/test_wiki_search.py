@@ -73,7 +73,7 @@ def test_corpus_errors_name_file_line_and_field(tmp_path):
     with pytest.raises(ValueError, match=r"corpus.jsonl:2: field 'contents'"):
         load_corpus(bad)
     bad.write_text('{"id": "1", "contents": "a"}\nnot json\n')
-    with pytest.raises(ValueError, match=r"corpus.jsonl:2: not valid JSON"):
+    with pytest.raises(ValueError, match=r"corpus.jsonl:2: invalid JSON"):
         load_corpus(bad)
     bad.write_text('{"id": "1", "contents": "a"}\n{"id": "1", "contents": "b"}\n')
     with pytest.raises(ValueError, match=r"corpus.jsonl:2: field 'id' repeats"):

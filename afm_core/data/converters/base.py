@@ -10,8 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from afm_core.coa.grammar import TagGrammarError, validate_steps
-from afm_core.coa.trajectory import Trajectory
+from afm_core.coa.prompts import user_prompt
+from afm_core.coa.trajectory import Step, Trajectory
 from afm_core.data.io import Where, read_jsonl
+
+
+def kept_trajectory(
+    source: str, task: str, source_id: str, question: str, steps: list[Step], answer: str, meta: dict[str, Any]
+) -> Trajectory:
+    """The trajectory a converter keeps (its answer checked: ``correct=True``): id ``"{source}:{source_id}"``, the
+    CoA user prompt of ``task`` around ``question``."""
+    prompt = user_prompt(task, question)
+    return Trajectory(f"{source}:{source_id}", task, question, prompt, steps, answer, True, source, source_id, meta)
 
 
 class Rejected(Exception):

@@ -20,9 +20,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from afm_core.coa.prompts import user_prompt
 from afm_core.coa.trajectory import Step, Trajectory
-from afm_core.data.converters.base import Converter, Rejected
+from afm_core.data.converters.base import Converter, Rejected, kept_trajectory
 from afm_core.data.io import Where, require
 
 _ACTION_RE = re.compile(r"Action:\s*(\w+)\[(.*)\]\s*$", re.DOTALL)
@@ -92,18 +91,7 @@ def convert_record(where: Where, record: dict[str, Any]) -> Trajectory:
     if answer is None:
         raise Rejected("no_finish", "the trace never calls finish[...]")
     source_id = f"{where.path.stem}:{where.line}"
-    return Trajectory(
-        id=f"fireact:{source_id}",
-        task="mhqa",
-        question=question,
-        prompt=user_prompt("mhqa", question),
-        steps=steps,
-        answer=answer,
-        correct=True,
-        source="fireact",
-        source_id=source_id,
-        meta={"file": where.path.name},
-    )
+    return kept_trajectory("fireact", "mhqa", source_id, question, steps, answer, {"file": where.path.name})
 
 
 FIREACT = Converter(

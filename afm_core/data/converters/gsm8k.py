@@ -21,12 +21,10 @@ import io
 import re
 from typing import Any
 
-from afm_core.coa.observations import executed_output_observation
-from afm_core.coa.parse import format_code_query
-from afm_core.coa.prompts import user_prompt
 from afm_core.coa.trajectory import Step, Trajectory
 from afm_core.data.converters.answer_check import numbers_equal, parse_number
-from afm_core.data.converters.base import Converter, Rejected
+from afm_core.data.converters.base import Converter, Rejected, kept_trajectory
+from afm_core.data.converters.math_tools import code_call, steps_around_calls
 from afm_core.data.io import Where, require
 
 _ANNOTATION_RE = re.compile(r"<<(.*?)>>", re.DOTALL)
@@ -101,15 +99,7 @@ def _code_call(expression: str, annotated: str) -> list[Step]:
     value, expected = parse_number(printed), parse_number(annotated)
     if value is None or expected is None or not numbers_equal(value, expected):
         raise Rejected("calculation_mismatch", f"print({expression}) printed {printed!r}, annotated {annotated!r}")
-    return [
-        Step("code", format_code_query(f"print({expression.strip()})")),
-        Step("observation", executed_output_observation(printed)),
-    ]
-
-
-def _think(text: str) -> list[Step]:
-    text = text.strip()
-    return [Step("think", text)] if text else []
+    return code_call(f"print({expression.strip()})", printed)
 
 
 def convert_record(where: Where, record: dict[str, Any]) -> Trajectory:
@@ -124,31 +114,20 @@ def convert_record(where: Where, record: dict[str, Any]) -> Trajectory:
     final = final.strip()
     if not sep or not final:
         raise Rejected("no_answer", "no '#### <answer>' line")
-    steps: list[Step] = []
-    pos = 0
-    for annotation in _ANNOTATION_RE.finditer(solution):
-        steps += _think(solution[pos : annotation.start()])
+
+    def annotation_steps(annotation: re.Match[str]) -> list[Step]:
         expression, eq, annotated = annotation.group(1).partition("=")
         if not eq or "=" in annotated:
             raise Rejected("bad_annotation", f"<<{annotation.group(1)}>> is not <<expression=result>>")
-        steps += _code_call(expression, annotated)
-        pos = annotation.end()
-    steps += _think(solution[pos:])
+        return _code_call(expression, annotated)
+
+    steps, tail = steps_around_calls(solution, _ANNOTATION_RE, annotation_steps)
+    if tail.strip():
+        steps.append(Step("think", tail.strip()))
     gold = final.replace(",", "")
     steps.append(Step("answer", f"\\boxed{{{gold}}}"))
     source_id = f"{where.path.stem}:{where.line}"
-    return Trajectory(
-        id=f"gsm8k:{source_id}",
-        task="math",
-        question=question,
-        prompt=user_prompt("math", question),
-        steps=steps,
-        answer=gold,
-        correct=True,
-        source="gsm8k",
-        source_id=source_id,
-        meta={"file": where.path.name},
-    )
+    return kept_trajectory("gsm8k", "math", source_id, question, steps, gold, {"file": where.path.name})
 
 
 GSM8K = Converter(name="gsm8k", files=("math/gsm8k/train.jsonl",), convert_record=convert_record)

@@ -18,10 +18,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from afm_core.coa.prompts import user_prompt
 from afm_core.coa.trajectory import Step, Trajectory
 from afm_core.data.converters.answer_check import text_exact_match
-from afm_core.data.converters.base import Converter, Rejected
+from afm_core.data.converters.base import Converter, Rejected, kept_trajectory
 from afm_core.data.io import Where, require
 
 _CALL_RE = re.compile(
@@ -68,17 +67,14 @@ def convert_record(where: Where, record: dict[str, Any]) -> Trajectory:
         raise Rejected("wrong_answer", f"predicted {prediction!r}, gold {gold!r}")
     steps.append(Step("answer", prediction))
     source_id = f"{where.path.stem}:{where.line}"
-    return Trajectory(
-        id=f"r1searcher:{source_id}",
-        task="mhqa",
-        question=question,
-        prompt=user_prompt("mhqa", question),
-        steps=steps,
-        answer=gold,
-        correct=True,
-        source="r1searcher",
-        source_id=source_id,
-        meta={"file": where.path.name, "exact_match": exact, "gpt4o_judge": judge},
+    return kept_trajectory(
+        "r1searcher",
+        "mhqa",
+        source_id,
+        question,
+        steps,
+        gold,
+        {"file": where.path.name, "exact_match": exact, "gpt4o_judge": judge},
     )
 
 

@@ -18,12 +18,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from afm_core.coa.observations import executed_output_observation
-from afm_core.coa.parse import format_code_query
-from afm_core.coa.prompts import user_prompt
 from afm_core.coa.trajectory import Step, Trajectory
 from afm_core.data.converters.answer_check import boxed_content, math_answers_equal
-from afm_core.data.converters.base import Converter, Rejected
+from afm_core.data.converters.base import Converter, Rejected, kept_trajectory
+from afm_core.data.converters.math_tools import code_call, steps_around_calls
 from afm_core.data.io import Where, require
 from afm_core.rewards.math import math_equal
 
@@ -44,19 +42,14 @@ def convert_record(where: Where, record: dict[str, Any]) -> Trajectory:
         raise Rejected("bad_turn_order", f"expected [user, assistant] messages, got {roles}")
     question = require(messages[0], "content", str, where, owner="messages[0]").strip()
     solution = require(messages[1], "content", str, where, owner="messages[1]")
-    steps: list[Step] = []
-    pos = 0
-    for program in _PROGRAM_RE.finditer(solution):
-        if prose := solution[pos : program.start()].strip():
-            steps.append(Step("think", prose))
+
+    def program_steps(program: re.Match[str]) -> list[Step]:
         if program.group(2) is None:
             raise Rejected("missing_output", f"program at char {program.start()} has no ```output block")
-        steps += [
-            Step("code", format_code_query(program.group(1))),
-            Step("observation", executed_output_observation(program.group(2))),
-        ]
-        pos = program.end()
-    tail = solution[pos:].strip()
+        return code_call(program.group(1), program.group(2))
+
+    steps, tail = steps_around_calls(solution, _PROGRAM_RE, program_steps)
+    tail = tail.strip()
     answer = boxed_content(tail)
     if answer is None:
         raise Rejected("no_answer", "no \\boxed{} after the last program")
@@ -66,23 +59,13 @@ def convert_record(where: Where, record: dict[str, Any]) -> Trajectory:
     steps.append(Step("think", tail))
     steps.append(Step("answer", f"\\boxed{{{answer}}}"))
     source_id = str(record.get("id") or f"{where.path.stem}:{where.line}")
-    return Trajectory(
-        id=f"tora:{source_id}",
-        task="math",
-        question=question,
-        prompt=user_prompt("math", question),
-        steps=steps,
-        answer=gold,
-        correct=True,
-        source="tora",
-        source_id=source_id,
-        meta={
-            "file": where.path.name,
-            "dataset": record.get("dataset"),
-            "level": record.get("level"),
-            **({"answer_check": "math_verify_rescued"} if rescued else {}),
-        },
-    )
+    meta = {
+        "file": where.path.name,
+        "dataset": record.get("dataset"),
+        "level": record.get("level"),
+        **({"answer_check": "math_verify_rescued"} if rescued else {}),
+    }
+    return kept_trajectory("tora", "math", source_id, question, steps, gold, meta)
 
 
 TORA = Converter(name="tora", files=("trajectories/tora/examples.jsonl",), convert_record=convert_record)

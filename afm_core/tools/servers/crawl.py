@@ -16,7 +16,6 @@ refused page gets ``blocked: true`` and an ``error`` that says why, and no reque
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import multiprocessing
@@ -31,7 +30,7 @@ from aiohttp import web
 from yarl import URL
 
 from afm_core.tools.extract import extract_page
-from afm_core.tools.serving import add_server_args, serve
+from afm_core.tools.serving import serve, server_parser, string_list_field, tool_app
 from afm_core.tools.url_guard import BlockedAddressError, GuardedResolver, UrlGuard
 
 SUMMARY_SYSTEM = "You are a summary agent robot."
@@ -214,15 +213,7 @@ def build_app(cfg: CrawlConfig) -> web.Application:
 
     async def crawl_page(request: web.Request) -> web.Response:
         start = time.perf_counter()
-        try:
-            body = await request.json()
-        except json.JSONDecodeError as e:
-            return web.json_response({"error": f"body is not valid JSON: {e}"}, status=400)
-        urls = body.get("urls") if isinstance(body, dict) else None
-        if not isinstance(urls, list) or not urls or not all(isinstance(u, str) for u in urls):
-            return web.json_response({"error": "field 'urls' must be a non-empty list of strings"}, status=400)
-        if len(urls) > cfg.max_urls:
-            return web.json_response({"error": f"field 'urls' has over {cfg.max_urls} entries"}, status=400)
+        body, urls = await string_list_field(request, "urls", cfg.max_urls)
         task = body.get("task") or ""
         if not isinstance(task, str):
             return web.json_response({"error": "field 'task' must be a string"}, status=400)
@@ -234,18 +225,16 @@ def build_app(cfg: CrawlConfig) -> web.Application:
         pages = await asyncio.gather(*(crawler.crawl_one(u, task, summarize) for u in urls))
         return web.json_response({"pages": pages, "processing_time": round(time.perf_counter() - start, 4)})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "summaries": bool(cfg.llm_url and cfg.llm_model)})
-
-    app.cleanup_ctx.append(lifecycle)
-    app.router.add_post("/crawl_page", crawl_page)
-    app.router.add_get("/health", health)
-    return app
+    return tool_app(
+        app,
+        {"POST /crawl_page": crawl_page},
+        lambda request: {"summaries": bool(cfg.llm_url and cfg.llm_model)},
+        lifecycle,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m afm_core.tools.servers.crawl", description=__doc__.split("\n")[0])
-    add_server_args(parser)
+    parser = server_parser("afm_core.tools.servers.crawl", __doc__)
     defaults = CrawlConfig()
     parser.add_argument("--fetch-timeout-s", type=float, default=defaults.fetch_timeout_s)
     parser.add_argument("--max-urls", type=int, default=defaults.max_urls)

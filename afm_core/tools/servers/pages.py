@@ -10,7 +10,6 @@ Serves
 
 from __future__ import annotations
 
-import argparse
 import html
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 from aiohttp import web
 
 from afm_core.tools.retrieval import Document, load_corpus
-from afm_core.tools.serving import add_server_args, serve
+from afm_core.tools.serving import serve, server_parser, tool_app
 
 
 def find_pages(pages_dir: Path) -> dict[str, Path]:
@@ -68,19 +67,15 @@ def build_app(pages: dict[str, Path], docs: list[Document]) -> web.Application:
     async def index(request: web.Request) -> web.Response:
         return web.json_response({"pages": sorted(pages), "documents": len(docs)})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "pages": len(pages), "documents": len(docs)})
-
-    app.router.add_get("/pages/{name}", page)
-    app.router.add_get("/doc/{doc_id}", document)
-    app.router.add_get("/", index)
-    app.router.add_get("/health", health)
-    return app
+    return tool_app(
+        app,
+        {"GET /pages/{name}": page, "GET /doc/{doc_id}": document, "GET /": index},
+        lambda request: {"pages": len(pages), "documents": len(docs)},
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m afm_core.tools.servers.pages", description=__doc__.split("\n")[0])
-    add_server_args(parser)
+    parser = server_parser("afm_core.tools.servers.pages", __doc__)
     parser.add_argument("--pages", type=Path, default=None, help="folder of <name>/source.html or <name>.html pages")
     parser.add_argument(
         "--corpus", type=Path, default=None, help="JSON lines {id, title, contents} served at /doc/<id>"

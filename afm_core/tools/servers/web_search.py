@@ -12,7 +12,6 @@ that every result can be crawled offline.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -23,7 +22,7 @@ from aiohttp import web
 from afm_core.tools.extract import extract_page
 from afm_core.tools.retrieval import BM25Retriever, Document, load_corpus
 from afm_core.tools.servers.pages import find_pages
-from afm_core.tools.serving import add_server_args, serve
+from afm_core.tools.serving import serve, server_parser, tool_app
 
 MAX_NUM = 100
 SNIPPET_CHARS = 250
@@ -92,19 +91,11 @@ def build_app(retriever: BM25Retriever, api_key: str | None = None) -> web.Appli
         params = {"q": query, "num": num, "type": "search", "engine": "afm-offline-bm25"}
         return web.json_response({"searchParameters": params, "organic": organic})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "documents": len(retriever.docs)})
-
-    app.router.add_post("/search", search)
-    app.router.add_get("/health", health)
-    return app
+    return tool_app(app, {"POST /search": search}, lambda request: {"documents": len(retriever.docs)})
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m afm_core.tools.servers.web_search", description=__doc__.split("\n")[0]
-    )
-    add_server_args(parser)
+    parser = server_parser("afm_core.tools.servers.web_search", __doc__)
     parser.add_argument("--corpus", type=Path, default=None, help="JSON lines {id, title, contents, url?}")
     parser.add_argument("--pages", type=Path, default=None, help="folder of HTML pages to index (needs --link-base)")
     parser.add_argument("--link-base", default=None, help="base URL of the pages server the links point to")

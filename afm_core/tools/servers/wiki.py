@@ -9,15 +9,13 @@ API (the Search-R1 retriever API of OPPO-PersonalAI/Agent_Foundation_Models, ``A
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 from aiohttp import web
 
 from afm_core.tools.retrieval import BM25Retriever, DenseRetriever, Retriever, load_corpus
-from afm_core.tools.serving import add_server_args, serve
+from afm_core.tools.serving import serve, server_parser, string_list_field, tool_app
 
 MAX_QUERIES = 512
 MAX_TOPK = 100
@@ -29,15 +27,7 @@ def build_app(retriever: Retriever, default_topk: int = 3) -> web.Application:
     kind = "dense" if isinstance(retriever, DenseRetriever) else "bm25"
 
     async def retrieve(request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-        except json.JSONDecodeError as e:
-            return web.json_response({"error": f"body is not valid JSON: {e}"}, status=400)
-        queries = body.get("queries") if isinstance(body, dict) else None
-        if not isinstance(queries, list) or not queries or not all(isinstance(q, str) for q in queries):
-            return web.json_response({"error": "field 'queries' must be a non-empty list of strings"}, status=400)
-        if len(queries) > MAX_QUERIES:
-            return web.json_response({"error": f"field 'queries' has over {MAX_QUERIES} entries"}, status=400)
+        body, queries = await string_list_field(request, "queries", MAX_QUERIES)
         topk = body.get("topk") or default_topk
         if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TOPK:
             return web.json_response(
@@ -51,17 +41,13 @@ def build_app(retriever: Retriever, default_topk: int = 3) -> web.Application:
             result = [[d.to_json() for d, _ in row] for row in hits]
         return web.json_response({"result": result})
 
-    async def health(request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "documents": len(retriever.docs), "retriever": kind})
-
-    app.router.add_post("/retrieve", retrieve)
-    app.router.add_get("/health", health)
-    return app
+    return tool_app(
+        app, {"POST /retrieve": retrieve}, lambda request: {"documents": len(retriever.docs), "retriever": kind}
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m afm_core.tools.servers.wiki", description=__doc__.split("\n")[0])
-    add_server_args(parser)
+    parser = server_parser("afm_core.tools.servers.wiki", __doc__)
     parser.add_argument("--corpus", type=Path, required=True, help="JSON lines {id, title, contents}")
     parser.add_argument("--topk", type=int, default=3, help="passages per query when the request gives none")
     parser.add_argument("--retriever", choices=("bm25", "dense"), default="bm25")

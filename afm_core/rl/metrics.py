@@ -1,0 +1,116 @@
+"""What one rollout step reports: the metrics.jsonl record (:func:`step_record`), its rollout statistics
+(:func:`rollout_metrics`), the ``rl.png`` curves and the console line (:class:`RLMetricsLog`)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def rollout_metrics(samples: Sequence[Any], all_generated: Sequence[Any]) -> dict[str, Any]:
+    """Reward, accuracy, lengths, finish reasons and tool calls/errors per tool of one rollout step.
+
+    ``samples`` are the trained ones; accuracy and tool counts are over everything generated in the step
+    (:class:`~afm_core.rl.grading.Sample` s both)."""
+    lengths = [len(s.response_ids) for s in samples] or [0]
+    calls: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    for s in all_generated:
+        for name, error in s.tool_calls:
+            calls[name] += 1
+            errors[name] += error is not None
+    finish = Counter(s.finish_reason for s in all_generated)
+    gen = len(all_generated) or 1
+    return {
+        "reward_mean": sum(s.reward for s in samples) / max(len(samples), 1),
+        "reward_mean_generated": sum(s.reward for s in all_generated) / gen,
+        "accuracy": sum(s.score > 0 for s in all_generated) / gen,
+        "format_ok": sum(s.format > 0 for s in all_generated) / gen,
+        "response_len_mean": sum(lengths) / len(lengths),
+        "response_len_max": max(lengths),
+        "generated_tokens_mean": sum(sum(s.response_mask) for s in samples) / max(len(samples), 1),
+        "truncated_frac": finish.get("length", 0) / gen,
+        "finish_reasons": dict(finish),
+        "tool_calls": dict(calls),
+        "tool_errors": dict(errors),
+        "tool_calls_per_traj": sum(calls.values()) / gen,
+    }
+
+
+def step_record(
+    progress: Any,
+    stage: Any,
+    seq_length: int,
+    max_prompt_len: int,
+    samples: Sequence[Any],
+    generated: Sequence[Any],
+    sampling: Mapping[str, Any],
+    train: Mapping[str, Any],
+    times: Mapping[str, float],
+    stream: Any,
+    tool_metrics: Mapping[str, Any] | None,
+    environment: str,
+) -> dict[str, Any]:
+    """The metrics.jsonl record of the rollout step ``progress.rollout_step`` (``split: train``): stage and
+    lengths, :func:`rollout_metrics`, the dynamic sampler's stats (``sampling``), the trainer's (``train``), the
+    time split (seconds), the data position and the tool servers' metrics."""
+    return {
+        "step": progress.rollout_step,
+        "split": "train",
+        "stage": stage.index,
+        "max_response_len": stage.max_response_len,
+        "seq_length": seq_length,
+        "stage_seq_length": max_prompt_len + stage.max_response_len,
+        **rollout_metrics(samples, generated),
+        **sampling,
+        **train,
+        **times,
+        "elapsed_s": progress.train_time_s,
+        "prompts_consumed": progress.prompts_consumed,
+        "data_epoch": stream.epoch,
+        "data_offset": stream.offset,
+        "tool_metrics": tool_metrics,
+        "environment": environment,
+    }
+
+
+def plot_rl(metrics_path: Path, png_path: Path) -> None:
+    """Reward, accuracy and mean response length against the rollout step (``rl.png``)."""
+    from afm_core.train.metrics import plot_panels
+
+    plot_panels(
+        metrics_path,
+        png_path,
+        [("reward_mean", "reward (trained)"), ("accuracy", "accuracy"), ("response_len_mean", "response tokens")],
+        xlabel="rollout step",
+    )
+
+
+class RLMetricsLog:
+    """Rank 0's ``RUN_DIR/metrics.jsonl`` (cut back to ``step`` on a resume), ``rl.png`` and console line; a
+    no-op on the other ranks."""
+
+    def __init__(self, run_dir: Path, step: int, max_steps: int, enabled: bool):
+        from afm_core.train.metrics import MetricsLog
+
+        self.run_dir, self.max_steps = Path(run_dir), max_steps
+        self.log = MetricsLog(self.run_dir / "metrics.jsonl", step) if enabled else None
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        if self.log is None:
+            return
+        self.log.write(dict(record))
+        plot_rl(self.run_dir / "metrics.jsonl", self.run_dir / "rl.png")
+        print(
+            f"[rl] step {record['step']}/{self.max_steps}: reward {record['reward_mean']:.3f} acc "
+            f"{record['accuracy']:.3f} len {record['response_len_mean']:.0f} kept "
+            f"{record['kept_group_ratio']:.2f} gen {record['generate_s']:.1f}s train "
+            f"{record.get('train_s', 0):.1f}s sync {record['weight_sync_s']:.2f}s",
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()

@@ -1,0 +1,281 @@
+"""The trainer side of an RL run: the policy on the one trainer core
+(:class:`~afm_core.train.trainer.MegatronTrainer`), the PPO critic (``algorithm.adv_estimator=gae``) and the frozen
+reference policy (``algorithm.kl_coef`` > 0), with the two calls of each rollout step::
+
+    advantages = policy.advantages(samples, seq_length)      # GRPO / Dr. GRPO over groups, or critic -> GAE
+    metrics = policy.train(samples, advantages, seq_length)  # critic updates, then the policy's mini-batches
+
+:func:`policy_update` is the policy's part (verl ``verl/workers/actor/megatron_actor.py::update_policy``): old
+logprobs recomputed, then ``ppo_epochs`` x mini-batches of DAPO optimizer steps (:mod:`afm_core.rl.actor`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "gae")
+
+
+def check_adv_estimator(name: str) -> None:
+    """Raises ValueError naming ``algorithm.adv_estimator`` unless it is one of :data:`ADVANTAGE_ESTIMATORS`."""
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"algorithm.adv_estimator={name!r}: expected one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+
+
+def check_batch_split(mini_batch: int, train_batch: int, dp: int, micro_batch_size: int) -> None:
+    """Every mini-batch and the train batch (in samples) must split evenly over the data-parallel ranks' micro
+    batches.
+
+    Raises:
+        ValueError: naming ``algorithm.mini_batch_size``, ``rollout.n`` and ``trainer.micro_batch_size``.
+    """
+    if mini_batch % (dp * micro_batch_size) or train_batch % (dp * micro_batch_size):
+        raise ValueError(
+            f"algorithm.mini_batch_size x rollout.n = {mini_batch} samples and the train batch ({train_batch}) must "
+            f"be multiples of dp x trainer.micro_batch_size = {dp * micro_batch_size}"
+        )
+
+
+def build_policy_trainer(
+    cfg: Mapping[str, Any], layout: Any, chunks: list[torch.nn.Module], run_dir: Path, max_optimizer_steps: int
+) -> Any:
+    """The policy chunks on :class:`~afm_core.train.trainer.MegatronTrainer` (``optim``, ``trainer.grad_clip``,
+    ``trainer.keep_last``; checkpoints in ``run_dir/checkpoints``)."""
+    from afm_core.train.trainer import MegatronTrainer
+
+    t = cfg["trainer"]
+    return MegatronTrainer(
+        layout,
+        chunks,
+        optim=cfg["optim"],
+        max_steps=max_optimizer_steps,
+        grad_clip=float(t["grad_clip"]),
+        distributed_optimizer=bool(cfg["parallel"]["distributed_optimizer"]),
+        checkpoint_dir=Path(run_dir) / "checkpoints",
+        keep_last=int(t["keep_last"]),
+    )
+
+
+@dataclass
+class Advantages:
+    """One train batch's advantages: ``values`` ``[N]`` (GRPO, one per trajectory) or per-token lists (GAE); for
+    PPO also the critic's ``old_values`` and the ``returns``; ``times`` in seconds (``values_s``)."""
+
+    values: Any
+    old_values: list[list[float]] | None = None
+    returns: list[list[float]] | None = None
+    times: dict[str, float] = field(default_factory=dict)
+
+
+class PolicyTrainer:
+    """The policy, its critic (PPO) and its reference (KL) on this rank.
+
+    Args:
+        cfg: the RL config (``algorithm``, ``trainer``, ``optim``, ``parallel``, ``rollout``, ``critic``).
+        layout: this rank's parallel layout.
+        hf_dir: the initial policy's HF checkpoint.
+        run_dir: the run dir (``checkpoints/``, ``checkpoints/critic/``).
+        pad_id: the tokenizer's padding id.
+        load_weights: load the HF weights (False: a checkpoint load follows).
+    Raises:
+        ValueError: an unknown ``algorithm.adv_estimator``.
+    """
+
+    def __init__(
+        self, cfg: Mapping[str, Any], layout: Any, hf_dir: Path, run_dir: Path, pad_id: int, *, load_weights: bool
+    ):
+        from afm_core.rl.critic import Critic
+        from afm_core.rl.policy_model import build_policy_model, build_reference_model
+        from afm_core.train.distributed import training_dtype
+
+        a, t = cfg["algorithm"], cfg["trainer"]
+        check_adv_estimator(a["adv_estimator"])
+        self.cfg, self.layout, self.pad_id = cfg, layout, pad_id
+        updates = int(t["max_steps"]) * int(a["ppo_epochs"]) * (int(a["train_batch_size"]) // int(a["mini_batch_size"]))
+        dtype = training_dtype(t["precision"])
+        chunks, self.hf_config = build_policy_model(hf_dir, layout, params_dtype=dtype, load_weights=load_weights)
+        self.trainer = build_policy_trainer(cfg, layout, chunks, run_dir, max(1, updates))
+        self.critic = self.reference = None
+        if a["adv_estimator"] == "gae":  # PPO: a value model with its own optimizer
+            self.critic = Critic(cfg, layout, hf_dir, run_dir, updates, params_dtype=dtype, load_weights=load_weights)
+        if float(a.get("kl_coef") or 0.0) > 0:  # the low-var KL loss needs the frozen initial policy
+            self.reference = build_reference_model(hf_dir, layout, params_dtype=dtype)
+
+    @property
+    def model(self) -> list[torch.nn.Module]:
+        return self.trainer.model
+
+    def advantages(self, samples: Sequence[Any], seq_length: int) -> Advantages:
+        """GRPO (``grpo``: group mean and std; ``drgrpo``: group mean) over each prompt's group, or, PPO, the
+        critic's old values -> GAE (per token), with the returns its updates need."""
+        from afm_core.rl.advantages import grpo_advantages
+        from afm_core.rl.critic import gae_per_sample
+
+        a = self.cfg["algorithm"]
+        if self.critic is None:
+            rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+            return Advantages(
+                grpo_advantages(rewards, [s.uid for s in samples], norm_by_std=a["adv_estimator"] == "grpo")
+            )
+        start = time.perf_counter()
+        old_values = self.critic.values(samples, seq_length, self.pad_id)
+        advantages, returns = gae_per_sample(
+            samples, old_values, gamma=float(a.get("gamma", 1.0)), lam=float(a.get("lam", 1.0))
+        )
+        return Advantages(advantages, old_values, returns, {"values_s": time.perf_counter() - start})
+
+    def train(self, samples: Sequence[Any], advantages: Advantages, seq_length: int) -> dict[str, Any]:
+        """The critic's updates (PPO), then the policy's (:func:`policy_update`); their metrics."""
+        critic_out: dict[str, Any] = {}
+        if self.critic is not None:
+            old_values, returns = advantages.old_values or [], advantages.returns or []
+            critic_out = self.critic.update(samples, old_values, returns, seq_length, self.pad_id)
+        out = policy_update(self.trainer, samples, advantages.values, self.cfg, seq_length, self.pad_id, self.reference)
+        return {**out, **critic_out}
+
+    def save(self, step: int, common: dict[str, Any]) -> Path:
+        """``checkpoints/step_N`` with ``common`` (collective). A critic is saved first
+        (``checkpoints/critic/step_N``), so a complete ``step_N`` always has its critic."""
+        if self.critic is not None:
+            self.critic.save(step)
+        return self.trainer.save(step, common)
+
+    def load(self, path: Path) -> dict[str, Any]:
+        """Load ``path`` (and its critic) into the models, optimizers and schedules; returns its ``common``."""
+        common, _ = self.trainer.load(path)
+        if self.critic is not None:
+            self.critic.load(path)
+        return common
+
+    def export_hf(self, hf_dir: Path, out_dir: Path) -> Path:
+        """The policy as an HF checkpoint in ``out_dir`` (safetensors + config + ``hf_dir``'s tokenizer)."""
+        from afm_core.models.bridge import save_hf_checkpoint
+
+        self.trainer.sync_params()
+        return save_hf_checkpoint(self.trainer.model, self.hf_config, hf_dir, out_dir)
+
+
+def policy_update(
+    trainer: Any,
+    samples: Sequence[Any],
+    advantages: torch.Tensor | Sequence[Sequence[float]],
+    cfg: Mapping[str, Any],
+    seq_length: int,
+    pad_id: int,
+    reference: Sequence[torch.nn.Module] | None = None,
+) -> dict[str, float]:
+    """Old-logprob recompute, then ``ppo_epochs`` x (train batch / mini batch) optimizer steps on this DP rank's
+    share of each mini-batch. Every rank gets the same ``samples`` (the gathered train batch, grouped by prompt).
+
+    Args:
+        trainer: the policy's :class:`~afm_core.train.trainer.MegatronTrainer`.
+        samples: :class:`~afm_core.rl.grading.Sample` s.
+        advantages: ``[N]`` one per sample (GRPO: broadcast over its response tokens), or per-token lists as
+            long as each response (GAE).
+        seq_length: the trainer's sequence length (:func:`afm_core.rl.schedule.train_seq_length`).
+        reference: the frozen reference policy's chunks when ``algorithm.kl_coef`` > 0 (the low-var KL loss,
+            verl ``use_kl_loss`` with ``kl_loss_type=low_var_kl``).
+    Returns:
+        Reduced loss statistics (clip fraction, entropy, KL, vLLM-vs-trainer logprob gap...), ``logprob_s``,
+        ``train_s``, ``optimizer_steps``, ``grad_norm`` (last), ``lr``.
+    Raises:
+        ValueError: the mini-batch or the train batch does not split over DP ranks and micro batches, or
+            ``kl_coef`` > 0 without ``reference``.
+    """
+    from megatron.core import parallel_state as ps
+
+    from afm_core.rl.actor import STATS_KEY, policy_forward_step
+    from afm_core.rl.batch import minibatch_shares, minibatch_updates, response_values, sample_micro_batches
+    from afm_core.rl.logprobs import compute_logprobs
+    from afm_core.rl.losses import PolicyLossConfig, logprob_gap_stats, reduce_stats
+
+    a, t = cfg["algorithm"], cfg["trainer"]
+    layout = trainer.layout
+    dp, dp_rank, mbs = layout.dp, layout.dp_rank, int(t["micro_batch_size"])
+    mini = int(a["mini_batch_size"]) * int(cfg["rollout"]["n"])
+    check_batch_split(mini, len(samples), dp, mbs)
+    kl_coef = float(a.get("kl_coef") or 0.0)
+    if kl_coef > 0 and reference is None:
+        raise ValueError("algorithm.kl_coef > 0 needs the reference policy's chunks")
+    temperature = float(cfg["rollout"]["temperature"])
+    if isinstance(advantages, torch.Tensor):
+        token_adv = [[float(a_)] * len(s.response_ids) for s, a_ in zip(samples, advantages.tolist())]
+    else:
+        token_adv = [list(map(float, values)) for values in advantages]
+    # each micro batch holds samples of similar length and, without pipeline stages (whose p2p shapes are
+    # fixed), is padded to its own longest: fewer padded positions through the transformer
+    pad_to = seq_length if layout.pp > 1 else None
+
+    def by_length(indices: Sequence[int]) -> list[int]:
+        return sorted(indices, key=lambda i: len(samples[i].prompt_ids) + len(samples[i].response_ids))
+
+    shares = [by_length(share) for share in minibatch_shares(len(samples), mini, dp, dp_rank)]
+    mine = by_length([i for share in shares for i in share])
+
+    # old logprobs (the trainer's, before this step's updates) and the gap to vLLM's; reference logprobs
+    start = time.perf_counter()
+    for chunk in trainer.model:
+        chunk.eval()
+    batches = sample_micro_batches([samples[i] for i in mine], mbs, pad_to, pad_id)
+    outs = compute_logprobs(trainer.model, batches, temperature=temperature, with_entropy=True)
+    refs = compute_logprobs(reference, batches, temperature=temperature) if kl_coef > 0 and reference else []
+    for chunk in trainer.model:
+        chunk.train()
+    old: dict[int, list[float]] = {}
+    ref: dict[int, list[float]] = {}
+    recompute = []
+    for b, (batch, out) in enumerate(zip(batches, outs)):
+        mask = batch["response_mask"]
+        recompute.append(
+            {
+                **logprob_gap_stats(out["logprobs"], batch["rollout_log_prob"], mask),
+                "entropy_sum": torch.where(mask.bool(), out["entropy"], 0.0).sum(),
+            }
+        )
+        for j, values in enumerate(response_values(out["logprobs"], batch)):
+            old[mine[b * mbs + j]] = values.tolist()
+        if refs:
+            for j, values in enumerate(response_values(refs[b]["logprobs"], batch)):
+                ref[mine[b * mbs + j]] = values.tolist()
+    recomputed = reduce_stats(recompute, ps.get_data_parallel_group())
+    logprob_s = time.perf_counter() - start
+
+    # mini-batch updates
+    start = time.perf_counter()
+    loss_cfg = PolicyLossConfig(
+        clip_ratio_low=float(a["clip_ratio_low"]),
+        clip_ratio_high=float(a["clip_ratio_high"]),
+        clip_ratio_c=a.get("clip_ratio_c"),
+        kl_coef=kl_coef,
+        tis_cap=a.get("tis_cap"),
+        entropy_coeff=float(a.get("entropy_coeff", 0.0)),
+    )
+
+    def extra(share: Sequence[int]) -> dict[str, list[list[float]]]:
+        inputs = {"old_log_prob": [old[i] for i in share], "advantages": [token_adv[i] for i in share]}
+        if ref:
+            inputs["ref_log_prob"] = [ref[i] for i in share]
+        return inputs
+
+    forward_step = policy_forward_step(loss_cfg, temperature=temperature)
+    done = minibatch_updates(trainer, samples, shares, forward_step, extra, cfg, seq_length, pad_to, pad_id,
+                             stats_key=STATS_KEY, what="policy update {step} of this rollout step")  # fmt: skip
+    reduced = reduce_stats(done.stats, ps.get_data_parallel_group()) if done.stats else {}
+    return {
+        **{f"actor/{k}": v for k, v in reduced.items()},
+        "logprob_gap_vllm_trainer": recomputed["logprob_gap"],
+        "logprob_gap_vllm_trainer_max": recomputed["logprob_gap_max"],
+        "prob_ratio_error": recomputed["prob_ratio_error"],
+        "entropy": recomputed["entropy"],
+        "grad_norm": done.grad_norm,
+        "lr": done.lr,
+        "optimizer_steps": done.steps,
+        "logprob_s": logprob_s,
+        "train_s": time.perf_counter() - start,
+    }

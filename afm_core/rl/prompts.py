@@ -1,0 +1,99 @@
+"""The RL prompts: the tasks a run trains on (:func:`load_prompts`) and the resumable, epoch-shuffled stream of
+them every rank draws generation batches from (:class:`PromptStream`)."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class PromptStream:
+    """The RL prompts in a fresh seeded permutation per epoch; its state is ``(epoch, offset)``.
+
+    Every rank holds the same stream and draws the same generation batches. A group uid is
+    ``"{epoch}:{offset}"`` of the prompt, unique even when a small dataset wraps within one rollout step.
+    Dynamic sampling consumes a variable number of prompts per rollout step, so a checkpoint saves this
+    position (:meth:`state_dict`), not step x batch.
+
+    Raises:
+        ValueError: ``num_prompts`` < 1.
+    """
+
+    def __init__(self, num_prompts: int, seed: int):
+        if num_prompts < 1:
+            raise ValueError("the RL data holds no prompt")
+        self.num_prompts, self.seed = num_prompts, seed
+        self.epoch = self.offset = 0
+        self._order: list[int] | None = None
+
+    def _permutation(self) -> list[int]:
+        if self._order is None:
+            self._order = list(range(self.num_prompts))
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(self._order)
+        return self._order
+
+    def take(self, count: int) -> list[tuple[str, int]]:
+        """The next ``count`` prompts as ``(uid, prompt index)``."""
+        out = []
+        for _ in range(count):
+            if self.offset >= self.num_prompts:
+                self.epoch, self.offset, self._order = self.epoch + 1, 0, None
+            out.append((f"{self.epoch}:{self.offset}", self._permutation()[self.offset]))
+            self.offset += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset, "num_prompts": self.num_prompts, "seed": self.seed}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        if int(state["num_prompts"]) != self.num_prompts:
+            log.warning(
+                "the RL data changed since the checkpoint (%s -> %s prompts): the position is kept",
+                state["num_prompts"],
+                self.num_prompts,
+            )
+        self.epoch, self.offset, self._order = int(state["epoch"]), int(state["offset"]), None
+
+
+def load_prompts(data_cfg: Mapping[str, Any], tokenizer: Any) -> list[Any]:
+    """The RL tasks: eval presets (``data.presets``) and AFM/verl RL files (``data.files``) read by
+    :func:`afm_core.eval.benchmarks.load_sources`, kept to GSM8K references with at most
+    ``data.max_calculator_steps`` calculator annotations (when set), cut to ``data.skip`` / ``data.limit`` and
+    stripped of prompts longer than ``data.max_prompt_len`` tokens.
+
+    Raises:
+        ValueError: no data configured, or nothing left after the length filter.
+    """
+    from afm_core.data.tokenize import encode_prompt
+    from afm_core.eval.benchmarks import load_sources
+
+    benches = load_sources(
+        data_cfg.get("presets"),
+        data_cfg.get("files"),
+        data_cfg.get("data_dir"),
+        empty="data.presets / data.files: name at least one source of RL prompts",
+        unique=False,
+    )
+    tasks = [t for b in benches for t in b.tasks][int(data_cfg.get("skip") or 0) :]
+    steps = data_cfg.get("max_calculator_steps")
+    if steps is not None:  # GSM8K: references with at most this many calculator annotations
+        tasks = [t for t in tasks if t.meta.get("calculator_steps", 0) <= int(steps)]
+    limit = data_cfg.get("limit")
+    if limit is not None:
+        tasks = tasks[: int(limit)]
+    max_len = int(data_cfg["max_prompt_len"])
+    kept = [t for t in tasks if len(encode_prompt(tokenizer, t.prompt, t.system)) <= max_len]
+    if len(kept) < len(tasks):
+        log.warning(
+            "RL data: %d of %d prompts are longer than data.max_prompt_len=%d tokens and were dropped",
+            len(tasks) - len(kept),
+            len(tasks),
+            max_len,
+        )
+    if not kept:
+        raise ValueError(f"no RL prompt fits data.max_prompt_len={max_len}")
+    return kept

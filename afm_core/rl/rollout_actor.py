@@ -1,0 +1,284 @@
+"""The rollout side of one rank: its vLLM engine, tool pool and graders on one long-lived event loop
+(:class:`RolloutActor`), started beside this node's tool servers by :func:`start_rollout_actor`.
+
+Colocation (:mod:`afm_core.rl.colocation`): every rank holds its Megatron model chunk and its part of a vLLM
+engine running in the same process (vLLM's ``external_launcher`` executor; ``engine.tensor_parallel_size``
+consecutive ranks share one engine, whose first rank runs the agent loops while the others follow it step by
+step), so a weight sync hands tensors to the worker by reference; on GPU the engine sleeps while the trainer
+runs. ``colocation.mode=async`` instead gives every rank an ``AsyncLLM`` at vLLM TP=1 whose engine core runs in a
+child process (weights travel as safetensors bytes). The prompts of a generation batch are split over the
+engines (each prompt's ``n`` samples on one engine) and the trajectories gathered
+(:meth:`RolloutActor.generate_gathered`), so every rank feeds the same groups to the dynamic sampler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from afm_core.rl.grading import Sample, grade_rollout
+from afm_core.rl.schedule import Stage
+from afm_core.train.distributed import gather_objects
+
+
+class RolloutActor:
+    """This rank's vLLM engine, tool pool and graders on one long-lived event loop.
+
+    Args:
+        cfg: the RL config (``engine``, ``tools``, ``rollout``, ``judge``).
+        hf_dir: the policy's HF checkpoint (the engine's initial weights; the trainer syncs its own after).
+        tokenizer: the policy's tokenizer.
+        urls: ``{server: url}`` of the tool servers.
+        max_model_len: the engine's context (prompt + the largest stage's response budget).
+        engine: an already started :class:`~afm_core.rollout.engine.GenerationEngine` to use instead of vLLM.
+        colocation: this rank's engine layout (:mod:`afm_core.rl.colocation`); None: a vLLM ``AsyncLLM`` of its
+            own (``colocation.mode=async``).
+        lockstep: the :class:`~afm_core.rollout.vllm_engine.Lockstep` of this rank's vLLM TP group (TP > 1).
+    """
+
+    def __init__(
+        self,
+        cfg: Mapping[str, Any],
+        hf_dir: Path,
+        tokenizer: Any,
+        urls: Mapping[str, str],
+        max_model_len: int,
+        engine: Any = None,
+        colocation: Any = None,
+        lockstep: Any = None,
+    ):
+        from afm_core.rewards import Graders, LLMJudge, SandboxClient
+        from afm_core.tools.job_servers import reachable_tools_cfg
+        from afm_core.tools.registry import build_tool_pool
+
+        self.cfg, self.hf_dir, self.tokenizer = cfg, hf_dir, tokenizer
+        self.colocation, self.lockstep = colocation, lockstep
+        self.asleep = False
+        self.runner = asyncio.Runner()
+        tools_cfg = reachable_tools_cfg(cfg["tools"], urls)
+        self.pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
+        judge = cfg.get("judge") or {}
+        self.graders = Graders(
+            sandbox=SandboxClient(urls["sandbox"], timeout_s=float(cfg["reward"]["test_timeout_s"]))
+            if "sandbox" in urls
+            else None,
+            judge=LLMJudge(judge["url"], judge["model"], judge.get("api_key_env")) if judge.get("url") else None,
+        )
+        self.engine = engine
+        self.simulator_engine: Any = None  # rollout.simulator.model: a second engine that writes the observations
+        self._tool_runner: Any = None
+        if self.pool is not None:
+            self.run(self.pool.start())
+        if engine is None:
+            self.start_engine(max_model_len)
+
+    def run(self, coro: Any) -> Any:
+        return self.runner.run(coro)
+
+    def start_engine(self, max_model_len: int) -> None:
+        """Start vLLM with context ``max_model_len`` (prompt + the largest stage's response budget: an engine
+        argument fixed at construction; each stage then caps every request at its own ``max_response_len``)."""
+        from afm_core.rl.weight_sync import EXTENSION
+        from afm_core.rollout.factory import build_engine
+
+        engine_cfg = {
+            **self.cfg["engine"],
+            **(self.colocation.engine_overrides() if self.colocation is not None else {}),
+            "max_model_len": int(max_model_len),
+            "worker_extension_cls": EXTENSION,
+        }
+        from afm_core.train.distributed import training_dtype
+
+        if engine_cfg.get("dtype", "auto") == "auto" and training_dtype(self.cfg["trainer"]["precision"]) == torch.float32:
+            engine_cfg["dtype"] = "float32"  # an fp32 trainer gets fp32 rollouts: logprobs agree to ~1e-5 (TIS, tests)
+        set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
+        self.engine = self.run(build_engine(engine_cfg, self.hf_dir, self.tokenizer))
+        set_num_threads(threads)  # vLLM may patch torch's thread setter; the trainer keeps its threads
+        if self.lockstep is not None:
+            self.engine.lockstep = self.lockstep
+
+    @property
+    def follower(self) -> bool:
+        """This rank mirrors its vLLM TP group's leader instead of running agent loops."""
+        return self.lockstep is not None and self.colocation is not None and not self.colocation.is_leader
+
+    def generate(self, items: Sequence[tuple[str, Any]], n: int, stage: Stage, seed: int) -> list[Sample]:
+        """``n`` graded trajectories for each ``(uid, task)`` in ``items`` (all concurrently), in item order.
+
+        On a follower rank of a vLLM TP group (:attr:`follower`) this mirrors the leader's engine steps and
+        returns no trajectory (the leader's carry the group's)."""
+        from afm_core.rollout import AgentConfig, AgentLoop, SamplingConfig
+
+        if self.follower:
+            self.engine.follow()
+            return []
+        from afm_core.rollout.agent_loop import sample_seed
+
+        r = self.cfg["rollout"]
+        agent = AgentConfig(
+            max_turns=int(r["max_turns"]),
+            max_tool_calls=int(r["max_tool_calls"]),
+            max_response_tokens=stage.max_response_len,
+            timeout_s=r.get("timeout_s"),
+        )
+        sampling = SamplingConfig(
+            temperature=float(r["temperature"]),
+            top_p=float(r["top_p"]),
+            top_k=int(r.get("top_k", -1)),
+            max_tokens=stage.max_response_len,
+        )
+        loop = AgentLoop(self.engine, self.tokenizer, self.tool_runner(), agent, sampling)
+        reward_cfg = self.cfg["reward"]
+
+        async def one(uid: str, task: Any, sample: int) -> Sample:
+            rollout = await loop.run(task, sample, seed=sample_seed(uid, sample, seed))
+            return await grade_rollout(self.graders, rollout, uid, reward_cfg, stage.max_response_len)
+
+        async def all_() -> list[Sample]:
+            slots = asyncio.Semaphore(int(r.get("concurrency", 64)))
+
+            async def bounded(uid: str, task: Any, sample: int) -> Sample:
+                async with slots:
+                    return await one(uid, task, sample)
+
+            return list(await asyncio.gather(*(bounded(uid, task, s) for uid, task in items for s in range(n))))
+
+        try:
+            return self.run(all_())
+        finally:
+            if self.lockstep is not None:
+                self.engine.end_round()  # release the followers
+
+    def generate_gathered(
+        self, prompts: Sequence[tuple[str, int]], tasks: Sequence[Any], n: int, stage: Stage, seed: int
+    ) -> list[Sample]:
+        """``n`` graded trajectories of each ``(uid, task index)`` of ``prompts`` (a generation batch, the same on
+        every rank): each engine generates every ``engines``-th prompt, and the trajectories of all ranks are
+        gathered (collective), so every rank returns the same list, grouped by prompt."""
+        if self.colocation is not None:  # one engine per vLLM TP group of ranks
+            engines, engine = self.colocation.groups, self.colocation.group
+        else:
+            engines, engine = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        mine = [(uid, tasks[index]) for uid, index in prompts[engine::engines]]
+        return [s for part in gather_objects(self.generate(mine, n, stage, seed=seed)) for s in part]
+
+    def sleep(self) -> None:
+        """Free the engine's memory for the training phase (GPU sleep mode; a no-op elsewhere). The next
+        :meth:`sync_weights` wakes it."""
+        if self.colocation is not None and self.colocation.sleeps and not self.asleep:
+            self.run(self.engine.sleep(self.colocation.sleep_level))
+            self.asleep = True
+
+    def sync_weights(self, model_chunks: Sequence[torch.nn.Module], bucket_bytes: int) -> Any:
+        """Load the trainer's weights into this rank's engine (:func:`afm_core.rl.weight_sync.sync_weights_async`:
+        HF-named buckets through the worker extension, by reference to an in-process engine, as safetensors
+        bytes to an ``AsyncLLM``; prefix cache reset); returns its stats. A sleeping engine wakes its weights
+        before and its KV cache after."""
+        from afm_core.rl.weight_sync import sync_weights_async
+
+        asleep, self.asleep = self.asleep, False
+        if asleep:
+            self.run(self.engine.wake_up(["weights"]))
+        stats = self.run(sync_weights_async(self.engine, model_chunks, bucket_bytes=bucket_bytes))
+        if asleep:
+            self.run(self.engine.wake_up(["kv_cache"]))
+        return stats
+
+    def tool_runner(self) -> Any:
+        """What answers the calls: the real tool pool, or with ``rollout.environment: simulated`` a model (the
+        policy's own engine, or ``rollout.simulator.model``) writing each observation
+        (:mod:`afm_core.rollout.simulated_tools`, AutoCoA RL stage 1)."""
+        from afm_core.rollout.factory import build_engine, load_tokenizer
+        from afm_core.rollout.simulated_tools import build_tool_runner
+
+        if self._tool_runner is None:
+            r = self.cfg["rollout"]
+            simulator = dict(r.get("simulator") or {})
+            engine, tokenizer, policy_tokenizer = self.engine, self.tokenizer, None
+            if r.get("environment", "real") == "simulated" and simulator.get("model"):
+                engine_cfg = {**self.cfg["engine"], "max_model_len": self.engine.max_model_len}
+                self.simulator_engine = self.run(build_engine(engine_cfg, simulator["model"]))
+                engine, tokenizer = self.simulator_engine, load_tokenizer(simulator["model"])
+                policy_tokenizer = self.tokenizer
+            self._tool_runner = build_tool_runner(
+                r.get("environment", "real"),
+                pool=self.pool,
+                engine=engine,
+                tokenizer=tokenizer,
+                simulator=simulator,
+                policy_tokenizer=policy_tokenizer,
+                temperature=float(r["temperature"]),
+            )
+        return self._tool_runner
+
+    def tool_metrics(self) -> dict[str, dict]:
+        metrics = self.pool.metrics_snapshot() if self.pool is not None else {}
+        if self._tool_runner is not None and self._tool_runner is not self.pool:
+            metrics.update(self._tool_runner.metrics_snapshot())
+        return metrics
+
+    def close(self) -> None:
+        try:
+            if self.engine is not None:
+                self.run(self.engine.close())
+            if self.simulator_engine is not None:
+                self.run(self.simulator_engine.close())
+            if self.pool is not None:
+                self.run(self.pool.close())
+            self.run(self.graders.close())
+        finally:
+            self.runner.close()
+
+
+def node_tool_urls(gathered: Sequence[tuple[str, int, dict[str, str]]], node: str) -> dict[str, str]:
+    """The tool server URLs that the first rank (local rank 0) of ``node`` started or read, from every rank's
+    ``(node, local_rank, urls)``.
+
+    Raises:
+        RuntimeError: no rank of ``node`` has local rank 0 (a launcher that does not set ``LOCAL_RANK`` per node).
+    """
+    for where, local_rank, urls in gathered:
+        if where == node and local_rank == 0:
+            return urls
+    raise RuntimeError(f"no rank with LOCAL_RANK=0 on node {node}: nobody started its tool servers")
+
+
+@contextlib.contextmanager
+def start_rollout_actor(
+    cfg: Mapping[str, Any], layout: Any, hf_dir: Path, tokenizer: Any, tasks: Sequence[Any], max_model_len: int
+) -> Iterator[RolloutActor]:
+    """This rank's :class:`RolloutActor` beside its node's tool servers (collective); closed, and the servers
+    stopped, on exit.
+
+    The first rank of each node starts the servers the tasks need on its loopback (or reads the addresses file)
+    and tells its node's other ranks where they are: no sandbox is exposed to the network, no tool call leaves
+    its node. With ``rollout.environment: simulated`` no tool server starts (a model answers the calls).
+    """
+    from afm_core.launch.placement import this_node
+    from afm_core.rl.colocation import lockstep_group, select_colocation
+    from afm_core.tools.job_servers import needed_servers, tool_servers
+
+    simulated = cfg["rollout"].get("environment", "real") == "simulated"
+    names = needed_servers(
+        () if simulated else {task.task for task in tasks}, {task.meta.get("grader") for task in tasks}, cfg["tools"]
+    )
+    node, log_dir = this_node(), Path(cfg["run_dir"]) / "logs" / "tool_servers"
+    if len(set(gather_objects(node))) > 1:  # a job across nodes: one log folder per node
+        log_dir /= node
+    with tool_servers(cfg, names if layout.local_rank == 0 else [], log_dir) as local_urls:
+        urls = node_tool_urls(gather_objects((node, layout.local_rank, dict(local_urls))), node)
+        colocation = select_colocation(
+            cfg.get("colocation"), cfg["engine"], on_gpu=layout.on_gpu, rank=layout.rank, world_size=layout.world_size
+        )
+        actor = RolloutActor(
+            cfg, hf_dir, tokenizer, urls, max_model_len, colocation=colocation, lockstep=lockstep_group(colocation)
+        )
+        try:
+            yield actor
+        finally:
+            actor.close()
