@@ -94,7 +94,10 @@ class RolloutActor:
         }
         from afm_core.train.distributed import training_dtype
 
-        if engine_cfg.get("dtype", "auto") == "auto" and training_dtype(self.cfg["trainer"]["precision"]) == torch.float32:
+        if (
+            engine_cfg.get("dtype", "auto") == "auto"
+            and training_dtype(self.cfg["trainer"]["precision"]) == torch.float32
+        ):
             engine_cfg["dtype"] = "float32"  # an fp32 trainer gets fp32 rollouts: logprobs agree to ~1e-5 (TIS, tests)
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         self.engine = self.run(build_engine(engine_cfg, self.hf_dir, self.tokenizer))
