@@ -96,7 +96,8 @@ def parse_stages(stages: Sequence[Mapping[str, Any]] | None) -> list[StageSpec]:
     """
     if not stages:
         raise ValueError("stages: the pipeline has no stage (pick a recipe, e.g. recipe=autocoa_demo)")
-    specs, seen = [], set()
+    specs: list[StageSpec] = []
+    seen: set[str] = set()
     for i, entry in enumerate(stages):
         where = f"stages[{i}]"
         unknown = set(entry) - {"name", "job", "recipe", "overrides", "model"}
