@@ -64,14 +64,28 @@ def benchmark_settings(eval_cfg: Mapping[str, Any], bench: Benchmark) -> dict[st
     return {**{key: eval_cfg.get(key) for key in SAMPLING_KEYS}, **bench.settings, **overrides}
 
 
+#: The presets run when neither ``benchmarks`` nor ``benchmark_files`` is set.
+DEFAULT_BENCHMARKS = ("gsm8k_test",)
+
+
+def preset_names(cfg: Mapping[str, Any]) -> list[str]:
+    """``benchmarks`` as given; when null, :data:`DEFAULT_BENCHMARKS` unless ``benchmark_files`` is set (a user
+    who brings a file evaluates that file only)."""
+    names = cfg.get("benchmarks")
+    if names is None:
+        return [] if cfg.get("benchmark_files") else list(DEFAULT_BENCHMARKS)
+    return list(names)
+
+
 def load_benchmarks(cfg: Mapping[str, Any]) -> list[Benchmark]:
-    """Presets (``benchmarks``) then user files (``benchmark_files``), each cut to its ``limit``.
+    """Presets (:func:`preset_names`) then user files (``benchmark_files``), each cut to its ``limit``.
 
     Raises:
         ValueError: no benchmark, an unknown preset, or two benchmarks with the same name.
+        FileNotFoundError: a benchmark file or a preset's data file is absent.
     """
     data_dir = Path(cfg["data_dir"]) if cfg.get("data_dir") else shared_data_dir()
-    benchmarks = [load_preset(name, data_dir) for name in cfg.get("benchmarks") or []]
+    benchmarks = [load_preset(name, data_dir) for name in preset_names(cfg)]
     benchmarks += [load_file(path) for path in cfg.get("benchmark_files") or []]
     if not benchmarks:
         raise ValueError("nothing to evaluate: set benchmarks=[gsm8k_test,...] and/or benchmark_files=[my.parquet]")
@@ -83,6 +97,21 @@ def load_benchmarks(cfg: Mapping[str, Any]) -> list[Benchmark]:
         if limit is not None:
             bench.tasks = bench.tasks[: int(limit)]
     return benchmarks
+
+
+def describe_plan(cfg: Mapping[str, Any], benchmarks: list[Benchmark]) -> str:
+    """What an eval will run, one line per benchmark: problems, samples per problem (``k``) and samples, where
+    the problems come from, and the records skipped as malformed; printed before the engine starts."""
+    rows = []
+    for bench in benchmarks:
+        k = int(benchmark_settings(cfg["eval"], bench)["k"])
+        skipped = f", {len(bench.skipped)} malformed records skipped" if bench.skipped else ""
+        rows.append(f"  {bench.name}: {len(bench.tasks)} problems x k={k} = {len(bench.tasks) * k} samples "
+                    f"({bench.source}{skipped})")  # fmt: skip
+    problems = sum(len(b.tasks) for b in benchmarks)
+    total = sum(len(b.tasks) * int(benchmark_settings(cfg["eval"], b)["k"]) for b in benchmarks)
+    head = f"[eval] will run {len(benchmarks)} benchmark(s), {problems} problems, {total} samples:"
+    return "\n".join([head, *rows])
 
 
 def answer_key(grader: str, response: str) -> str | None:
@@ -193,7 +222,7 @@ async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: l
 
 
 def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
-    """Evaluate ``cfg.model`` on ``cfg.benchmarks`` + ``cfg.benchmark_files`` into ``cfg.run_dir``.
+    """Evaluate ``cfg.model`` on the presets (:func:`preset_names`) + ``cfg.benchmark_files`` into ``cfg.run_dir``.
 
     Returns:
         ``{"metrics": {benchmark: {...}}, "stopped_early": bool, "samples": int, ...}``.
@@ -214,6 +243,7 @@ def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
             for task in bench.tasks if (bench.name, str(task.meta["problem_id"]), sample) not in done]  # fmt: skip
     skipped = {b.name: b.skipped for b in benchmarks if b.skipped}
     total = sum(len(b.tasks) * int(benchmark_settings(cfg["eval"], b)["k"]) for b in benchmarks)
+    print(describe_plan(cfg, benchmarks), flush=True)
     print(f"[eval] {', '.join(f'{b.name} ({len(b.tasks)})' for b in benchmarks)}: {total} samples, "
           f"{total - len(todo)} already done, {len(todo)} to run; skipped records: "
           f"{sum(map(len, skipped.values()))}; run dir {run_dir}", flush=True)  # fmt: skip
