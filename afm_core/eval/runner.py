@@ -36,6 +36,7 @@ from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool
 from afm_core.utils.aio import run_with_tools
 from afm_core.utils.atomic import atomic_write_json
 from afm_core.utils.paths import shared_data_dir
+from afm_core.utils.tracking import log_results
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +272,7 @@ def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     if skipped:
         atomic_write_json(run_dir / "skipped_records.json", skipped)
     complete = len(records) >= total
+    log_results(cfg, "eval", {f"eval/{name}": values for name, values in metrics.items()})
     summary = {"metrics": metrics, "samples": len(records), "total": total, "stopped_early": _stop_requested and not complete,
                "seconds": round(info.get("seconds", 0.0), 1), "run_dir": str(run_dir), "skipped_records": skipped}  # fmt: skip
     return summary
