@@ -28,10 +28,12 @@ from afm_core.launch import submit
 @hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
     from afm_core.eval.runner import describe_plan, load_benchmarks
+    from afm_core.rewards.grader import custom_reward
 
     try:  # before the queue: a missing file or an unknown preset fails here, and the user sees what will run
         plan = OmegaConf.to_container(cfg, resolve=True)
         print(describe_plan(plan, load_benchmarks(plan)), flush=True)
+        custom_reward(plan.get("reward_fn"))  # a plug-in that does not import fails here too
     except (ValueError, FileNotFoundError) as err:
         print(f"jobs.eval: {err}", file=sys.stderr)
         raise SystemExit(2) from None

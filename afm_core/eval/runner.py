@@ -30,6 +30,7 @@ from afm_core.eval.samples import SampleWriter, read_samples, sample_key
 from afm_core.rewards import Grade, Graders, LLMJudge, SandboxClient, normalize_answer
 from afm_core.rewards.base import extract_answer
 from afm_core.rewards.code import extract_program
+from afm_core.rewards.grader import custom_reward
 from afm_core.rewards.math import _normalize as normalize_math
 from afm_core.rollout import AgentConfig, AgentLoop, AgentTask, Rollout, SamplingConfig
 from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
@@ -176,6 +177,7 @@ async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: l
     pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
     judge_cfg = cfg.get("judge") or {}
     graders = Graders(
+        custom=custom_reward(cfg.get("reward_fn")),
         sandbox=SandboxClient(urls["sandbox"], timeout_s=float(ev["test_timeout_s"])) if "sandbox" in urls else None,
         judge=LLMJudge(judge_cfg["url"], judge_cfg["model"], judge_cfg.get("api_key_env"))
         if judge_cfg.get("url")
