@@ -84,3 +84,32 @@ def test_a_plugged_in_tool_without_a_server_starts_no_server_and_stays_in_the_re
     assert reachable_tools_cfg({"tools": {"wiki_search": plugin, "code": {"server": "sandbox"}}}, {})["tools"] == {
         "wiki_search": plugin
     }
+
+
+def test_the_agent_loop_calls_the_plugged_in_tool_and_the_plugged_in_reward_grades_the_trajectory():
+    from afm_core.coa.prompts import user_prompt
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.rollout import AgentConfig, AgentLoop, AgentTask, SamplingConfig
+    from afm_core.rollout.factory import load_tokenizer
+    from tests.rollout.replay import ReplayEngine
+
+    tokenizer = load_tokenizer(ensure_hf_checkpoint("tiny-llama"))
+    engine = ReplayEngine(tokenizer, ["<think>Look it up.</think>\n<wiki_search>mitochondria</wiki_search>",
+                                      "<think>ATP.</think>\n<answer>\\boxed{ATP}</answer>"])  # fmt: skip
+    pool = build_tool_pool({"tools": {"wiki_search": {"_target_": f"{EXAMPLE}:GlossarySearch"}}}, addresses={})
+    graders = Graders(custom=custom_reward({"_target_": "examples.plugins.my_plugins.partial_credit"}))
+    task = AgentTask("q:0", "mhqa", user_prompt("mhqa", "What do mitochondria make?"), "What do mitochondria make?",
+                     "ATP")  # fmt: skip
+
+    async def run():
+        async with pool:
+            rollout = await AgentLoop(engine, tokenizer, pool, AgentConfig(), SamplingConfig(max_tokens=256)).run(task)
+        return rollout, await graders.grade("qa", rollout.response_text, gold="ATP", question=task.question)
+
+    rollout, grade = asyncio.run(run())
+    assert [c.name for c in rollout.tool_calls] == ["wiki_search"] and not rollout.tool_calls[0].error
+    assert (
+        "<observation>\nDoc 1 (Title: mitochondria)\nThe organelles that make a cell's ATP.\n</observation>"
+        in rollout.response_text
+    )
+    assert (grade.score, grade.reason) == (1.0, "correct")
