@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +164,57 @@ def _needed_servers(benchmarks: list[Benchmark], tools_cfg: Mapping[str, Any]) -
     )
 
 
+async def evaluate_samples(engine: Any, tokenizer: Any, pool: Any, graders: Graders, benchmarks: list[Benchmark],
+                           eval_cfg: Mapping[str, Any], todo: list[tuple[AgentTask, int]],
+                           on_record: Callable[[dict[str, Any]], Any], *, stop: Callable[[], bool] = lambda: False,
+                           progress: bool = True) -> None:  # fmt: skip
+    """Run the ``todo`` (task, sample index) pairs through the agent loop on ``engine`` (any
+    :class:`~afm_core.rollout.engine.GenerationEngine`: the job's own, or an RL job's colocated engine with the live
+    weights), ``eval_cfg.concurrency`` at once, grade each trajectory and hand its ``samples.jsonl`` record
+    (:func:`sample_record`) to ``on_record`` as it finishes. Each benchmark samples with its own settings
+    (:func:`benchmark_settings`). ``stop()`` true: no new sample starts."""
+    from tqdm import tqdm
+
+    loops: dict[str, AgentLoop] = {}
+    for bench in benchmarks:
+        s = benchmark_settings(eval_cfg, bench)
+        agent = AgentConfig(max_turns=int(eval_cfg["max_turns"]), max_tool_calls=int(s["max_tool_calls"]),
+                            max_response_tokens=int(s["max_response_tokens"]), timeout_s=eval_cfg.get("timeout_s"))  # fmt: skip
+        sampling = SamplingConfig(temperature=float(s["temperature"]), top_p=float(s["top_p"]),
+                                  max_tokens=int(s["max_response_tokens"]))  # fmt: skip
+        loops[bench.name] = AgentLoop(engine, tokenizer, pool, agent, sampling)
+    slots = asyncio.Semaphore(int(eval_cfg["concurrency"]))
+    bar = tqdm(total=len(todo), desc="eval", unit="sample", dynamic_ncols=True, disable=not progress)
+
+    async def one(task: AgentTask, sample: int) -> None:
+        async with slots:
+            if stop():
+                return
+            rollout = await loops[task.meta["benchmark"]].run(task, sample, seed=None)
+            grade = await graders.grade(task.meta["grader"], rollout.response_text, gold=task.answer,
+                                        question=task.question, meta=task.meta)  # fmt: skip
+            on_record(sample_record(rollout, grade))
+            bar.update(1)
+
+    try:
+        await asyncio.gather(*(one(task, sample) for task, sample in todo))
+    finally:
+        bar.close()
+
+
+async def validate(engine: Any, tokenizer: Any, pool: Any, graders: Graders, benchmarks: list[Benchmark],
+                   eval_cfg: Mapping[str, Any]) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Every problem of ``benchmarks`` x its ``k`` through :func:`evaluate_samples` on ``engine`` (validation
+    during RL: the colocated engine with the live weights, nothing reloaded), without a run dir; returns
+    ``{benchmark: metrics}`` as in ``metrics.json`` (:func:`afm_core.eval.metrics.benchmark_metrics`)."""
+    records: list[dict[str, Any]] = []
+    todo = [(task, sample) for bench in benchmarks for sample in range(int(benchmark_settings(eval_cfg, bench)["k"]))
+            for task in bench.tasks]  # fmt: skip
+    await evaluate_samples(engine, tokenizer, pool, graders, benchmarks, eval_cfg, todo, records.append, progress=False)
+    return {b.name: benchmark_metrics([r for r in records if r["benchmark"] == b.name],
+                                      int(benchmark_settings(eval_cfg, b)["k"])) for b in benchmarks}  # fmt: skip
+
+
 async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: list[tuple[AgentTask, int]],
                     writer: SampleWriter, urls: Mapping[str, str]) -> dict[str, Any]:  # fmt: skip
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
@@ -184,40 +235,10 @@ async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: l
         else None,
     )
     engine = await build_engine(cfg["engine"], hf_dir, tokenizer)
-    loops: dict[str, tuple[AgentLoop, SamplingConfig]] = {}
-    for bench in benchmarks:
-        s = benchmark_settings(ev, bench)
-        agent = AgentConfig(max_turns=int(ev["max_turns"]), max_tool_calls=int(s["max_tool_calls"]),
-                            max_response_tokens=int(s["max_response_tokens"]), timeout_s=ev.get("timeout_s"))  # fmt: skip
-        sampling = SamplingConfig(temperature=float(s["temperature"]), top_p=float(s["top_p"]),
-                                  max_tokens=int(s["max_response_tokens"]))  # fmt: skip
-        loops[bench.name] = (AgentLoop(engine, tokenizer, pool, agent, sampling), sampling)
-
-    async def grade_and_write(rollout: Rollout) -> None:
-        task = rollout.task
-        grade = await graders.grade(task.meta["grader"], rollout.response_text, gold=task.answer,
-                                    question=task.question, meta=task.meta)  # fmt: skip
-        writer.write(sample_record(rollout, grade))
 
     async def run_benchmark_items() -> None:
-        from tqdm import tqdm
-
-        slots = asyncio.Semaphore(int(ev["concurrency"]))
-        bar = tqdm(total=len(todo), desc="eval", unit="sample", dynamic_ncols=True)
-
-        async def one(task: AgentTask, sample: int) -> None:
-            async with slots:
-                if _stop_requested:
-                    return
-                loop, _ = loops[task.meta["benchmark"]]
-                rollout = await loop.run(task, sample, seed=None)
-                await grade_and_write(rollout)
-                bar.update(1)
-
-        try:
-            await asyncio.gather(*(one(task, sample) for task, sample in todo))
-        finally:
-            bar.close()
+        await evaluate_samples(engine, tokenizer, pool, graders, benchmarks, ev, todo, writer.write,
+                               stop=lambda: _stop_requested)  # fmt: skip
 
     return await run_with_tools(
         run_benchmark_items, pool, lambda: _stop_requested, "the samples in flight", close=(graders.close, engine.close)
