@@ -47,3 +47,17 @@ def test_benchmark_files_replace_the_default_presets_unless_benchmarks_are_named
     assert [(b.name, len(b.tasks)) for b in both] == [("gsm8k_test", 3), ("mine", 1)]
     with pytest.raises(ValueError, match="nothing to evaluate"):
         load_benchmarks({**cfg, "benchmarks": [], "benchmark_files": []})
+
+
+def test_jobs_eval_refuses_a_missing_benchmark_file_before_submitting(tmp_path):
+    import subprocess
+    import sys
+
+    from afm_core.utils.paths import repo_root
+
+    missing = tmp_path / "nope.jsonl"
+    done = subprocess.run([sys.executable, "-m", "jobs.eval", f"benchmark_files=[{missing}]",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=repo_root(), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 2 and f"jobs.eval: benchmark file {missing} not found (benchmark_files)" in done.stderr
+    assert not (tmp_path / "run" / "logs").exists(), "a job was submitted"
