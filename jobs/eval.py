@@ -2,12 +2,13 @@
 
     python -m jobs.eval benchmarks=[gsm8k_test,math500,humaneval,hotpotqa500] eval.k=4 eval.limit=100
     python -m jobs.eval model.hf_path=runs/sft/X/hf                  # an SFT export
-    python -m jobs.eval benchmark_files=[tasks.parquet]              # AFM/verl RL parquet or jsonl, as-is
+    python -m jobs.eval benchmark_files=[tasks.parquet]              # only this AFM/verl RL parquet or jsonl, as-is
     python -m jobs.eval cluster=slurm cluster.partition=gpu          # sbatch; resumes after preemption
     python -m jobs.eval hydra.run.dir=runs/eval/X                    # continue X: finished samples are skipped
     python -m jobs.eval compare runs/eval/A runs/eval/B              # per-benchmark deltas with standard errors
 
-The run dir holds ``samples.jsonl`` (one line per problem and sample), ``metrics.json``, ``report.md`` and
+What will run (benchmarks, problems, samples) is printed before the job is submitted; a missing file or an
+unknown preset exits with status 2 there. The run dir holds ``samples.jsonl`` (one line per problem and sample), ``metrics.json``, ``report.md`` and
 ``eval.png`` (afm_core.eval).
 """
 
@@ -19,13 +20,23 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from afm_core.launch import submit
 
 
 @hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
+    from afm_core.eval.runner import describe_plan, load_benchmarks
+    from afm_core.rewards.grader import custom_reward
+
+    try:  # before the queue: a missing file or an unknown preset fails here, and the user sees what will run
+        plan = OmegaConf.to_container(cfg, resolve=True)
+        print(describe_plan(plan, load_benchmarks(plan)), flush=True)
+        custom_reward(plan.get("reward_fn"))  # a plug-in that does not import fails here too
+    except (ValueError, FileNotFoundError) as err:
+        print(f"jobs.eval: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     summary = submit(
         "afm_core.eval.runner.run_eval", cfg, on_preempt="afm_core.eval.runner.request_stop", job_name="eval"
     )

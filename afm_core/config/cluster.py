@@ -11,6 +11,9 @@ from typing import Any, cast
 
 from afm_core.config.checks import ConfigError, instantiate, require
 
+#: ``cluster.container_runtime``: pyxis/enroot (``srun --container-image``), or apptainer/singularity (``exec``).
+CONTAINER_RUNTIMES = ("pyxis", "apptainer", "singularity")
+
 
 def _check_common(cfg: Any) -> None:
     require(cfg.signal_delay_s >= 0, "cluster.signal_delay_s", cfg.signal_delay_s, "seconds >= 0")
@@ -64,11 +67,35 @@ class SlurmClusterConfig:
     wait: bool = False
     signal_delay_s: int = 120
     max_num_timeout: int = 3
+    srun_args: list[str] = field(default_factory=list)
+    container_image: str | None = None
+    container_mounts: list[str] = field(default_factory=list)
+    container_runtime: str = "pyxis"
+    container_python: str = "python"
 
     def __post_init__(self) -> None:
         for key in ("nodes", "tasks_per_node", "cpus_per_task", "time", "array_parallelism"):
             require(getattr(self, key) >= 1, f"cluster.{key}", getattr(self, key), "an integer >= 1")
         require(self.gpus_per_node >= 0, "cluster.gpus_per_node", self.gpus_per_node, "an integer >= 0")
+        require(
+            self.container_runtime in CONTAINER_RUNTIMES,
+            "cluster.container_runtime",
+            self.container_runtime,
+            f"one of {', '.join(CONTAINER_RUNTIMES)}",
+        )
+        require(
+            self.container_image is not None or not self.container_mounts,
+            "cluster.container_mounts",
+            self.container_mounts,
+            "mounts need cluster.container_image",
+        )
+        for mount in self.container_mounts:
+            require(
+                bool(mount) and "," not in mount,
+                "cluster.container_mounts",
+                self.container_mounts,
+                "one SRC[:DST[:FLAGS]] per entry, no commas",
+            )
         _check_common(self)
 
     def data_parallel(self, model_parallel: int) -> int:

@@ -17,6 +17,7 @@ from omegaconf import MISSING
 from afm_core.config.checks import ConfigError, divisors, require
 from afm_core.config.cluster import cluster_schema
 from afm_core.config.data import DataConfig
+from afm_core.config.tracking import ProfileConfig, TrackingConfig, check_loggers
 
 ENGINES = ("megatron", "deepspeed")
 OBJECTIVES = ("sft", "contrastive")  # afm_core.train.objective
@@ -210,9 +211,13 @@ class SFTConfig:
     trainer: TrainerConfig = MISSING
     optim: OptimConfig = MISSING
     contrastive: ContrastiveConfig = field(default_factory=ContrastiveConfig)
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def __post_init__(self) -> None:
         self.cluster = cluster_schema(self.cluster)
+        check_loggers(self.logger)
         m, p, t = self.model, self.parallel, self.trainer
         groups = math.gcd(m.num_attention_heads, m.num_query_groups)
         require(

@@ -45,6 +45,7 @@ from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool
 from afm_core.utils.aio import run_with_tools
 from afm_core.utils.atomic import atomic_path, atomic_write_json
 from afm_core.utils.run_config import open_run
+from afm_core.utils.tracking import log_results
 
 log = logging.getLogger(__name__)
 
@@ -316,4 +317,5 @@ def run_distill(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
         finally:
             writer.close()
     report = finish(cfg, run_dir, info)
+    log_results(cfg, "distill", {"distill": report})
     return {**report, "total": total, "stopped_early": _stop_requested and report["runs"] < total}

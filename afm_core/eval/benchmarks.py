@@ -50,12 +50,14 @@ class Benchmark:
         settings: per-benchmark sampling overrides (``k``, ``temperature``, ``top_p``, ``max_response_tokens``,
             ``max_tool_calls``, ``limit``), only the ones set.
         skipped: one message per malformed record (file, line or record, field).
+        source: where the problems were read from (the data file's path).
     """
 
     name: str
     tasks: list[AgentTask]
     settings: dict[str, Any] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    source: str = ""
 
 
 def presets_dir() -> Path:
@@ -263,7 +265,7 @@ def load_preset(name: str, data_dir: Path | None = None) -> Benchmark:
     if preset.get("max_calculator_steps") is not None:
         tasks = within_calculator_steps(tasks, preset["max_calculator_steps"])
     settings = {k: preset[k] for k in SAMPLING_KEYS if preset.get(k) is not None}
-    return Benchmark(name, tasks, settings, skipped)
+    return Benchmark(name, tasks, settings, skipped, source=f"preset {name}: {path}")
 
 
 def load_file(path: str | Path) -> Benchmark:
@@ -277,7 +279,7 @@ def load_file(path: str | Path) -> Benchmark:
         raise FileNotFoundError(f"benchmark file {path} not found (benchmark_files)")
     name = re.sub(r"\.(jsonl|json|parquet)(\.gz)?$", "", path.name)
     tasks, skipped = _load(name, path, "rl_file", None, None)
-    return Benchmark(name, tasks, {}, skipped)
+    return Benchmark(name, tasks, {}, skipped, source=f"file {path}")
 
 
 def load_sources(

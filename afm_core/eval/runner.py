@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from omegaconf import DictConfig
@@ -29,6 +29,7 @@ from afm_core.eval.samples import SampleWriter, read_samples, sample_key
 from afm_core.rewards import Grade, Graders, LLMJudge, SandboxClient, normalize_answer
 from afm_core.rewards.base import extract_answer
 from afm_core.rewards.code import extract_program
+from afm_core.rewards.grader import custom_reward
 from afm_core.rewards.math import _normalize as normalize_math
 from afm_core.rollout import AgentConfig, AgentLoop, AgentTask, Rollout, SamplingConfig
 from afm_core.rollout.agent_loop import sample_seed
@@ -36,6 +37,7 @@ from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool
 from afm_core.utils.aio import run_with_tools
 from afm_core.utils.atomic import atomic_write_json
 from afm_core.utils.run_config import open_run
+from afm_core.utils.tracking import log_results
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +66,28 @@ def benchmark_settings(eval_cfg: Mapping[str, Any], bench: Benchmark) -> dict[st
     return {**{key: eval_cfg.get(key) for key in SAMPLING_KEYS}, **bench.settings, **overrides}
 
 
+#: The presets run when neither ``benchmarks`` nor ``benchmark_files`` is set.
+DEFAULT_BENCHMARKS = ("gsm8k_test",)
+
+
+def preset_names(cfg: Mapping[str, Any]) -> list[str]:
+    """``benchmarks`` as given; when null, :data:`DEFAULT_BENCHMARKS` unless ``benchmark_files`` is set (a user
+    who brings a file evaluates that file only)."""
+    names = cfg.get("benchmarks")
+    if names is None:
+        return [] if cfg.get("benchmark_files") else list(DEFAULT_BENCHMARKS)
+    return list(names)
+
+
 def load_benchmarks(cfg: Mapping[str, Any]) -> list[Benchmark]:
-    """Presets (``benchmarks``) then user files (``benchmark_files``), each cut to its ``limit``.
+    """Presets (:func:`preset_names`) then user files (``benchmark_files``), each cut to its ``limit``.
 
     Raises:
         ValueError: no benchmark, an unknown preset, or two benchmarks with the same name.
+        FileNotFoundError: a benchmark file or a preset's data file is absent.
     """
     benchmarks = load_sources(
-        cfg.get("benchmarks"),
+        preset_names(cfg),
         cfg.get("benchmark_files"),
         cfg.get("data_dir"),
         empty="nothing to evaluate: set benchmarks=[gsm8k_test,...] and/or benchmark_files=[my.parquet]",
@@ -81,6 +97,21 @@ def load_benchmarks(cfg: Mapping[str, Any]) -> list[Benchmark]:
         if limit is not None:
             bench.tasks = bench.tasks[: int(limit)]
     return benchmarks
+
+
+def describe_plan(cfg: Mapping[str, Any], benchmarks: list[Benchmark]) -> str:
+    """What an eval will run, one line per benchmark: problems, samples per problem (``k``) and samples, where
+    the problems come from, and the records skipped as malformed; printed before the engine starts."""
+    rows = []
+    for bench in benchmarks:
+        k = int(benchmark_settings(cfg["eval"], bench)["k"])
+        skipped = f", {len(bench.skipped)} malformed records skipped" if bench.skipped else ""
+        rows.append(f"  {bench.name}: {len(bench.tasks)} problems x k={k} = {len(bench.tasks) * k} samples "
+                    f"({bench.source}{skipped})")  # fmt: skip
+    problems = sum(len(b.tasks) for b in benchmarks)
+    total = sum(len(b.tasks) * int(benchmark_settings(cfg["eval"], b)["k"]) for b in benchmarks)
+    head = f"[eval] will run {len(benchmarks)} benchmark(s), {problems} problems, {total} samples:"
+    return "\n".join([head, *rows])
 
 
 def answer_key(grader: str, response: str) -> str | None:
@@ -131,6 +162,62 @@ def _needed_servers(benchmarks: list[Benchmark], tools_cfg: Mapping[str, Any]) -
     )
 
 
+async def evaluate_samples(engine: Any, tokenizer: Any, pool: Any, graders: Graders, benchmarks: list[Benchmark],
+                           eval_cfg: Mapping[str, Any], todo: list[tuple[AgentTask, int]],
+                           on_record: Callable[[dict[str, Any]], Any], *, stop: Callable[[], bool] = lambda: False,
+                           progress: bool = True) -> None:  # fmt: skip
+    """Run the ``todo`` (task, sample index) pairs through the agent loop on ``engine`` (any
+    :class:`~afm_core.rollout.engine.GenerationEngine`: the job's own, or an RL job's colocated engine with the live
+    weights), ``eval_cfg.concurrency`` at once, grade each trajectory and hand its ``samples.jsonl`` record
+    (:func:`sample_record`) to ``on_record`` as it finishes. Each benchmark samples with its own settings
+    (:func:`benchmark_settings`); ``eval_cfg.seed`` is the base of the per-sample seeds (GPU: per request; vLLM-CPU
+    draws from ``engine.seed``). ``stop()`` true: no new sample starts."""
+    from tqdm import tqdm
+
+    seed_base = int(eval_cfg.get("seed") or 0)
+
+    loops: dict[str, AgentLoop] = {}
+    for bench in benchmarks:
+        s = benchmark_settings(eval_cfg, bench)
+        agent = AgentConfig(max_turns=int(eval_cfg["max_turns"]), max_tool_calls=int(s["max_tool_calls"]),
+                            max_response_tokens=int(s["max_response_tokens"]), timeout_s=eval_cfg.get("timeout_s"))  # fmt: skip
+        sampling = SamplingConfig(temperature=float(s["temperature"]), top_p=float(s["top_p"]),
+                                  max_tokens=int(s["max_response_tokens"]))  # fmt: skip
+        loops[bench.name] = AgentLoop(engine, tokenizer, pool, agent, sampling)
+    slots = asyncio.Semaphore(int(eval_cfg["concurrency"]))
+    bar = tqdm(total=len(todo), desc="eval", unit="sample", dynamic_ncols=True, disable=not progress)
+
+    async def one(task: AgentTask, sample: int) -> None:
+        async with slots:
+            if stop():
+                return
+            rollout = await loops[task.meta["benchmark"]].run(
+                task, sample, seed=sample_seed(task.id, sample, seed_base)
+            )
+            grade = await graders.grade(task.meta["grader"], rollout.response_text, gold=task.answer,
+                                        question=task.question, meta=task.meta)  # fmt: skip
+            on_record(sample_record(rollout, grade))
+            bar.update(1)
+
+    try:
+        await asyncio.gather(*(one(task, sample) for task, sample in todo))
+    finally:
+        bar.close()
+
+
+async def validate(engine: Any, tokenizer: Any, pool: Any, graders: Graders, benchmarks: list[Benchmark],
+                   eval_cfg: Mapping[str, Any]) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Every problem of ``benchmarks`` x its ``k`` through :func:`evaluate_samples` on ``engine`` (validation
+    during RL: the colocated engine with the live weights, nothing reloaded), without a run dir; returns
+    ``{benchmark: metrics}`` as in ``metrics.json`` (:func:`afm_core.eval.metrics.benchmark_metrics`)."""
+    records: list[dict[str, Any]] = []
+    todo = [(task, sample) for bench in benchmarks for sample in range(int(benchmark_settings(eval_cfg, bench)["k"]))
+            for task in bench.tasks]  # fmt: skip
+    await evaluate_samples(engine, tokenizer, pool, graders, benchmarks, eval_cfg, todo, records.append, progress=False)
+    return {b.name: benchmark_metrics([r for r in records if r["benchmark"] == b.name],
+                                      int(benchmark_settings(eval_cfg, b)["k"])) for b in benchmarks}  # fmt: skip
+
+
 async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: list[tuple[AgentTask, int]],
                     writer: SampleWriter, urls: Mapping[str, str]) -> dict[str, Any]:  # fmt: skip
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
@@ -144,48 +231,17 @@ async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: l
     pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
     judge_cfg = cfg.get("judge") or {}
     graders = Graders(
+        custom=custom_reward(cfg.get("reward_fn")),
         sandbox=SandboxClient(urls["sandbox"], timeout_s=float(ev["test_timeout_s"])) if "sandbox" in urls else None,
         judge=LLMJudge(judge_cfg["url"], judge_cfg["model"], judge_cfg.get("api_key_env"))
         if judge_cfg.get("url")
         else None,
     )
     engine = await build_engine(cfg["engine"], hf_dir, tokenizer)
-    loops: dict[str, tuple[AgentLoop, SamplingConfig]] = {}
-    for bench in benchmarks:
-        s = benchmark_settings(ev, bench)
-        agent = AgentConfig(max_turns=int(ev["max_turns"]), max_tool_calls=int(s["max_tool_calls"]),
-                            max_response_tokens=int(s["max_response_tokens"]), timeout_s=ev.get("timeout_s"))  # fmt: skip
-        sampling = SamplingConfig(temperature=float(s["temperature"]), top_p=float(s["top_p"]),
-                                  max_tokens=int(s["max_response_tokens"]))  # fmt: skip
-        loops[bench.name] = (AgentLoop(engine, tokenizer, pool, agent, sampling), sampling)
-
-    async def grade_and_write(rollout: Rollout) -> None:
-        task = rollout.task
-        grade = await graders.grade(task.meta["grader"], rollout.response_text, gold=task.answer,
-                                    question=task.question, meta=task.meta)  # fmt: skip
-        writer.write(sample_record(rollout, grade))
-
-    seed_base = int(ev.get("seed") or 0)  # another seed draws other samples (GPU: per request; CPU: engine.seed)
 
     async def run_benchmark_items() -> None:
-        from tqdm import tqdm
-
-        slots = asyncio.Semaphore(int(ev["concurrency"]))
-        bar = tqdm(total=len(todo), desc="eval", unit="sample", dynamic_ncols=True)
-
-        async def one(task: AgentTask, sample: int) -> None:
-            async with slots:
-                if _stop_requested:
-                    return
-                loop, _ = loops[task.meta["benchmark"]]
-                rollout = await loop.run(task, sample, seed=sample_seed(task.id, sample, seed_base))
-                await grade_and_write(rollout)
-                bar.update(1)
-
-        try:
-            await asyncio.gather(*(one(task, sample) for task, sample in todo))
-        finally:
-            bar.close()
+        await evaluate_samples(engine, tokenizer, pool, graders, benchmarks, ev, todo, writer.write,
+                               stop=lambda: _stop_requested)  # fmt: skip
 
     return await run_with_tools(
         run_benchmark_items, pool, lambda: _stop_requested, "the samples in flight", close=(graders.close, engine.close)
@@ -193,7 +249,7 @@ async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: l
 
 
 def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
-    """Evaluate ``cfg.model`` on ``cfg.benchmarks`` + ``cfg.benchmark_files`` into ``cfg.run_dir``.
+    """Evaluate ``cfg.model`` on the presets (:func:`preset_names`) + ``cfg.benchmark_files`` into ``cfg.run_dir``.
 
     Returns:
         ``{"metrics": {benchmark: {...}}, "stopped_early": bool, "samples": int, ...}``.
@@ -211,6 +267,7 @@ def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
             for task in bench.tasks if (bench.name, str(task.meta["problem_id"]), sample) not in done]  # fmt: skip
     skipped = {b.name: b.skipped for b in benchmarks if b.skipped}
     total = sum(len(b.tasks) * int(benchmark_settings(cfg["eval"], b)["k"]) for b in benchmarks)
+    print(describe_plan(cfg, benchmarks), flush=True)
     print(f"[eval] {', '.join(f'{b.name} ({len(b.tasks)})' for b in benchmarks)}: {total} samples, "
           f"{total - len(todo)} already done, {len(todo)} to run; skipped records: "
           f"{sum(map(len, skipped.values()))}; run dir {run_dir}", flush=True)  # fmt: skip
@@ -238,6 +295,7 @@ def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     if skipped:
         atomic_write_json(run_dir / "skipped_records.json", skipped)
     complete = len(records) >= total
+    log_results(cfg, "eval", {f"eval/{name}": values for name, values in metrics.items()})
     summary = {"metrics": metrics, "samples": len(records), "total": total, "stopped_early": _stop_requested and not complete,
                "seconds": round(info.get("seconds", 0.0), 1), "run_dir": str(run_dir), "skipped_records": skipped}  # fmt: skip
     return summary

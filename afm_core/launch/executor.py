@@ -6,13 +6,16 @@
   per rank), ``--gpus-per-node``, ``--cpus-per-task``, ``--mem``, ``--time`` (minutes), ``--account``, ``--qos``,
   ``--constraint``, ``--exclusive``, ``--signal=USR2@signal_delay_s``, ``--requeue`` (so the job can be requeued
   after preemption or timeout even where the site's ``JobRequeue`` is 0) and any ``additional_parameters``; the
-  ``setup`` lines run in the batch script before ``srun``. With ``nodes > 1`` the ranks span the nodes
+  ``setup`` lines run in the batch script before ``srun``; ``cluster.srun_args`` are added to ``srun``'s own
+  (``--kill-on-bad-exit=1``). ``cluster.container_image`` runs every rank in a container: pyxis/enroot or
+  apptainer/singularity (:func:`container_command`). With ``nodes > 1`` the ranks span the nodes
   (``srun`` places ``tasks_per_node`` of them on each, block-wise); rank 0's node is ``MASTER_ADDR``.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -76,6 +79,38 @@ def visible_gpus() -> int:
     return len(list(gpus.iterdir())) if gpus.is_dir() else 0
 
 
+def container_command(cluster: Mapping[str, Any]) -> tuple[str | None, list[str]]:
+    """How each rank's command runs in ``cluster.container_image``: ``(python, srun args)``.
+
+    - no image: ``(None, [])``: submitit's default, the submitter's ``sys.executable``.
+    - ``container_runtime=pyxis`` (NVIDIA pyxis + enroot): ``srun --container-image=IMAGE
+      --container-mounts=SRC:DST,...`` and the image's ``container_python`` (github.com/NVIDIA/pyxis, "Usage").
+    - ``apptainer`` / ``singularity``: the rank's python becomes ``apptainer exec [--nv] [--bind SRC:DST,...]
+      IMAGE python`` (submitit's ``SlurmExecutor(python=...)``, added for singularity: facebookincubator/submitit
+      PR 1729); ``--nv`` when the job has GPUs.
+
+    The run dir, the submitit folder and the code must be visible at the same paths inside the image: mount them
+    (``cluster.container_mounts=[/scratch:/scratch]``), or install the code in the image (``docker/Dockerfile``).
+
+    Raises:
+        ClusterConfigError: an unknown ``container_runtime``, or mounts without an image.
+    """
+    image = cluster.get("container_image")
+    mounts = [str(m) for m in cluster.get("container_mounts") or []]
+    if not image:
+        if mounts:
+            raise ClusterConfigError("cluster.container_mounts needs cluster.container_image")
+        return None, []
+    runtime, python = cluster.get("container_runtime", "pyxis"), str(cluster.get("container_python", "python"))
+    if runtime == "pyxis":
+        return python, [f"--container-image={image}", *([f"--container-mounts={','.join(mounts)}"] if mounts else [])]
+    if runtime in ("apptainer", "singularity"):
+        gpu = ["--nv"] if cluster.get("gpus_per_node") else []
+        binds = ["--bind", ",".join(mounts)] if mounts else []
+        return shlex.join([runtime, "exec", *gpu, *binds, str(image), *shlex.split(python)]), []
+    raise ClusterConfigError(f"cluster.container_runtime={runtime!r}: one of pyxis, apptainer, singularity")
+
+
 def make_executor(
     cluster: Mapping[str, Any], parallel: Mapping[str, Any], folder: str | Path, job_name: str
 ) -> submitit.Executor:
@@ -103,7 +138,8 @@ def make_executor(
         )
         return executor
 
-    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=_field(cluster, "max_num_timeout"))
+    python, container_args = container_command(cluster)
+    executor = submitit.SlurmExecutor(folder=folder, max_num_timeout=_field(cluster, "max_num_timeout"), python=python)
     params: dict[str, Any] = {
         "job_name": job_name,
         "partition": cluster.get("partition"),
@@ -122,7 +158,7 @@ def make_executor(
         "additional_parameters": {"requeue": True, **dict(cluster.get("additional_parameters") or {})},
         "setup": list(cluster.get("setup") or []) or None,
         # One rank failing ends the step: the others would wait for it in a collective until the timeout.
-        "srun_args": ["--kill-on-bad-exit=1"],
+        "srun_args": ["--kill-on-bad-exit=1", *container_args, *list(cluster.get("srun_args") or [])],
     }
     executor.update_parameters(**{k: v for k, v in params.items() if v is not None})
     return executor

@@ -7,6 +7,8 @@ families are ``math`` (math-verify), ``code`` (sandbox tests), ``qa`` (exact mat
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,15 +52,21 @@ class Graders:
 
     sandbox: SandboxClient | None = None
     judge: LLMJudge | None = None
+    custom: Callable[..., Any] | None = None
 
     async def grade(
         self, kind: str, response: str, *, gold: str, question: str = "", meta: dict[str, Any] | None = None
     ) -> Grade:
-        """Grade ``response`` with grader ``kind`` (one of :data:`GRADER_KINDS`).
+        """Grade ``response`` with grader ``kind`` (one of :data:`GRADER_KINDS`), or with :attr:`custom` when set:
+        a plug-in reward ``custom(response, *, gold, question, meta, kind) -> Grade | float`` (sync or async),
+        which grades every task (verl's ``custom_reward_function``) and may call the built-in graders itself.
+        A plug-in that raises gives a grader-error grade (score 0) naming the exception.
 
         Raises:
             ValueError: an unknown kind.
         """
+        if self.custom is not None:
+            return await self._custom(kind, response, gold=gold, question=question, meta=meta or {})
         if kind == "math":
             return grade_math(response, gold)
         if kind == "qa":
@@ -74,6 +82,21 @@ class Graders:
             return await self.judge.grade(response, question, gold)
         raise ValueError(f"unknown grader {kind!r}; known: {', '.join(GRADER_KINDS)}")
 
+    async def _custom(self, kind: str, response: str, **fields: Any) -> Grade:
+        assert self.custom is not None
+        try:
+            result = self.custom(response, kind=kind, **fields)
+            if inspect.isawaitable(result):
+                result = await result
+        except Exception as err:  # user code: its failure is this sample's grader error, not the job's
+            return Grade(0.0, "grader_error", error=True, extra={"message": f"{type(err).__name__}: {err}"})
+        if isinstance(result, Grade):
+            return result
+        if isinstance(result, bool) or not isinstance(result, (int, float)):
+            return Grade(0.0, "grader_error", error=True,
+                         extra={"message": f"reward_fn returned {result!r}, expected a Grade or a number"})  # fmt: skip
+        return Grade(float(result), "custom")
+
     @staticmethod
     def format(response: str) -> Grade:
         return grade_format(response)
@@ -83,3 +106,17 @@ class Graders:
             await self.sandbox.close()
         if self.judge is not None:
             await self.judge.close()
+
+
+def custom_reward(entry: Any, key: str = "reward_fn") -> Callable[..., Any] | None:
+    """The plug-in reward of a config entry ``{_target_: pkg.mod.fn | file.py:fn, **kwargs}`` (kwargs bound), or
+    None for a null entry (:mod:`afm_core.utils.plugins`).
+
+    Raises:
+        afm_core.utils.plugins.PluginError: the target cannot be imported.
+    """
+    from afm_core.utils.plugins import build_plugin
+
+    if not entry:
+        return None
+    return build_plugin(entry, key, _partial_=True)

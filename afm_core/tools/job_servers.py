@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 
 from afm_core.coa.prompts import TASK_TOOLS
 from afm_core.utils.paths import repo_root, shared_data_dir
+from afm_core.utils.plugins import is_plugin
 
 #: The tool server each tool talks to (``conf/tool_servers.yaml``); web search needs the pages server too.
 TOOL_SERVERS = {"code": ("sandbox",), "wiki_search": ("wiki",), "web_search": ("web_search", "pages"),
@@ -24,12 +25,17 @@ TOOL_SERVERS = {"code": ("sandbox",), "wiki_search": ("wiki",), "web_search": ("
 
 def needed_servers(task_families: Iterable[str], graders: Iterable[str], tools_cfg: Mapping[str, Any]) -> list[str]:
     """The servers that the tools of ``task_families`` (and the code grader's sandbox) need, among the tools
-    configured in ``tools_cfg["tools"]`` (a tool set to null is off)."""
+    configured in ``tools_cfg["tools"]`` (a tool set to null is off; a plug-in needs only the ``server`` it
+    names)."""
     tools = {tool for family in task_families for tool in TASK_TOOLS.get(family, ())}
-    if "code" in set(graders):
-        tools.add("code")
-    tools &= {name for name, entry in (tools_cfg.get("tools") or {}).items() if entry is not None}
-    return sorted({server for tool in tools for server in TOOL_SERVERS[tool]})
+    configured = {name: entry for name, entry in (tools_cfg.get("tools") or {}).items() if entry is not None}
+    servers = {"sandbox"} if "code" in set(graders) and "code" in configured else set()
+    for tool in tools & set(configured):
+        if is_plugin(configured[tool]):  # user code: needs only the server it names, if any
+            servers |= {configured[tool]["server"]} if configured[tool].get("server") else set()
+        else:
+            servers |= set(TOOL_SERVERS[tool])
+    return sorted(servers)
 
 
 @contextlib.contextmanager
@@ -58,12 +64,15 @@ def tool_servers(cfg: Mapping[str, Any], names: list[str], log_dir: Path):
 
 
 def reachable_tools_cfg(tools_cfg: Mapping[str, Any], urls: Mapping[str, str]) -> dict[str, Any]:
-    """``tools_cfg`` with only the tools whose server is in ``urls`` (or that have a fixed ``url``)."""
+    """``tools_cfg`` with only the tools whose server is in ``urls``, that have a fixed ``url``, or that are
+    plug-ins naming no server."""
     return {
         **tools_cfg,
         "tools": {
             n: e
             for n, e in tools_cfg["tools"].items()
-            if (e is not None and e.get("server", "") in urls) or (e or {}).get("url")
+            if (e is not None and e.get("server", "") in urls)
+            or (e or {}).get("url")
+            or (is_plugin(e) and e.get("server") is None)
         },
     }

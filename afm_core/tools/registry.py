@@ -14,6 +14,15 @@ Config (``conf/tools/default.yaml``; plain dicts or OmegaConf nodes)::
 
 Each tool entry names the server it talks to (a key of the addresses file) or a fixed ``url``; the other
 keys are the tool's constructor arguments, and ``limits`` are :class:`~afm_core.tools.http.ToolLimits`.
+
+A plug-in tool replaces the implementation of a CoA tool tag with user code (:mod:`afm_core.utils.plugins`)::
+
+    tools:
+      wiki_search: {_target_: my_pkg.MySearch, topk: 5}          # or _target_: /path/tools.py:MySearch
+      code: {_target_: my_pkg.MyRunner, server: sandbox}         # server/url optional: passed as url=
+
+It is a :class:`~afm_core.tools.base.Tool` whose ``name`` is the tag, built with the other keys, and called
+through the same pool (limits, retries, cache, metrics) as the built-in tools.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from afm_core.coa.tags import TOOL_TAGS
 from afm_core.tools.addresses import read_addresses
 from afm_core.tools.base import Tool
 from afm_core.tools.cache import ToolCache
@@ -32,6 +42,7 @@ from afm_core.tools.http import ToolLimits
 from afm_core.tools.pool import ToolPool
 from afm_core.tools.web_search import WebSearchTool
 from afm_core.tools.wiki_search import WikiSearchTool
+from afm_core.utils.plugins import build_plugin, is_plugin
 
 TOOL_CLASSES: dict[str, Callable[..., Tool]] = {
     CodeTool.name: CodeTool,
@@ -59,10 +70,26 @@ def build_tools(tools_cfg: Mapping, addresses: Mapping[str, str]) -> tuple[list[
     for name, entry in _plain(tools_cfg).items():
         if entry is None:  # a tool switched off with `tools.code: null`
             continue
-        if name not in TOOL_CLASSES:
+        plugin = is_plugin(entry)
+        if plugin and name not in TOOL_TAGS:
+            raise ValueError(f"tools.{name}: a plug-in tool serves one of the CoA tool tags {', '.join(TOOL_TAGS)}")
+        if not plugin and name not in TOOL_CLASSES:
             raise ValueError(f"tools.{name}: unknown tool; known: {sorted(TOOL_CLASSES)}")
         entry = dict(entry)
         server, url = entry.pop("server", None), entry.pop("url", None)
+        if plugin:  # user code: a server or url is optional (a tool may compute locally)
+            if server is not None and server not in addresses:
+                raise ValueError(
+                    f"tools.{name}.server: {server!r} is not in the addresses file (has {sorted(addresses)})"
+                )
+            url = addresses[server] if server is not None else url
+            limits[name] = ToolLimits(**(entry.pop("limits", None) or {}))
+            tool = build_plugin(entry, f"tools.{name}", **({"url": url} if url is not None else {}))
+            if not isinstance(tool, Tool) or tool.name != name:
+                raise ValueError(f"tools.{name}._target_: built {tool!r}, expected an afm_core.tools.Tool whose "
+                                 f"name is {name!r}")  # fmt: skip
+            tools.append(tool)
+            continue
         if (server is None) == (url is None):
             raise ValueError(f"tools.{name}: give exactly one of 'server' (a name in the addresses file) or 'url'")
         if server is not None:

@@ -32,7 +32,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -56,10 +56,12 @@ from afm_core.train.checkpoint import Checkpointer
 from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
 from afm_core.train.distributed import ParallelLayout
 from afm_core.train.host_memory import populate_for_write, zero_by_release
-from afm_core.train.metrics import MetricsLog, plot_losses, read_metrics
+from afm_core.train.metrics import plot_losses, read_metrics
 from afm_core.train.objective import Objective, build_objective
 from afm_core.train.optim import build_optimizer
 from afm_core.utils.atomic import atomic_write_text
+from afm_core.utils.profiling import StepProfiler
+from afm_core.utils.tracking import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +118,7 @@ class Progress:
     consumed_sequences: int = 0  # packed sequences trained on (global)
     consumed_tokens: int = 0  # unmasked target tokens trained on (global)
     train_time_s: float = 0.0  # wall seconds spent in training steps, over all restarts
+    run_ids: dict[str, str] = field(default_factory=dict)  # tracking backends' runs (W&B, MLflow), continued on resume
 
 
 def thd_packed_seq_params(cu_seqlens: list[torch.Tensor], seq_length: int, device: torch.device) -> PackedSeqParams:
@@ -298,7 +301,7 @@ class SFTLoop(ABC):
             )
         self.num_microbatches = t.global_batch_size // per_pass
         self.progress = Progress()
-        self.metrics: MetricsLog | None = None
+        self.metrics: Tracker | None = None
 
     # -- what an engine implements ---------------------------------------------------------------------
     @abstractmethod
@@ -341,6 +344,24 @@ class SFTLoop(ABC):
             atomic_write_text(target, source.read_text(encoding="utf-8"))
 
     # -- the loop --------------------------------------------------------------------------------------
+    def _open_tracker(self) -> None:
+        """Rank 0 opens ``metrics.jsonl`` and the ``logger`` backends, continuing the runs whose ids the resumed
+        checkpoint holds (:mod:`afm_core.utils.tracking`); every rank then holds the run ids, saved with the next
+        checkpoint."""
+        from omegaconf import DictConfig, OmegaConf
+
+        ids: dict[str, str] = {}
+        if self.layout.is_rank0:
+            cfg = self.cfg
+            config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+            self.metrics = Tracker(self.run_dir, list(cfg.get("logger") or ["console"]), config=config,
+                                   job_type="sft", tracking=cfg.get("tracking"), run_ids=self.progress.run_ids,
+                                   resume_step=self.progress.step)  # fmt: skip
+            ids = self.metrics.run_ids
+        shared = [ids]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        self.progress.run_ids = dict(shared[0])
+
     def _log(self, record: dict[str, Any]) -> None:
         if self.metrics is not None:
             self.metrics.write(record)
@@ -378,9 +399,8 @@ class SFTLoop(ABC):
         """
         t = self.cfg.trainer
         resumed_from = self._resume()
-        if self.layout.is_rank0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.progress.step)
+        self._open_tracker()
+        profiler = StepProfiler(self.cfg.get("profile"), self.run_dir, self.layout.rank, self.layout.on_gpu)
         if resumed_from is None:
             self._eval_and_log()
         bar = tqdm(
@@ -395,7 +415,8 @@ class SFTLoop(ABC):
         run_steps, run_tokens, run_time, stopped_early = 0, 0, 0.0, False
         while self.progress.step < self.max_steps:
             start = time.perf_counter()
-            out = self.train_step()
+            with profiler.step(self.progress.step + 1):
+                out = self.train_step()
             seconds = time.perf_counter() - start
             self.progress.step += 1
             self.progress.consumed_sequences += t.global_batch_size
@@ -426,6 +447,7 @@ class SFTLoop(ABC):
                 stopped_early = True
                 break
         bar.close()
+        profiler.stop()
         summary = {
             "resumed_from": str(resumed_from) if resumed_from else None,
             "step": self.progress.step,

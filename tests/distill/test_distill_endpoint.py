@@ -64,8 +64,8 @@ def distilled(tmp_path_factory, scripts, data_dir):
     run_dir = tmp_path_factory.mktemp("distill") / "run"
     app = scripted_app(scripts)
     with serve_in_thread(app) as url:
-        report = run_distill(_config(run_dir, url, data_dir))
-        again = run_distill(_config(run_dir, url, data_dir))
+        report = run_distill(_config(run_dir, url, data_dir, "logger=[console,tensorboard]"))
+        again = run_distill(_config(run_dir, url, data_dir, "logger=[console,tensorboard]"))
     return run_dir, report, again, app[REQUESTS]
 
 
@@ -132,3 +132,12 @@ def test_a_rerun_redoes_nothing_and_sft_finds_the_data_ready(distilled):
     assert resolve_out_dir(sft.data) == run_dir / "sft_data"
     assert is_prepared(run_dir / "sft_data", recorded_config(sft.data))
     assert pq.read_metadata(run_dir / "sft_data" / "train.parquet").num_rows == 3
+
+
+def test_the_report_goes_to_tensorboard_once_even_after_a_rerun(distilled):
+    from tests.test_tracking import tensorboard_scalars
+
+    run_dir, report, _, _ = distilled
+    assert tensorboard_scalars(run_dir, "distill/runs") == [(0, 6.0)]
+    kept = tensorboard_scalars(run_dir, "distill/split.train_rows")
+    assert kept == [(0, float(report["split"]["train_rows"]))]

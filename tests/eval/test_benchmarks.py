@@ -27,3 +27,37 @@ def test_max_calculator_steps_outside_gsm8k_names_the_file_and_field(tmp_path, m
                                        "max_calculator_steps: 2\n")  # fmt: skip
     with pytest.raises(ValueError, match=r"bad\.yaml: field 'max_calculator_steps'"):
         load_preset("bad")
+
+
+def test_benchmark_files_replace_the_default_presets_unless_benchmarks_are_named(tmp_path, data_dir):
+    from afm_core.eval.runner import describe_plan, load_benchmarks
+
+    tasks = tmp_path / "mine.jsonl"
+    record = {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "1+1?"}], "ability": "math",
+              "reward_model": {"ground_truth": "2"}, "extra_info": {"index": "0"}}  # fmt: skip
+    tasks.write_text(json.dumps(record) + "\n{broken\n")
+    cfg = {"data_dir": str(data_dir), "benchmarks": None, "benchmark_files": [str(tasks)], "eval": {"k": 4}}
+    assert [b.name for b in load_benchmarks(cfg)] == ["mine"]
+    assert describe_plan(cfg, load_benchmarks(cfg)).splitlines() == [
+        "[eval] will run 1 benchmark(s), 1 problems, 4 samples:",
+        f"  mine: 1 problems x k=4 = 4 samples (file {tasks}, 1 malformed records skipped)",
+    ]
+    assert [b.name for b in load_benchmarks({**cfg, "benchmark_files": []})] == ["gsm8k_test"]
+    both = load_benchmarks({**cfg, "benchmarks": ["gsm8k_test"], "eval": {"k": 1, "limit": 3}})
+    assert [(b.name, len(b.tasks)) for b in both] == [("gsm8k_test", 3), ("mine", 1)]
+    with pytest.raises(ValueError, match="nothing to evaluate"):
+        load_benchmarks({**cfg, "benchmarks": [], "benchmark_files": []})
+
+
+def test_jobs_eval_refuses_a_missing_benchmark_file_before_submitting(tmp_path):
+    import subprocess
+    import sys
+
+    from afm_core.utils.paths import repo_root
+
+    missing = tmp_path / "nope.jsonl"
+    done = subprocess.run([sys.executable, "-m", "jobs.eval", f"benchmark_files=[{missing}]",
+                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=repo_root(), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.returncode == 2 and f"jobs.eval: benchmark file {missing} not found (benchmark_files)" in done.stderr
+    assert not (tmp_path / "run" / "logs").exists(), "a job was submitted"

@@ -1,10 +1,11 @@
 """``python -m jobs.eval`` end to end on the real vLLM engine (tiny-llama) and real tool servers: a killed
 eval resumes without recomputing or duplicating samples; malformed benchmark records are reported and
-skipped; ``compare`` prints deltas with standard errors."""
+skipped; ``compare`` prints deltas with standard errors; the results go to TensorBoard and W&B (offline)."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 
 from afm_core.eval.samples import read_samples
 from afm_core.utils.paths import repo_root
+from tests.test_tracking import tensorboard_scalars, wandb_offline_runs
 
 pytestmark = pytest.mark.slow
 
@@ -92,10 +94,15 @@ def test_malformed_records_are_reported_with_file_line_and_field_and_the_rest_is
     bad_field = json.dumps({k: v for k, v in _record(99, "q", "1").items() if k != "reward_model"})
     _write_tasks(tasks, 4, bad_lines={2: bad_field, 4: "{not json"})
     run_dir = tmp_path / "run"
-    done = subprocess.run(_eval_cmd(run_dir, tasks, "eval.k=1"), cwd=repo_root(), capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
+    env = {**os.environ, "WANDB_MODE": "offline", "SLURM_JOB_ID": "77"}
+    done = subprocess.run(_eval_cmd(run_dir, tasks, "eval.k=1", "logger=[console,tensorboard,wandb]"), cwd=repo_root(),
+                          capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "skipped records: 2" in done.stdout
+    n = tensorboard_scalars(run_dir, "eval/tasks/n")
+    assert n == [(0, 4.0)] and len(tensorboard_scalars(run_dir, "eval/tasks/avg@1")) == 1
+    (run,) = wandb_offline_runs(run_dir)
+    assert run["history"][0]["eval/tasks/n"] == 4 and run["config"]["afm"]["slurm_job_id"] == "77"
     skipped = json.loads((run_dir / "skipped_records.json").read_text())["tasks"]
     assert skipped == [f"{tasks}:2: missing field 'reward_model'",
                        f"{tasks}:4: invalid JSON (Expecting property name enclosed in double quotes at column 2)"]  # fmt: skip
@@ -106,3 +113,20 @@ def test_malformed_records_are_reported_with_file_line_and_field_and_the_rest_is
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert compare.returncode == 0, compare.stderr
     assert "| tasks | 4 |" in compare.stdout and "+0.0" in compare.stdout
+
+
+def test_benchmark_files_alone_evaluate_only_those_files_listed_before_the_start_in_under_a_minute(tmp_path):
+    tasks = tmp_path / "my.jsonl"
+    _write_tasks(tasks, 4)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "jobs.eval", "model=tiny-llama", f"benchmark_files=[{tasks}]", "eval.k=1",
+           "eval.max_response_tokens=48", "engine.max_model_len=1024", f"hydra.run.dir={run_dir}", "tools.cache=null"]  # fmt: skip
+    start = time.monotonic()
+    done = subprocess.run(cmd, cwd=repo_root(), capture_output=True, text=True, timeout=300)
+    seconds = time.monotonic() - start
+    assert done.returncode == 0, done.stderr[-3000:]
+    plan = f"[eval] will run 1 benchmark(s), 4 problems, 4 samples:\n  my: 4 problems x k=1 = 4 samples (file {tasks})"
+    assert done.stdout.startswith(plan), done.stdout[:500]  # printed before the job is submitted
+    assert list(json.loads((run_dir / "metrics.json").read_text())) == ["my"], "the default gsm8k_test ran too"
+    assert {r["benchmark"] for r in read_samples(run_dir / "samples.jsonl")} == {"my"}
+    assert seconds < 60, f"a 4-record eval took {seconds:.0f} s"

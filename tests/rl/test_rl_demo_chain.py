@@ -27,7 +27,7 @@ JOB_OVERRIDES = {
         "trainer.seq_length=512",
         "trainer.micro_batch_size=1",
         "trainer.precision=fp32",
-    ],  # fmt: skip
+    ],
     "filter_rl": [*SMALL_EVAL, "filter.min_pass_rate=null", "filter.drop_all_correct=false"],
     "eval": SMALL_EVAL,
     "rl": [
@@ -45,7 +45,7 @@ JOB_OVERRIDES = {
         "engine.cpu_kv_cache_gib=0.25",
         "engine.max_num_seqs=8",
         "engine.enforce_eager=true",
-    ],  # fmt: skip
+    ],
 }
 
 

@@ -1,0 +1,159 @@
+"""Any complete training checkpoint (SFT or RL, any step) as an HF checkpoint: ``python -m jobs.export``.
+
+Like verl's ``model_merger`` and slime's ``convert_torch_dist_to_hf``: the ``torch_dist`` checkpoint
+(:mod:`afm_core.train.checkpoint`, written at any TP/PP layout) is loaded by ``dist_checkpointing`` into one
+process's TP=1, PP=1 model (the shards are merged by the load: dist_checkpointing reshards), then written by the
+trainers' own HF writer (:func:`afm_core.models.bridge.save_hf_checkpoint`: safetensors, config, tokenizer). The
+export is loaded back with ``transformers`` and its logits on a fixed prompt are compared with the Megatron
+model's (the parity check); an export that fails it is removed.
+
+The run's model comes from its recorded config: ``RUN_DIR/tracking.json`` (written at each start), else Hydra's
+``RUN_DIR/.hydra/config.yaml``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from afm_core.train.checkpoint_dirs import COMPLETE_MARKER, checkpoint_dir_name, complete_checkpoints, read_marker
+
+#: Max |logit difference| between the Megatron model and its HF export, by export dtype. fp32: the two
+#: implementations differ only in op order; bf16: one bf16 rounding of logits of order 10.
+PARITY_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot be exported (incomplete, absent, another engine's); the message says what to do."""
+
+
+def find_checkpoint(run_dir: str | Path, step: int | None) -> Path:
+    """``RUN_DIR/checkpoints/step_N`` for ``step`` (None: the latest complete one).
+
+    Raises:
+        ExportError: no such complete checkpoint; names the complete steps there are, and says when ``step_N`` is
+            a save that was interrupted (no ``COMPLETE`` marker) or still being staged.
+    """
+    root = Path(run_dir) / "checkpoints"
+    steps = [s for s, _ in complete_checkpoints(root)]
+    have = f"complete checkpoints in {root}: {', '.join(map(str, steps)) or 'none'}"
+    if step is None:
+        if not steps:
+            raise ExportError(f"nothing to export: {have}")
+        return complete_checkpoints(root)[-1][1]
+    path = root / checkpoint_dir_name(step)
+    if path.is_dir() and not (path / COMPLETE_MARKER).is_file():
+        raise ExportError(f"{path} is incomplete (no {COMPLETE_MARKER} marker: its save did not finish); {have}")
+    if (root / f".tmp-{checkpoint_dir_name(step)}").is_dir() and not path.is_dir():
+        raise ExportError(f"checkpoint {step} of {run_dir} is incomplete (still staged in .tmp-{path.name}); {have}")
+    if step not in steps:
+        raise ExportError(f"step={step}: no checkpoint of that step; {have}")
+    return path
+
+
+def run_config(run_dir: str | Path) -> dict[str, Any]:
+    """The recorded config of a run: ``tracking.json``'s resolved ``config``, else ``.hydra/config.yaml``.
+
+    Raises:
+        ExportError: neither file exists.
+    """
+    from omegaconf import OmegaConf
+
+    run_dir = Path(run_dir)
+    tracking = run_dir / "tracking.json"
+    if tracking.is_file():
+        return dict(json.loads(tracking.read_text())["config"])
+    hydra = run_dir / ".hydra" / "config.yaml"
+    if hydra.is_file():
+        return dict(OmegaConf.to_container(OmegaConf.load(hydra), resolve=False))  # type: ignore[arg-type]
+    raise ExportError(f"{run_dir}: no tracking.json or .hydra/config.yaml, so the run's model is unknown")
+
+
+def checkpoint_dtype(path: Path) -> torch.dtype:
+    """The dtype the checkpoint's model weights were trained in (its word embedding's)."""
+    from megatron.core import dist_checkpointing
+
+    metadata = dist_checkpointing.load_tensors_metadata(str(path))
+    for key, tensor in metadata.items():
+        if key.endswith("embedding.word_embeddings.weight"):
+            return tensor.dtype
+    raise ExportError(f"{path}: no embedding.word_embeddings.weight; not a GPT model checkpoint")
+
+
+def _init_single_process() -> Any:
+    """One gloo (or NCCL) rank with TP=PP=1, unless this process already belongs to a group."""
+    from omegaconf import OmegaConf
+
+    from afm_core.launch.distributed import free_port
+    from afm_core.train.distributed import init_distributed
+
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    return init_distributed(OmegaConf.create({"tp": 1, "pp": 1}), seed=0)
+
+
+def logits_parity(chunks: list[torch.nn.Module], hf_out: Path, dtype: torch.dtype, tokens: int = 32) -> float:
+    """Max |logit difference| between the Megatron model and the HF model loaded from ``hf_out`` on the first
+    ``tokens`` ids of a fixed prompt (``[1, tokens, vocab]`` logits)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_out)
+    text = "Question: what is 17 * 23? <think> 17 * 23 = 391 </think> <answer>391</answer> " * 4
+    ids = torch.tensor([tokenizer(text)["input_ids"][:tokens]])
+    positions = torch.arange(ids.shape[1]).unsqueeze(0)
+    model = chunks[0].eval()
+    with torch.no_grad():
+        megatron = model(ids.to(next(model.parameters()).device), positions.to(ids.device), None).float().cpu()
+        hf = AutoModelForCausalLM.from_pretrained(hf_out, dtype=dtype).eval()
+        reference = hf(ids).logits.float()
+    return float((megatron - reference).abs().max())
+
+
+def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = None) -> dict[str, Any]:
+    """Write checkpoint ``step`` (None: the latest complete one) of ``run_dir`` as an HF checkpoint in ``out``.
+
+    Returns:
+        ``{"checkpoint", "step", "out", "dtype", "engine", "max_logit_diff"}``.
+    Raises:
+        ExportError: see :func:`find_checkpoint`, :func:`run_config`; a DeepSpeed checkpoint; an export whose
+            logits differ from the Megatron model's by more than :data:`PARITY_TOLERANCE` (then removed).
+    """
+    from megatron.core import dist_checkpointing
+
+    from afm_core.models.bridge import save_hf_checkpoint
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.rl.policy_model import build_policy_model
+    from afm_core.train.distributed import destroy_distributed
+
+    path = find_checkpoint(run_dir, step)
+    marker = read_marker(path)
+    if marker.get("engine", "megatron") != "megatron":
+        raise ExportError(f"{path}: a {marker['engine']} checkpoint; export the Megatron engine's checkpoints")
+    model_cfg: Mapping[str, Any] = run_config(run_dir)["model"]
+    base = ensure_hf_checkpoint(dict(model_cfg))  # architecture, tokenizer and generation config
+    dtype = checkpoint_dtype(path)
+    if torch.distributed.is_initialized():
+        raise ExportError("export_checkpoint runs in a process of its own (it sets up a TP=PP=1 group)")
+    layout = _init_single_process()
+    try:
+        chunks, hf_config = build_policy_model(base, layout, params_dtype=dtype, load_weights=False)
+        state = {"model": chunks[0].sharded_state_dict()}
+        loaded = dist_checkpointing.load(state, str(path))  # TP/PP shards of any layout merged into TP=PP=1
+        chunks[0].load_state_dict(loaded["model"])
+        out = save_hf_checkpoint(chunks, hf_config, base, out)
+        diff = logits_parity(chunks, out, dtype)
+        if diff > PARITY_TOLERANCE[dtype]:
+            shutil.rmtree(out, ignore_errors=True)
+            raise ExportError(f"{path}: the HF export's logits differ from the Megatron model's by {diff:.3g} > "
+                              f"{PARITY_TOLERANCE[dtype]} ({dtype}); nothing was kept")  # fmt: skip
+    finally:
+        destroy_distributed()
+    return {"checkpoint": str(path), "step": marker["step"], "out": str(out), "dtype": str(dtype).split(".")[-1],
+            "engine": "megatron", "max_logit_diff": diff}  # fmt: skip

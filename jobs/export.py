@@ -1,0 +1,41 @@
+"""A training checkpoint as an HF checkpoint (safetensors, config, tokenizer), as a Hydra app (conf/export.yaml).
+
+    python -m jobs.export run_dir=runs/sft/X                     # the latest complete checkpoint -> X/hf_step_N
+    python -m jobs.export run_dir=runs/rl/Y step=40 out=DIR       # any complete step of an SFT or RL run
+
+TP/PP shards are merged, and the export's logits are checked against the Megatron model's before it is kept
+(:mod:`afm_core.models.export`). An incomplete or absent checkpoint exits with status 2 and a message naming
+the complete steps there are. The export runs in this process (one rank), so run it where the model fits in
+memory (``srun --mem=... python -m jobs.export ...`` on a cluster).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(config_path="../conf", config_name="export", version_base="1.3")
+def main(cfg: DictConfig) -> dict[str, Any]:
+    from afm_core.models.export import ExportError, export_checkpoint, find_checkpoint
+
+    try:
+        path = find_checkpoint(cfg.run_dir, cfg.step)
+        step = int(path.name.removeprefix("step_"))
+        out = Path(cfg.out) if cfg.out else Path(cfg.run_dir) / f"hf_step_{step}"
+        print(f"[export] {path} -> {out}", flush=True)
+        summary = export_checkpoint(cfg.run_dir, out, step)
+    except ExportError as err:
+        print(f"jobs.export: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
+if __name__ == "__main__":
+    main()
