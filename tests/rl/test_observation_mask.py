@@ -89,8 +89,11 @@ def _worker(rank: int, world: int, port: int) -> None:
         per_token = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.28))
         per_token = torch.where(adv < 0, torch.minimum(per_token, -adv * 3.0), per_token)
         per_token.sum().backward()
+        # norm-wise: the two paths reduce in different orders (response rows only vs all rows, and a CPU's GEMM
+        # blocking: AVX2 and AVX-512 differ), and fp32 error grows with eps x sum|terms|, not with the result: an
+        # element that cancels to 0.027 carried 5e-6 on AVX2. A leaked observation token moves the norm by far more.
         for param, mine in zip(chunks[0].parameters(), grads_clean):
-            torch.testing.assert_close(mine, param.grad, rtol=1e-4, atol=1e-6)
+            assert (mine - param.grad).norm() <= 1e-5 * param.grad.norm(), (mine - param.grad).abs().max()
 
         # the old logprobs (output layer on the response rows only) are the full-vocab ones there, 0 elsewhere
         torch.testing.assert_close(old["logprobs"][mask], logp.detach(), rtol=1e-5, atol=1e-5)
