@@ -36,7 +36,9 @@ class DynamicSamplingExhausted(RuntimeError):
 @dataclass(frozen=True)
 class DynamicSamplingStats:
     """One rollout step: generation batches used, groups/samples generated, groups kept (reward spread),
-    groups trained on, kept groups discarded as surplus; ``kept_group_ratio`` = groups_kept / groups_generated."""
+    groups trained on, kept groups discarded as surplus, groups of two or more samples whose scores were all equal
+    (no GRPO signal; counted with or without filtering); ``kept_group_ratio`` = groups_kept / groups_generated,
+    ``all_equal_group_ratio`` = groups_all_equal / groups_generated."""
 
     gen_batches: int
     groups_generated: int
@@ -44,13 +46,22 @@ class DynamicSamplingStats:
     groups_kept: int
     groups_trained: int
     groups_surplus: int
+    groups_all_equal: int = 0
 
     @property
     def kept_group_ratio(self) -> float:
         return self.groups_kept / self.groups_generated if self.groups_generated else float("nan")
 
+    @property
+    def all_equal_group_ratio(self) -> float:
+        return self.groups_all_equal / self.groups_generated if self.groups_generated else float("nan")
+
     def as_dict(self) -> dict[str, float]:
-        return {**asdict(self), "kept_group_ratio": self.kept_group_ratio}
+        return {
+            **asdict(self),
+            "kept_group_ratio": self.kept_group_ratio,
+            "all_equal_group_ratio": self.all_equal_group_ratio,
+        }
 
 
 class DynamicSampler:
@@ -85,6 +96,7 @@ class DynamicSampler:
         self.gen_batches = 0
         self.groups_generated = 0
         self.samples_generated = 0
+        self.groups_all_equal = 0
         self.kept: list[tuple[Hashable, list[Any]]] = []  # (group id, its samples), in arrival order
         self.seen: set[Hashable] = set()
 
@@ -137,7 +149,9 @@ class DynamicSampler:
         for gid, members in groups.items():
             self.seen.add(gid)
             values = [float(scores[i]) for i in members]
-            if not self.filter_groups or len(members) == 1 or max(values) > min(values):
+            all_equal = len(members) > 1 and max(values) == min(values)
+            self.groups_all_equal += all_equal
+            if not self.filter_groups or not all_equal:
                 self.kept.append((gid, [samples[i] for i in members]))
                 kept += 1
         self.gen_batches += 1
@@ -169,6 +183,7 @@ class DynamicSampler:
             groups_kept=len(self.kept),
             groups_trained=len(used),
             groups_surplus=len(self.kept) - len(used),
+            groups_all_equal=self.groups_all_equal,
         )
         samples = [sample for _, members in used for sample in members]
         self._reset()
@@ -181,6 +196,7 @@ class DynamicSampler:
             "gen_batches": self.gen_batches,
             "groups_generated": self.groups_generated,
             "samples_generated": self.samples_generated,
+            "groups_all_equal": self.groups_all_equal,
             "kept": [(g, list(m)) for g, m in self.kept],
             "seen": list(self.seen),
         }
@@ -189,5 +205,6 @@ class DynamicSampler:
         self.gen_batches = int(state["gen_batches"])
         self.groups_generated = int(state["groups_generated"])
         self.samples_generated = int(state["samples_generated"])
+        self.groups_all_equal = int(state.get("groups_all_equal", 0))  # absent in checkpoints before it existed
         self.kept = [(g, list(m)) for g, m in state["kept"]]
         self.seen = set(state["seen"])

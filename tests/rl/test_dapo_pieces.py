@@ -176,7 +176,9 @@ def test_group_filter_drops_equal_reward_groups_and_refills_until_the_batch_is_f
         "groups_kept": 4,
         "groups_trained": 3,
         "groups_surplus": 1,
+        "groups_all_equal": 2,  # b and c: no GRPO signal
         "kept_group_ratio": 4 / 6,
+        "all_equal_group_ratio": 2 / 6,
     }
     assert not sampler.is_full and sampler.gen_batches == 0  # ready for the next step
 

@@ -149,6 +149,7 @@ def test_rl_smoke_runs_every_step_with_the_time_split_and_the_stage_switch_at_it
             "reward_mean",
             "accuracy",
             "kept_group_ratio",
+            "all_equal_group_ratio",
             "gen_batches",
             "actor/clip_frac",
             "entropy",
