@@ -26,6 +26,13 @@ LR_SCHEDULES = ("cosine", "constant")
 RECOMPUTE = (None, "selective", "full")
 
 
+def check_plan_options(plan: dict[str, Any]) -> None:
+    """``plan`` (added with ``+plan.force=true``): only ``force``, a bool."""
+    for key, value in plan.items():
+        require(key == "force", f"plan.{key}", value, "the only plan option is plan.force")
+        require(isinstance(value, bool), "plan.force", value, "true or false")
+
+
 def _at_least(key: str, value: Any, low: float) -> None:
     require(value >= low, key, value, f"must be >= {low}")
 
@@ -214,8 +221,10 @@ class SFTConfig:
     logger: list[str] = field(default_factory=lambda: ["console"])
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    plan: dict[str, Any] = field(default_factory=dict)  # +plan.force=true: submit what the plan says does not fit
 
     def __post_init__(self) -> None:
+        check_plan_options(self.plan)
         self.cluster = cluster_schema(self.cluster)
         check_loggers(self.logger)
         m, p, t = self.model, self.parallel, self.trainer
