@@ -153,3 +153,47 @@ def test_jobs_sft_rejects_a_bad_override_within_10_s_before_building_or_submitti
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert seconds < 10, f"rejected after {seconds:.1f} s"
     assert not (run_dir / "logs").exists(), "a job was submitted"
+
+
+RL_RECIPES = [
+    "none",
+    "rl_smoke",
+    "rl_demo",
+    *sorted(p.stem for p in (repo_root() / "conf" / "recipe").glob("*_rl*.yaml")),
+]
+
+
+@pytest.mark.parametrize("recipe", RL_RECIPES)
+def test_every_shipped_rl_recipe_passes_the_rl_schema(recipe):
+    from afm_core.config.rl import RLConfig
+
+    cfg = _compose(f"recipe={recipe}", "run_dir=/tmp/run", "data.files=[prompts.parquet]", config="rl")
+    checked = check_config(cfg, RLConfig)
+    assert checked.algorithm.filter_groups_metric == "acc"  # verl's filter_groups.metric default
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+rollout.nonsense_key=1", "rollout.nonsense_key: Key 'nonsense_key' not in 'RolloutConfig'; valid keys: n,"),
+        ("algorithm.clip_ratio_high=-0.5", "algorithm.clip_ratio_high=-0.5: in (0, 1)"),
+        ("algorithm.filter_groups_metric=reward", "algorithm.filter_groups_metric='reward': acc"),
+        ("algorithm.mini_batch_size=3", "algorithm.mini_batch_size=3: must divide algorithm.train_batch_size=2"),
+        ("rollout.context_schedule=[{max_response_len:8},{max_response_len:9}]", "only the last stage has none"),
+    ],
+)
+def test_jobs_rl_rejects_a_bad_override_within_10_s_naming_the_key(tmp_path, override, message):
+    run_dir = tmp_path / "run"
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "jobs.rl", "recipe=rl_smoke", override, f"hydra.run.dir={run_dir}"],
+        cwd=repo_root(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    seconds = time.perf_counter() - start
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert seconds < 10, f"rejected after {seconds:.1f} s"
+    assert not (run_dir / "logs").exists(), "a job was submitted"

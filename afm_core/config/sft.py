@@ -132,6 +132,7 @@ class ParallelConfig:
     recompute: str | None = None
     distributed_optimizer: bool = False
     cp: int = 1
+    collective_timeout_min: int | None = None
 
     def __post_init__(self) -> None:
         _at_least("parallel.tp", self.tp, 1)
@@ -151,6 +152,8 @@ class ParallelConfig:
                 "virtual pipeline stages need parallel.pp > 1; valid: null with pp=1",
             )
         require(self.recompute in RECOMPUTE, "parallel.recompute", self.recompute, "null, selective or full")
+        if self.collective_timeout_min is not None:
+            _at_least("parallel.collective_timeout_min", self.collective_timeout_min, 1)
 
     @property
     def model_parallel(self) -> int:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from afm_core.train.memory import GIB, GPU_OVERHEAD_BYTES, activations, as_gib, model_state, stage_table
+GIB = 1024**3
+GPU_OVERHEAD_BYTES = 2 * GIB  # CUDA context, NCCL and cuBLAS workspaces, allocator slack (not modelled)
 
 APPS = ("sft", "rl")
 # Nominal GPU size (GB, as sold) -> the bytes torch reports as total memory (H100/A100 80GB: 81559 MiB;
@@ -32,6 +33,10 @@ APPS = ("sft", "rl")
 GPU_TOTAL_BYTES = {80: 81559 * 2**20, 141: 143771 * 2**20}
 REPORTED_GPUS = (80, 141)
 RL_APPLIES_RECOMPUTE = False  # the RL driver builds its model without parallel.recompute / sequence_parallel (B2)
+
+
+def as_gib(value: float) -> float:
+    return round(value / GIB, 2)
 
 
 def gpu_total_bytes(nominal_gb: float) -> int:
@@ -155,6 +160,7 @@ def training_plan(hf_config: Any, layout: Layout) -> list[dict[str, Any]]:
     import torch
 
     from afm_core.models.arch import arch_from_hf_config
+    from afm_core.train.memory import activations, model_state, stage_table
 
     arch = arch_from_hf_config(hf_config)
     dtype = torch.bfloat16 if layout.bf16 else torch.float32

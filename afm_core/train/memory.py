@@ -31,8 +31,8 @@ dropout and flash / fused SDPA attention, which store no ``s x s`` scores), in e
     bytes (``e`` the activation element size); on CPU at TP=1 the fused, chunked
     :func:`afm_core.train.loss.linear_cross_entropy` stores no logits (counted as 0).
 
-Not counted: allocator fragmentation, the CUDA context and NCCL buffers (:data:`GPU_OVERHEAD_BYTES` is added by
-the plan), and communication buckets.
+Not counted: allocator fragmentation, the CUDA context and NCCL buffers (the plan adds
+:data:`afm_core.launch.plan.GPU_OVERHEAD_BYTES`), and communication buckets.
 """
 
 from __future__ import annotations
@@ -44,10 +44,8 @@ from typing import Any
 
 import torch
 
+from afm_core.launch.plan import as_gib
 from afm_core.models.arch import ModelArch
-
-GIB = 1024**3
-GPU_OVERHEAD_BYTES = 2 * GIB  # CUDA context, NCCL and cuBLAS workspaces, allocator slack (not modelled)
 
 
 @dataclass(frozen=True)
@@ -295,10 +293,6 @@ def activations(
     if stage.last and (on_gpu or tp > 1):
         logits = int((element_size + 4) * tokens * arch.vocab_size / tp)
     return Activations(full_layer, layers, logits, in_flight)
-
-
-def as_gib(value: float) -> float:
-    return round(value / GIB, 2)
 
 
 def stage_table(stage: StageState, acts: Activations) -> dict[str, Any]:
