@@ -167,7 +167,9 @@ RL_RECIPES = [
 def test_every_shipped_rl_recipe_passes_the_rl_schema(recipe):
     from afm_core.config.rl import RLConfig
 
-    cfg = _compose(f"recipe={recipe}", "run_dir=/tmp/run", "data.files=[prompts.parquet]", config="rl")
+    # AutoCoA's RL stages need >= 9,216 positions (prompt 1,024 + response 8,192): not the default SmolLM2's 8,192
+    model = ["model=qwen2.5-7b-instruct"] if recipe.startswith("autocoa") else []
+    cfg = _compose(f"recipe={recipe}", "run_dir=/tmp/run", "data.files=[prompts.parquet]", *model, config="rl")
     checked = check_config(cfg, RLConfig)
     assert checked.algorithm.filter_groups_metric == "acc"  # verl's filter_groups.metric default
 
@@ -180,6 +182,11 @@ def test_every_shipped_rl_recipe_passes_the_rl_schema(recipe):
         ("algorithm.filter_groups_metric=reward", "algorithm.filter_groups_metric='reward': acc"),
         ("algorithm.mini_batch_size=3", "algorithm.mini_batch_size=3: must divide algorithm.train_batch_size=2"),
         ("rollout.context_schedule=[{max_response_len:8},{max_response_len:9}]", "only the last stage has none"),
+        (
+            "data.max_prompt_len=2040",  # B1: vLLM would refuse max_model_len 2088 > 2048 at start, after the queue
+            "data.max_prompt_len + the largest stage's max_response_len = 2040 + 48 = 2088 tokens (vLLM "
+            "max_model_len) > model.max_position_embeddings = 2048 of tiny-llama; lower",
+        ),
     ],
 )
 def test_jobs_rl_rejects_a_bad_override_within_10_s_naming_the_key(tmp_path, override, message):

@@ -107,8 +107,11 @@ class RolloutConfig:
 
     @property
     def longest_response(self) -> int:
-        """The largest stage's ``max_response_len`` (tokens)."""
-        return max([self.max_response_len, *(s.max_response_len for s in self.context_schedule)])
+        """The largest stage's ``max_response_len`` (tokens): ``max_response_len`` is the only stage when the
+        schedule is empty, and unused otherwise (as ``afm_core.rl.driver.parse_schedule`` reads them)."""
+        return (
+            max(s.max_response_len for s in self.context_schedule) if self.context_schedule else self.max_response_len
+        )
 
 
 @dataclass
@@ -264,6 +267,28 @@ class ToolServersConfig:
         require(self.wait_s >= 0, "tool_servers.wait_s", self.wait_s, "seconds >= 0")
 
 
+def check_context_length(model: Any, max_prompt_len: int, longest_response: int) -> None:
+    """The rollout engine's context, ``data.max_prompt_len`` + the largest stage's ``max_response_len`` (vLLM's
+    ``max_model_len``), must fit the model's positions: vLLM refuses a longer ``max_model_len`` at start, after the
+    queue (it allows more only with RoPE scaling such as YaRN, which the Megatron conversion does not reproduce:
+    :func:`afm_core.models.arch.hf_rope_scaling`).
+
+    Raises:
+        ConfigError: naming the three numbers and what to lower.
+    """
+    limit = int(model.max_position_embeddings)
+    total = max_prompt_len + longest_response
+    require(
+        total <= limit,
+        "rollout.max_response_len",
+        longest_response,
+        f"data.max_prompt_len + the largest stage's max_response_len = {max_prompt_len} + {longest_response} = "
+        f"{total} tokens (vLLM max_model_len) > model.max_position_embeddings = {limit} of {model.name}; lower "
+        f"rollout.max_response_len / rollout.context_schedule to at most {limit - max_prompt_len} or "
+        f"data.max_prompt_len",
+    )
+
+
 def check_engine(engine: dict[str, Any]) -> None:
     """The ``engine`` group (``conf/engine/{vllm,remote}.yaml``): the sizes the RL job reads."""
     _at_least_one("engine.tensor_parallel_size", engine.get("tensor_parallel_size", 1))
@@ -302,6 +327,7 @@ class RLConfig:
         check_engine(self.engine)
         d = self.data
         require(bool(d.presets or d.files), "data.files", d.files, "RL prompts: name data.presets or data.files")
+        check_context_length(self.model, d.max_prompt_len, self.rollout.longest_response)
         self.cluster = cluster_schema(self.cluster)
         m, p, a, r = self.model, self.parallel, self.algorithm, self.rollout
         groups = math.gcd(m.num_attention_heads, m.num_query_groups)

@@ -180,6 +180,7 @@ class ModelConfig:
     norm_epsilon: float = MISSING
     qkv_bias: bool = MISSING
     tied_embeddings: bool = MISSING
+    rope_scaling: Any = None
 
     def __post_init__(self) -> None:
         from afm_core.models.presets import PresetError, load_preset

@@ -111,8 +111,8 @@ def layout_of(cfg: Mapping[str, Any], app: str) -> Layout:
     recompute, sp = p.get("recompute"), bool(p.get("sequence_parallel"))
     if app == "rl":
         r, a = cfg["rollout"], cfg["algorithm"]
-        stages = [s.get("max_response_len", r["max_response_len"]) for s in r.get("context_schedule") or []]
-        seq_length = int(cfg["data"]["max_prompt_len"]) + int(max([r["max_response_len"], *stages]))
+        stages = [int(s["max_response_len"]) for s in r.get("context_schedule") or []]
+        seq_length = int(cfg["data"]["max_prompt_len"]) + (max(stages) if stages else int(r["max_response_len"]))
         samples = int(a["mini_batch_size"]) * int(r["n"])
         num_microbatches = max(1, samples // (dp * mbs))
         if not RL_APPLIES_RECOMPUTE:

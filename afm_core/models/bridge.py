@@ -185,7 +185,8 @@ def build_gpt_model(
 ) -> GPTModel:
     """A Megatron-core ``GPTModel`` (randomly initialised) shaped like ``hf_config``, for this PP/TP rank.
 
-    Layer spec: :func:`gpt_layer_spec`. RoPE base from the HF config; embeddings shared with the output layer
+    Layer spec: :func:`gpt_layer_spec`. RoPE base and Llama 3.1 ``llama3`` RoPE scaling from the HF config
+    (megatron-core's ``rope_scaling`` / ``rope_scaling_factor``); embeddings shared with the output layer
     when ``hf_config.tie_word_embeddings``. ``forward(input_ids [b, s], position_ids [b, s], attention_mask=None,
     packed_seq_params=None)`` returns logits [b, s, vocab/tp] (vocab-parallel), or per-token cross entropy
     [b, s] fp32 when ``labels`` is given. Packed documents: ``packed_seq_params`` in the ``thd`` format with
@@ -208,6 +209,8 @@ def build_gpt_model(
         share_embeddings_and_output_weights=arch.tied_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
+        rope_scaling=arch.rope_scaling is not None,  # llama3 (arch_from_hf_config rejects the other types)
+        rope_scaling_factor=(arch.rope_scaling or {}).get("factor", 8.0),
         vp_stage=vp_stage,
     )
 
