@@ -204,3 +204,37 @@ def test_jobs_rl_rejects_a_bad_override_within_10_s_naming_the_key(tmp_path, ove
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert seconds < 10, f"rejected after {seconds:.1f} s"
     assert not (run_dir / "logs").exists(), "a job was submitted"
+
+
+@pytest.mark.parametrize(
+    ("job", "override", "message"),
+    [
+        ("eval", "+eval.nonsense=1", "eval.nonsense: Key 'nonsense' not in 'SamplingConfig'; valid keys: k,"),
+        ("eval", "eval.k=0", "eval.k=0: an integer >= 1"),
+        ("filter_rl", "filter.max_pass_rate=2", "filter.max_pass_rate=2.0: in [0, 1], or null"),
+        ("distill", "roles.planner.teacher=nope", "roles.planner.teacher='nope': one of the teachers: main"),
+    ],
+)
+def test_eval_filter_rl_and_distill_reject_a_bad_override_before_submitting(tmp_path, job, override, message):
+    run_dir = tmp_path / "run"
+    extra = ["benchmarks=[gsm8k_test]"] if job == "filter_rl" else []
+    result = subprocess.run(
+        [sys.executable, "-m", f"jobs.{job}", *extra, override, f"hydra.run.dir={run_dir}"],
+        cwd=repo_root(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (run_dir / "logs").exists(), "a job was submitted"
+
+
+@pytest.mark.parametrize("preset", ["none", "web", "code"])
+def test_the_shipped_eval_distill_and_filter_rl_configs_pass_their_schemas(preset):
+    from afm_core.config.eval import DistillConfig, EvalConfig, FilterRLConfig
+
+    check_config(_compose("run_dir=/tmp/run", config="eval"), EvalConfig)
+    check_config(_compose("run_dir=/tmp/run", config="distill"), DistillConfig)
+    cfg = _compose("run_dir=/tmp/run", "benchmarks=[gsm8k_train]", f"filter_preset={preset}", config="filter_rl")
+    assert check_config(cfg, FilterRLConfig).filter.max_pass_rate in (0.3, None)
