@@ -172,6 +172,11 @@ def test_the_weight_sync_plan_names_every_hf_tensor_of_qwen25_32b_once_with_its_
         hf = AutoModelForCausalLM.from_config(hf_config_from_arch(load_preset("qwen2.5-coder-32b-instruct").arch))
     assert planned == {name: tuple(t.shape) for name, t in hf.state_dict().items()}
     assert {row["pp_rank"] for row in plan["weight_sync"]} == {0}  # pp=1: one stage sends everything
+    engine = plan["vllm"]  # the colocated engine at the recipe's context: 4,096 + 28,672 tokens
+    assert engine["max_model_len"] == 32768 <= hf.config.max_position_embeddings
+    assert (
+        engine["per_gpu"]["80"]["sequences_at_max_model_len"] >= 1 and "generation" in plan["gpus"]["80"]["phases_gib"]
+    )
 
 
 def test_a_32b_sft_at_tp1_pp1_does_not_fit_and_slurm_submission_is_refused_before_sbatch(tmp_path):
