@@ -374,14 +374,29 @@ def load_hf_weights(models: Sequence[torch.nn.Module], hf_dir: str | os.PathLike
     _HFBridge(hf_config, models[0].config).load_weights(models, str(hf_dir))
 
 
+def finish_param_gather(models: Sequence[torch.nn.Module]) -> None:
+    """Complete the distributed optimizer's deferred parameter all-gather of megatron-DDP-wrapped ``models``
+    (``overlap_param_gather``: after ``optimizer.step()`` each rank has updated only its shard; the others arrive
+    with the next forward's pre-hooks). Every reader of the weights outside a forward (the weight sync to vLLM,
+    a checkpoint, an HF export) must call it first, else it reads ~(DP-1)/DP stale parameters (Megatron-LM's
+    ``force_param_sync`` before a save). A no-op for unwrapped models and without ``overlap_param_gather``.
+    Collective over the data-parallel group when it gathers."""
+    for chunk in models:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+
+
 def export_hf_weights(models: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(HF tensor name, full tensor)`` for the whole model, on every rank.
 
-    Gathers TP shards (all-gather) and pipeline stages (broadcast over the PP group), then un-fuses q/k/v and
-    gate/up to HF layout. Every rank of the model-parallel group must exhaust the iterator (it runs
+    Finishes a pending distributed-optimizer parameter gather first (:func:`finish_param_gather`), gathers TP
+    shards (all-gather) and pipeline stages (broadcast over the PP group), then un-fuses q/k/v and gate/up to HF
+    layout. Every rank of the model-parallel group must exhaust the iterator (it runs
     collectives). Tied embeddings are yielded once, as ``model.embed_tokens.weight``. The tensors have the
     models' ``params_dtype`` and may be views of the live parameters: copy them to keep them.
     """
+    finish_param_gather(models)
     models = unwrap_model(list(models))
     bridge = _HFBridge(_mcore_as_hf_config(models[0]), models[0].config)
     seen: set[str] = set()

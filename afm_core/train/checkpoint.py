@@ -33,6 +33,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
+from afm_core.models.bridge import finish_param_gather
 from afm_core.train.checkpoint_dirs import (
     checkpoint_dir_name,
     on_rank0,
@@ -130,6 +131,7 @@ class Checkpointer:
         # that raised "no space" at a barrier
         on_rank0(self.layout.is_rank0, lambda: stage_checkpoint(self.root, step).mkdir())
 
+        finish_param_gather(model_chunks)  # the distributed optimizer's deferred all-gather: no stale shards saved
         state = _sharded_state_dict(model_chunks, optimizer, is_loading=False)
         state["afm"] = common
         dist_checkpointing.save(state, str(temp))

@@ -593,9 +593,9 @@ class MegatronTrainer:
     def sync_params(self) -> None:
         """Finish the pending parameter all-gather of the distributed optimizer (``overlap_param_gather``), so the
         weights are complete before an eval, a checkpoint or an export (Megatron-LM's ``force_param_sync``)."""
-        if self.ddp_config.overlap_param_gather:
-            for chunk in self.model:
-                chunk.start_param_sync(force_sync=True)
+        from afm_core.models.bridge import finish_param_gather
+
+        finish_param_gather(self.model)
 
     def release_training_state(self) -> None:
         """Drop the optimizer state (AdamW moments) and the gradient buffers' contents when training is over (the
