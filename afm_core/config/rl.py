@@ -21,11 +21,11 @@ from afm_core.config.cluster import cluster_schema
 from afm_core.config.sft import ModelConfig, OptimConfig, ParallelConfig, check_plan_options
 from afm_core.launch.distributed import collective_timeout_min, rollout_wait_s
 from afm_core.rl.colocation import COLOCATION_MODES
+from afm_core.rl.dynamic_sampling import FILTER_METRICS
 
 ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "gae")
 REWARD_MODES = ("score_x_format", "score", "score_minus_format_penalty")
 ENVIRONMENTS = ("real", "simulated")
-FILTER_METRICS = ("acc", "score")
 TOOL_SERVER_START = ("auto", "always", "never")  # afm_core.tools.job_servers
 
 

@@ -249,3 +249,23 @@ def test_minibatch_shares_give_the_last_mini_batch_the_rest_of_a_partial_train_b
     assert minibatch_shares(12, 8, 2, 1) == [[1, 3, 5, 7], [9, 11]]
     with pytest.raises(ValueError, match="DP ranks"):
         minibatch_shares(10, 8, 4, 0)
+
+
+def test_dynamic_sampling_on_accuracy_drops_a_group_whose_rewards_differ_only_by_the_overlong_penalty():
+    from types import SimpleNamespace
+
+    from afm_core.rl.dynamic_sampling import filter_values
+
+    # group a: all correct, one sample penalised for length (rewards 1.0 and 0.8); group b: one right, one wrong
+    samples = [SimpleNamespace(score=1.0, reward=1.0), SimpleNamespace(score=1.0, reward=0.8)]
+    samples += [SimpleNamespace(score=1.0, reward=1.0), SimpleNamespace(score=0.0, reward=0.0)]
+    uids = ["a", "a", "b", "b"]
+    kept = {}
+    for metric in ("acc", "score"):
+        sampler = DynamicSampler(2, 1, filter_groups=True, allow_partial=True)
+        sampler.add(uids, filter_values(samples, metric), samples)
+        taken, _ = sampler.take()
+        kept[metric] = len(taken) // 2
+    assert kept == {"acc": 1, "score": 2}  # verl's default (acc) keeps only the group with something to learn
+    with pytest.raises(ValueError, match="filter_groups_metric='reward'"):
+        filter_values(samples, "reward")
