@@ -16,6 +16,7 @@ from afm_core.config.cluster import cluster_schema
 from afm_core.config.data import DataConfig
 from afm_core.config.rl import JudgeConfig, ToolServersConfig
 from afm_core.config.sft import ModelConfig
+from afm_core.config.tracking import TrackingConfig, check_loggers
 
 
 def _at_least_one(key: str, value: Any) -> None:
@@ -29,6 +30,7 @@ class SamplingConfig:
     k: int = 4
     limit: int | None = None
     temperature: float = 0.8
+    seed: int = 0
     top_p: float = 1.0
     max_response_tokens: int = 4096
     max_tool_calls: int = 12
@@ -63,11 +65,14 @@ class ToolJobConfig:
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     tool_servers: ToolServersConfig = field(default_factory=ToolServersConfig)
     parallel: dict[str, Any] = field(default_factory=lambda: {"tp": 1, "pp": 1})
-    benchmarks: list[str] = field(default_factory=list)
+    benchmarks: list[str] | None = None  # eval: null is [gsm8k_test] unless benchmark_files is set
     benchmark_files: list[str] = field(default_factory=list)
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
         self.cluster = cluster_schema(self.cluster)
+        check_loggers(self.logger)
         require(
             self.parallel == {"tp": 1, "pp": 1},
             "parallel",
@@ -81,15 +86,7 @@ class EvalConfig(ToolJobConfig):
     """``conf/eval.yaml``."""
 
     eval: SamplingConfig = field(default_factory=SamplingConfig)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        require(
-            bool(self.benchmarks or self.benchmark_files),
-            "benchmarks",
-            self.benchmarks,
-            "name benchmarks (conf/eval_benchmarks/) or benchmark_files",
-        )
+    reward_fn: Any = None  # a plug-in ({_target_: ...}), checked by jobs.eval as it imports it
 
 
 @dataclass

@@ -575,7 +575,7 @@ class MegatronTrainer:
         if config.bf16:
             chunks = [Float16Module(config, m) for m in chunks]
         self.ddp_config = ddp_config(
-            distributed_optimizer=bool(self.cfg.parallel.distributed_optimizer),
+            distributed_optimizer=distributed_optimizer,
             on_gpu=self.layout.on_gpu,
             dp=self.layout.dp,
         )
