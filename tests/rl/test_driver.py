@@ -113,7 +113,7 @@ def test_the_paper_rl_recipes_pass_the_submit_checks_and_start_an_engine_within_
     schedule, the engine's context, the batch split over the recipe's data-parallel ranks) accept the recipe."""
     from afm_core.config import check_config
     from afm_core.config.rl import RLConfig
-    from afm_core.rl.driver import check_batch_split
+    from afm_core.rl.policy_trainer import check_batch_split
 
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="rl", overrides=[f"recipe={recipe}", f"run_dir={tmp_path}", "data.files=[p.parquet]"])

@@ -1,5 +1,5 @@
-"""DAPO's token-mean as production computes it: :func:`afm_core.rl.actor.megatron_update_step` with
-:func:`afm_core.rl.actor.policy_forward_step` on Megatron DDP (per-token-loss mode) over two data-parallel ranks
+"""DAPO's token-mean as production computes it: the trainer core's ``step`` with
+:func:`afm_core.rl.actor.policy_forward_step` (what :mod:`afm_core.rl.policy_trainer` runs) on Megatron DDP (per-token-loss mode) over two data-parallel ranks
 and two micro batches each, with different numbers of response tokens everywhere, against a reference computed by
 hand: the gradient of (sum of the per-token losses of the whole mini-batch) / (its response tokens)."""
 
@@ -41,7 +41,7 @@ def _worker(rank: int, world: int, port: int, spec: dict) -> None:
     set_rank_env(rank, world, port)
     from megatron.core import parallel_state as ps
 
-    from afm_core.rl.actor import megatron_update_step, policy_forward_step
+    from afm_core.rl.actor import policy_forward_step
     from afm_core.rl.logprobs import response_logprobs
     from afm_core.rl.losses import PolicyLossConfig, policy_loss, reduce_stats
     from afm_core.train.distributed import destroy_distributed, init_distributed
@@ -79,8 +79,8 @@ def _worker(rank: int, world: int, port: int, spec: dict) -> None:
             module.grad_into_main_grad = True
 
         # production: one optimizer step (no clipping: main_grad keeps the reduced, normalised gradient)
-        reports, _, _ = megatron_update_step(
-            trainer, policy_forward_step(config), batches, SEQ, 2, what="policy update"
+        reports, _, _ = trainer.step(
+            batches, policy_forward_step(config), seq_length=SEQ, micro_batch_size=2, what="policy update"
         )
         stats = reduce_stats([r["policy"] for r in reports], ps.get_data_parallel_group())
         assert stats["tokens"] == int(tokens), (stats["tokens"], int(tokens))
