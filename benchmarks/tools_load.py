@@ -12,7 +12,8 @@ rounds, cold and warm taking turns phase by phase:
 1. ``--trivial-calls`` trivial snippets (``print(1)``) one at a time: unloaded latency;
 2. ``--sandbox-calls`` snippets at once (small CPU work each): latency under load and throughput;
 then ``--wiki-queries`` wiki_search calls (the HotpotQA questions, cycled), ``--wiki-concurrency`` in flight.
-Prints p50/p99 latency (ms) and throughput per phase, and the warm/cold ratios; exits 1 if any call failed.
+Prints p50/p99 latency (ms) and throughput per phase, and the warm/cold ratios; prints the first failing
+observation of a phase whole (also ``first_failure`` in the JSON rows); exits 1 if any call failed.
 Targets (printed, not enforced): warm trivial-snippet p50 <= 15 ms; warm throughput at 64 concurrent
 >= 2x cold; wiki_search >= 300 queries/s on 2 cores.
 """
@@ -47,6 +48,15 @@ async def timed(pool: ToolPool, name: str, content: str) -> tuple[float, str]:
     return time.perf_counter() - start, observation
 
 
+def first_failure(phase: str, results: list[tuple[float, str]], ok: str) -> str | None:
+    """The first observation of ``results`` that does not start with ``ok``, printed whole (None: all passed)."""
+    for index, (latency, observation) in enumerate(results):
+        if not observation.startswith(ok):
+            print(f"{phase}: call {index} failed after {latency:.2f} s: {observation!r}", flush=True)
+            return observation
+    return None
+
+
 def summarize(phase: str, latencies: list[float], wall_s: float, failures: int) -> dict:
     row = {
         "phase": phase,
@@ -73,14 +83,14 @@ async def sandbox_phases(pools: dict[str, ToolPool], args) -> list[dict]:
         await pool.call("code", "print(0)")  # warm up connections and the jails
     for _ in range(args.rounds):
         for mode, pool in pools.items():
-            latencies, failures, start = [], 0, time.perf_counter()
+            results, start = [], time.perf_counter()
             for _ in range(args.trivial_calls):
-                latency, observation = await timed(pool, "code", "```py\nprint(1)\n```")
-                latencies.append(latency)
-                failures += not observation.startswith(OK)
-            rows.append(
-                summarize(f"sandbox {mode} trivial, sequential", latencies, time.perf_counter() - start, failures)
-            )
+                results.append(await timed(pool, "code", "```py\nprint(1)\n```"))
+            phase = f"sandbox {mode} trivial, sequential"
+            failure = first_failure(phase, results, OK)
+            failures = sum(not obs.startswith(OK) for _, obs in results)
+            rows.append(summarize(phase, [lat for lat, _ in results], time.perf_counter() - start, failures))
+            rows[-1]["first_failure"] = failure
         for mode, pool in pools.items():
             start = time.perf_counter()
             results = await asyncio.gather(
@@ -88,7 +98,9 @@ async def sandbox_phases(pools: dict[str, ToolPool], args) -> list[dict]:
             )
             failures = sum(not obs.startswith(OK) for _, obs in results)
             phase = f"sandbox {mode} {args.sandbox_calls} concurrent"
+            failure = first_failure(phase, results, OK)
             rows.append(summarize(phase, [lat for lat, _ in results], time.perf_counter() - start, failures))
+            rows[-1]["first_failure"] = failure
     return rows
 
 
@@ -132,14 +144,10 @@ async def wiki_phase(url: str, questions: list[str], args) -> list[dict]:
         start = time.perf_counter()
         results = await asyncio.gather(*(one(q) for q in queries))
         failures = sum(not obs.startswith("Doc 1 (Title:") for _, obs in results)
-        return [
-            summarize(
-                f"wiki_search {args.wiki_queries} queries",
-                [lat for lat, _ in results],
-                time.perf_counter() - start,
-                failures,
-            )
-        ]
+        phase = f"wiki_search {args.wiki_queries} queries"
+        failure = first_failure(phase, results, "Doc 1 (Title:")
+        row = summarize(phase, [lat for lat, _ in results], time.perf_counter() - start, failures)
+        return [{**row, "first_failure": failure}]
 
 
 async def run_load(urls: dict[str, str], questions: list[str], args) -> list[dict]:

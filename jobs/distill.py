@@ -14,16 +14,24 @@ The run dir holds ``runs.jsonl`` (every MAS run, every role message and tool cal
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig
 
+from afm_core.config import ConfigError, check_config
+from afm_core.config.eval import DistillConfig
 from afm_core.launch import submit
 
 
 @hydra.main(config_path="../conf", config_name="distill", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
+    try:
+        check_config(cfg, DistillConfig)
+    except ConfigError as err:
+        print(f"jobs.distill: bad config: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     report = submit(
         "afm_core.distill.runner.run_distill",
         cfg,

@@ -22,11 +22,18 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from afm_core.config import ConfigError, check_config
+from afm_core.config.eval import EvalConfig
 from afm_core.launch import submit
 
 
 @hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
+    try:
+        check_config(cfg, EvalConfig)
+    except ConfigError as err:
+        print(f"jobs.eval: bad config: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     from afm_core.eval.runner import describe_plan, load_benchmarks
     from afm_core.rewards.grader import custom_reward
 

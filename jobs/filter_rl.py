@@ -12,16 +12,24 @@ The run dir holds ``candidates.parquet``, ``samples.jsonl`` (the resume log), th
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig
 
+from afm_core.config import ConfigError, check_config
+from afm_core.config.eval import FilterRLConfig
 from afm_core.launch import submit
 
 
 @hydra.main(config_path="../conf", config_name="filter_rl", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
+    try:
+        check_config(cfg, FilterRLConfig)
+    except ConfigError as err:
+        print(f"jobs.filter_rl: bad config: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     summary = submit(
         "afm_core.rl.filter.run_filter", cfg, on_preempt="afm_core.eval.runner.request_stop", job_name="filter_rl"
     )

@@ -153,3 +153,88 @@ def test_jobs_sft_rejects_a_bad_override_within_10_s_before_building_or_submitti
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert seconds < 10, f"rejected after {seconds:.1f} s"
     assert not (run_dir / "logs").exists(), "a job was submitted"
+
+
+RL_RECIPES = [
+    "none",
+    "rl_smoke",
+    "rl_demo",
+    *sorted(p.stem for p in (repo_root() / "conf" / "recipe").glob("*_rl*.yaml")),
+]
+
+
+@pytest.mark.parametrize("recipe", RL_RECIPES)
+def test_every_shipped_rl_recipe_passes_the_rl_schema(recipe):
+    from afm_core.config.rl import RLConfig
+
+    # AutoCoA's RL stages need >= 9,216 positions (prompt 1,024 + response 8,192): not the default SmolLM2's 8,192
+    model = ["model=qwen2.5-7b-instruct"] if recipe.startswith("autocoa") else []
+    cfg = _compose(f"recipe={recipe}", "run_dir=/tmp/run", "data.files=[prompts.parquet]", *model, config="rl")
+    checked = check_config(cfg, RLConfig)
+    assert checked.algorithm.filter_groups_metric == "acc"  # verl's filter_groups.metric default
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("+rollout.nonsense_key=1", "rollout.nonsense_key: Key 'nonsense_key' not in 'RolloutConfig'; valid keys: n,"),
+        ("algorithm.clip_ratio_high=-0.5", "algorithm.clip_ratio_high=-0.5: in (0, 1)"),
+        ("algorithm.filter_groups_metric=reward", "algorithm.filter_groups_metric='reward': acc"),
+        ("algorithm.mini_batch_size=3", "algorithm.mini_batch_size=3: must divide algorithm.train_batch_size=2"),
+        ("rollout.context_schedule=[{max_response_len:8},{max_response_len:9}]", "only the last stage has none"),
+        (
+            "data.max_prompt_len=2040",  # B1: vLLM would refuse max_model_len 2088 > 2048 at start, after the queue
+            "data.max_prompt_len + the largest stage's max_response_len = 2040 + 48 = 2088 tokens (vLLM "
+            "max_model_len) > model.max_position_embeddings = 2048 of tiny-llama; lower",
+        ),
+    ],
+)
+def test_jobs_rl_rejects_a_bad_override_within_10_s_naming_the_key(tmp_path, override, message):
+    run_dir = tmp_path / "run"
+    start = time.perf_counter()
+    result = subprocess.run(
+        [sys.executable, "-m", "jobs.rl", "recipe=rl_smoke", override, f"hydra.run.dir={run_dir}"],
+        cwd=repo_root(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    seconds = time.perf_counter() - start
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert seconds < 10, f"rejected after {seconds:.1f} s"
+    assert not (run_dir / "logs").exists(), "a job was submitted"
+
+
+@pytest.mark.parametrize(
+    ("job", "override", "message"),
+    [
+        ("eval", "+eval.nonsense=1", "eval.nonsense: Key 'nonsense' not in 'SamplingConfig'; valid keys: k,"),
+        ("eval", "eval.k=0", "eval.k=0: an integer >= 1"),
+        ("filter_rl", "filter.max_pass_rate=2", "filter.max_pass_rate=2.0: in [0, 1], or null"),
+        ("distill", "roles.planner.teacher=nope", "roles.planner.teacher='nope': one of the teachers: main"),
+    ],
+)
+def test_eval_filter_rl_and_distill_reject_a_bad_override_before_submitting(tmp_path, job, override, message):
+    run_dir = tmp_path / "run"
+    extra = ["benchmarks=[gsm8k_test]"] if job == "filter_rl" else []
+    result = subprocess.run(
+        [sys.executable, "-m", f"jobs.{job}", *extra, override, f"hydra.run.dir={run_dir}"],
+        cwd=repo_root(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert not (run_dir / "logs").exists(), "a job was submitted"
+
+
+@pytest.mark.parametrize("preset", ["none", "web", "code"])
+def test_the_shipped_eval_distill_and_filter_rl_configs_pass_their_schemas(preset):
+    from afm_core.config.eval import DistillConfig, EvalConfig, FilterRLConfig
+
+    check_config(_compose("run_dir=/tmp/run", config="eval"), EvalConfig)
+    check_config(_compose("run_dir=/tmp/run", config="distill"), DistillConfig)
+    cfg = _compose("run_dir=/tmp/run", "benchmarks=[gsm8k_train]", f"filter_preset={preset}", config="filter_rl")
+    assert check_config(cfg, FilterRLConfig).filter.max_pass_rate in (0.3, None)

@@ -224,3 +224,76 @@ def test_tp_must_split_heads_and_kv_heads():
     assert (config.num_layers, config.num_query_groups, config.kv_channels, config.add_qkv_bias) == (30, 3, 64, False)
     assert config.bf16 and config.pipeline_dtype == torch.bfloat16 and config.hidden_dropout == 0.0
     assert config.layernorm_epsilon == 1e-5 and not config.sequence_parallel and config.use_cpu_initialization
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+
+
+def _tiny_llama3(path: Path, rope: dict) -> Path:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=49152,
+        max_position_embeddings=131072,
+        rope_parameters=rope,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        initializer_range=0.15,  # larger weights: the logits depend strongly on the rotary angles
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(ensure_hf_checkpoint("tiny-llama")).save_pretrained(path)
+    return path
+
+
+def test_llama31_rope_scaling_converts_and_matches_hf_logits(tmp_path):
+    """Llama 3.1's ``llama3`` RoPE scaling (it was refused): Megatron's logits equal HF's over 512 positions, where
+    the scaled frequencies change HF's own logits far beyond the tolerance."""
+    from transformers import AutoModelForCausalLM
+
+    scaled = _tiny_llama3(tmp_path / "llama3", LLAMA3_ROPE)
+    plain = _tiny_llama3(tmp_path / "plain", {"rope_type": "default", "rope_theta": 500000.0})
+    ids = torch.randint(0, 49152, (1, 512), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        gap = (
+            AutoModelForCausalLM.from_pretrained(scaled)(ids).logits
+            - AutoModelForCausalLM.from_pretrained(plain)(ids).logits
+        )
+    assert gap.abs().max().item() > 100 * LOGITS_ATOL  # the scaling is visible at these positions
+    arch = arch_from_hf_config(AutoModelForCausalLM.from_pretrained(scaled).config)
+    assert arch.rope_scaling == {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}
+    work = tmp_path / "work"
+    work.mkdir()
+    _check_round_trip(scaled, work, tp=1, input_ids=ids)
+
+
+def test_rope_scaling_megatron_cannot_reproduce_is_refused_naming_it():
+    from types import SimpleNamespace
+
+    from afm_core.models.arch import hf_rope_scaling
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1e6}
+    with pytest.raises(
+        NotImplementedError,
+        match=r"rope_type='yarn' is not supported \(megatron-core 0.16.1 drops YaRN's attention factor\)",
+    ):
+        hf_rope_scaling(SimpleNamespace(rope_parameters=yarn))
+    other = {**LLAMA3_ROPE, "original_max_position_embeddings": 4096}
+    with pytest.raises(NotImplementedError, match="original_max_position_embeddings=4096"):
+        hf_rope_scaling(SimpleNamespace(rope_parameters=other))

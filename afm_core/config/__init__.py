@@ -33,10 +33,12 @@ def register_schemas() -> None:
     from hydra.core.config_store import ConfigStore
 
     from afm_core.config.data import PrepareDataConfig
+    from afm_core.config.rl import RLConfig
     from afm_core.config.sft import SFTConfig
 
     store = ConfigStore.instance()
     store.store(name="sft_schema", node=SFTConfig)
+    store.store(name="rl_schema", node=RLConfig)
     store.store(name="prepare_data_schema", node=PrepareDataConfig)
 
 

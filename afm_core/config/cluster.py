@@ -54,6 +54,8 @@ class SlurmClusterConfig:
     nodes: int = 1
     tasks_per_node: int = 1
     gpus_per_node: int = 0
+    gpu_memory_gb: float = 80
+    checkpoint_write_gb_s: float = 1.0
     cpus_per_task: int = 1
     mem: str | None = None
     time: int = 60
@@ -96,6 +98,8 @@ class SlurmClusterConfig:
                 self.container_mounts,
                 "one SRC[:DST[:FLAGS]] per entry, no commas",
             )
+        for key in ("gpu_memory_gb", "checkpoint_write_gb_s"):
+            require(getattr(self, key) > 0, f"cluster.{key}", getattr(self, key), "a positive number")
         _check_common(self)
 
     def data_parallel(self, model_parallel: int) -> int:

@@ -26,6 +26,13 @@ LR_SCHEDULES = ("cosine", "constant")
 RECOMPUTE = (None, "selective", "full")
 
 
+def check_plan_options(plan: dict[str, Any]) -> None:
+    """``plan`` (added with ``+plan.force=true``): only ``force``, a bool."""
+    for key, value in plan.items():
+        require(key == "force", f"plan.{key}", value, "the only plan option is plan.force")
+        require(isinstance(value, bool), "plan.force", value, "true or false")
+
+
 def _at_least(key: str, value: Any, low: float) -> None:
     require(value >= low, key, value, f"must be >= {low}")
 
@@ -125,6 +132,7 @@ class ParallelConfig:
     recompute: str | None = None
     distributed_optimizer: bool = False
     cp: int = 1
+    collective_timeout_min: int | None = None
 
     def __post_init__(self) -> None:
         _at_least("parallel.tp", self.tp, 1)
@@ -144,6 +152,8 @@ class ParallelConfig:
                 "virtual pipeline stages need parallel.pp > 1; valid: null with pp=1",
             )
         require(self.recompute in RECOMPUTE, "parallel.recompute", self.recompute, "null, selective or full")
+        if self.collective_timeout_min is not None:
+            _at_least("parallel.collective_timeout_min", self.collective_timeout_min, 1)
 
     @property
     def model_parallel(self) -> int:
@@ -170,6 +180,7 @@ class ModelConfig:
     norm_epsilon: float = MISSING
     qkv_bias: bool = MISSING
     tied_embeddings: bool = MISSING
+    rope_scaling: Any = None
 
     def __post_init__(self) -> None:
         from afm_core.models.presets import PresetError, load_preset
@@ -214,8 +225,10 @@ class SFTConfig:
     logger: list[str] = field(default_factory=lambda: ["console"])
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    plan: dict[str, Any] = field(default_factory=dict)  # +plan.force=true: submit what the plan says does not fit
 
     def __post_init__(self) -> None:
+        check_plan_options(self.plan)
         self.cluster = cluster_schema(self.cluster)
         check_loggers(self.logger)
         m, p, t = self.model, self.parallel, self.trainer

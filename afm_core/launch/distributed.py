@@ -3,12 +3,15 @@
 :class:`submitit.helpers.TorchDistributedEnvironment` reads the job environment (``SLURM_PROCID``,
 ``SLURM_LOCALID``, ``SLURM_NTASKS``, ``SLURM_JOB_NODELIST``... or their ``SUBMITIT_LOCAL_*`` twins) and this
 module exports them as ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` (the job's
-first node) and ``MASTER_PORT``, so one node and many nodes run the same code.
+first node) and ``MASTER_PORT``, so one node and many nodes run the same code. It also sizes the collective
+timeout of a job (:func:`collective_timeout_min`) from the longest a rank waits for another at a collective.
 """
 
 from __future__ import annotations
 
+import math
 import socket
+from typing import Any
 
 import submitit
 from submitit.helpers import TorchDistributedEnvironment
@@ -41,3 +44,24 @@ def export_distributed_env(master_port: int | None = None) -> TorchDistributedEn
     if submitit.JobEnvironment().cluster == "local":
         env.master_addr = "127.0.0.1"
     return env.export(set_cuda_visible_devices=False, overwrite=True)
+
+
+DEFAULT_COLLECTIVE_TIMEOUT_MIN = 30  # torch.distributed's default for NCCL (and megatron's distributed_timeout_minutes)
+
+
+def collective_timeout_min(longest_wait_s: float | None = None) -> int:
+    """The collective timeout (minutes) for a job whose ranks can wait ``longest_wait_s`` seconds at a collective
+    while another rank works alone (an RL rank whose trajectories finished waits at the gather for the slowest
+    one, up to ``rollout.timeout_s`` per wave of trajectories): twice that plus 10 minutes, never below
+    :data:`DEFAULT_COLLECTIVE_TIMEOUT_MIN`."""
+    if not longest_wait_s:
+        return DEFAULT_COLLECTIVE_TIMEOUT_MIN
+    return max(DEFAULT_COLLECTIVE_TIMEOUT_MIN, math.ceil(2 * longest_wait_s / 60) + 10)
+
+
+def rollout_wait_s(rollout: Any, gen_batch_size: int) -> float:
+    """The longest a rank can spend in one generation call: ``rollout.timeout_s`` per wave of at most
+    ``rollout.concurrency`` trajectories, over the ``gen_batch_size * rollout.n`` trajectories of a generation batch
+    (an upper bound: the batch is split over the engines)."""
+    waves = math.ceil(int(gen_batch_size) * int(rollout["n"]) / max(1, int(rollout["concurrency"])))
+    return float(rollout["timeout_s"]) * max(1, waves)

@@ -72,7 +72,9 @@ def submit(fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str) -> dict[
 def run_training_job(fn: str, cfg: DictConfig, *, job_name: str, schema: type | None = None) -> dict[str, Any] | None:
     """The body of a training app (``jobs.sft``, ``jobs.rl``): check ``cfg`` against its typed ``schema``
     (:func:`afm_core.config.check_config`; a bad value exits with status 2 and one line naming the key, before
-    anything is built or submitted), :func:`submit` ``fn`` with the trainer's checkpoint-and-requeue hook
+    anything is built or submitted), plan a ``cluster=slurm`` job (:mod:`afm_core.launch.plan`: one that does not fit
+    its GPUs exits with status 3 before ``sbatch``, naming the numbers and the overrides that would fit;
+    ``+plan.force=true`` submits anyway), :func:`submit` ``fn`` with the trainer's checkpoint-and-requeue hook
     (:func:`afm_core.train.trainer.request_checkpoint`), and print rank 0's summary as JSON when waiting."""
     import json
     import sys
@@ -85,6 +87,13 @@ def run_training_job(fn: str, cfg: DictConfig, *, job_name: str, schema: type | 
         except ConfigError as err:
             print(f"jobs.{job_name}: bad config: {err}", file=sys.stderr)
             raise SystemExit(2) from None
+    from afm_core.launch.plan import PlanRefused, check_before_submit
+
+    try:
+        check_before_submit(cfg, job_name)  # cluster=slurm: the plan first; exit 3 when it does not fit
+    except PlanRefused as err:
+        print(f"jobs.{job_name}: not submitted: {err}", file=sys.stderr)
+        raise SystemExit(3) from None
     summary = submit(fn, cfg, on_preempt="afm_core.train.trainer.request_checkpoint", job_name=job_name)
     if summary is not None:
         print(json.dumps(summary, indent=2, default=str))

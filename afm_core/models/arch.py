@@ -4,7 +4,12 @@
 ``arch_from_hf_config`` reads them from a transformers config (HF names: ``num_hidden_layers``,
 ``intermediate_size``, ``num_key_value_heads``, ``rms_norm_eps``, ``rope_parameters``...), rejecting the
 variants the Megatron conversion does not implement. transformers 5.x keeps the RoPE base in
-``config.rope_parameters["rope_theta"]`` (4.x had ``config.rope_theta``); both are read.
+``config.rope_parameters["rope_theta"]`` (4.x had ``config.rope_theta``); both are read. RoPE scaling
+(``rope_parameters.rope_type``): ``default`` and Llama 3.1's ``llama3`` (megatron-core's ``RotaryEmbedding``
+``rope_scaling`` reproduces it for ``low_freq_factor`` 1, ``high_freq_factor`` 4 and
+``original_max_position_embeddings`` 8192, the values of every Llama 3.x release) convert; ``yarn`` does not yet
+(megatron-core 0.16.1's ``GPTModel`` drops YaRN's attention factor, ``mscale``, that HF and vLLM apply, so the
+trained and the served model would differ), nor do the others.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ class ModelArch:
     norm_epsilon: float  # RMSNorm epsilon
     qkv_bias: bool  # bias on the q/k/v projections (Qwen2: always)
     tied_embeddings: bool  # output layer shares the input embedding matrix
+    rope_scaling: dict[str, Any] | None = (
+        None  # HF rope_parameters beyond rope_theta (rope_type, factor...); None: plain
+    )
 
     @property
     def head_dim(self) -> int:
@@ -58,28 +66,60 @@ HF_FIELD_NAMES = {
     "norm_epsilon": "rms_norm_eps",
     "qkv_bias": "attention_bias",
     "tied_embeddings": "tie_word_embeddings",
+    "rope_scaling": "rope_parameters",
 }
+# megatron-core's llama3 RoPE scaling (RotaryEmbedding._apply_scaling) has these fixed; the factor is a parameter.
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+ROPE_TYPES = ("default", "llama3")
+
+
+def hf_rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """``rope_parameters`` (transformers 5.x) or the 4.x ``rope_theta`` / ``rope_scaling`` attributes, as one dict."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy = getattr(hf_config, "rope_scaling", None)
+    if isinstance(legacy, dict) and not params.get("rope_type"):
+        params.update(legacy)
+    if "rope_theta" not in params and getattr(hf_config, "rope_theta", None) is not None:
+        params["rope_theta"] = hf_config.rope_theta
+    return params
 
 
 def hf_rope_theta(hf_config: Any) -> float:
     """The RoPE base of an HF config: ``rope_parameters["rope_theta"]`` (transformers 5.x) or ``rope_theta``.
 
     Raises:
-        NotImplementedError: the config asks for RoPE scaling (``rope_type`` other than ``default``,
-            e.g. ``llama3`` or ``yarn``), which the Megatron conversion does not reproduce.
         ValueError: no RoPE base is found.
     """
-    params = getattr(hf_config, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise NotImplementedError(
-            f"{type(hf_config).__name__}: rope_parameters.rope_type={rope_type!r} (RoPE scaling) is not supported; "
-            "only the default RoPE converts to Megatron-core exactly"
-        )
-    theta = params.get("rope_theta", getattr(hf_config, "rope_theta", None))
+    theta = hf_rope_parameters(hf_config).get("rope_theta")
     if theta is None:
         raise ValueError(f"{type(hf_config).__name__} has no rope_parameters.rope_theta (RoPE base)")
     return float(theta)
+
+
+def hf_rope_scaling(hf_config: Any) -> dict[str, Any] | None:
+    """The RoPE scaling of an HF config (``rope_parameters`` without ``rope_theta``), None for plain RoPE.
+
+    Raises:
+        NotImplementedError: a ``rope_type`` the Megatron conversion does not reproduce (module docstring), or
+            ``llama3`` with other frequency factors than megatron-core's.
+    """
+    params = {k: v for k, v in hf_rope_parameters(hf_config).items() if k != "rope_theta"}
+    rope_type = params.pop("rope_type", params.pop("type", "default"))
+    if rope_type == "default":
+        return None
+    name = type(hf_config).__name__
+    if rope_type not in ROPE_TYPES:
+        why = " (megatron-core 0.16.1 drops YaRN's attention factor)" if rope_type == "yarn" else ""
+        raise NotImplementedError(
+            f"{name}: rope_parameters.rope_type={rope_type!r} is not supported{why}; supported: {', '.join(ROPE_TYPES)}"
+        )
+    for key, want in MEGATRON_LLAMA3_ROPE.items():
+        if float(params.get(key, want)) != want:
+            raise NotImplementedError(
+                f"{name}: rope_parameters.{key}={params.get(key)} (llama3 RoPE scaling converts to Megatron-core only "
+                f"with {key}={want})"
+            )
+    return {"rope_type": rope_type, "factor": float(params["factor"]), **MEGATRON_LLAMA3_ROPE}
 
 
 def arch_from_hf_config(hf_config: Any) -> ModelArch:
@@ -88,7 +128,7 @@ def arch_from_hf_config(hf_config: Any) -> ModelArch:
     Raises:
         NotImplementedError: a family other than llama/qwen2, or a variant the conversion does not cover
             (non-SiLU activation, MLP bias, Llama ``attention_bias`` (it also biases o_proj), sliding-window
-            attention, RoPE scaling, a ``head_dim`` other than ``hidden_size / num_attention_heads``).
+            attention, RoPE scaling other than llama3 (see :func:`hf_rope_scaling`), a ``head_dim`` other than ``hidden_size / num_attention_heads``).
     """
     family = hf_config.model_type
     if family not in FAMILIES:
@@ -121,6 +161,7 @@ def arch_from_hf_config(hf_config: Any) -> ModelArch:
         norm_epsilon=float(hf_config.rms_norm_eps),
         qkv_bias=True if family == "qwen2" else bool(getattr(hf_config, "attention_bias", False)),
         tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        rope_scaling=hf_rope_scaling(hf_config),
     )
 
 
@@ -141,7 +182,7 @@ def hf_config_from_arch(arch: ModelArch, **extra: Any):
         num_key_value_heads=arch.num_query_groups,
         vocab_size=arch.vocab_size,
         max_position_embeddings=arch.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": arch.rope_theta},
+        rope_parameters={"rope_type": "default", "rope_theta": arch.rope_theta, **(arch.rope_scaling or {})},
         rms_norm_eps=arch.norm_epsilon,
         tie_word_embeddings=arch.tied_embeddings,
         hidden_act="silu",

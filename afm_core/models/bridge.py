@@ -185,7 +185,8 @@ def build_gpt_model(
 ) -> GPTModel:
     """A Megatron-core ``GPTModel`` (randomly initialised) shaped like ``hf_config``, for this PP/TP rank.
 
-    Layer spec: :func:`gpt_layer_spec`. RoPE base from the HF config; embeddings shared with the output layer
+    Layer spec: :func:`gpt_layer_spec`. RoPE base and Llama 3.1 ``llama3`` RoPE scaling from the HF config
+    (megatron-core's ``rope_scaling`` / ``rope_scaling_factor``); embeddings shared with the output layer
     when ``hf_config.tie_word_embeddings``. ``forward(input_ids [b, s], position_ids [b, s], attention_mask=None,
     packed_seq_params=None)`` returns logits [b, s, vocab/tp] (vocab-parallel), or per-token cross entropy
     [b, s] fp32 when ``labels`` is given. Packed documents: ``packed_seq_params`` in the ``thd`` format with
@@ -208,6 +209,8 @@ def build_gpt_model(
         share_embeddings_and_output_weights=arch.tied_embeddings,
         position_embedding_type="rope",
         rotary_base=arch.rope_theta,
+        rope_scaling=arch.rope_scaling is not None,  # llama3 (arch_from_hf_config rejects the other types)
+        rope_scaling_factor=(arch.rope_scaling or {}).get("factor", 8.0),
         vp_stage=vp_stage,
     )
 
@@ -371,14 +374,29 @@ def load_hf_weights(models: Sequence[torch.nn.Module], hf_dir: str | os.PathLike
     _HFBridge(hf_config, models[0].config).load_weights(models, str(hf_dir))
 
 
+def finish_param_gather(models: Sequence[torch.nn.Module]) -> None:
+    """Complete the distributed optimizer's deferred parameter all-gather of megatron-DDP-wrapped ``models``
+    (``overlap_param_gather``: after ``optimizer.step()`` each rank has updated only its shard; the others arrive
+    with the next forward's pre-hooks). Every reader of the weights outside a forward (the weight sync to vLLM,
+    a checkpoint, an HF export) must call it first, else it reads ~(DP-1)/DP stale parameters (Megatron-LM's
+    ``force_param_sync`` before a save). A no-op for unwrapped models and without ``overlap_param_gather``.
+    Collective over the data-parallel group when it gathers."""
+    for chunk in models:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
+
+
 def export_hf_weights(models: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(HF tensor name, full tensor)`` for the whole model, on every rank.
 
-    Gathers TP shards (all-gather) and pipeline stages (broadcast over the PP group), then un-fuses q/k/v and
-    gate/up to HF layout. Every rank of the model-parallel group must exhaust the iterator (it runs
+    Finishes a pending distributed-optimizer parameter gather first (:func:`finish_param_gather`), gathers TP
+    shards (all-gather) and pipeline stages (broadcast over the PP group), then un-fuses q/k/v and gate/up to HF
+    layout. Every rank of the model-parallel group must exhaust the iterator (it runs
     collectives). Tied embeddings are yielded once, as ``model.embed_tokens.weight``. The tensors have the
     models' ``params_dtype`` and may be views of the live parameters: copy them to keep them.
     """
+    finish_param_gather(models)
     models = unwrap_model(list(models))
     bridge = _HFBridge(_mcore_as_hf_config(models[0]), models[0].config)
     seen: set[str] = set()

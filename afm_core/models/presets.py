@@ -21,7 +21,14 @@ from typing import Any
 
 import yaml
 
-from afm_core.models.arch import ARCH_FIELDS, FAMILIES, HF_FIELD_NAMES, ModelArch, arch_from_hf_config
+from afm_core.models.arch import (
+    ARCH_FIELDS,
+    FAMILIES,
+    HF_FIELD_NAMES,
+    ModelArch,
+    arch_from_hf_config,
+    hf_rope_scaling,
+)
 from afm_core.utils.paths import repo_root
 
 SOURCES = ("gguf_package", "random", "hf_path")
@@ -149,6 +156,16 @@ def _validate(values: dict[str, Any], where, origin: str) -> ModelPreset:
     for field in _BOOL_FIELDS:
         if not isinstance(values[field], bool):
             fail(field, "true or false")
+    scaling = values["rope_scaling"]
+    if scaling is not None:
+        if not isinstance(scaling, dict) or "rope_type" not in scaling:
+            fail("rope_scaling", "null or a mapping with rope_type (HF rope_parameters), e.g. {rope_type: llama3}")
+        from types import SimpleNamespace
+
+        try:
+            values["rope_scaling"] = hf_rope_scaling(SimpleNamespace(rope_parameters=dict(scaling)))
+        except NotImplementedError as err:
+            raise PresetError(f"{where('rope_scaling')}: {err}") from None
     arch = ModelArch(**{f: values[f] for f in ARCH_FIELDS})
     if arch.hidden_size % arch.num_attention_heads or arch.num_attention_heads % arch.num_query_groups:
         raise PresetError(

@@ -28,6 +28,22 @@ from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+FILTER_METRICS = {"acc": "score", "score": "reward"}  # algorithm.filter_groups_metric -> the sample's field
+
+
+def filter_values(samples: Sequence[Any], metric: str) -> list[float]:
+    """The values a group must vary in to be kept (``algorithm.filter_groups_metric``): ``acc``, the task's
+    correctness (each sample's ``score``; DAPO eq. 11, verl's ``algorithm.filter_groups.metric=acc``), or
+    ``score``, the shaped reward (``reward``: with the overlong penalty on, a group whose samples are all right or
+    all wrong would pass on length differences alone).
+
+    Raises:
+        ValueError: an unknown metric.
+    """
+    if metric not in FILTER_METRICS:
+        raise ValueError(f"algorithm.filter_groups_metric={metric!r}: expected one of {', '.join(FILTER_METRICS)}")
+    return [float(getattr(sample, FILTER_METRICS[metric])) for sample in samples]
+
 
 class DynamicSamplingExhausted(RuntimeError):
     """``max_num_gen_batches`` generation batches did not yield ``train_batch_size`` groups with reward spread."""

@@ -11,12 +11,13 @@ the mini-batch divided by its total valid-token count): the loss of one micro ba
     loss = sum_{valid tokens of this micro batch} l_t / global_num_tokens
 
 where ``global_num_tokens`` is the number of valid tokens of the whole mini-batch (all micro batches, all
-data-parallel ranks: :func:`global_token_count`). Summing the losses (and gradients) over micro batches and
+data-parallel ranks). Summing the losses (and gradients) over micro batches and
 DP ranks gives the token mean exactly, whatever the lengths of the sequences; a per-micro-batch mean would
 weight tokens of short micro batches more (verl ``verl/workers/engine/megatron/transformer_impl.py``
 all-reduces ``batch_num_tokens`` for the same reason). With Megatron's ``calculate_per_token_loss=True``
 (which divides the gradients by the all-reduced token count itself), pass ``global_num_tokens=1``: see
-:func:`afm_core.rl.actor.megatron_policy_loss`.
+:func:`afm_core.rl.actor.megatron_policy_loss` (the only way production calls it; checked against a hand-computed
+token mean over micro batches and DP ranks in ``tests/rl/test_policy_normalization.py``).
 
 Statistics are returned as sums over this micro batch's valid tokens (``*_sum``), counts and maxima
 (``*_max``), so that :func:`reduce_stats` can add them over micro batches and ranks and divide once.
@@ -112,8 +113,8 @@ def policy_loss(
         old_log_prob: ``[B, T]`` the trainer's logprobs before this rollout step's updates (recomputed).
         advantages: ``[B, T]`` token-level advantages.
         response_mask: ``[B, T]`` 1 = trained response token.
-        global_num_tokens: valid tokens of the whole mini-batch over all micro batches and DP ranks
-            (:func:`global_token_count`); 1 returns the plain sum (Megatron per-token-loss mode).
+        global_num_tokens: valid tokens of the whole mini-batch over all micro batches and DP ranks; 1 returns
+            the plain sum (Megatron per-token-loss mode).
         config: :class:`PolicyLossConfig`.
         ref_log_prob: ``[B, T]`` reference-policy logprobs; required when ``config.kl_coef > 0``.
         rollout_log_prob: ``[B, T]`` the inference engine's logprobs of the sampled tokens (after temperature);
@@ -281,19 +282,6 @@ def _gap_sums(gap: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values.float(), torch.zeros((), dtype=torch.float32, device=values.device)).sum()
-
-
-def global_token_count(
-    response_masks: Iterable[torch.Tensor], group: torch.distributed.ProcessGroup | None = None
-) -> int:
-    """Valid tokens of a mini-batch over all its micro batches and the ranks of ``group`` (the DP group).
-
-    Collective over ``group`` when torch.distributed is initialised (every rank of the group calls it with its
-    own micro batches); else the local count. Tensor-parallel ranks share micro batches: pass the DP group,
-    not the world.
-    """
-    count = torch.tensor([float(sum(int(m.to(torch.bool).sum()) for m in response_masks))], dtype=torch.float64)
-    return int(_all_reduce(count, group)[0])
 
 
 def _distributed(group: torch.distributed.ProcessGroup | None) -> bool:

@@ -33,8 +33,10 @@ from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
+from afm_core.models.bridge import finish_param_gather
 from afm_core.train.checkpoint_dirs import (
     checkpoint_dir_name,
+    on_rank0,
     publish_checkpoint,
     read_marker,
     stage_checkpoint,
@@ -125,10 +127,11 @@ class Checkpointer:
             The final checkpoint directory.
         """
         temp = staging_dir(self.root, step)
-        if self.layout.is_rank0:
-            stage_checkpoint(self.root, step).mkdir()
-        torch.distributed.barrier()
+        # rank 0 prepares (free space checked) and every rank learns whether it could: no rank waits for a rank 0
+        # that raised "no space" at a barrier
+        on_rank0(self.layout.is_rank0, lambda: stage_checkpoint(self.root, step).mkdir())
 
+        finish_param_gather(model_chunks)  # the distributed optimizer's deferred all-gather: no stale shards saved
         state = _sharded_state_dict(model_chunks, optimizer, is_loading=False)
         state["afm"] = common
         dist_checkpointing.save(state, str(temp))
@@ -136,14 +139,15 @@ class Checkpointer:
             torch.save({"layout": _layout_key(self.layout), "rng": rng_state(), **rank_state}, path)
         torch.distributed.barrier()
 
-        if self.layout.is_rank0:
+        def publish() -> None:
             for name in ("metadata.json", "common.pt"):
                 if not (temp / name).is_file():
                     raise RuntimeError(f"dist_checkpointing.save left no {name} in {temp}")
             publish_checkpoint(
                 self.root, step, layout=_layout_key(self.layout), engine="megatron", keep_last=self.keep_last
             )
-        torch.distributed.barrier()
+
+        on_rank0(self.layout.is_rank0, publish)
         return self.root / checkpoint_dir_name(step)
 
     def load(

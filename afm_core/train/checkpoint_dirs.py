@@ -20,6 +20,7 @@ import json
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,33 @@ def check_free_space(root: str | Path, step: int) -> None:
             "Free space on this file system, or lower trainer.keep_last",
             str(root),
         )
+
+
+def on_rank0(is_rank0: bool, fn: Callable[[], Any]) -> None:
+    """Run ``fn`` on rank 0 and tell every rank how it went (a collective: every rank calls it; it also acts as a
+    barrier). An exception of ``fn`` is raised on every rank, as ``OSError`` with its errno when it is one
+    (``ENOSPC`` from :func:`check_free_space`), else ``RuntimeError``: the other ranks would otherwise wait at the
+    next barrier for a rank 0 that has left, until the collective timeout (hours for RL jobs).
+    """
+    import torch.distributed as dist
+
+    failure: list[Any] = [None]
+    if is_rank0:
+        try:
+            fn()
+        except Exception as err:  # reported to every rank, re-raised here below
+            failure = [
+                (getattr(err, "errno", None) if isinstance(err, OSError) else None, f"{type(err).__name__}: {err}")
+            ]
+            if not dist.is_initialized():
+                raise
+    if dist.is_initialized():
+        dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        code, message = failure[0]
+        if code is not None:
+            raise OSError(code, f"rank 0: {message}")
+        raise RuntimeError(f"rank 0: {message}")
 
 
 def stage_checkpoint(root: str | Path, step: int) -> Path:

@@ -43,6 +43,7 @@ from afm_core.data.loader import full_micro_batches
 from afm_core.train.checkpoint import rng_state, set_rng_state
 from afm_core.train.checkpoint_dirs import (
     checkpoint_dir_name,
+    on_rank0,
     publish_checkpoint,
     read_marker,
     stage_checkpoint,
@@ -421,19 +422,18 @@ class DeepSpeedSFTTrainer(SFTLoop):
         The layout is :mod:`afm_core.train.checkpoint_dirs`, so its ``latest_complete_checkpoint`` finds them."""
         root, step = self.run_dir / "checkpoints", self.progress.step
         temp = staging_dir(root, step)
-        if self.layout.is_rank0:
-            stage_checkpoint(root, step)
-        torch.distributed.barrier()
+        on_rank0(self.layout.is_rank0, lambda: stage_checkpoint(root, step))  # rank 0's "no space" reaches all
         client_state = {"progress": asdict(self.progress), "scheduler": self.scheduler.state_dict()}
         self.engine.save_checkpoint(str(root), tag=temp.name, client_state=client_state, save_latest=False)
         with atomic_path(temp / f"rank_{self.layout.rank:05d}.pt") as path:
             torch.save({"layout": self._layout_key(), "rng": rng_state(), "data": self.train_data.state_dict()}, path)
         torch.distributed.barrier()
-        if self.layout.is_rank0:
-            publish_checkpoint(
+        on_rank0(
+            self.layout.is_rank0,
+            lambda: publish_checkpoint(
                 root, step, layout=self._layout_key(), engine="deepspeed", keep_last=int(self.cfg.trainer.keep_last)
-            )
-        torch.distributed.barrier()
+            ),
+        )
         return root / checkpoint_dir_name(step)
 
     def _resume(self) -> Path | None:

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from afm_core.launch.distributed import DEFAULT_COLLECTIVE_TIMEOUT_MIN
+
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -101,7 +103,7 @@ def seed_everything(seed: int, pp_rank: int) -> None:
 
 
 def init_distributed(
-    parallel: Any, *, seed: int, num_threads: int | None = None, timeout_min: int = 30
+    parallel: Any, *, seed: int, num_threads: int | None = None, timeout_min: int | None = None
 ) -> ParallelLayout:
     """Join the process group (NCCL on GPU, gloo on CPU) and build megatron's TP/PP/DP groups.
 
@@ -109,7 +111,8 @@ def init_distributed(
         parallel: the ``conf/parallel`` group (``tp``, ``pp``, ``cp``, ``vpp``).
         seed: base random seed (see :func:`seed_everything`).
         num_threads: torch CPU threads for this rank; None: cores // LOCAL_WORLD_SIZE.
-        timeout_min: collective timeout in minutes.
+        timeout_min: collective timeout in minutes; None: ``parallel.collective_timeout_min`` when set (``jobs.rl``
+            sizes it from the rollout timeout: :func:`collective_timeout_min`), else 30.
     Returns:
         The :class:`ParallelLayout` of this rank.
     Raises:
@@ -128,6 +131,8 @@ def init_distributed(
     if world_size % (tp * pp * cp):
         raise RuntimeError(f"WORLD_SIZE={world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
     vpp = parallel.get("vpp")
+    if timeout_min is None:
+        timeout_min = int(parallel.get("collective_timeout_min") or DEFAULT_COLLECTIVE_TIMEOUT_MIN)
 
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)

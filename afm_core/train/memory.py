@@ -1,159 +1,314 @@
-"""Per-GPU memory estimate for Megatron-core SFT of a dense decoder (Llama / Qwen2 family).
+"""Per-GPU memory of Megatron-core training of a dense decoder (Llama / Qwen2 family): the one estimator behind
+``python -m jobs.plan`` (:mod:`afm_core.launch.plan`).
 
-Used to document the paper recipes (``conf/recipe/*.yaml``) and to sanity-check a parallel layout before
-submitting it: ``python -m afm_core.train.memory recipe=afm_web_sft_32b``.
+Model states are not estimated, they are built: :func:`model_state` constructs each pipeline stage's
+``GPTModel`` chunks on the ``meta`` device inside a fake process group of the job's world size
+(``torch.testing._internal.distributed.fake_pg``: no memory, no communication), wraps them in megatron-core's
+``DistributedDataParallel`` with the trainer's settings (:func:`afm_core.train.trainer.ddp_config`) and reads the
+byte counts off the result:
 
-Model states (mixed precision with Megatron's DDP and distributed optimizer):
-  * bf16 weights: 2 bytes/param, fp32 main-grad buffer: 4 bytes/param (Megatron accumulates grads in fp32);
-  * fp32 master weights + Adam m and v: 12 bytes/param, sharded over data-parallel ranks by the distributed
-    optimizer (ZeRO-1; Rajbhandari et al. 2020, "ZeRO", Sec. 5.1: 16 bytes/param with Adam).
-Activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 4):
-  * one layer with tensor + sequence parallelism and flash attention keeps ``34 * s * b * h / t`` bytes
-    (their Eq. 5 with the ``5as/h`` attention-score term removed, as flash attention does not store scores);
-  * with full recomputation a layer keeps only its input, ``2 * s * b * h / t`` bytes (Sec. 4.1), and one
-    layer's full activations are live during its recomputation;
-  * the 1F1B pipeline schedule keeps ``pp`` micro batches in flight on the first stage (Sec. 4.2.3);
-  * the output layer holds bf16 logits and fp32 cross-entropy workspace: ``6 * s * b * V / t`` bytes.
-This is an estimate (no allocator fragmentation, CUDA context ~1 GiB, or communication buffers); budget
-10-15% headroom on top.
+  * parameters: this rank's tensors in the training dtype (with the distributed optimizer, megatron's padded
+    contiguous parameter buffer);
+  * gradients: the fp32 ``main_grad`` buffer of megatron's DDP (padded as megatron pads it);
+  * optimizer: Adam's two fp32 moments plus fp32 master weights when the parameters are not fp32, over the
+    whole stage, or with the distributed optimizer over this DP rank's shard of each gradient bucket
+    (``DistributedOptimizer._build_gbuf_range_map``; ZeRO-1, Rajbhandari et al. 2020, Sec. 5.1).
+
+Activations are analytic, one decoder layer's saved tensors for backward per micro batch (Korthikanti et al.
+2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 4, rewritten for GQA, SwiGLU, no
+dropout and flash / fused SDPA attention, which store no ``s x s`` scores), in elements of ``s * b``:
+
+  * ``4h``, divided by ``tp`` only with sequence parallelism: the two RMSNorm inputs and outputs (the outputs
+    are the inputs of the fused QKV and FC1 matmuls);
+  * ``(2h + 2 g d + 3f) / tp``: q, k, v after RoPE (``h + 2 g d``), the attention output (``h``, also the input
+    of the output projection), the FC1 output (``2f``, SwiGLU's input) and the SwiGLU output (``f``, FC2's input);
+  * with full recomputation (Sec. 4.1) a layer keeps only its input (``h``, divided by ``tp`` with sequence
+    parallelism) and one layer's full set is live while it is recomputed; selective recomputation drops the
+    attention scores, which flash attention never stores, so it is counted as none;
+  * the 1F1B pipeline schedule keeps ``min(pp - stage, micro batches)`` micro batches in flight on a stage
+    (Sec. 4.2.3), times ``1 + (pp - 1) / (pp * vpp)`` with interleaving; context parallelism divides ``s``;
+  * the last stage's output layer and cross entropy keep the logits and fp32 softmax, ``(e + 4) * s * b * V / t``
+    bytes (``e`` the activation element size); on CPU at TP=1 the fused, chunked
+    :func:`afm_core.train.loss.linear_cross_entropy` stores no logits (counted as 0).
+
+Not counted: allocator fragmentation, the CUDA context and NCCL buffers (the plan adds
+:data:`afm_core.launch.plan.GPU_OVERHEAD_BYTES`), and communication buckets.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Mapping
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from typing import Any
 
-GIB = 1024**3
+import torch
+
+from afm_core.launch.plan import as_gib
+from afm_core.models.arch import ModelArch
 
 
 @dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes per GPU on the most loaded pipeline stage (the first one, or the last for the logits)."""
+class StageState:
+    """Bytes of one rank's model states on pipeline stage ``pp_rank`` (TP rank 0, DP rank ``dp_rank``)."""
 
-    params_per_gpu: int
-    weights_and_grads: int
-    optimizer: int
-    activations: int
-    logits: int
+    pp_rank: int
+    params: int  # parameter elements of this rank (unpadded)
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    master_bytes: int  # the fp32 master weights inside optimizer_bytes (0 for fp32 parameters)
+    layers: int  # decoder layers on this rank (all its virtual chunks)
+    first: bool  # holds the embedding
+    last: bool  # holds the output layer
 
     @property
     def total(self) -> int:
-        return self.weights_and_grads + self.optimizer + self.activations + self.logits
-
-    def as_gib(self) -> dict[str, float]:
-        fields = {
-            "weights_and_grads": self.weights_and_grads,
-            "optimizer": self.optimizer,
-            "activations": self.activations,
-            "logits": self.logits,
-            "total": self.total,
-        }
-        return {k: round(v / GIB, 1) for k, v in fields.items()}
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
 
 
-def count_params(model: Mapping[str, Any]) -> dict[str, int]:
-    """Parameter counts of a Llama/Qwen2 decoder from a ``conf/model`` preset.
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int, *, tp: int, pp: int, cp: int = 1, vpp: int | None = None) -> Iterator[Any]:
+    """A fake ``torch.distributed`` world of ``world_size`` ranks seen from ``rank``, with megatron's TP/PP/DP
+    groups; no process is started and no collective communicates. Yields megatron's ``parallel_state``.
 
-    Returns ``{"per_layer", "embedding", "output", "total"}``; ``output`` is 0 with tied embeddings.
+    Raises:
+        RuntimeError: a process group is already initialised in this process.
     """
-    h, f, layers = model["hidden_size"], model["ffn_hidden_size"], model["num_layers"]
-    heads, groups, vocab = model["num_attention_heads"], model["num_query_groups"], model["vocab_size"]
-    head_dim = h // heads
-    qkv_out = h + 2 * groups * head_dim
-    per_layer = h * qkv_out + (qkv_out if model.get("qkv_bias") else 0)  # fused QKV (+ bias)
-    per_layer += h * h  # attention output projection
-    per_layer += 3 * h * f  # SwiGLU: gate, up, down
-    per_layer += 2 * h  # two RMSNorms
-    embedding = vocab * h
-    output = 0 if model.get("tied_embeddings") else vocab * h
-    total = layers * per_layer + embedding + output + h  # + final norm
-    return {"per_layer": per_layer, "embedding": embedding, "output": output, "total": total}
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world: torch.distributed is already initialised in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            context_parallel_size=cp,
+            virtual_pipeline_model_parallel_size=vpp,
+            create_gloo_process_groups=False,
+        )
+        yield ps
+    finally:
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
 
 
-def estimate_memory(
-    model: Mapping[str, Any],
+@contextlib.contextmanager
+def _cuda_as_meta() -> Iterator[None]:
+    """Megatron allocates DDP buffers on ``torch.cuda.current_device()`` and moves the last stage's copy of tied
+    embeddings with ``.cuda()``: make those ``meta`` meanwhile (no CUDA here, and no memory anywhere)."""
+    saved_device, saved_cuda = torch.cuda.current_device, torch.Tensor.cuda
+
+    def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self if self.is_meta else saved_cuda(self, *args, **kwargs)
+
+    torch.cuda.current_device = lambda: "meta"  # type: ignore[assignment,return-value]
+    torch.Tensor.cuda = cuda  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved_device  # type: ignore[method-assign]
+        torch.Tensor.cuda = saved_cuda  # type: ignore[method-assign]
+
+
+def model_state(
+    hf_config: Any,
     *,
+    world_size: int,
     tp: int,
     pp: int,
-    dp: int,
-    seq_length: int,
-    micro_batch_size: int = 1,
-    recompute: str | None = "full",
-    distributed_optimizer: bool = True,
-) -> MemoryEstimate:
-    """Estimate bytes per GPU for bf16 SFT with the given parallel layout (see the module docstring).
+    vpp: int | None = None,
+    cp: int = 1,
+    params_dtype: torch.dtype,
+    distributed_optimizer: bool,
+    on_gpu: bool,
+    dp_rank: int = 0,
+) -> list[StageState]:
+    """The model states of TP rank 0 / DP rank ``dp_rank`` of every pipeline stage, built on the meta device
+    (module docstring). Ranks of one stage differ by at most the distributed optimizer's shard padding.
 
     Args:
-        model: a ``conf/model`` preset (architecture keys).
-        tp, pp, dp: tensor, pipeline and data parallel sizes (context parallelism is not implemented).
-        seq_length: tokens per sequence (the cutoff); micro_batch_size: sequences per micro batch.
-        recompute: ``"full"`` (store layer inputs only) or ``None``/``"selective"`` (store all activations;
-            selective recompute only drops the attention scores, which flash attention never stores).
-        distributed_optimizer: shard the 12 bytes/param of optimizer state over ``dp``.
+        hf_config: a transformers ``LlamaConfig`` / ``Qwen2Config``.
+        world_size: ranks of the job (``dp = world_size / (tp * pp * cp)``).
+        params_dtype: the training dtype (bf16 on GPU, fp32 or bf16 on CPU).
+        on_gpu: the job runs on GPUs (DDP overlaps and buckets its reductions there when DP > 1).
     Raises:
-        ValueError: if the layers do not split evenly over ``pp`` or heads over ``tp``.
+        ValueError: ``world_size`` not a multiple of ``tp * pp * cp``, or a size that does not split the model.
+        RuntimeError: a process group is already initialised in this process.
     """
-    if model["num_layers"] % pp:
-        raise ValueError(f"num_layers={model['num_layers']} is not divisible by pp={pp}")
-    if model["num_attention_heads"] % tp or model["num_query_groups"] % tp:
-        raise ValueError(f"attention heads/groups are not divisible by tp={tp}")
-    counts = count_params(model)
-    layers_per_stage = model["num_layers"] // pp
-    first_stage = layers_per_stage * counts["per_layer"] + counts["embedding"]
-    if pp == 1:
-        first_stage += counts["output"]
-    params = first_stage // tp
-    weights_and_grads = 6 * params
-    optimizer = 12 * params // (dp if distributed_optimizer else 1)
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.transformer.module import Float16Module
 
-    s, b, h = seq_length, micro_batch_size, model["hidden_size"]
-    full_layer = 34 * s * b * h // tp
-    in_flight = pp  # 1F1B: the first stage holds pp micro batches
+    from afm_core.models.bridge import build_gpt_model, mcore_config_from_hf
+    from afm_core.train.trainer import ddp_config
+
+    if world_size % (tp * pp * cp):
+        raise ValueError(f"world size {world_size} is not a multiple of tp * pp * cp = {tp} * {pp} * {cp}")
+    dp = world_size // (tp * pp * cp)
+    ddp = ddp_config(distributed_optimizer=distributed_optimizer, on_gpu=on_gpu, dp=dp)
+    optimizer_bytes_per_element = 8 + (0 if params_dtype == torch.float32 else 4)
+    stages = []
+    for stage in range(pp):
+        rank = stage * tp * cp * dp + dp_rank * tp * cp  # megatron's default order tp-cp-ep-dp-pp
+        with fake_world(world_size, rank, tp=tp, pp=pp, cp=cp, vpp=vpp) as ps:
+            assert ps.get_pipeline_model_parallel_rank() == stage and ps.get_data_parallel_rank() == dp_rank
+            config = mcore_config_from_hf(
+                hf_config,
+                tp=tp,
+                pp=pp,
+                params_dtype=params_dtype,
+                virtual_pipeline_model_parallel_size=vpp,
+                use_cpu_initialization=True,
+                **({"context_parallel_size": cp} if cp > 1 else {}),
+            )
+            chunks = []
+            with torch.device("meta"), _cuda_as_meta():
+                for vp_stage in range(vpp or 1):
+                    where = vp_stage if vpp else None
+                    chunks.append(
+                        build_gpt_model(
+                            hf_config,
+                            config,
+                            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=where),
+                            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=where),
+                            vp_stage=where,
+                        )
+                    )
+            first = any(chunk.pre_process for chunk in chunks)
+            last = any(chunk.post_process for chunk in chunks)
+            layers = sum(len(chunk.decoder.layers) for chunk in chunks)
+            if config.bf16:  # as the trainer wraps them: every floating parameter in bf16
+                chunks = [Float16Module(config, m) for m in chunks]
+            with _cuda_as_meta():
+                wrapped = [
+                    DistributedDataParallel(config=config, ddp_config=ddp, module=m, disable_bucketing=i > 0)
+                    for i, m in enumerate(chunks)
+                ]
+            params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+            buffers = [b for chunk in wrapped for b in chunk.buffers + chunk.expert_parallel_buffers]
+            grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
+            if distributed_optimizer:
+                param_bytes = sum(b.param_data.numel() * b.param_data.element_size() for b in buffers)
+                owned = 0
+                for buffer in buffers:
+                    for buckets in DistributedOptimizer._build_gbuf_range_map(buffer).values():
+                        for bucket in buckets:  # this DP rank's shard of each bucket
+                            owned += sum(r["param"].size for r in bucket["param_map"].values())
+                optimizer_elements = owned
+            else:
+                param_bytes = sum(p.numel() * p.element_size() for chunk in chunks for p in chunk.parameters())
+                optimizer_elements = params
+            master = optimizer_elements * 4 if params_dtype != torch.float32 else 0
+            stages.append(
+                StageState(
+                    pp_rank=stage,
+                    params=params,
+                    param_bytes=param_bytes,
+                    grad_bytes=grad_bytes,
+                    optimizer_bytes=optimizer_elements * optimizer_bytes_per_element,
+                    master_bytes=master,
+                    layers=layers,
+                    first=first,
+                    last=last,
+                )
+            )
+    return stages
+
+
+def layer_activation_elements(
+    arch: ModelArch, *, tp: int, sequence_parallel: bool, transformer_engine: bool = True
+) -> dict[str, float]:
+    """Elements saved for backward by one decoder layer per token of a micro batch (module docstring):
+    ``{"full": all saved tensors, "input": the layer input kept under full recomputation}``.
+
+    ``transformer_engine=False``: the CPU layer spec (:mod:`afm_core.models.local_spec`), whose fused norm keeps
+    only the norm input (``2h`` per layer, never sequence parallel), whose attention keeps q and k after RoPE
+    next to the fused QKV output and a copy of its output for the projection (``4h + 3 g d``), and whose MLP
+    keeps the FC1 output only (``2f``).
+    """
+    h, f, gd = arch.hidden_size, arch.ffn_hidden_size, arch.num_query_groups * arch.head_dim
+    if not transformer_engine:
+        return {"full": 2 * h + (4 * h + 3 * gd + 2 * f) / tp, "input": h}
+    replicated = 4 * h / (tp if sequence_parallel else 1)
+    sharded = (2 * h + 2 * gd + 3 * f) / tp
+    return {"full": replicated + sharded, "input": h / (tp if sequence_parallel else 1)}
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Activation bytes of one rank of a pipeline stage during training."""
+
+    per_layer_micro_batch: int  # one layer, one micro batch, all saved tensors
+    layers: int  # the stage's in-flight micro batches' layer activations (under the recompute setting)
+    logits: int  # output layer + cross entropy (last stage only)
+    in_flight: float  # micro batches in flight on the stage
+
+    @property
+    def total(self) -> int:
+        return self.layers + self.logits
+
+
+def activations(
+    arch: ModelArch,
+    stage: StageState,
+    *,
+    pp: int,
+    vpp: int | None,
+    tp: int,
+    cp: int,
+    seq_length: int,
+    micro_batch_size: int,
+    num_microbatches: int,
+    sequence_parallel: bool,
+    recompute: str | None,
+    element_size: int,
+    on_gpu: bool,
+) -> Activations:
+    """Activation bytes of ``stage`` (module docstring).
+
+    Args:
+        seq_length, micro_batch_size: tokens per sequence and sequences per micro batch.
+        num_microbatches: micro batches per optimizer step on a DP rank.
+        recompute: ``None``, ``"selective"`` or ``"full"`` (``parallel.recompute``).
+        element_size: bytes per activation element (2 for bf16, 4 for fp32).
+        on_gpu: the transformer-engine layer spec (GPU); else the CPU spec, and at TP=1 the fused, chunked
+            output layer + loss (:func:`afm_core.train.loss.linear_cross_entropy`).
+    """
+    tokens = seq_length // cp * micro_batch_size
+    per_layer = layer_activation_elements(arch, tp=tp, sequence_parallel=sequence_parallel, transformer_engine=on_gpu)
+    full_layer = int(per_layer["full"] * tokens * element_size)
+    in_flight = float(min(pp - stage.pp_rank, num_microbatches))
+    if vpp:
+        in_flight *= 1 + (pp - 1) / (pp * vpp)
     if recompute == "full":
-        activations = in_flight * layers_per_stage * (2 * s * b * h // tp) + full_layer
+        kept = int(per_layer["input"] * tokens * element_size)
+        layers = int(in_flight * stage.layers * kept) + full_layer
     else:
-        activations = in_flight * layers_per_stage * full_layer
-    logits = 6 * s * b * model["vocab_size"] // tp
-    return MemoryEstimate(params, weights_and_grads, optimizer, activations, logits)
+        layers = int(in_flight * stage.layers * full_layer)
+    logits = 0
+    if stage.last and (on_gpu or tp > 1):
+        logits = int((element_size + 4) * tokens * arch.vocab_size / tp)
+    return Activations(full_layer, layers, logits, in_flight)
 
 
-def estimate_from_config(cfg: Any) -> MemoryEstimate:
-    """Estimate from a composed ``conf/sft.yaml`` (model, parallel, trainer and cluster groups)."""
-    model_parallel = cfg.parallel.tp * cfg.parallel.pp
-    if cfg.cluster.name == "slurm":
-        dp = max(1, cfg.cluster.nodes * cfg.cluster.tasks_per_node // model_parallel)
-    else:
-        dp = cfg.cluster.dp
-    return estimate_memory(
-        cfg.model,
-        tp=cfg.parallel.tp,
-        pp=cfg.parallel.pp,
-        dp=dp,
-        seq_length=cfg.trainer.seq_length,
-        micro_batch_size=cfg.trainer.micro_batch_size,
-        recompute=cfg.parallel.recompute,
-        distributed_optimizer=cfg.parallel.distributed_optimizer,
-    )
-
-
-def main(argv: list[str]) -> None:
-    """Print the estimate for a config composed from ``conf/sft.yaml`` with Hydra overrides."""
-    from hydra import compose, initialize_config_dir
-
-    from afm_core.utils.paths import repo_root
-
-    with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
-        cfg = compose(config_name="sft", overrides=argv)
-    est = estimate_from_config(cfg)
-    print(
-        f"model={cfg.model.name} tp={cfg.parallel.tp} pp={cfg.parallel.pp} "
-        f"seq_length={cfg.trainer.seq_length} params/GPU={est.params_per_gpu / 1e9:.2f}B"
-    )
-    for key, gib in est.as_gib().items():
-        print(f"  {key:>18}: {gib:6.1f} GiB")
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+def stage_table(stage: StageState, acts: Activations) -> dict[str, Any]:
+    """One row of the plan's per-rank table (bytes and GiB)."""
+    row = {**asdict(stage), "activations_bytes": acts.layers, "logits_bytes": acts.logits}
+    row["train_bytes"] = stage.total + acts.total
+    row["in_flight_micro_batches"] = acts.in_flight
+    row["gib"] = {
+        key: as_gib(value)
+        for key, value in (
+            ("params", stage.param_bytes),
+            ("grads", stage.grad_bytes),
+            ("optimizer", stage.optimizer_bytes),
+            ("activations", acts.layers),
+            ("logits", acts.logits),
+            ("train", row["train_bytes"]),
+        )
+    }
+    return row

@@ -169,6 +169,23 @@ def reads_packed_seq_params(chunks: list[torch.nn.Module]) -> bool:
     return bool(kinds) and all(kinds)
 
 
+def ddp_config(*, distributed_optimizer: bool, on_gpu: bool, dp: int) -> DistributedDataParallelConfig:
+    """Megatron DDP settings of the trainer (and of :mod:`afm_core.train.memory`'s plan, which must size the same
+    buffers): fp32 gradient buffers; on GPU with DP > 1 the gradient reduce overlapped with backward, and with the
+    distributed optimizer the parameter all-gather with the next forward (Megatron-LM's ``--overlap-grad-reduce``
+    / ``--overlap-param-gather``; overlapping also buckets the buffers, which changes their padding). CPU (gloo):
+    synchronous, and no NaN scan of the grad buffer (the grad norm, computed for clipping anyway, is checked
+    instead in ``train_step``)."""
+    overlap = on_gpu and dp > 1
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap and distributed_optimizer,
+        use_distributed_optimizer=distributed_optimizer,
+        check_for_nan_in_grad=on_gpu,
+    )
+
+
 class _DistributedDataParallel(DistributedDataParallel):
     """Megatron's DDP without the gradient collective when the data-parallel group has one rank, and with its
     grad buffers zeroed by page release on CPU.
@@ -557,17 +574,10 @@ class MegatronTrainer:
             config.batch_p2p_comm = False
         if config.bf16:
             chunks = [Float16Module(config, m) for m in chunks]
-        # GPU with DP > 1: overlap the gradient reduce-scatter/all-reduce with backward, and with the distributed
-        # optimizer the parameter all-gather with the next forward (Megatron-LM's --overlap-grad-reduce /
-        # --overlap-param-gather). CPU (gloo): synchronous, and no NaN scan of the grad buffer (the grad norm,
-        # computed for clipping anyway, is checked instead in step).
-        overlap = self.layout.on_gpu and self.layout.dp > 1
-        self.ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=overlap,
-            overlap_param_gather=overlap and distributed_optimizer,
-            use_distributed_optimizer=distributed_optimizer,
-            check_for_nan_in_grad=self.layout.on_gpu,
+        self.ddp_config = ddp_config(
+            distributed_optimizer=distributed_optimizer,
+            on_gpu=self.layout.on_gpu,
+            dp=self.layout.dp,
         )
         wrapped = [
             _DistributedDataParallel(config=config, ddp_config=self.ddp_config, module=m, disable_bucketing=i > 0)
@@ -583,9 +593,9 @@ class MegatronTrainer:
     def sync_params(self) -> None:
         """Finish the pending parameter all-gather of the distributed optimizer (``overlap_param_gather``), so the
         weights are complete before an eval, a checkpoint or an export (Megatron-LM's ``force_param_sync``)."""
-        if self.ddp_config.overlap_param_gather:
-            for chunk in self.model:
-                chunk.start_param_sync(force_sync=True)
+        from afm_core.models.bridge import finish_param_gather
+
+        finish_param_gather(self.model)
 
     def release_training_state(self) -> None:
         """Drop the optimizer state (AdamW moments) and the gradient buffers' contents when training is over (the

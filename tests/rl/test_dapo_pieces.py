@@ -7,15 +7,12 @@ import math
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from afm_core.launch.distributed import free_port
-from afm_core.rl.advantages import broadcast_to_tokens, gae_advantages, grpo_advantages
+from afm_core.rl.advantages import gae_advantages, grpo_advantages
 from afm_core.rl.batch import response_values, rollout_micro_batch
 from afm_core.rl.dynamic_sampling import DynamicSampler, DynamicSamplingExhausted
 from afm_core.rl.losses import (
     PolicyLossConfig,
-    global_token_count,
     logprob_gap_stats,
     low_var_kl,
     policy_loss,
@@ -75,43 +72,6 @@ def test_token_mean_over_sequences_of_different_lengths_weights_every_token_equa
     logp = torch.zeros(2, 3, requires_grad=True)
     loss, _ = policy_loss(logp, torch.zeros(2, 3), adv, torch.tensor(mask), global_num_tokens=4)
     assert loss.item() == pytest.approx((-2 - 3) / 4)  # token-mean, not the sequence mean (-2 - 1) / 2
-
-
-def test_token_mean_over_micro_batches_divides_by_the_global_count_not_per_micro_batch():
-    # the same two sequences in two micro batches: summing micro-batch losses / global count = the token mean
-    l1, _, _ = _loss([1.0], [2.0], global_num_tokens=4)
-    l2, _, _ = _loss([1.0, 1.0, 1.0], [1.0, 1.0, 1.0], global_num_tokens=4)
-    assert l1 + l2 == pytest.approx(-1.25)
-    per_micro_batch_mean = (_loss([1.0], [2.0])[0] + _loss([1.0] * 3, [1.0] * 3)[0]) / 2
-    assert per_micro_batch_mean == pytest.approx(-1.5)  # what DAPO's token-mean must not be
-
-
-def _dp_worker(rank: int, world: int, port: int) -> None:
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        masks = [torch.ones(1, 1)] if rank == 0 else [torch.ones(1, 2), torch.tensor([[1.0, 0.0]])]
-        assert global_token_count(masks) == 4
-        # rank 0: one token with A = 2; rank 1: three tokens with A = 1 -> global token mean -1.25
-        adv = [torch.full_like(m, 2.0 if rank == 0 else 1.0) for m in masks]
-        total, stats = 0.0, []
-        for m, a in zip(masks, adv):
-            loss, s = policy_loss(torch.zeros_like(m), torch.zeros_like(m), a, m, global_num_tokens=4)
-            total += loss.item()
-            stats.append(s)
-        summed = torch.tensor([total])
-        torch.distributed.all_reduce(summed)
-        assert summed.item() == pytest.approx(-1.25)
-        reduced = reduce_stats(stats)
-        assert reduced["tokens"] == 4 and reduced["pg_loss"] == pytest.approx(-1.25)
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-def test_global_token_count_and_stats_are_reduced_over_data_parallel_ranks():
-    mp.start_processes(_dp_worker, args=(2, free_port()), nprocs=2, join=True, start_method="spawn")
 
 
 # -- KL, TIS, value loss ------------------------------------------------------------------------------------
@@ -247,11 +207,6 @@ def test_grpo_advantages_equal_hand_computed_group_normalised_rewards():
     torch.testing.assert_close(dr_grpo, torch.tensor([0.5, -0.5, -0.5, 0.5, 2.0, 0.0, 0.0, 0.0]))
 
 
-def test_advantages_are_broadcast_to_response_tokens_only():
-    tokens = broadcast_to_tokens(torch.tensor([0.5, -1.0]), torch.tensor([[1, 1, 0], [0, 1, 1]]))
-    torch.testing.assert_close(tokens, torch.tensor([[0.5, 0.5, 0.0], [0.0, -1.0, -1.0]]))
-
-
 def test_gae_skips_observation_tokens_and_equals_hand_computed_values():
     rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
     values = torch.tensor([[0.5, 0.6, 9.9, 0.8]])  # position 2 is a tool observation: its value is ignored
@@ -294,3 +249,23 @@ def test_minibatch_shares_give_the_last_mini_batch_the_rest_of_a_partial_train_b
     assert minibatch_shares(12, 8, 2, 1) == [[1, 3, 5, 7], [9, 11]]
     with pytest.raises(ValueError, match="DP ranks"):
         minibatch_shares(10, 8, 4, 0)
+
+
+def test_dynamic_sampling_on_accuracy_drops_a_group_whose_rewards_differ_only_by_the_overlong_penalty():
+    from types import SimpleNamespace
+
+    from afm_core.rl.dynamic_sampling import filter_values
+
+    # group a: all correct, one sample penalised for length (rewards 1.0 and 0.8); group b: one right, one wrong
+    samples = [SimpleNamespace(score=1.0, reward=1.0), SimpleNamespace(score=1.0, reward=0.8)]
+    samples += [SimpleNamespace(score=1.0, reward=1.0), SimpleNamespace(score=0.0, reward=0.0)]
+    uids = ["a", "a", "b", "b"]
+    kept = {}
+    for metric in ("acc", "score"):
+        sampler = DynamicSampler(2, 1, filter_groups=True, allow_partial=True)
+        sampler.add(uids, filter_values(samples, metric), samples)
+        taken, _ = sampler.take()
+        kept[metric] = len(taken) // 2
+    assert kept == {"acc": 1, "score": 2}  # verl's default (acc) keeps only the group with something to learn
+    with pytest.raises(ValueError, match="filter_groups_metric='reward'"):
+        filter_values(samples, "reward")

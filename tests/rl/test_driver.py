@@ -107,24 +107,23 @@ def test_the_reward_is_score_times_format_with_the_overlong_penalty():
     assert shaped_reward(0.0, 1.0, 17, cfg, 16) == -1.0
 
 
-RL_RECIPES = {
-    # recipe: (n, train / gen / mini batch, lr, clip c, temperature, stage lengths, max_turns, rollout steps)
-    "afm_code_rl_32b": (8, (256, 256, 32), 1e-6, 3.0, 1.0, [16384, 32768], 8, 2000),
-    "afm_web_rl_32b": (8, (64, 128, 64), 1e-6, 10.0, 1.0, [30720], 25, 60),
-}
+@pytest.mark.parametrize("recipe", ["afm_code_rl_32b", "afm_web_rl_32b", "afm_mhqa_rl"])
+def test_the_paper_rl_recipes_pass_the_submit_checks_and_start_an_engine_within_the_models_positions(recipe, tmp_path):
+    """What jobs.rl runs before sbatch (the schema) and what run_rl runs before any model starts (the stage
+    schedule, the engine's context, the batch split over the recipe's data-parallel ranks) accept the recipe."""
+    from afm_core.config import check_config
+    from afm_core.config.rl import RLConfig
+    from afm_core.rl.policy_trainer import check_batch_split
 
-
-@pytest.mark.parametrize("recipe", sorted(RL_RECIPES))
-def test_the_paper_rl_recipes_carry_the_upstream_dapo_settings(recipe, tmp_path):
-    n, batches, lr, clip_c, temperature, lengths, turns, steps = RL_RECIPES[recipe]
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
-        cfg = compose(config_name="rl", overrides=[f"recipe={recipe}", f"run_dir={tmp_path}"])
+        cfg = compose(config_name="rl", overrides=[f"recipe={recipe}", f"run_dir={tmp_path}", "data.files=[p.parquet]"])
+    checked = check_config(cfg, RLConfig)
     a, r = cfg.algorithm, cfg.rollout
-    assert (r.n, (a.train_batch_size, a.gen_batch_size, a.mini_batch_size), cfg.optim.lr) == (n, batches, lr)
-    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, r.temperature) == (0.2, 0.28, clip_c, temperature)
     stages = parse_schedule(OmegaConf.to_container(r.context_schedule), r.max_response_len)
-    assert [s.max_response_len for s in stages] == lengths and r.max_turns == turns and cfg.trainer.max_steps == steps
-    assert a.filter_groups and a.adv_estimator == "grpo"
+    max_model_len = cfg.data.max_prompt_len + max(s.max_response_len for s in stages)  # run_rl's engine context
+    assert max_model_len <= cfg.model.max_position_embeddings  # vLLM refuses a longer one at start (B1)
+    dp = checked.cluster.data_parallel(checked.parallel.model_parallel)
+    check_batch_split(a.mini_batch_size * r.n, a.train_batch_size * r.n, dp, cfg.trainer.micro_batch_size)
 
 
 # -- the job --------------------------------------------------------------------------------------------

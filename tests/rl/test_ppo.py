@@ -161,16 +161,14 @@ def test_ppo_with_a_critic_and_the_kl_loss_runs_and_resumes_with_its_critic(tmp_
     assert (run_dir / "checkpoints" / "critic" / "step_00000002" / "COMPLETE").is_file()
 
 
-def test_the_mhqa_ppo_recipe_carries_the_upstream_settings(tmp_path):
-    cfg = _config(tmp_path, recipe="afm_mhqa_rl")
-    a, c = cfg["algorithm"], cfg["critic"]
-    assert (a["adv_estimator"], a["kl_coef"], a["gamma"], a["lam"]) == ("gae", 0.001, 1.0, 1.0)
-    assert (a["train_batch_size"], a["gen_batch_size"], a["mini_batch_size"], cfg["rollout"]["n"]) == (512, 512, 256, 1)
-    assert (a["clip_ratio_low"], a["clip_ratio_high"], a["filter_groups"]) == (0.2, 0.28, False)
-    assert (cfg["optim"]["lr"], c["optim"]["lr"], c["optim"]["warmup_ratio"], c["clip_range_value"]) == (
-        1e-6, 1e-5, 0.05, 0.5,
-    )  # fmt: skip
-    assert (cfg["rollout"]["max_response_len"], cfg["data"]["max_prompt_len"], cfg["rollout"]["max_turns"]) == (
-        8192, 2048, 8,
-    )  # fmt: skip
-    assert cfg["trainer"]["max_steps"] == 1005 and cfg["reward"]["mode"] == "score"
+def test_the_mhqa_ppo_recipe_passes_the_submit_check_as_gae_with_one_sample_per_prompt(tmp_path):
+    """afm_mhqa_rl passes the RL schema (what jobs.rl checks before sbatch): PPO needs no group of samples, where
+    GRPO's rollout.n=1 is refused."""
+    from afm_core.config import ConfigError, check_config
+    from afm_core.config.rl import RLConfig
+
+    cfg = _config(tmp_path, "data.files=[p.parquet]", recipe="afm_mhqa_rl")
+    checked = check_config(OmegaConf.create(cfg), RLConfig)
+    assert checked.algorithm.adv_estimator == "gae" and checked.rollout.n == 1 and not checked.algorithm.filter_groups
+    with pytest.raises(ConfigError, match=r"rollout\.n=1: GRPO compares samples of a group"):
+        check_config(OmegaConf.create({**cfg, "algorithm": {**cfg["algorithm"], "adv_estimator": "grpo"}}), RLConfig)

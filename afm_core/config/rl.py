@@ -1,0 +1,363 @@
+"""The schema of ``conf/rl.yaml`` (``python -m jobs.rl``): data, rollout, reward, algorithm, critic, trainer and the
+shared groups (model, parallel, optim, cluster), with the checks across them.
+
+The value ranges are those DAPO and verl use (Yu et al. 2025, "DAPO", eq. 10-11: ``clip_ratio_low/high`` in
+``(0, 1)`` ... decoupled clip bounds ``1 - eps_low``, ``1 + eps_high``; dual clip ``c > 1``, Ye et al. 2020;
+verl ``verl/trainer/config/actor/actor.yaml`` ``clip_ratio_c`` default 3.0). Dynamic sampling keeps a group when
+its ``algorithm.filter_groups_metric`` varies over the group's samples: ``acc`` (the task's 0/1 correctness, DAPO
+eq. 11 and verl's recipe ``algorithm.filter_groups.metric=acc``) or ``score`` (the shaped reward).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+from afm_core.config.checks import divisors, require
+from afm_core.config.cluster import cluster_schema
+from afm_core.config.sft import ModelConfig, OptimConfig, ParallelConfig, check_plan_options
+from afm_core.launch.distributed import collective_timeout_min, rollout_wait_s
+from afm_core.rl.colocation import COLOCATION_MODES
+from afm_core.rl.dynamic_sampling import FILTER_METRICS
+
+ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "gae")
+REWARD_MODES = ("score_x_format", "score", "score_minus_format_penalty")
+ENVIRONMENTS = ("real", "simulated")
+TOOL_SERVER_START = ("auto", "always", "never")  # afm_core.tools.job_servers
+
+
+def _positive(key: str, value: Any) -> None:
+    require(value is not None and value > 0, key, value, "a positive number")
+
+
+def _at_least_one(key: str, value: Any) -> None:
+    require(isinstance(value, int) and value >= 1, key, value, "an integer >= 1")
+
+
+@dataclass
+class RLDataConfig:
+    presets: list[str] = field(default_factory=list)
+    files: list[str] = field(default_factory=list)
+    skip: int = 0
+    limit: int | None = None
+    max_calculator_steps: int | None = None
+    max_prompt_len: int = 1024
+
+    def __post_init__(self) -> None:
+        require(self.skip >= 0, "data.skip", self.skip, "an integer >= 0")
+        if self.limit is not None:
+            _at_least_one("data.limit", self.limit)
+        _at_least_one("data.max_prompt_len", self.max_prompt_len)
+
+
+@dataclass
+class SimulatorConfig:
+    model: str | None = None
+    max_tokens: int = 256
+    temperature: float | None = None
+
+    def __post_init__(self) -> None:
+        _at_least_one("rollout.simulator.max_tokens", self.max_tokens)
+        if self.temperature is not None:
+            require(self.temperature >= 0, "rollout.simulator.temperature", self.temperature, ">= 0, or null")
+
+
+@dataclass
+class ContextStage:
+    max_response_len: int = MISSING
+    until_step: int | None = None
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_response_len: int = 4096
+    context_schedule: list[ContextStage] = field(default_factory=list)
+    max_turns: int = 16
+    max_tool_calls: int = 8
+    timeout_s: float = 600
+    concurrency: int = 64
+    environment: str = "real"
+    simulator: SimulatorConfig = field(default_factory=SimulatorConfig)
+
+    def __post_init__(self) -> None:
+        for key in ("n", "max_response_len", "max_turns", "concurrency"):
+            _at_least_one(f"rollout.{key}", getattr(self, key))
+        require(self.max_tool_calls >= 0, "rollout.max_tool_calls", self.max_tool_calls, "an integer >= 0")
+        require(self.temperature >= 0, "rollout.temperature", self.temperature, ">= 0")
+        require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
+        require(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", self.top_k, "-1 (off) or >= 1")
+        _positive("rollout.timeout_s", self.timeout_s)
+        require(self.environment in ENVIRONMENTS, "rollout.environment", self.environment, "real or simulated")
+        last = None
+        for i, stage in enumerate(self.context_schedule):
+            key = f"rollout.context_schedule[{i}]"
+            _at_least_one(f"{key}.max_response_len", stage.max_response_len)
+            if stage.until_step is not None:
+                require(last is None or stage.until_step > last, f"{key}.until_step", stage.until_step, "increasing")
+                last = stage.until_step
+            else:
+                require(i == len(self.context_schedule) - 1, f"{key}.until_step", None, "only the last stage has none")
+
+    @property
+    def longest_response(self) -> int:
+        """The largest stage's ``max_response_len`` (tokens): ``max_response_len`` is the only stage when the
+        schedule is empty, and unused otherwise (as ``afm_core.rl.schedule.parse_schedule`` reads them)."""
+        return (
+            max(s.max_response_len for s in self.context_schedule) if self.context_schedule else self.max_response_len
+        )
+
+
+@dataclass
+class RewardConfig:
+    mode: str = "score_x_format"
+    format_penalty: float = 1.0
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    test_timeout_s: float = 10
+
+    def __post_init__(self) -> None:
+        require(self.mode in REWARD_MODES, "reward.mode", self.mode, f"one of {', '.join(REWARD_MODES)}")
+        require(self.format_penalty >= 0, "reward.format_penalty", self.format_penalty, ">= 0")
+        require(self.overlong_buffer_len >= 0, "reward.overlong_buffer_len", self.overlong_buffer_len, ">= 0 tokens")
+        require(
+            self.overlong_penalty_factor >= 0, "reward.overlong_penalty_factor", self.overlong_penalty_factor, ">= 0"
+        )
+        _positive("reward.test_timeout_s", self.test_timeout_s)
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    train_batch_size: int = 16
+    gen_batch_size: int = 16
+    mini_batch_size: int = 8
+    ppo_epochs: int = 1
+    filter_groups: bool = True
+    filter_groups_metric: str = "acc"
+    max_num_gen_batches: int = 10
+    allow_partial: bool = False
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float | None = None
+    tis_cap: float | None = None
+    entropy_coeff: float = 0.0
+    kl_coef: float = 0.0
+    gamma: float = 1.0
+    lam: float = 1.0
+
+    def __post_init__(self) -> None:
+        a = "algorithm."
+        require(
+            self.adv_estimator in ADVANTAGE_ESTIMATORS,
+            a + "adv_estimator",
+            self.adv_estimator,
+            f"one of {', '.join(ADVANTAGE_ESTIMATORS)}",
+        )
+        for key in ("train_batch_size", "gen_batch_size", "mini_batch_size", "ppo_epochs"):
+            _at_least_one(a + key, getattr(self, key))
+        require(
+            self.train_batch_size % self.mini_batch_size == 0,
+            a + "mini_batch_size",
+            self.mini_batch_size,
+            f"must divide algorithm.train_batch_size={self.train_batch_size}",
+        )
+        require(
+            self.filter_groups_metric in FILTER_METRICS,
+            a + "filter_groups_metric",
+            self.filter_groups_metric,
+            "acc (the task's correctness, DAPO eq. 11) or score (the shaped reward)",
+        )
+        for key in ("clip_ratio_low", "clip_ratio_high"):
+            value = getattr(self, key)
+            require(0 < value < 1, a + key, value, "in (0, 1): the PPO ratio is clipped to [1 - low, 1 + high]")
+        if self.clip_ratio_c is not None:
+            require(self.clip_ratio_c > 1, a + "clip_ratio_c", self.clip_ratio_c, "> 1 (dual clip), or null")
+        if self.tis_cap is not None:
+            require(self.tis_cap >= 1, a + "tis_cap", self.tis_cap, ">= 1, or null")
+        for key in ("entropy_coeff", "kl_coef"):
+            require(getattr(self, key) >= 0, a + key, getattr(self, key), ">= 0")
+        for key in ("gamma", "lam"):
+            require(0 <= getattr(self, key) <= 1, a + key, getattr(self, key), "in [0, 1]")
+
+
+@dataclass
+class CriticOptimConfig:
+    lr: float = 1.0e-5
+    min_lr: float = 1.0e-5
+    warmup_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("critic.optim.lr", self.lr)
+        require(0 <= self.min_lr <= self.lr, "critic.optim.min_lr", self.min_lr, f"in [0, critic.optim.lr={self.lr}]")
+        require(0 <= self.warmup_ratio <= 1, "critic.optim.warmup_ratio", self.warmup_ratio, "in [0, 1]")
+
+
+@dataclass
+class CriticConfig:
+    optim: CriticOptimConfig = field(default_factory=CriticOptimConfig)
+    clip_range_value: float = 0.5
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive("critic.clip_range_value", self.clip_range_value)
+        require(self.grad_clip >= 0, "critic.grad_clip", self.grad_clip, ">= 0")
+
+
+@dataclass
+class RLTrainerConfig:
+    seed: int = 1234
+    max_steps: int = 20
+    micro_batch_size: int = 2
+    precision: str = "auto"
+    grad_clip: float = 1.0
+    save_interval: int = 10
+    keep_last: int = 2
+    export_hf: bool = True
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("max_steps", "micro_batch_size", "save_interval", "keep_last"):
+            _at_least_one(f"trainer.{key}", getattr(self, key))
+        require(self.precision in ("auto", "fp32", "bf16"), "trainer.precision", self.precision, "auto, fp32 or bf16")
+        require(self.grad_clip >= 0, "trainer.grad_clip", self.grad_clip, ">= 0")
+        if self.num_threads is not None:
+            _at_least_one("trainer.num_threads", self.num_threads)
+
+
+@dataclass
+class WeightSyncConfig:
+    bucket_mb: int = 512
+
+    def __post_init__(self) -> None:
+        _at_least_one("weight_sync.bucket_mb", self.bucket_mb)
+
+
+@dataclass
+class ColocationConfig:
+    mode: str = "auto"
+    sleep_level: int = 1
+
+    def __post_init__(self) -> None:
+        require(self.mode in COLOCATION_MODES, "colocation.mode", self.mode, f"one of {', '.join(COLOCATION_MODES)}")
+        require(self.sleep_level in (0, 1, 2), "colocation.sleep_level", self.sleep_level, "0, 1 or 2")
+
+
+@dataclass
+class JudgeConfig:
+    url: str | None = None
+    model: str | None = None
+    api_key_env: str | None = None
+
+
+@dataclass
+class ToolServersConfig:
+    start: str = "auto"
+    wait_s: float = 0
+    servers: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        require(self.start in TOOL_SERVER_START, "tool_servers.start", self.start, "auto, always or never")
+        require(self.wait_s >= 0, "tool_servers.wait_s", self.wait_s, "seconds >= 0")
+
+
+def check_context_length(model: Any, max_prompt_len: int, longest_response: int) -> None:
+    """The rollout engine's context, ``data.max_prompt_len`` + the largest stage's ``max_response_len`` (vLLM's
+    ``max_model_len``), must fit the model's positions: vLLM refuses a longer ``max_model_len`` at start, after the
+    queue (it allows more only with RoPE scaling such as YaRN, which the Megatron conversion does not reproduce:
+    :func:`afm_core.models.arch.hf_rope_scaling`).
+
+    Raises:
+        ConfigError: naming the three numbers and what to lower.
+    """
+    limit = int(model.max_position_embeddings)
+    total = max_prompt_len + longest_response
+    require(
+        total <= limit,
+        "rollout.max_response_len",
+        longest_response,
+        f"data.max_prompt_len + the largest stage's max_response_len = {max_prompt_len} + {longest_response} = "
+        f"{total} tokens (vLLM max_model_len) > model.max_position_embeddings = {limit} of {model.name}; lower "
+        f"rollout.max_response_len / rollout.context_schedule to at most {limit - max_prompt_len} or "
+        f"data.max_prompt_len",
+    )
+
+
+def check_engine(engine: dict[str, Any]) -> None:
+    """The ``engine`` group (``conf/engine/{vllm,remote}.yaml``): the sizes the RL job reads."""
+    _at_least_one("engine.tensor_parallel_size", engine.get("tensor_parallel_size", 1))
+    util = engine.get("gpu_memory_utilization", 0.85)
+    require(0 < util <= 1, "engine.gpu_memory_utilization", util, "in (0, 1]")
+    _at_least_one("engine.max_model_len", engine.get("max_model_len", 1))
+
+
+@dataclass
+class RLConfig:
+    """``conf/rl.yaml`` as composed."""
+
+    run_dir: str = MISSING
+    resume: str | None = None
+    data_dir: str | None = None
+    model: ModelConfig = MISSING
+    engine: dict[str, Any] = field(default_factory=dict)
+    tools: Any = None
+    parallel: ParallelConfig = MISSING
+    cluster: Any = MISSING
+    data: RLDataConfig = field(default_factory=RLDataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    trainer: RLTrainerConfig = field(default_factory=RLTrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    colocation: ColocationConfig = field(default_factory=ColocationConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    tool_servers: ToolServersConfig = field(default_factory=ToolServersConfig)
+    plan: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_plan_options(self.plan)
+        check_engine(self.engine)
+        d = self.data
+        require(bool(d.presets or d.files), "data.files", d.files, "RL prompts: name data.presets or data.files")
+        check_context_length(self.model, d.max_prompt_len, self.rollout.longest_response)
+        self.cluster = cluster_schema(self.cluster)
+        m, p, a, r = self.model, self.parallel, self.algorithm, self.rollout
+        groups = math.gcd(m.num_attention_heads, m.num_query_groups)
+        require(
+            groups % p.tp == 0,
+            "parallel.tp",
+            p.tp,
+            f"must divide the attention and KV heads of {m.name}; valid: {divisors(groups)}",
+        )
+        require(m.num_layers % p.pp == 0, "parallel.pp", p.pp, f"valid: {divisors(m.num_layers)}")
+        dp = self.cluster.data_parallel(p.model_parallel)
+        per_pass = dp * self.trainer.micro_batch_size
+        require(
+            (a.mini_batch_size * r.n) % per_pass == 0,
+            "algorithm.mini_batch_size",
+            a.mini_batch_size,
+            f"x rollout.n = {a.mini_batch_size * r.n} samples must be a multiple of dp x trainer.micro_batch_size "
+            f"= {dp} x {self.trainer.micro_batch_size}",
+        )
+        needed = collective_timeout_min(
+            rollout_wait_s({"n": r.n, "timeout_s": r.timeout_s, "concurrency": r.concurrency}, a.gen_batch_size)
+        )
+        require(
+            p.collective_timeout_min is None or p.collective_timeout_min >= needed,
+            "parallel.collective_timeout_min",
+            p.collective_timeout_min,
+            f"ranks wait at a collective while another rank's rollouts run (rollout.timeout_s={r.timeout_s} per "
+            f"wave): at least {needed} minutes, or null (sized from the rollout)",
+        )
+        if a.adv_estimator == "gae":
+            require(r.n >= 1, "rollout.n", r.n, ">= 1")
+        elif a.filter_groups or a.adv_estimator in ("grpo", "drgrpo"):
+            require(r.n >= 2, "rollout.n", r.n, "GRPO compares samples of a group: >= 2")

@@ -1,0 +1,210 @@
+"""``jobs.plan``: the planned bytes against the tensors of real gloo worlds, the 32B recipes, the Slurm gate."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from omegaconf import OmegaConf
+
+from afm_core.launch.distributed import free_port
+from afm_core.launch.plan import compose, make_plan, render
+from afm_core.models.arch import hf_config_from_arch
+from afm_core.models.presets import load_preset
+from afm_core.train.memory import activations, model_state
+from afm_core.utils.paths import repo_root
+from tests.gloo_env import set_rank_env
+
+SEQ, MBS = 64, 2
+
+
+def measure_worker(rank: int, world: int, port: int, spec: dict, out: dict) -> None:
+    """Build the model of ``spec`` in a real gloo world, wrap it in the trainer, take one optimizer step (Adam's
+    state exists after it) and measure this rank's tensors; then the saved-for-backward bytes of each decoder
+    layer in one forward of a ``[MBS, SEQ]`` micro batch."""
+    set_rank_env(rank, world, port)
+    from afm_core.models.bridge import build_gpt_model, mcore_config_from_hf
+    from afm_core.train.distributed import destroy_distributed, init_distributed
+    from afm_core.train.trainer import SFTTrainer, build_model_chunks
+
+    conf = repo_root() / "conf"
+    cfg = OmegaConf.create(
+        {
+            "trainer": OmegaConf.load(conf / "sft.yaml").trainer,
+            "optim": OmegaConf.load(conf / "sft.yaml").optim,
+            "parallel": {**OmegaConf.to_container(OmegaConf.load(conf / "parallel" / "default.yaml")), **spec["p"]},
+        }
+    )
+    cfg.trainer.update(seq_length=SEQ, micro_batch_size=MBS, global_batch_size=MBS * spec["dp"], num_threads=1)
+    layout = init_distributed(cfg.parallel, seed=1, num_threads=1)
+    try:
+        hf_config = hf_config_from_arch(load_preset(spec["model"]).arch)
+        dtype = torch.bfloat16 if spec["bf16"] else torch.float32
+        config = mcore_config_from_hf(hf_config, tp=layout.tp, pp=layout.pp, params_dtype=dtype)
+        chunks = build_model_chunks(
+            lambda **kw: build_gpt_model(hf_config, config, **kw),
+            layout,  # pre/post_process, vp_stage
+        )
+        trainer = SFTTrainer(cfg, layout, chunks, None, [], spec["run_dir"], max_steps=1)  # type: ignore[arg-type]
+        for chunk in trainer.model:
+            chunk.zero_grad_buffer()
+        trainer.optimizer.step()
+        unique = {id(p): p for c in trainer.model for p in c.parameters()}.values()
+        param_bytes = sum(p.numel() * p.element_size() for p in unique)
+        params = {p.untyped_storage().data_ptr() for p in unique}
+        grads = sum(b.grad_data.numel() * b.grad_data.element_size() for c in trainer.model for b in c.buffers)
+        optimizer = 0
+        for inner in [getattr(o, "optimizer", o) for o in getattr(trainer.optimizer, "chained_optimizers", [])]:
+            for state in inner.state.values():  # exp_avg and exp_avg_sq (the scalar step counters are not counted)
+                optimizer += sum(t.numel() * t.element_size() for k, t in state.items() if k != "step")
+        for wrapped in getattr(trainer.optimizer, "chained_optimizers", []):
+            for group in getattr(wrapped, "fp32_from_float16_groups", []):  # bf16: the fp32 master weights
+                optimizer += sum(p.numel() * p.element_size() for p in group)
+
+        layer_bytes = measure_layer_activations(chunks[0], hf_config.vocab_size, params)
+        out[(rank, "pp")] = layout.pp_rank
+        out[(rank, "bytes")] = (param_bytes, grads, optimizer)
+        out[(rank, "layer")] = layer_bytes
+    finally:
+        destroy_distributed()
+
+
+def measure_layer_activations(model: torch.nn.Module, vocab: int, params: set[int]) -> float | None:
+    """Mean bytes a decoder layer saves for backward in one forward (parameters excluded; storages counted once);
+    None on a stage that does not start with the embedding (it would need the previous stage's output)."""
+    if not model.pre_process:
+        return None
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    inside: list[int] = []
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if inside and ptr not in params and t.is_floating_point():
+            storages[ptr] = max(storages.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    layers = [m for m in model.modules() if isinstance(m, TransformerLayer)]
+
+    def enter(*_: object) -> None:
+        inside.append(1)
+
+    def leave(*_: object) -> None:
+        inside.pop()
+
+    handles = [m.register_forward_pre_hook(enter) for m in layers]
+    handles += [m.register_forward_hook(leave) for m in layers]
+    tokens = torch.randint(0, vocab, (MBS, SEQ))
+    positions = torch.arange(SEQ).expand(MBS, SEQ)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, positions, None)
+    for handle in handles:
+        handle.remove()
+    return sum(storages.values()) / len(layers)
+
+
+LAYOUTS = {
+    # name: model, parallel, world, bf16
+    "tiny-llama tp2": ("tiny-llama", {"tp": 2}, 2, False),
+    "tiny-llama pp2": ("tiny-llama", {"pp": 2}, 2, False),
+    "tiny-llama dp2 bf16": ("tiny-llama", {}, 2, True),
+    "smollm2 pp2 bf16": ("smollm2-135m", {"pp": 2}, 2, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_planned_parameter_gradient_and_optimizer_bytes_equal_the_measured_tensors(tmp_path, name):
+    model, parallel, world, bf16 = LAYOUTS[name]
+    tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
+    spec = {"model": model, "p": parallel, "dp": world // (tp * pp), "bf16": bf16, "run_dir": str(tmp_path)}
+    arch = load_preset(model).arch
+    planned = model_state(
+        hf_config_from_arch(arch),
+        world_size=world,
+        tp=tp,
+        pp=pp,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        distributed_optimizer=False,
+        on_gpu=False,
+    )
+    out = mp.Manager().dict()
+    mp.start_processes(
+        measure_worker, args=(world, free_port(), spec, out), nprocs=world, join=True, start_method="spawn"
+    )
+    for rank in range(world):
+        stage = planned[out[(rank, "pp")]]
+        assert out[(rank, "bytes")] == (stage.param_bytes, stage.grad_bytes, stage.optimizer_bytes), name
+        measured = out[(rank, "layer")]
+        if measured is None:
+            continue
+        acts = activations(
+            arch, stage, pp=pp, vpp=None, tp=tp, cp=1, seq_length=SEQ, micro_batch_size=MBS, num_microbatches=1,
+            sequence_parallel=False, recompute=None, element_size=2 if bf16 else 4, on_gpu=False,
+        )  # fmt: skip
+        assert abs(acts.per_layer_micro_batch / measured - 1) <= 0.2, (name, acts.per_layer_micro_batch, measured)
+
+
+def plain(app: str, *overrides: str) -> dict:
+    return OmegaConf.to_container(compose(app, overrides), resolve=False)
+
+
+def test_qwen25_32b_totals_32_76b_parameters_and_its_sft_recipe_fits_80gb_gpus():
+    plan = make_plan(plain("sft", "recipe=afm_web_sft_32b"), "sft")
+    assert abs(plan["total_params"] / 32.76e9 - 1) < 0.005, plan["total_params"]
+    stage_params = sum(row["params"] for row in plan["stages"]) * plan["layout"]["tp"]
+    assert abs(stage_params / plan["total_params"] - 1) < 1e-3  # the meta-built shards add up to the HF tensors
+    assert plan["fits"] is True and plan["gpus"]["80"]["fits"], render(plan)
+
+
+def test_the_weight_sync_plan_names_every_hf_tensor_of_qwen25_32b_once_with_its_shape():
+    from transformers import AutoModelForCausalLM
+
+    plan = make_plan(plain("rl", "recipe=afm_code_rl_32b"), "rl")
+    planned = {row["name"]: tuple(row["shape"]) for row in plan["weight_sync"]}
+    assert len(planned) == len(plan["weight_sync"])
+    with torch.device("meta"):  # the HF model itself, no memory
+        hf = AutoModelForCausalLM.from_config(hf_config_from_arch(load_preset("qwen2.5-coder-32b-instruct").arch))
+    assert planned == {name: tuple(t.shape) for name, t in hf.state_dict().items()}
+    assert {row["pp_rank"] for row in plan["weight_sync"]} == {0}  # pp=1: one stage sends everything
+    engine = plan["vllm"]  # the colocated engine at the recipe's context: 4,096 + 28,672 tokens
+    assert engine["max_model_len"] == 32768 <= hf.config.max_position_embeddings
+    assert (
+        engine["per_gpu"]["80"]["sequences_at_max_model_len"] >= 1 and "generation" in plan["gpus"]["80"]["phases_gib"]
+    )
+
+
+def test_a_32b_sft_at_tp1_pp1_does_not_fit_and_slurm_submission_is_refused_before_sbatch(tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(repo_root()), "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+    sbatch = tmp_path / "sbatch"  # records a call, which must not happen
+    sbatch.write_text(f"#!/bin/sh\ntouch {tmp_path}/sbatch_called\nexit 1\n")
+    sbatch.chmod(0o755)
+    args = ["recipe=afm_web_sft_32b", "parallel.tp=1", "parallel.pp=1", f"hydra.run.dir={run_dir}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.sft", *args], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "does not fit on 80 GB GPUs" in done.stderr and "parallel.tp=8" in done.stderr, done.stderr[-2000:]
+    assert "does not fit" in done.stdout and "GiB" in done.stdout
+    assert (run_dir / "plan.json").is_file() and not (tmp_path / "sbatch_called").exists()
+    assert not (run_dir / "logs").exists()
+
+
+def test_the_plan_of_a_cpu_job_has_no_gpu_verdict_and_jobs_plan_writes_plan_json(tmp_path):
+    out = tmp_path / "plan.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "jobs.plan", "model=tiny-llama", "trainer.max_steps=1", f"plan.out={out}"],
+        env={**os.environ, "PYTHONPATH": str(repo_root())},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert out.is_file() and "fp32 on CPU" in done.stdout and "verdict" not in done.stdout
+    assert Path(out).read_text().startswith("{")
