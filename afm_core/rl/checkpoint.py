@@ -9,7 +9,7 @@ appears once.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -23,6 +23,7 @@ class RLProgress:
     prompts_consumed: int = 0
     samples_trained: int = 0
     train_time_s: float = 0.0
+    run_ids: dict[str, str] = field(default_factory=dict)  # tracking backends' runs (W&B, MLflow), continued on resume
 
 
 @dataclass

@@ -5,7 +5,9 @@ line is a call on a named part::
 
     resume (models, optimizers, rollout step, stage, prompt position, dynamic sampler, RNG)  rl/checkpoint.py
     sync the trainer's weights into this rank's vLLM engine                                rl/rollout_actor.py
-    for each rollout step:
+    open the tracker (metrics.jsonl + logger backends, the resumed runs continued)         rl/metrics.py
+    validate before training (trainer.val_before_train)                                    eval/runner.py
+    for each rollout step (profile.steps traced):
         stage = stage_at(stages, step)                 # response budget, trainer seq length   rl/schedule.py
         while the train batch is not full:             # DAPO dynamic sampling                 rl/dynamic_sampling.py
             prompts = stream.take(gen_batch_size)      # resumable, epoch-shuffled             rl/prompts.py
@@ -16,7 +18,9 @@ line is a call on a named part::
         advantages = policy.advantages(samples)        # GRPO over groups, or critic -> GAE    rl/policy_trainer.py
         policy.train(samples, advantages)              # critic, old logprobs, mini-batches    rl/policy_trainer.py
         actor.sync_weights(policy.model)               # Megatron -> vLLM                      rl/weight_sync.py
-        metrics.write(step_record(...))                # metrics.jsonl, rl.png                 rl/metrics.py
+        dump_rollouts(...)                             # trainer.rollout_data_dir/<step>.jsonl  rl/rollout_dump.py
+        metrics.write(step_record(...))                # metrics.jsonl, rl.png, the backends    rl/metrics.py
+        validate every trainer.test_freq steps and at the last, with the live weights        eval/runner.py
         checkpoint at the interval or when asked (USR2 / preemption)                           rl/checkpoint.py
 
 The rollout contract between the two sides is :class:`afm_core.rl.grading.Sample`.
@@ -74,6 +78,7 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
     hf_dir = ensure_hf_checkpoint(cfg["model"])
     tokenizer = load_tokenizer(hf_dir)
     tasks = load_prompts({**cfg["data"], "data_dir": cfg.get("data_dir")}, tokenizer)
+    val_benchmarks = _validation_benchmarks(cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     layout = init_distributed(OmegaConf.create(cfg["parallel"]), seed=int(t["seed"]), num_threads=t.get("num_threads"))
@@ -101,7 +106,8 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
                     flush=True,
                 )
         max_model_len = max_prompt_len + max(s.max_response_len for s in stages)
-        with start_rollout_actor(cfg, layout, hf_dir, tokenizer, tasks, max_model_len) as actor:
+        val_tasks = [task for bench in val_benchmarks for task in bench.tasks]  # their tool servers start too
+        with start_rollout_actor(cfg, layout, hf_dir, tokenizer, tasks + val_tasks, max_model_len) as actor:
             sync0 = actor.sync_weights(policy.model, int(cfg["weight_sync"]["bucket_mb"]) * 2**20)
             if layout.is_rank0:
                 print(
@@ -111,7 +117,7 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
                     f"{run_dir}",
                     flush=True,
                 )
-            summary = _loop(cfg, layout, policy, actor, tasks, state, stages, after_step)
+            summary = _loop(cfg, layout, policy, actor, tasks, state, stages, after_step, val_benchmarks, tokenizer)
             summary["resumed_from"] = str(resume_path) if resume_path else None
             summary["hf_dir"] = None
             if t.get("export_hf", True) and not summary["stopped_early"]:  # the policy, for python -m jobs.eval
@@ -119,6 +125,36 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
         return summary
     finally:
         destroy_distributed()
+
+
+def _validation_benchmarks(cfg: Mapping[str, Any]) -> list[Any]:
+    """The benchmarks validated during training (``trainer.val_benchmarks`` presets + ``val.benchmark_files``, each
+    cut to its ``limit``); [] when neither ``trainer.val_before_train`` nor ``trainer.test_freq`` asks for one.
+
+    Raises:
+        ValueError: validation asked for with no benchmark named.
+    """
+    from afm_core.eval.runner import load_benchmarks
+
+    t, val = cfg["trainer"], dict(cfg.get("val") or {})
+    if not (t.get("val_before_train") or int(t.get("test_freq") or 0) > 0):
+        return []
+    presets, files = list(t.get("val_benchmarks") or []), list(val.get("benchmark_files") or [])
+    if not presets and not files:
+        raise ValueError("trainer.val_before_train / trainer.test_freq: set trainer.val_benchmarks=[gsm8k_test,...] "
+                         "and/or val.benchmark_files=[my.jsonl]")  # fmt: skip
+    return load_benchmarks({"benchmarks": presets, "benchmark_files": files, "data_dir": cfg.get("data_dir"),
+                            "eval": val})  # fmt: skip
+
+
+def _validate(cfg: Mapping[str, Any], actor: Any, benchmarks: list[Any], metrics: RLMetricsLog, step: int) -> None:
+    """Validate the live weights on engine 0 (its TP followers mirror it; the other ranks go on to the next
+    collective) and log the ``split: val`` record at ``step`` (rank 0)."""
+    if actor.engines[1] != 0:
+        return
+    start = time.perf_counter()
+    results = actor.validate(benchmarks, cfg["val"])
+    metrics.write_validation(step, results, time.perf_counter() - start)
 
 
 def _loop(
@@ -130,18 +166,27 @@ def _loop(
     state: RLState,
     stages: list[Stage],
     after_step: Callable[[int], None] | None,
+    val_benchmarks: list[Any],
+    tokenizer: Any,
 ) -> dict[str, Any]:
     """The rollout steps from ``state.progress.rollout_step`` to ``trainer.max_steps`` (or a requested stop)."""
+    from afm_core.rl.rollout_dump import dump_rollouts
     from afm_core.train.trainer import boundary_flags
+    from afm_core.utils.profiling import StepProfiler
 
     t, a, r = cfg["trainer"], cfg["algorithm"], cfg["rollout"]
     progress, stream, sampler = state.progress, state.stream, state.sampler
     run_dir, max_steps, n, gen_bs = Path(cfg["run_dir"]), int(t["max_steps"]), int(r["n"]), int(a["gen_batch_size"])
-    max_prompt_len = int(cfg["data"]["max_prompt_len"])
-    metrics = RLMetricsLog(run_dir, progress.rollout_step, max_steps, enabled=layout.is_rank0)
+    max_prompt_len, test_freq = int(cfg["data"]["max_prompt_len"]), int(t.get("test_freq") or 0)
+    metrics = RLMetricsLog(cfg, progress, enabled=layout.is_rank0)
+    profiler = StepProfiler(cfg.get("profile"), run_dir, layout.rank, layout.on_gpu)
+    if val_benchmarks and t.get("val_before_train") and progress.rollout_step == 0:
+        _validate(cfg, actor, val_benchmarks, metrics, 0)
     last_checkpoint, stopped_early = None, False
     while progress.rollout_step < max_steps:
         step_start = time.perf_counter()
+        profiled = profiler.step(progress.rollout_step + 1)  # a no-op outside profile.steps
+        profiled.__enter__()
         stage = stage_at(stages, progress.rollout_step)
         times = {"generate_s": 0.0, "tools_s": 0.0, "weight_sync_s": 0.0}
         if stage.index != progress.stage:
@@ -175,6 +220,7 @@ def _loop(
             sync = actor.sync_weights(policy.model, int(cfg["weight_sync"]["bucket_mb"]) * 2**20)
             times["weight_sync_s"] = time.perf_counter() - start
             times["weight_sync_gb_per_s"] = sync.gb_per_s
+        profiled.__exit__(None, None, None)
         progress.rollout_step += 1
         progress.optimizer_steps += int(train.get("optimizer_steps", 0))
         progress.samples_trained += len(samples)
@@ -184,15 +230,20 @@ def _loop(
         record = step_record(progress, stage, seq_length, max_prompt_len, samples, generated, sampling.as_dict(),
                              train, times, stream, tool_metrics, r.get("environment", "real"))  # fmt: skip
         metrics.write(record)
+        if t.get("rollout_data_dir") and layout.is_rank0:
+            dump_rollouts(t["rollout_data_dir"], progress.rollout_step, generated, samples, tokenizer)
+        step = progress.rollout_step
+        if val_benchmarks and test_freq > 0 and (step % test_freq == 0 or step == max_steps):
+            _validate(cfg, actor, val_benchmarks, metrics, step)
         if after_step is not None:
             after_step(progress.rollout_step)
         want, stop = boundary_flags(layout.on_gpu)  # USR2 / preemption, OR-ed over ranks
-        step = progress.rollout_step
         if want or step % int(t["save_interval"]) == 0 or step == max_steps:
             last_checkpoint = policy.save(step, state.state_dict())
         if stop and step < max_steps:
             stopped_early = True
             break
+    profiler.stop()
     metrics.close()
     return {
         "step": progress.rollout_step,

@@ -89,14 +89,25 @@ def plot_rl(metrics_path: Path, png_path: Path) -> None:
 
 
 class RLMetricsLog:
-    """Rank 0's ``RUN_DIR/metrics.jsonl`` (cut back to ``step`` on a resume), ``rl.png`` and console line; a
-    no-op on the other ranks."""
+    """Rank 0's metrics sink: the job's :class:`~afm_core.utils.tracking.Tracker` (``RUN_DIR/metrics.jsonl``, cut
+    back to ``progress.rollout_step`` on a resume, and the ``logger`` backends, continuing the runs whose ids the
+    resumed checkpoint's ``progress.run_ids`` holds), ``rl.png`` and the console line; a no-op on the other ranks.
+    Every rank's ``progress.run_ids`` is set to rank 0's (collective), so the next checkpoint carries them."""
 
-    def __init__(self, run_dir: Path, step: int, max_steps: int, enabled: bool):
-        from afm_core.train.metrics import MetricsLog
+    def __init__(self, cfg: Mapping[str, Any], progress: Any, enabled: bool):
+        import torch
 
-        self.run_dir, self.max_steps = Path(run_dir), max_steps
-        self.log = MetricsLog(self.run_dir / "metrics.jsonl", step) if enabled else None
+        from afm_core.utils.tracking import Tracker
+
+        self.run_dir, self.max_steps = Path(cfg["run_dir"]), int(cfg["trainer"]["max_steps"])
+        self.log: Tracker | None = None
+        if enabled:
+            self.log = Tracker(self.run_dir, list(cfg.get("logger") or ["console"]), config=cfg, job_type="rl",
+                               tracking=cfg.get("tracking"), run_ids=progress.run_ids,
+                               resume_step=progress.rollout_step)  # fmt: skip
+        shared = [self.log.run_ids if self.log is not None else {}]
+        torch.distributed.broadcast_object_list(shared, src=0)
+        progress.run_ids = dict(shared[0])
 
     def write(self, record: Mapping[str, Any]) -> None:
         if self.log is None:
@@ -110,6 +121,18 @@ class RLMetricsLog:
             f"{record.get('train_s', 0):.1f}s sync {record['weight_sync_s']:.2f}s",
             flush=True,
         )
+
+    def write_validation(self, step: int, results: Mapping[str, Mapping[str, Any]], seconds: float) -> None:
+        """One ``split: val`` record at rollout step ``step``: each benchmark's metrics as ``<benchmark>/<key>``
+        (the backends show ``val/<benchmark>/avg@k``), and ``val_s``."""
+        if self.log is None:
+            return
+        from afm_core.utils.tracking import flatten
+
+        values = {f"{name}/{key}": value for name, m in results.items() for key, value in flatten(m).items()}
+        self.log.write({"step": step, "split": "val", **values, "val_s": seconds})
+        scores = ", ".join(f"{name} avg@{m['k']} {m.get('avg@' + str(m['k']))}" for name, m in results.items())
+        print(f"[rl] validation at step {step}: {scores} ({seconds:.1f}s)", flush=True)
 
     def close(self) -> None:
         if self.log is not None:

@@ -53,6 +53,7 @@ class RolloutActor:
         lockstep: Any = None,
     ):
         from afm_core.rewards import Graders, LLMJudge, SandboxClient
+        from afm_core.rewards.grader import custom_reward
         from afm_core.tools.job_servers import reachable_tools_cfg
         from afm_core.tools.registry import build_tool_pool
 
@@ -64,6 +65,7 @@ class RolloutActor:
         self.pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
         judge = cfg.get("judge") or {}
         self.graders = Graders(
+            custom=custom_reward(cfg.get("reward_fn")),  # a plug-in reward (docs/plugins.md) grades every task
             sandbox=SandboxClient(urls["sandbox"], timeout_s=float(cfg["reward"]["test_timeout_s"]))
             if "sandbox" in urls
             else None,
@@ -163,12 +165,33 @@ class RolloutActor:
         """``n`` graded trajectories of each ``(uid, task index)`` of ``prompts`` (a generation batch, the same on
         every rank): each engine generates every ``engines``-th prompt, and the trajectories of all ranks are
         gathered (collective), so every rank returns the same list, grouped by prompt."""
-        if self.colocation is not None:  # one engine per vLLM TP group of ranks
-            engines, engine = self.colocation.groups, self.colocation.group
-        else:
-            engines, engine = torch.distributed.get_world_size(), torch.distributed.get_rank()
+        engines, engine = self.engines
         mine = [(uid, tasks[index]) for uid, index in prompts[engine::engines]]
         return [s for part in gather_objects(self.generate(mine, n, stage, seed=seed)) for s in part]
+
+    @property
+    def engines(self) -> tuple[int, int]:
+        """``(engines in the job, this rank's engine index)``: one engine per vLLM TP group of ranks."""
+        if self.colocation is not None:
+            return self.colocation.groups, self.colocation.group
+        return torch.distributed.get_world_size(), torch.distributed.get_rank()
+
+    def validate(self, benchmarks: Sequence[Any], eval_cfg: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """``benchmarks`` x ``k`` on this rank's engine with the weights it holds now (the trainer's, after a
+        sync; nothing reloaded) through :func:`afm_core.eval.runner.validate`: the eval job's agent loop, tools
+        and graders; returns ``{benchmark: metrics}`` (``avg@k``, ``pass@k``, ... as in ``metrics.json``). Not
+        collective: the driver calls it on engine 0's ranks (a follower rank mirrors its leader, returns {})."""
+        from afm_core.eval.runner import validate
+
+        if self.follower:
+            self.engine.follow()
+            return {}
+        try:
+            return dict(self.run(validate(self.engine, self.tokenizer, self.tool_runner(), self.graders,
+                                          list(benchmarks), eval_cfg)))  # fmt: skip
+        finally:
+            if self.lockstep is not None:
+                self.engine.end_round()  # release the followers
 
     def sleep(self) -> None:
         """Free the engine's memory for the training phase (GPU sleep mode; a no-op elsewhere). The next
