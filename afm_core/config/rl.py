@@ -19,6 +19,7 @@ from omegaconf import MISSING
 from afm_core.config.checks import divisors, require
 from afm_core.config.cluster import cluster_schema
 from afm_core.config.sft import ModelConfig, OptimConfig, ParallelConfig, check_plan_options
+from afm_core.config.tracking import ProfileConfig, TrackingConfig, check_loggers
 from afm_core.launch.distributed import collective_timeout_min, rollout_wait_s
 from afm_core.rl.colocation import COLOCATION_MODES
 from afm_core.rl.dynamic_sampling import FILTER_METRICS
@@ -221,8 +222,13 @@ class RLTrainerConfig:
     keep_last: int = 2
     export_hf: bool = True
     num_threads: int | None = None
+    rollout_data_dir: str | None = None
+    val_before_train: bool = False
+    test_freq: int = 0
+    val_benchmarks: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        require(self.test_freq >= 0, "trainer.test_freq", self.test_freq, ">= 0 (0: off)")
         for key in ("max_steps", "micro_batch_size", "save_interval", "keep_last"):
             _at_least_one(f"trainer.{key}", getattr(self, key))
         require(self.precision in ("auto", "fp32", "bf16"), "trainer.precision", self.precision, "auto, fp32 or bf16")
@@ -321,8 +327,14 @@ class RLConfig:
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     tool_servers: ToolServersConfig = field(default_factory=ToolServersConfig)
     plan: dict[str, Any] = field(default_factory=dict)
+    val: dict[str, Any] = field(default_factory=dict)  # validation's eval.* settings (afm_core.eval.runner.validate)
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    reward_fn: Any = None  # a plug-in ({_target_: ...}), imported when the job builds its graders
 
     def __post_init__(self) -> None:
+        check_loggers(self.logger)
         check_plan_options(self.plan)
         check_engine(self.engine)
         d = self.data
