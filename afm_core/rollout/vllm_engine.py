@@ -314,6 +314,8 @@ class VLLMEngine:
             )
         if cfg.in_process:
             return InprocVLLMEngine.create(cfg)
+        # an in-process engine earlier in this process set it to 0, which would put this engine core in-process too
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
