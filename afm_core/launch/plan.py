@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from afm_core.train.memory import Activations, StageState
 
 GIB = 1024**3
 GPU_OVERHEAD_BYTES = 2 * GIB  # CUDA context, NCCL and cuBLAS workspaces, allocator slack (not modelled)
@@ -41,6 +44,25 @@ def as_gib(value: float) -> float:
 
 def gpu_total_bytes(nominal_gb: float) -> int:
     return GPU_TOTAL_BYTES.get(int(nominal_gb), int(nominal_gb * GIB))
+
+
+def stage_table(stage: StageState, acts: Activations) -> dict[str, Any]:
+    """One row of the plan's per-rank table (bytes and GiB)."""
+    row = {**asdict(stage), "activations_bytes": acts.layers, "logits_bytes": acts.logits}
+    row["train_bytes"] = stage.total + acts.total
+    row["in_flight_micro_batches"] = acts.in_flight
+    row["gib"] = {
+        key: as_gib(value)
+        for key, value in (
+            ("params", stage.param_bytes),
+            ("grads", stage.grad_bytes),
+            ("optimizer", stage.optimizer_bytes),
+            ("activations", acts.layers),
+            ("logits", acts.logits),
+            ("train", row["train_bytes"]),
+        )
+    }
+    return row
 
 
 def compose(app: str, overrides: Sequence[str]) -> Any:
@@ -160,7 +182,7 @@ def training_plan(hf_config: Any, layout: Layout) -> list[dict[str, Any]]:
     import torch
 
     from afm_core.models.arch import arch_from_hf_config
-    from afm_core.train.memory import activations, model_state, stage_table
+    from afm_core.train.memory import activations, model_state
 
     arch = arch_from_hf_config(hf_config)
     dtype = torch.bfloat16 if layout.bf16 else torch.float32

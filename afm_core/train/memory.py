@@ -39,12 +39,11 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from afm_core.launch.plan import as_gib
 from afm_core.models.arch import ModelArch
 
 
@@ -293,22 +292,3 @@ def activations(
     if stage.last and (on_gpu or tp > 1):
         logits = int((element_size + 4) * tokens * arch.vocab_size / tp)
     return Activations(full_layer, layers, logits, in_flight)
-
-
-def stage_table(stage: StageState, acts: Activations) -> dict[str, Any]:
-    """One row of the plan's per-rank table (bytes and GiB)."""
-    row = {**asdict(stage), "activations_bytes": acts.layers, "logits_bytes": acts.logits}
-    row["train_bytes"] = stage.total + acts.total
-    row["in_flight_micro_batches"] = acts.in_flight
-    row["gib"] = {
-        key: as_gib(value)
-        for key, value in (
-            ("params", stage.param_bytes),
-            ("grads", stage.grad_bytes),
-            ("optimizer", stage.optimizer_bytes),
-            ("activations", acts.layers),
-            ("logits", acts.logits),
-            ("train", row["train_bytes"]),
-        )
-    }
-    return row
