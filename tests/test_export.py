@@ -5,7 +5,9 @@ incomplete and absent checkpoints are refused with a clear message."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -19,9 +21,9 @@ from tests.test_sft_run import OVERRIDES, run_sft_spawned
 pytestmark = pytest.mark.slow
 
 
-def export(*args: str) -> subprocess.CompletedProcess:
+def export(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "jobs.export", *args], cwd=repo_root(), capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+                          text=True, timeout=600, env={**os.environ, **(env or {})})  # fmt: skip
 
 
 def weights(hf_dir) -> dict[str, torch.Tensor]:
@@ -35,7 +37,9 @@ def test_a_mid_run_tp2_checkpoint_exports_to_hf_with_matching_logits_and_incompl
     run_sft_spawned([*OVERRIDES, f"run_dir={run_dir}", "parallel.tp=2", "trainer.max_steps=2", "trainer.save_interval=1",
                      "trainer.keep_last=2", "trainer.eval_interval=100"], tmp_path / "sft.json", world=2)  # fmt: skip
 
-    mid = export(f"run_dir={run_dir}", "step=1", f"out={tmp_path / 'step1'}")
+    with socket.create_server(("127.0.0.1", 0)) as parents_store:  # a parent's rendezvous, still listening
+        inherited = {"MASTER_PORT": str(parents_store.getsockname()[1]), "WORLD_SIZE": "1", "RANK": "0"}
+        mid = export(f"run_dir={run_dir}", "step=1", f"out={tmp_path / 'step1'}", env=inherited)
     assert mid.returncode == 0, mid.stderr[-3000:]
     summary = json.loads(mid.stdout[mid.stdout.index("{") :])
     assert summary["step"] == 1 and summary["dtype"] == "float32" and summary["max_logit_diff"] < 1e-3

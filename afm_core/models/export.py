@@ -87,15 +87,24 @@ def checkpoint_dtype(path: Path) -> torch.dtype:
 
 
 def _init_single_process() -> Any:
-    """One gloo (or NCCL) rank with TP=PP=1, unless this process already belongs to a group."""
+    """A world of one gloo (or NCCL) rank with TP=PP=1 on a fresh 127.0.0.1 port.
+
+    The rendezvous variables are overwritten, not defaulted: a process started by another (a test runner, a
+    pipeline stage) must not reuse its parent's ``MASTER_PORT``, which that parent may still be listening on.
+    """
     from omegaconf import OmegaConf
 
     from afm_core.launch.distributed import free_port
     from afm_core.train.distributed import init_distributed
 
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1")):
-        os.environ.setdefault(key, value)
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
     return init_distributed(OmegaConf.create({"tp": 1, "pp": 1}), seed=0)
 
 
