@@ -7,7 +7,9 @@
     python -m jobs.rl hydra.run.dir=runs/rl/X                  # continue X from its latest checkpoint
 
 The composed config is checked against its typed schema (:mod:`afm_core.config.rl`) before anything starts: an
-unknown key or a bad value exits with status 2 in seconds, naming the key. A ``cluster=slurm`` job is planned
+unknown key or a bad value exits with status 2 in seconds, naming the key; so do an absent prompt or validation
+benchmark file, an unknown preset and a plug-in (``reward_fn``, a tool's ``_target_``) that does not import
+(:func:`afm_core.rl.driver.check_inputs`). A ``cluster=slurm`` job is planned
 first (:mod:`afm_core.launch.plan`): one that does not fit its GPUs exits with status 3 before ``sbatch``
 (``+plan.force=true`` submits anyway). Each rank runs ``afm_core.rl.driver.run_rl(cfg)``; on SIGUSR2 (Slurm timeout or preemption) it checkpoints at
 the next rollout-step boundary and the job is requeued (afm_core.launch.requeue).
@@ -23,6 +25,7 @@ from omegaconf import DictConfig
 from afm_core.config.rl import RLConfig
 from afm_core.launch.distributed import collective_timeout_min, rollout_wait_s
 from afm_core.launch.submit import run_training_job
+from afm_core.rl.driver import check_inputs
 
 
 @hydra.main(config_path="../conf", config_name="rl", version_base="1.3")
@@ -30,7 +33,7 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
     if cfg.parallel.get("collective_timeout_min") is None:  # outlast the longest rollout wait (not a fixed 30 min)
         wait = rollout_wait_s(cfg.rollout, cfg.algorithm.gen_batch_size)
         cfg.parallel.collective_timeout_min = collective_timeout_min(wait)
-    return run_training_job("afm_core.rl.driver.run_rl", cfg, job_name="rl", schema=RLConfig)
+    return run_training_job("afm_core.rl.driver.run_rl", cfg, job_name="rl", schema=RLConfig, check_inputs=check_inputs)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from afm_core.config import ConfigError, check_config
 from afm_core.config.data import PrepareDataConfig
@@ -187,13 +188,22 @@ def test_every_shipped_rl_recipe_passes_the_rl_schema(recipe):
             "data.max_prompt_len + the largest stage's max_response_len = 2040 + 48 = 2088 tokens (vLLM "
             "max_model_len) > model.max_position_embeddings = 2048 of tiny-llama; lower",
         ),
+        # checked after the schema, before the queue (afm_core.rl.driver.check_inputs): no engine starts
+        (
+            "+reward_fn._target_=/nonexistent/my_reward.py:score",
+            "reward_fn._target_: no file /nonexistent/my_reward.py",
+        ),
+        (
+            "trainer.val_before_train=true trainer.val_benchmarks=[gsm8k_tset]",
+            "jobs.rl: trainer.val_benchmarks=['gsm8k_tset'] / val.benchmark_files=[]: unknown benchmark 'gsm8k_tset'",
+        ),
     ],
 )
 def test_jobs_rl_rejects_a_bad_override_within_10_s_naming_the_key(tmp_path, override, message):
     run_dir = tmp_path / "run"
     start = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "jobs.rl", "recipe=rl_smoke", override, f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "jobs.rl", "recipe=rl_smoke", *override.split(), f"hydra.run.dir={run_dir}"],
         cwd=repo_root(),
         capture_output=True,
         text=True,
@@ -204,6 +214,36 @@ def test_jobs_rl_rejects_a_bad_override_within_10_s_naming_the_key(tmp_path, ove
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert seconds < 10, f"rejected after {seconds:.1f} s"
     assert not (run_dir / "logs").exists(), "a job was submitted"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "message"),
+    [
+        (
+            ["tools.tools.code.server=null", "+tools.tools.code._target_=examples.plugins.my_plugins.Nope"],
+            ValueError,
+            "tools.code: Error locating target 'examples.plugins.my_plugins.Nope'",
+        ),
+        (
+            ["trainer.test_freq=1", "val.benchmark_files=[/nonexistent/val.jsonl]"],
+            FileNotFoundError,
+            "trainer.val_benchmarks=[] / val.benchmark_files=['/nonexistent/val.jsonl']: benchmark file "
+            "/nonexistent/val.jsonl not found",
+        ),
+        (
+            ["data.presets=[]", "data.files=[/nonexistent/prompts.parquet]"],
+            FileNotFoundError,
+            "data.presets=[] / data.files=['/nonexistent/prompts.parquet']: benchmark file /nonexistent/prompts.parquet",
+        ),
+    ],
+)
+def test_the_rl_jobs_plug_ins_and_task_files_are_checked_before_the_queue_naming_the_key(overrides, error, message):
+    from afm_core.rl.driver import check_inputs
+
+    cfg = OmegaConf.to_container(_compose("recipe=rl_smoke", "run_dir=/tmp/run", *overrides, config="rl"), resolve=True)
+    with pytest.raises(error) as raised:
+        check_inputs(cfg)
+    assert message in str(raised.value)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +70,18 @@ def submit(fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str) -> dict[
     return wait_streaming(submitted)
 
 
-def run_training_job(fn: str, cfg: DictConfig, *, job_name: str, schema: type | None = None) -> dict[str, Any] | None:
+def run_training_job(
+    fn: str,
+    cfg: DictConfig,
+    *,
+    job_name: str,
+    schema: type | None = None,
+    check_inputs: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any] | None:
     """The body of a training app (``jobs.sft``, ``jobs.rl``): check ``cfg`` against its typed ``schema``
     (:func:`afm_core.config.check_config`; a bad value exits with status 2 and one line naming the key, before
-    anything is built or submitted), plan a ``cluster=slurm`` job (:mod:`afm_core.launch.plan`: one that does not fit
+    anything is built or submitted), then its inputs (``check_inputs(resolved config)``: data files, plug-ins; a
+    ValueError or FileNotFoundError exits with status 2 and its message), plan a ``cluster=slurm`` job (:mod:`afm_core.launch.plan`: one that does not fit
     its GPUs exits with status 3 before ``sbatch``, naming the numbers and the overrides that would fit;
     ``+plan.force=true`` submits anyway), :func:`submit` ``fn`` with the trainer's checkpoint-and-requeue hook
     (:func:`afm_core.train.trainer.request_checkpoint`), and print rank 0's summary as JSON when waiting."""
@@ -86,6 +95,12 @@ def run_training_job(fn: str, cfg: DictConfig, *, job_name: str, schema: type | 
             check_config(cfg, schema)
         except ConfigError as err:
             print(f"jobs.{job_name}: bad config: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+    if check_inputs is not None:
+        try:
+            check_inputs(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+        except (ValueError, FileNotFoundError) as err:
+            print(f"jobs.{job_name}: {err}", file=sys.stderr)
             raise SystemExit(2) from None
     from afm_core.launch.plan import PlanRefused, check_before_submit
 

@@ -78,7 +78,7 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
     hf_dir = ensure_hf_checkpoint(cfg["model"])
     tokenizer = load_tokenizer(hf_dir)
     tasks = load_prompts({**cfg["data"], "data_dir": cfg.get("data_dir")}, tokenizer)
-    val_benchmarks = _validation_benchmarks(cfg)
+    val_benchmarks = validation_benchmarks(cfg)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     layout = init_distributed(OmegaConf.create(cfg["parallel"]), seed=int(t["seed"]), num_threads=t.get("num_threads"))
@@ -127,12 +127,35 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
         destroy_distributed()
 
 
-def _validation_benchmarks(cfg: Mapping[str, Any]) -> list[Any]:
+def check_inputs(cfg: Mapping[str, Any]) -> None:
+    """What :func:`run_rl` reads besides the model, checked where ``jobs.rl`` is submitted (before the queue, no
+    model or engine built): the plug-ins (``reward_fn``, plug-in tools: imported, not built), the validation
+    benchmarks and the RL prompt sources (``data.presets`` / ``data.files``).
+
+    Raises:
+        ValueError: naming the key: an unknown preset, a plug-in that does not import, no prompt source.
+        FileNotFoundError: a prompt or benchmark file that is absent.
+    """
+    from afm_core.eval.benchmarks import load_sources
+    from afm_core.utils.plugins import check_plugins
+
+    check_plugins(cfg)
+    validation_benchmarks(cfg)
+    data = cfg["data"]
+    try:
+        load_sources(data.get("presets"), data.get("files"), cfg.get("data_dir"), unique=False,
+                     empty="name at least one source of RL prompts")  # fmt: skip
+    except (ValueError, FileNotFoundError) as err:
+        raise _naming(f"data.presets={data.get('presets')} / data.files={data.get('files')}", err) from None
+
+
+def validation_benchmarks(cfg: Mapping[str, Any]) -> list[Any]:
     """The benchmarks validated during training (``trainer.val_benchmarks`` presets + ``val.benchmark_files``, each
     cut to its ``limit``); [] when neither ``trainer.val_before_train`` nor ``trainer.test_freq`` asks for one.
 
     Raises:
-        ValueError: validation asked for with no benchmark named.
+        ValueError: validation asked for with no benchmark named, an unknown preset (the message names the keys).
+        FileNotFoundError: a benchmark file or a preset's data file is absent (the message names the keys).
     """
     from afm_core.eval.runner import load_benchmarks
 
@@ -143,8 +166,16 @@ def _validation_benchmarks(cfg: Mapping[str, Any]) -> list[Any]:
     if not presets and not files:
         raise ValueError("trainer.val_before_train / trainer.test_freq: set trainer.val_benchmarks=[gsm8k_test,...] "
                          "and/or val.benchmark_files=[my.jsonl]")  # fmt: skip
-    return load_benchmarks({"benchmarks": presets, "benchmark_files": files, "data_dir": cfg.get("data_dir"),
-                            "eval": val})  # fmt: skip
+    try:
+        return load_benchmarks({"benchmarks": presets, "benchmark_files": files, "data_dir": cfg.get("data_dir"),
+                                "eval": val})  # fmt: skip
+    except (ValueError, FileNotFoundError) as err:
+        raise _naming(f"trainer.val_benchmarks={presets} / val.benchmark_files={files}", err) from None
+
+
+def _naming(keys: str, err: Exception) -> Exception:
+    """``err`` (a ValueError or FileNotFoundError of the task loader) as the same kind of error, led by ``keys``."""
+    return (FileNotFoundError if isinstance(err, FileNotFoundError) else ValueError)(f"{keys}: {err}")
 
 
 def _validate(cfg: Mapping[str, Any], actor: Any, benchmarks: list[Any], metrics: RLMetricsLog, step: int) -> None:

@@ -72,3 +72,18 @@ def build_plugin(entry: Mapping[str, Any], key: str, **kwargs: Any) -> Any:
         return instantiate(spec, **kwargs)
     except InstantiationException as err:
         raise PluginError(f"{key}: {err}") from err
+
+
+def check_plugins(cfg: Mapping[str, Any]) -> None:
+    """Import every plug-in a job's config names (``reward_fn``, the ``tools.tools`` entries with ``_target_``)
+    without building it: run where the job is submitted, so a target that does not import fails before the
+    queue. The tool's ``server``, ``url`` and ``limits`` keys are the pool's, not the target's.
+
+    Raises:
+        PluginError: naming the key (``reward_fn``, ``tools.<tag>``) and the target.
+    """
+    tools: Mapping[str, Any] = (cfg.get("tools") or {}).get("tools") or {}
+    entries = {"reward_fn": cfg.get("reward_fn"), **{f"tools.{tag}": entry for tag, entry in tools.items()}}
+    for key, entry in entries.items():
+        if is_plugin(entry):
+            build_plugin({k: v for k, v in entry.items() if k not in ("server", "url", "limits")}, key, _partial_=True)
