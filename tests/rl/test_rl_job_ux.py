@@ -2,12 +2,13 @@
 interrupted run (checkpoint requested after rollout step 1) resumed to step 3, with TensorBoard and MLflow tracking,
 rollout dumps (``trainer.rollout_data_dir``), validation on a 2-problem benchmark with the live weights
 (``trainer.val_before_train``, ``trainer.test_freq``), a plug-in reward and a plug-in ``<code>`` tool given by file
-path, and a profiled step. The random tiny model calls no tool, so the plug-in tool is also driven through the same
-rollout actor by a scripted policy."""
+path, a profiled step, and its mid-run checkpoint exported to HF (``jobs.export``). The random tiny model calls no
+tool, so the plug-in tool is also driven through the same rollout actor by a scripted policy."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -172,6 +173,29 @@ def test_a_policy_that_writes_code_gets_the_plugged_in_tools_observation_graded_
     masked = [t for t, m in zip(sample.response_ids, sample.response_mask, strict=True) if m == 0]
     assert observation in tokenizer.decode(masked)  # the observation's tokens are kept out of the loss
     assert line["score"] == 1.0 and line["format"] == 1.0 and line["reward"] == 1.0  # built-in math grader: 0
+
+
+@needs_shared_data
+@pytest.mark.slow
+def test_the_mid_run_rl_checkpoint_exports_to_hf_with_the_megatron_models_logits(resumed_run, monkeypatch):
+    """``jobs.export``'s body (:func:`export_checkpoint`) run here: a process of its own would spend ~12 s
+    importing Megatron and transformers again; the CLI around it is tested in tests/test_export.py."""
+    import torch
+
+    from afm_core.models.export import export_checkpoint
+    from tests.test_export import weights
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, os.environ.get(key, ""))  # the export's one-rank world sets them: undone after
+    root, run_dir, first, _ = resumed_run
+    threads = torch.get_num_threads()
+    summary = export_checkpoint(run_dir, root / "hf_step_1", step=1)
+    torch.set_num_threads(threads)  # and the torch threads
+    assert not torch.distributed.is_initialized()
+    assert summary["checkpoint"] == first["checkpoint"] and summary["max_logit_diff"] < 1e-3
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (root / "hf_step_1").iterdir()}
+    mid, last = weights(root / "hf_step_1"), weights(run_dir / "hf")  # run_dir/hf: the trainer's, after step 3
+    assert mid.keys() == last.keys() and any(not torch.equal(mid[k], last[k]) for k in last), "step 1 == step 3"
 
 
 @needs_shared_data
