@@ -177,6 +177,8 @@ def test_the_weight_sync_plan_names_every_hf_tensor_of_qwen25_32b_once_with_its_
     assert (
         engine["per_gpu"]["80"]["sequences_at_max_model_len"] >= 1 and "generation" in plan["gpus"]["80"]["phases_gib"]
     )
+    # the RL job applies the recipe's full recompute (B2): 160.6 GiB "does not fit" planned without it, 70.4 with it
+    assert plan["layout"]["recompute"] == "full" and plan["fits"] is True, render(plan)
 
 
 def test_a_32b_sft_at_tp1_pp1_does_not_fit_and_slurm_submission_is_refused_before_sbatch(tmp_path):

@@ -35,7 +35,6 @@ APPS = ("sft", "rl")
 # H200 141GB: 143771 MiB). Other sizes are taken as GiB.
 GPU_TOTAL_BYTES = {80: 81559 * 2**20, 141: 143771 * 2**20}
 REPORTED_GPUS = (80, 141)
-RL_APPLIES_RECOMPUTE = False  # the RL driver builds its model without parallel.recompute / sequence_parallel (B2)
 
 
 def as_gib(value: float) -> float:
@@ -137,8 +136,6 @@ def layout_of(cfg: Mapping[str, Any], app: str) -> Layout:
         seq_length = int(cfg["data"]["max_prompt_len"]) + (max(stages) if stages else int(r["max_response_len"]))
         samples = int(a["mini_batch_size"]) * int(r["n"])
         num_microbatches = max(1, samples // (dp * mbs))
-        if not RL_APPLIES_RECOMPUTE:
-            recompute, sp = None, False
     else:
         seq_length = int(t["seq_length"])
         num_microbatches = max(1, int(t["global_batch_size"]) // (dp * mbs))
@@ -334,10 +331,6 @@ def make_plan(cfg: Mapping[str, Any], app: str) -> dict[str, Any]:
         "stages": stages,
         "notes": [],
     }
-    if app == "rl" and not RL_APPLIES_RECOMPUTE:
-        plan["notes"].append(
-            "RL: the driver does not apply parallel.recompute / parallel.sequence_parallel yet: planned without them"
-        )
     phases: dict[str, dict[str, int]] = {}
     if app == "rl":
         engine = vllm_plan(hf_config, cfg, layout.seq_length, total_params)
