@@ -13,7 +13,7 @@ line is a call on a named part::
             prompts = stream.take(gen_batch_size)      # resumable, epoch-shuffled             rl/prompts.py
             samples = actor.generate_gathered(...)     # agent loop + grade + reward shaping  rl/rollout_actor.py,
                                                        #                                       rl/grading.py
-            sampler.add(groups)                        # groups whose rewards are all equal are dropped
+            sampler.add_samples(samples)               # groups whose accuracy is all equal are dropped
         actor.sleep()                                  # GPU: the engine's memory goes to the trainer
         advantages = policy.advantages(samples)        # GRPO over groups, or critic -> GAE    rl/policy_trainer.py
         policy.train(samples, advantages)              # critic, old logprobs, mini-batches    rl/policy_trainer.py
@@ -59,7 +59,7 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
             train batch.
     """
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.rl.dynamic_sampling import DynamicSampler
+    from afm_core.rl.dynamic_sampling import dynamic_sampler
     from afm_core.rl.policy_trainer import PolicyTrainer, check_adv_estimator, check_batch_split
     from afm_core.rl.prompts import PromptStream, load_prompts
     from afm_core.rl.rollout_actor import start_rollout_actor
@@ -90,12 +90,7 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
         state = RLState(
             RLProgress(),
             PromptStream(len(tasks), int(t["seed"])),
-            DynamicSampler(
-                train_bs,
-                int(a["max_num_gen_batches"]),
-                filter_groups=bool(a["filter_groups"]),
-                allow_partial=bool(a.get("allow_partial", False)),
-            ),
+            dynamic_sampler(a),  # groups kept on algorithm.filter_groups_metric (accuracy by default)
         )
         if resume_path is not None:
             state.load_state_dict(policy.load(resume_path))
@@ -206,7 +201,7 @@ def _loop(
             times["generate_s"] += time.perf_counter() - start
             times["tools_s"] += sum(s.tool_seconds for s in batch)  # summed over calls (they overlap)
             generated += batch
-            sampler.add([s.uid for s in batch], [s.reward for s in batch], batch)
+            sampler.add_samples(batch)
         samples, sampling = sampler.take()
         seq_length, train = 0, {}
         if samples:  # empty only with allow_partial when no group had reward spread: nothing to learn from
