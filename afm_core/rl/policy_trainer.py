@@ -114,6 +114,11 @@ class PolicyTrainer:
     def model(self) -> list[torch.nn.Module]:
         return self.trainer.model
 
+    @property
+    def trainers(self) -> list[Any]:
+        """The trainers with state to offload while the engine generates: the policy's, then the critic's."""
+        return [self.trainer] + ([self.critic.trainer] if self.critic is not None else [])
+
     def advantages(self, samples: Sequence[Any], seq_length: int) -> Advantages:
         """GRPO (``grpo``: group mean and std; ``drgrpo``: group mean) over each prompt's group, or, PPO, the
         critic's old values -> GAE (per token), with the returns its updates need."""

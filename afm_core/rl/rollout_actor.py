@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -200,20 +200,51 @@ class RolloutActor:
             self.run(self.engine.sleep(self.colocation.sleep_level))
             self.asleep = True
 
-    def sync_weights(self, model_chunks: Sequence[torch.nn.Module], bucket_bytes: int) -> Any:
+    def sync_weights(
+        self,
+        model_chunks: Sequence[torch.nn.Module],
+        bucket_bytes: int,
+        before_kv_cache: Callable[[], None] | None = None,
+    ) -> Any:
         """Load the trainer's weights into this rank's engine (:func:`afm_core.rl.weight_sync.sync_weights_async`:
         HF-named buckets through the worker extension, by reference to an in-process engine, as safetensors
         bytes to an ``AsyncLLM``; prefix cache reset); returns its stats. A sleeping engine wakes its weights
-        before and its KV cache after."""
+        before and its KV cache after; ``before_kv_cache`` runs between the sync and the KV cache's wake-up (the
+        trainer's state leaves the GPU there: :class:`afm_core.rl.colocation.Handover`)."""
         from afm_core.rl.weight_sync import sync_weights_async
 
         asleep, self.asleep = self.asleep, False
         if asleep:
             self.run(self.engine.wake_up(["weights"]))
         stats = self.run(sync_weights_async(self.engine, model_chunks, bucket_bytes=bucket_bytes))
+        if before_kv_cache is not None:
+            before_kv_cache()
         if asleep:
             self.run(self.engine.wake_up(["kv_cache"]))
         return stats
+
+    def wake(self, before_kv_cache: Callable[[], None] | None = None) -> None:
+        """Wake a sleeping engine with the weights it had (sleep level 1 kept them in host memory): weights, then
+        ``before_kv_cache``, then the KV cache. Level 2 dropped them: sync instead (:meth:`sync_weights`).
+
+        Raises:
+            RuntimeError: the engine slept at level 2.
+        """
+        asleep, self.asleep = self.asleep, False
+        if asleep and self.colocation.sleep_level >= 2:
+            self.asleep = True
+            raise RuntimeError("the engine slept at level 2 (weights dropped): wake it with sync_weights")
+        if asleep:
+            self.run(self.engine.wake_up(["weights"]))
+        if before_kv_cache is not None:
+            before_kv_cache()
+        if asleep:
+            self.run(self.engine.wake_up(["kv_cache"]))
+
+    @property
+    def keeps_weights_asleep(self) -> bool:
+        """Whether the engine wakes with its own weights (awake, or asleep at level 1)."""
+        return not self.asleep or self.colocation is None or self.colocation.sleep_level < 2
 
     def tool_runner(self) -> Any:
         """What answers the calls: the real tool pool, or with ``rollout.environment: simulated`` a model (the
