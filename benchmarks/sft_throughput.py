@@ -181,12 +181,14 @@ def megatron_step(
         mcore_config_from_hf,
         transformer_engine_available,
     )
-    from afm_core.train.sft import _RECOMPUTE
+    from afm_core.train.distributed import activation_memory_overrides
     from afm_core.train.trainer import SFTTrainer, build_model_chunks
 
     layout = join_single_process_group(cfg, threads)
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    mcore_config = mcore_config_from_hf(hf_config, params_dtype=torch.float32, **_RECOMPUTE[cfg.parallel.recompute])
+    mcore_config = mcore_config_from_hf(
+        hf_config, params_dtype=torch.float32, **activation_memory_overrides(cfg.parallel)
+    )
 
     def provider(pre_process: bool, post_process: bool, vp_stage: int | None):
         return build_gpt_model(

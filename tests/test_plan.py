@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from afm_core.launch.distributed import free_port
-from afm_core.launch.plan import compose, make_plan, render
+from afm_core.launch.plan import checkpoint_plan, compose, layout_of, make_plan, render
 from afm_core.models.arch import hf_config_from_arch
 from afm_core.models.presets import load_preset
 from afm_core.train.memory import activations, model_state
@@ -177,6 +177,14 @@ def test_the_weight_sync_plan_names_every_hf_tensor_of_qwen25_32b_once_with_its_
     assert (
         engine["per_gpu"]["80"]["sequences_at_max_model_len"] >= 1 and "generation" in plan["gpus"]["80"]["phases_gib"]
     )
+    # the RL job applies the recipe's full recompute (B2): 160.6 GiB "does not fit" planned without it, 70.4 with it
+    assert plan["layout"]["recompute"] == "full" and plan["fits"] is True, render(plan)
+    # a 32B RL checkpoint with AdamW state, ~460 GB: 57 s at 1 GB/s per node on 8 nodes, within USR2@120
+    ckpt = plan["checkpoint"]
+    assert abs(ckpt["gb"] - 458.7) < 1 and 50 < ckpt["write_s"] < 120 and ckpt["lead_warning"] is None
+    cfg = plain("rl", "recipe=afm_code_rl_32b", "cluster.signal_delay_s=60", "cluster.checkpoint_write_gb_s=0.5")
+    slow = checkpoint_plan(cfg, layout_of(cfg, "rl"), plan["total_params"])
+    assert "set cluster.signal_delay_s >= 232" in slow["lead_warning"], slow  # 115 s to write x 1.5 + 60
 
 
 def test_a_32b_sft_at_tp1_pp1_does_not_fit_and_slurm_submission_is_refused_before_sbatch(tmp_path):

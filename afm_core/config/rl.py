@@ -249,6 +249,7 @@ class WeightSyncConfig:
 class ColocationConfig:
     mode: str = "auto"
     sleep_level: int = 1
+    offload_trainer: bool | None = None
 
     def __post_init__(self) -> None:
         require(self.mode in COLOCATION_MODES, "colocation.mode", self.mode, f"one of {', '.join(COLOCATION_MODES)}")

@@ -35,7 +35,6 @@ APPS = ("sft", "rl")
 # H200 141GB: 143771 MiB). Other sizes are taken as GiB.
 GPU_TOTAL_BYTES = {80: 81559 * 2**20, 141: 143771 * 2**20}
 REPORTED_GPUS = (80, 141)
-RL_APPLIES_RECOMPUTE = False  # the RL driver builds its model without parallel.recompute / sequence_parallel (B2)
 
 
 def as_gib(value: float) -> float:
@@ -137,8 +136,6 @@ def layout_of(cfg: Mapping[str, Any], app: str) -> Layout:
         seq_length = int(cfg["data"]["max_prompt_len"]) + (max(stages) if stages else int(r["max_response_len"]))
         samples = int(a["mini_batch_size"]) * int(r["n"])
         num_microbatches = max(1, samples // (dp * mbs))
-        if not RL_APPLIES_RECOMPUTE:
-            recompute, sp = None, False
     else:
         seq_length = int(t["seq_length"])
         num_microbatches = max(1, int(t["global_batch_size"]) // (dp * mbs))
@@ -334,10 +331,6 @@ def make_plan(cfg: Mapping[str, Any], app: str) -> dict[str, Any]:
         "stages": stages,
         "notes": [],
     }
-    if app == "rl" and not RL_APPLIES_RECOMPUTE:
-        plan["notes"].append(
-            "RL: the driver does not apply parallel.recompute / parallel.sequence_parallel yet: planned without them"
-        )
     phases: dict[str, dict[str, int]] = {}
     if app == "rl":
         engine = vllm_plan(hf_config, cfg, layout.seq_length, total_params)
@@ -376,28 +369,38 @@ def make_plan(cfg: Mapping[str, Any], app: str) -> dict[str, Any]:
         target = {"peak_bytes": peak, "fits": peak <= gpu_total_bytes(layout.gpu_gb), "why_not": []}
     plan["fits"] = bool(target["fits"]) if layout.on_gpu else None
     plan["weight_sync"] = sync if app == "rl" else []
-    ckpt = _checkpoint(cfg, layout, total_params)
+    ckpt = checkpoint_plan(cfg, layout, total_params)
     plan["checkpoint"] = ckpt
-    if ckpt["write_s"] is not None and ckpt["write_s"] > ckpt["signal_lead_s"]:
-        plan["notes"].append(
-            f"checkpoint write ~{ckpt['write_s']:.0f} s > --signal=USR2@{ckpt['signal_lead_s']}: set "
-            f"cluster.signal_delay_s >= {int(ckpt['write_s'] * 1.5) + 60}"
-        )
+    if ckpt["lead_warning"]:
+        plan["notes"].append(ckpt["lead_warning"])
     return plan
 
 
-def _checkpoint(cfg: Mapping[str, Any], layout: Layout, total_params: int) -> dict[str, Any]:
+def checkpoint_plan(cfg: Mapping[str, Any], layout: Layout, total_params: int) -> dict[str, Any]:
+    """The checkpoint's size (bytes; GB = 1e9 bytes) and write time (seconds, at ``cluster.checkpoint_write_gb_s``
+    GB/s per node), and ``lead_warning``: a note when ``--signal=USR2@cluster.signal_delay_s`` is shorter than the
+    write (a stop then loses the checkpoint), else None. An RL stop during generation costs the write alone (the
+    rollouts are aborted); one during training also waits for the step's end, which ``jobs.rl`` measures and warns
+    about after each checkpoint (:class:`afm_core.rl.checkpoint.StopLead`)."""
     per_param = (2 if layout.bf16 else 4) + 12 - (0 if layout.bf16 else 4)  # params + fp32 master (bf16) + m, v
     size = total_params * per_param
     speed = cfg["cluster"].get("checkpoint_write_gb_s")
     write_s = size / (float(speed) * 1e9 * layout.nodes) if speed else None
+    lead = int(cfg["cluster"].get("signal_delay_s", 0))
+    warning = None
+    if write_s is not None and write_s > lead:
+        warning = (
+            f"checkpoint write ~{write_s:.0f} s ({size / 1e9:.0f} GB at {speed} GB/s per node) > "
+            f"--signal=USR2@{lead}: set cluster.signal_delay_s >= {int(write_s * 1.5) + 60}"
+        )
     return {
         "bytes": size,
         "gb": round(size / 1e9, 1),
         "hf_export_gb": round(total_params * 2 / 1e9, 1),
         "write_gb_s_per_node": speed,
         "write_s": write_s,
-        "signal_lead_s": int(cfg["cluster"].get("signal_delay_s", 0)),
+        "signal_lead_s": lead,
+        "lead_warning": warning,
     }
 
 

@@ -22,13 +22,25 @@
 - ``async``: one ``AsyncLLM`` per rank at vLLM TP=1 with its engine core in a child process (the first CPU
   layout); the weights cross the process hop as safetensors bytes.
 
-Tested here on CPU: ``inprocess`` at vLLM TP=1 and TP=2 over gloo (the lockstep, the TP-sharded load).
+The GPU of a colocated rank is handed back and forth (:class:`Handover`, verl's order in
+``verl/workers/sharding_manager/megatron_vllm.py`` and ``verl/workers/megatron_workers.py``): the engine's turn
+(generation, validation) begins with its weights woken and, when the trainer stepped since, synced; then the
+trainer's parameters, gradient buffers and optimizer state leave the GPU (``colocation.offload_trainer``:
+:func:`afm_core.train.offload.offload_training_state`) before the KV cache wakes; the trainer's turn (old
+logprobs, updates, checkpoints, the HF export) begins with the engine asleep and the trainer's state back. The
+engine starts beside the resident trainer (its ``gpu_memory_utilization`` share is claimed at start), which is
+the peak ``jobs.plan`` counts as "generation".
+
+Tested here on CPU: ``inprocess`` at vLLM TP=1 and TP=2 over gloo (the lockstep, the TP-sharded load), and the
+handover with the offload forced on (``colocation.offload_trainer=true``: the state goes to host copies and its
+storage is freed, the same calls as on GPU, though on CPU host and device memory are one).
 Written but untested here: the GPU half (NCCL, CUDA tensors by reference, sleep/wake-up).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +57,7 @@ class Colocation:
         engine_tp: vLLM tensor-parallel size (ranks per engine).
         sleep_level: vLLM sleep level around the training phase (0: the engine never sleeps).
         rank, world_size: this rank and the job's world size.
+        offload_trainer: the trainer's state leaves the device during the engine's turn (:class:`Handover`).
     """
 
     mode: str
@@ -53,6 +66,7 @@ class Colocation:
     sleep_level: int
     rank: int
     world_size: int
+    offload_trainer: bool = False
 
     @property
     def groups(self) -> int:
@@ -95,6 +109,9 @@ def select_colocation(
 ) -> Colocation:
     """This rank's :class:`Colocation` from ``colocation`` and ``engine`` (see the module docstring).
 
+    ``colocation.offload_trainer``: null (default) offloads the trainer's state whenever the engine sleeps (GPU);
+    true / false force it (true on CPU runs the same calls, for the tests).
+
     Raises:
         ValueError: an unknown mode, ``engine.tensor_parallel_size`` not dividing the world, ``async`` with
             vLLM TP > 1 or on GPU (names the field).
@@ -119,7 +136,9 @@ def select_colocation(
     sleep_level = int(cfg.get("sleep_level", 1))
     if sleep_level not in (0, 1, 2):
         raise ValueError(f"colocation.sleep_level={sleep_level}: expected 0 (never sleep), 1 or 2 (vLLM levels)")
-    return Colocation(mode, on_gpu, tp, sleep_level, rank, world_size)
+    layout = Colocation(mode, on_gpu, tp, sleep_level, rank, world_size)
+    offload = cfg.get("offload_trainer")
+    return Colocation(mode, on_gpu, tp, sleep_level, rank, world_size, layout.sleeps if offload is None else offload)
 
 
 def lockstep_group(colocation: Colocation) -> Any:
@@ -140,3 +159,78 @@ def lockstep_group(colocation: Colocation) -> Any:
         if group == colocation.group:
             mine = Lockstep(handle, leader=ranks[0])
     return mine
+
+
+class Handover:
+    """Hands this rank's device between the rollout engine and the trainers (module docstring): each phase asks
+    for its turn, and a turn already held is a no-op.
+
+    Args:
+        actor: this rank's :class:`~afm_core.rl.rollout_actor.RolloutActor`.
+        trainers: the :class:`~afm_core.train.trainer.MegatronTrainer` s whose state is offloaded (the policy's;
+            PPO's critic's). The frozen KL reference stays (no gradients or optimizer state; its parameters are
+            a bf16 copy of the policy's).
+        offload: move the trainers' state off the device during the engine's turn (``Colocation.offload_trainer``).
+        bucket_bytes: the weight sync's bucket size (``weight_sync.bucket_mb``).
+    """
+
+    def __init__(self, actor: Any, trainers: Sequence[Any], *, offload: bool, bucket_bytes: int):
+        self.actor, self.trainers, self.offload, self.bucket_bytes = actor, list(trainers), offload, bucket_bytes
+        self.turn = "trainer"
+        self.stale = True  # the engine's weights are not the trainer's (the engine started from the HF files)
+        self.handles: list[Any] = []
+        self.offloaded_bytes = 0  # of the last offload
+
+    def trained(self) -> None:
+        """The policy's weights changed: the engine's next turn syncs them."""
+        self.stale = True
+
+    def to_engine(self) -> dict[str, float]:
+        """The engine's turn: weights woken and synced if stale, trainer state offloaded, KV cache woken.
+
+        Returns:
+            Seconds and sizes of what it did: ``weight_sync_s`` and ``weight_sync_gb_per_s`` (when it synced),
+            ``offload_s`` and ``offload_gb`` (device GB freed; when offloading).
+        """
+        if self.turn == "engine":
+            return {}
+        times: dict[str, float] = {}
+
+        def offload() -> None:
+            from afm_core.train.offload import offload_training_state
+
+            if not self.offload:
+                return
+            start = time.perf_counter()
+            for trainer in self.trainers:  # no deferred parameter all-gather may be pending (offload's contract)
+                trainer.sync_params()
+            self.handles = [offload_training_state(trainer, enabled=True) for trainer in self.trainers]
+            self.offloaded_bytes = sum(handle.bytes for handle in self.handles)
+            times.update(offload_s=time.perf_counter() - start, offload_gb=self.offloaded_bytes / 1e9)
+
+        if self.stale or not self.actor.keeps_weights_asleep:
+            start = time.perf_counter()
+            stats = self.actor.sync_weights(self.trainers[0].model, self.bucket_bytes, before_kv_cache=offload)
+            times.update(weight_sync_s=time.perf_counter() - start - times.get("offload_s", 0.0))
+            times["weight_sync_gb_per_s"] = stats.gb_per_s
+            self.stale = False
+        else:
+            self.actor.wake(before_kv_cache=offload)
+        self.turn = "engine"
+        return times
+
+    def to_trainer(self) -> dict[str, float]:
+        """The trainer's turn: the engine asleep (GPU), the trainers' state back. Returns ``reload_s`` when it
+        reloaded."""
+        if self.turn == "trainer":
+            return {}
+        self.actor.sleep()
+        times: dict[str, float] = {}
+        if self.handles:
+            start = time.perf_counter()
+            for handle in self.handles:
+                handle.reload()
+            self.handles = []
+            times["reload_s"] = time.perf_counter() - start
+        self.turn = "trainer"
+        return times

@@ -56,14 +56,21 @@ class ValueHead(torch.nn.Module):
 
 
 def build_value_model(
-    hf_dir: Any, layout: Any, *, params_dtype: torch.dtype = torch.float32, load_weights: bool = True
+    hf_dir: Any,
+    layout: Any,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    load_weights: bool = True,
+    **config_overrides: Any,
 ) -> list[torch.nn.Module]:
-    """This rank's value-model chunks: the policy build with HF weights, the output layer replaced by a
-    :class:`ValueHead` on the last pipeline stage and the embedding no longer tied to it (collective when
-    ``load_weights``)."""
+    """This rank's value-model chunks: the policy build with HF weights (``config_overrides``: extra
+    ``TransformerConfig`` fields, as for the policy), the output layer replaced by a :class:`ValueHead` on the last
+    pipeline stage and the embedding no longer tied to it (collective when ``load_weights``)."""
     from afm_core.rl.policy_model import build_policy_model
 
-    chunks, _ = build_policy_model(hf_dir, layout, params_dtype=params_dtype, load_weights=load_weights)
+    chunks, _ = build_policy_model(
+        hf_dir, layout, params_dtype=params_dtype, load_weights=load_weights, **config_overrides
+    )
     for chunk in chunks:
         chunk.share_embeddings_and_output_weights = False
         if chunk.post_process:
@@ -163,6 +170,7 @@ class Critic:
         params_dtype: torch.dtype,
         load_weights: bool = True,
     ):
+        from afm_core.train.distributed import activation_memory_overrides
         from afm_core.train.trainer import MegatronTrainer
 
         critic_cfg = dict(cfg.get("critic") or {})
@@ -171,7 +179,13 @@ class Critic:
         self.clip_range_value = critic_cfg.get("clip_range_value", 0.5)
         self.trainer = MegatronTrainer(
             layout,
-            build_value_model(hf_dir, layout, params_dtype=params_dtype, load_weights=load_weights),
+            build_value_model(
+                hf_dir,
+                layout,
+                params_dtype=params_dtype,
+                load_weights=load_weights,
+                **activation_memory_overrides(cfg["parallel"]),  # recompute / sequence parallel, as the policy's
+            ),
             optim={**cfg["optim"], **(critic_cfg.get("optim") or {})},
             max_steps=max(1, max_optimizer_steps),
             grad_clip=float(critic_cfg.get("grad_clip", t["grad_clip"])),

@@ -4,6 +4,7 @@ Reads like slime's ``train.py`` (THUDM/slime) and verl's DAPO ``fit`` (``recipe/
 line is a call on a named part::
 
     resume (models, optimizers, rollout step, stage, prompt position, dynamic sampler, RNG)  rl/checkpoint.py
+    start the engine; the RNG it reseeded put back                                          rl/rollout_actor.py
     sync the trainer's weights into this rank's vLLM engine                                rl/rollout_actor.py
     open the tracker (metrics.jsonl + logger backends, the resumed runs continued)         rl/metrics.py
     validate before training (trainer.val_before_train)                                    eval/runner.py
@@ -11,17 +12,20 @@ line is a call on a named part::
         stage = stage_at(stages, step)                 # response budget, trainer seq length   rl/schedule.py
         while the train batch is not full:             # DAPO dynamic sampling                 rl/dynamic_sampling.py
             prompts = stream.take(gen_batch_size)      # resumable, epoch-shuffled             rl/prompts.py
+            handover.to_engine()                       # wake, sync the trained weights        rl/colocation.py,
+                                                       # (Megatron -> vLLM), offload trainer   rl/weight_sync.py
             samples = actor.generate_gathered(...)     # agent loop + grade + reward shaping  rl/rollout_actor.py,
                                                        #                                       rl/grading.py
-            sampler.add(groups)                        # groups whose rewards are all equal are dropped
-        actor.sleep()                                  # GPU: the engine's memory goes to the trainer
+            sampler.add_samples(samples)               # groups whose accuracy is all equal are dropped
+        handover.to_trainer()                          # GPU: the engine sleeps, the trainer's state comes back
         advantages = policy.advantages(samples)        # GRPO over groups, or critic -> GAE    rl/policy_trainer.py
         policy.train(samples, advantages)              # critic, old logprobs, mini-batches    rl/policy_trainer.py
-        actor.sync_weights(policy.model)               # Megatron -> vLLM                      rl/weight_sync.py
         dump_rollouts(...)                             # trainer.rollout_data_dir/<step>.jsonl  rl/rollout_dump.py
         metrics.write(step_record(...))                # metrics.jsonl, rl.png, the backends    rl/metrics.py
         validate every trainer.test_freq steps and at the last, with the live weights        eval/runner.py
         checkpoint at the interval or when asked (USR2 / preemption)                           rl/checkpoint.py
+    a stop asked for during generation aborts the round (vLLM abort) and saves the state from before it: the step
+    restarts on resume                                                                       rl/rollout_actor.py
 
 The rollout contract between the two sides is :class:`afm_core.rl.grading.Sample`.
 """
@@ -36,7 +40,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from afm_core.rl.checkpoint import RLProgress, RLState
+from afm_core.rl.checkpoint import RLProgress, RLState, StopLead
 from afm_core.rl.metrics import RLMetricsLog, step_record
 from afm_core.rl.schedule import Stage, parse_schedule, stage_at, train_seq_length
 from afm_core.utils.run_config import plain_config
@@ -59,11 +63,13 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
             train batch.
     """
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.rl.dynamic_sampling import DynamicSampler
+    from afm_core.rl.colocation import Handover
+    from afm_core.rl.dynamic_sampling import dynamic_sampler
     from afm_core.rl.policy_trainer import PolicyTrainer, check_adv_estimator, check_batch_split
     from afm_core.rl.prompts import PromptStream, load_prompts
     from afm_core.rl.rollout_actor import start_rollout_actor
     from afm_core.rollout.factory import load_tokenizer
+    from afm_core.train.checkpoint import rng_state, set_rng_state
     from afm_core.train.distributed import destroy_distributed, init_distributed
     from afm_core.train.trainer import find_resume_checkpoint
 
@@ -90,12 +96,7 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
         state = RLState(
             RLProgress(),
             PromptStream(len(tasks), int(t["seed"])),
-            DynamicSampler(
-                train_bs,
-                int(a["max_num_gen_batches"]),
-                filter_groups=bool(a["filter_groups"]),
-                allow_partial=bool(a.get("allow_partial", False)),
-            ),
+            dynamic_sampler(a),  # groups kept on algorithm.filter_groups_metric (accuracy by default)
         )
         if resume_path is not None:
             state.load_state_dict(policy.load(resume_path))
@@ -107,20 +108,27 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
                 )
         max_model_len = max_prompt_len + max(s.max_response_len for s in stages)
         val_tasks = [task for bench in val_benchmarks for task in bench.tasks]  # their tool servers start too
+        rng = rng_state()  # seeded, or the checkpoint's: vLLM's start reseeds this process (set_random_seed)
         with start_rollout_actor(cfg, layout, hf_dir, tokenizer, tasks + val_tasks, max_model_len) as actor:
-            sync0 = actor.sync_weights(policy.model, int(cfg["weight_sync"]["bucket_mb"]) * 2**20)
+            set_rng_state(rng)  # an in-process engine samples from it on CPU: a resumed run draws what it would have
+            offload = bool(actor.colocation is not None and actor.colocation.offload_trainer)
+            bucket = int(cfg["weight_sync"]["bucket_mb"]) * 2**20
+            handover = Handover(actor, policy.trainers, offload=offload, bucket_bytes=bucket)
+            sync0 = handover.to_engine()  # the trainer's weights into the engine (they differ after a resume)
             if layout.is_rank0:
                 print(
                     f"[rl] {cfg['model']['name']}: world {layout.world_size} (tp={layout.tp} pp={layout.pp} "
                     f"dp={layout.dp}), {len(tasks)} prompts, {max_steps} rollout steps x {train_bs} prompts x "
-                    f"n={n}; stages {[asdict(s) for s in stages]}; first sync {sync0.seconds:.2f} s; run dir "
-                    f"{run_dir}",
+                    f"n={n}; stages {[asdict(s) for s in stages]}; first sync {sync0['weight_sync_s']:.2f} s; "
+                    f"trainer offloaded while generating: {offload}; run dir {run_dir}",
                     flush=True,
                 )
-            summary = _loop(cfg, layout, policy, actor, tasks, state, stages, after_step, val_benchmarks, tokenizer)
+            summary = _loop(cfg, layout, policy, actor, handover, sync0, tasks, state, stages, after_step,
+                            val_benchmarks, tokenizer)  # fmt: skip
             summary["resumed_from"] = str(resume_path) if resume_path else None
             summary["hf_dir"] = None
             if t.get("export_hf", True) and not summary["stopped_early"]:  # the policy, for python -m jobs.eval
+                handover.to_trainer()
                 summary["hf_dir"] = str(policy.export_hf(hf_dir, run_dir / "hf"))
         return summary
     finally:
@@ -178,9 +186,13 @@ def _naming(keys: str, err: Exception) -> Exception:
     return (FileNotFoundError if isinstance(err, FileNotFoundError) else ValueError)(f"{keys}: {err}")
 
 
-def _validate(cfg: Mapping[str, Any], actor: Any, benchmarks: list[Any], metrics: RLMetricsLog, step: int) -> None:
+def _validate(
+    cfg: Mapping[str, Any], actor: Any, handover: Any, benchmarks: list[Any], metrics: RLMetricsLog, step: int
+) -> None:
     """Validate the live weights on engine 0 (its TP followers mirror it; the other ranks go on to the next
-    collective) and log the ``split: val`` record at ``step`` (rank 0)."""
+    collective) and log the ``split: val`` record at ``step`` (rank 0). Every rank calls it: the engine's turn
+    (the weight sync) is collective."""
+    handover.to_engine()
     if actor.engines[1] != 0:
         return
     start = time.perf_counter()
@@ -193,6 +205,8 @@ def _loop(
     layout: Any,
     policy: Any,
     actor: Any,
+    handover: Any,
+    carry: dict[str, float],
     tasks: list[Any],
     state: RLState,
     stages: list[Stage],
@@ -200,8 +214,11 @@ def _loop(
     val_benchmarks: list[Any],
     tokenizer: Any,
 ) -> dict[str, Any]:
-    """The rollout steps from ``state.progress.rollout_step`` to ``trainer.max_steps`` (or a requested stop)."""
+    """The rollout steps from ``state.progress.rollout_step`` to ``trainer.max_steps`` (or a requested stop);
+    ``carry``: the first sync's times, logged with the first step."""
+    from afm_core.rl.rollout_actor import RolloutAborted
     from afm_core.rl.rollout_dump import dump_rollouts
+    from afm_core.train.checkpoint import rng_state, set_rng_state
     from afm_core.train.trainer import boundary_flags
     from afm_core.utils.profiling import StepProfiler
 
@@ -212,14 +229,15 @@ def _loop(
     metrics = RLMetricsLog(cfg, progress, enabled=layout.is_rank0)
     profiler = StepProfiler(cfg.get("profile"), run_dir, layout.rank, layout.on_gpu)
     if val_benchmarks and t.get("val_before_train") and progress.rollout_step == 0:
-        _validate(cfg, actor, val_benchmarks, metrics, 0)
+        _validate(cfg, actor, handover, val_benchmarks, metrics, 0)
     last_checkpoint, stopped_early = None, False
+    lead = StopLead(int(cfg["cluster"].get("signal_delay_s") or 0), enabled=layout.is_rank0)
     while progress.rollout_step < max_steps:
         step_start = time.perf_counter()
         profiled = profiler.step(progress.rollout_step + 1)  # a no-op outside profile.steps
         profiled.__enter__()
         stage = stage_at(stages, progress.rollout_step)
-        times = {"generate_s": 0.0, "tools_s": 0.0, "weight_sync_s": 0.0}
+        times, carry = {"generate_s": 0.0, "tools_s": 0.0, "weight_sync_s": 0.0, **carry}, {}
         if stage.index != progress.stage:
             if layout.is_rank0:
                 print(
@@ -229,28 +247,45 @@ def _loop(
                 )
             progress.stage = stage.index
         generated: list[Any] = []
+        aborted = False
         while not sampler.ready:  # sample prompts -> generate -> grade, until the train batch is full
+            before = state.state_dict(), rng_state()  # a stop during this round restarts it from here on resume
             prompts = stream.take(gen_bs)
             progress.prompts_consumed += len(prompts)
+            times.update(handover.to_engine())  # the engine's turn: the last update's weights synced
             start = time.perf_counter()
-            batch = actor.generate_gathered(prompts, tasks, n, stage, seed=int(t["seed"]))
+            try:
+                batch = actor.generate_gathered(prompts, tasks, n, stage, seed=int(t["seed"]))
+            except RolloutAborted:  # on every rank alike
+                state.load_state_dict(before[0])
+                set_rng_state(before[1])  # the round's sampling drew from it (vLLM-CPU: no per-request seeds)
+                aborted = True
+                break
             times["generate_s"] += time.perf_counter() - start
             times["tools_s"] += sum(s.tool_seconds for s in batch)  # summed over calls (they overlap)
             generated += batch
-            sampler.add([s.uid for s in batch], [s.reward for s in batch], batch)
+            sampler.add_samples(batch)
+        if aborted:
+            profiled.__exit__(None, None, None)
+            boundary_flags(layout.on_gpu)  # the request is served: cleared on every rank
+            handover.to_trainer()
+            last_checkpoint = policy.save(progress.rollout_step, state.state_dict())
+            if layout.is_rank0:
+                print(f"[rl] stop requested during rollout step {progress.rollout_step + 1}'s generation: aborted, "
+                      f"checkpoint {last_checkpoint} restarts it", flush=True)  # fmt: skip
+            stopped_early = True
+            break
         samples, sampling = sampler.take()
+        times.update(handover.to_trainer())  # GPU: the engine sleeps, the trainer's state comes back
+        trainer_turn = time.perf_counter()  # from here a stop waits for the step boundary and its checkpoint
         seq_length, train = 0, {}
         if samples:  # empty only with allow_partial when no group had reward spread: nothing to learn from
-            actor.sleep()  # GPU: the engine's memory goes to the trainer until the weight sync
             lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
             seq_length = train_seq_length(stage, max_prompt_len, lengths, layout.pp)
             advantages = policy.advantages(samples, seq_length)
             times.update(advantages.times)
             train = policy.train(samples, advantages, seq_length)
-            start = time.perf_counter()
-            sync = actor.sync_weights(policy.model, int(cfg["weight_sync"]["bucket_mb"]) * 2**20)
-            times["weight_sync_s"] = time.perf_counter() - start
-            times["weight_sync_gb_per_s"] = sync.gb_per_s
+            handover.trained()  # synced into the engine at its next turn
         profiled.__exit__(None, None, None)
         progress.rollout_step += 1
         progress.optimizer_steps += int(train.get("optimizer_steps", 0))
@@ -265,12 +300,15 @@ def _loop(
             dump_rollouts(t["rollout_data_dir"], progress.rollout_step, generated, samples, tokenizer)
         step = progress.rollout_step
         if val_benchmarks and test_freq > 0 and (step % test_freq == 0 or step == max_steps):
-            _validate(cfg, actor, val_benchmarks, metrics, step)
+            _validate(cfg, actor, handover, val_benchmarks, metrics, step)
         if after_step is not None:
             after_step(progress.rollout_step)
         want, stop = boundary_flags(layout.on_gpu)  # USR2 / preemption, OR-ed over ranks
         if want or step % int(t["save_interval"]) == 0 or step == max_steps:
+            handover.to_trainer()
+            start = time.perf_counter()
             last_checkpoint = policy.save(step, state.state_dict())
+            lead.observe(step, start - trainer_turn, time.perf_counter() - start)
         if stop and step < max_steps:
             stopped_early = True
             break

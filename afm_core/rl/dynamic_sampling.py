@@ -11,11 +11,15 @@ as there).
 The driver feeds every generation batch of one rollout step into a :class:`DynamicSampler` and takes the train
 batch when it is full::
 
-    sampler = DynamicSampler(train_batch_size=64, max_num_gen_batches=10)
-    while not sampler.is_full:
-        batch = generate(next(prompts))                      # all n samples of each prompt
-        sampler.add(batch.uids, batch.scores, batch.samples)  # raises DynamicSamplingExhausted when it must stop
-    samples, stats = sampler.take()                          # train_batch_size groups, in arrival order
+    sampler = dynamic_sampler(cfg["algorithm"])  # train_batch_size groups, filter_groups_metric=acc, ...
+    while not sampler.ready:
+        batch = generate(next(prompts))          # all n graded samples of each prompt
+        sampler.add_samples(batch)               # by uid, on the metric; raises DynamicSamplingExhausted
+    samples, stats = sampler.take()              # train_batch_size groups, in arrival order
+
+A group is kept when its ``algorithm.filter_groups_metric`` varies (:func:`filter_values`): accuracy by default,
+as DAPO's eq. 11 and verl's ``algorithm.filter_groups.metric=acc``, so that the overlong penalty's length
+differences alone do not keep a group whose samples are all right or all wrong.
 
 With data parallelism, feed the same (gathered) generation batches on every rank, so that all ranks keep the
 same groups. :meth:`DynamicSampler.state_dict` holds everything (kept samples included, which must then be
@@ -24,7 +28,7 @@ picklable), so a checkpoint taken mid-step resumes the accumulation exactly.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -90,6 +94,9 @@ class DynamicSampler:
             where the first generation batch is the train batch).
         allow_partial: when ``max_num_gen_batches`` is reached, let :meth:`take` return the groups kept so far
             instead of raising :class:`DynamicSamplingExhausted`.
+        metric: what :meth:`add_samples` filters on (``algorithm.filter_groups_metric``: :func:`filter_values`).
+    Raises:
+        ValueError: ``train_batch_size`` < 1 or an unknown ``metric``.
     """
 
     def __init__(
@@ -99,9 +106,12 @@ class DynamicSampler:
         *,
         filter_groups: bool = True,
         allow_partial: bool = False,
+        metric: str = "acc",
     ):
         if train_batch_size < 1:
             raise ValueError(f"train_batch_size={train_batch_size}: must be >= 1")
+        filter_values([], metric)  # an unknown metric fails here, not at the first generation batch
+        self.metric = metric
         self.train_batch_size = int(train_batch_size)
         self.max_num_gen_batches = int(max_num_gen_batches)
         self.filter_groups = bool(filter_groups)
@@ -182,6 +192,11 @@ class DynamicSampler:
             )
         return kept
 
+    def add_samples(self, samples: Sequence[Any]) -> int:
+        """:meth:`add` for graded samples (:class:`~afm_core.rl.grading.Sample`: ``uid``, ``score``, ``reward``),
+        grouped by ``uid`` and filtered on :attr:`metric`."""
+        return self.add([s.uid for s in samples], filter_values(samples, self.metric), samples)
+
     def take(self) -> tuple[list[Any], DynamicSamplingStats]:
         """The samples of the first ``train_batch_size`` kept groups (group after group, in arrival order) and
         this step's statistics; the sampler is then empty for the next step.
@@ -224,3 +239,15 @@ class DynamicSampler:
         self.groups_all_equal = int(state.get("groups_all_equal", 0))  # absent in checkpoints before it existed
         self.kept = [(g, list(m)) for g, m in state["kept"]]
         self.seen = set(state["seen"])
+
+
+def dynamic_sampler(algorithm: Mapping[str, Any]) -> DynamicSampler:
+    """The RL job's sampler from its ``algorithm`` settings (``train_batch_size``, ``max_num_gen_batches``,
+    ``filter_groups``, ``filter_groups_metric``, ``allow_partial``)."""
+    return DynamicSampler(
+        int(algorithm["train_batch_size"]),
+        int(algorithm["max_num_gen_batches"]),
+        filter_groups=bool(algorithm["filter_groups"]),
+        allow_partial=bool(algorithm.get("allow_partial", False)),
+        metric=str(algorithm.get("filter_groups_metric", "acc")),
+    )

@@ -65,9 +65,12 @@ def build_policy_model(
     return chunks, hf_config
 
 
-def build_reference_model(hf_dir: Any, layout: Any, *, params_dtype: torch.dtype) -> list[torch.nn.Module]:
-    """The frozen reference policy for the KL loss: the policy build on the HF weights, in eval mode, no grads."""
-    chunks, _ = build_policy_model(hf_dir, layout, params_dtype=params_dtype)
+def build_reference_model(
+    hf_dir: Any, layout: Any, *, params_dtype: torch.dtype, **config_overrides: Any
+) -> list[torch.nn.Module]:
+    """The frozen reference policy for the KL loss: the policy build (``config_overrides`` as the policy's) on the
+    HF weights, in eval mode, no grads."""
+    chunks, _ = build_policy_model(hf_dir, layout, params_dtype=params_dtype, **config_overrides)
     for chunk in chunks:
         chunk.eval()
         chunk.requires_grad_(False)

@@ -92,24 +92,32 @@ class PolicyTrainer:
     ):
         from afm_core.rl.critic import Critic
         from afm_core.rl.policy_model import build_policy_model, build_reference_model
-        from afm_core.train.distributed import training_dtype
+        from afm_core.train.distributed import activation_memory_overrides, training_dtype
 
         a, t = cfg["algorithm"], cfg["trainer"]
         check_adv_estimator(a["adv_estimator"])
         self.cfg, self.layout, self.pad_id = cfg, layout, pad_id
         updates = int(t["max_steps"]) * int(a["ppo_epochs"]) * (int(a["train_batch_size"]) // int(a["mini_batch_size"]))
         dtype = training_dtype(t["precision"])
-        chunks, self.hf_config = build_policy_model(hf_dir, layout, params_dtype=dtype, load_weights=load_weights)
+        memory = activation_memory_overrides(cfg["parallel"])  # recompute / sequence parallel, as SFT builds its model
+        chunks, self.hf_config = build_policy_model(
+            hf_dir, layout, params_dtype=dtype, load_weights=load_weights, **memory
+        )
         self.trainer = build_policy_trainer(cfg, layout, chunks, run_dir, max(1, updates))
         self.critic = self.reference = None
         if a["adv_estimator"] == "gae":  # PPO: a value model with its own optimizer
             self.critic = Critic(cfg, layout, hf_dir, run_dir, updates, params_dtype=dtype, load_weights=load_weights)
         if float(a.get("kl_coef") or 0.0) > 0:  # the low-var KL loss needs the frozen initial policy
-            self.reference = build_reference_model(hf_dir, layout, params_dtype=dtype)
+            self.reference = build_reference_model(hf_dir, layout, params_dtype=dtype, **memory)
 
     @property
     def model(self) -> list[torch.nn.Module]:
         return self.trainer.model
+
+    @property
+    def trainers(self) -> list[Any]:
+        """The trainers with state to offload while the engine generates: the policy's, then the critic's."""
+        return [self.trainer] + ([self.critic.trainer] if self.critic is not None else [])
 
     def advantages(self, samples: Sequence[Any], seq_length: int) -> Advantages:
         """GRPO (``grpo``: group mean and std; ``drgrpo``: group mean) over each prompt's group, or, PPO, the

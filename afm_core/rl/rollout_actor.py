@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,14 @@ import torch
 from afm_core.rl.grading import Sample, grade_rollout
 from afm_core.rl.schedule import Stage
 from afm_core.train.distributed import gather_objects
+
+STOP_POLL_S = 0.05  # how often a generation round looks for a stop request (SIGUSR2 / preemption)
+
+
+class RolloutAborted(RuntimeError):
+    """A stop was requested (SIGUSR2 / preemption: :func:`afm_core.train.trainer.request_checkpoint`) while a
+    generation round ran: its requests were aborted in vLLM and its trajectories dropped; the rollout step restarts
+    on resume."""
 
 
 class RolloutActor:
@@ -116,7 +124,14 @@ class RolloutActor:
         """``n`` graded trajectories for each ``(uid, task)`` in ``items`` (all concurrently), in item order.
 
         On a follower rank of a vLLM TP group (:attr:`follower`) this mirrors the leader's engine steps and
-        returns no trajectory (the leader's carry the group's)."""
+        returns no trajectory (the leader's carry the group's).
+
+        Raises:
+            RolloutAborted: a stop was requested before the round ended (looked for every
+                :data:`STOP_POLL_S` seconds, between engine steps): every trajectory of the round is cancelled, its
+                request aborted in vLLM (:meth:`~afm_core.rollout.vllm_engine.InprocVLLMEngine.idle` waits for
+                that), its tool calls and grading too.
+        """
         from afm_core.rollout import AgentConfig, AgentLoop, SamplingConfig
 
         if self.follower:
@@ -154,20 +169,35 @@ class RolloutActor:
             return list(await asyncio.gather(*(bounded(uid, task, s) for uid, task in items for s in range(n))))
 
         try:
-            return self.run(all_())
+            samples = self.run(_unless_stopped(all_(), self.engine))
         finally:
             if self.lockstep is not None:
                 self.engine.end_round()  # release the followers
+        if samples is None:
+            raise RolloutAborted("a stop was requested during the generation round: its trajectories were aborted")
+        return samples
 
     def generate_gathered(
         self, prompts: Sequence[tuple[str, int]], tasks: Sequence[Any], n: int, stage: Stage, seed: int
     ) -> list[Sample]:
         """``n`` graded trajectories of each ``(uid, task index)`` of ``prompts`` (a generation batch, the same on
         every rank): each engine generates every ``engines``-th prompt, and the trajectories of all ranks are
-        gathered (collective), so every rank returns the same list, grouped by prompt."""
+        gathered (collective), so every rank returns the same list, grouped by prompt.
+
+        Raises:
+            RolloutAborted: on every rank, when any rank's round was aborted (:meth:`generate`).
+        """
         engines, engine = self.engines
         mine = [(uid, tasks[index]) for uid, index in prompts[engine::engines]]
-        return [s for part in gather_objects(self.generate(mine, n, stage, seed=seed)) for s in part]
+        try:
+            part: list[Sample] | None = self.generate(mine, n, stage, seed=seed)
+        except RolloutAborted:
+            part = None
+        parts = gather_objects(part)
+        if any(p is None for p in parts):
+            raise RolloutAborted(f"a stop was requested during generation (aborted on ranks "
+                                 f"{[r for r, p in enumerate(parts) if p is None]})")  # fmt: skip
+        return [s for p in parts for s in p or []]
 
     @property
     def engines(self) -> tuple[int, int]:
@@ -200,20 +230,51 @@ class RolloutActor:
             self.run(self.engine.sleep(self.colocation.sleep_level))
             self.asleep = True
 
-    def sync_weights(self, model_chunks: Sequence[torch.nn.Module], bucket_bytes: int) -> Any:
+    def sync_weights(
+        self,
+        model_chunks: Sequence[torch.nn.Module],
+        bucket_bytes: int,
+        before_kv_cache: Callable[[], None] | None = None,
+    ) -> Any:
         """Load the trainer's weights into this rank's engine (:func:`afm_core.rl.weight_sync.sync_weights_async`:
         HF-named buckets through the worker extension, by reference to an in-process engine, as safetensors
         bytes to an ``AsyncLLM``; prefix cache reset); returns its stats. A sleeping engine wakes its weights
-        before and its KV cache after."""
+        before and its KV cache after; ``before_kv_cache`` runs between the sync and the KV cache's wake-up (the
+        trainer's state leaves the GPU there: :class:`afm_core.rl.colocation.Handover`)."""
         from afm_core.rl.weight_sync import sync_weights_async
 
         asleep, self.asleep = self.asleep, False
         if asleep:
             self.run(self.engine.wake_up(["weights"]))
         stats = self.run(sync_weights_async(self.engine, model_chunks, bucket_bytes=bucket_bytes))
+        if before_kv_cache is not None:
+            before_kv_cache()
         if asleep:
             self.run(self.engine.wake_up(["kv_cache"]))
         return stats
+
+    def wake(self, before_kv_cache: Callable[[], None] | None = None) -> None:
+        """Wake a sleeping engine with the weights it had (sleep level 1 kept them in host memory): weights, then
+        ``before_kv_cache``, then the KV cache. Level 2 dropped them: sync instead (:meth:`sync_weights`).
+
+        Raises:
+            RuntimeError: the engine slept at level 2.
+        """
+        asleep, self.asleep = self.asleep, False
+        if asleep and self.colocation.sleep_level >= 2:
+            self.asleep = True
+            raise RuntimeError("the engine slept at level 2 (weights dropped): wake it with sync_weights")
+        if asleep:
+            self.run(self.engine.wake_up(["weights"]))
+        if before_kv_cache is not None:
+            before_kv_cache()
+        if asleep:
+            self.run(self.engine.wake_up(["kv_cache"]))
+
+    @property
+    def keeps_weights_asleep(self) -> bool:
+        """Whether the engine wakes with its own weights (awake, or asleep at level 1)."""
+        return not self.asleep or self.colocation is None or self.colocation.sleep_level < 2
 
     def tool_runner(self) -> Any:
         """What answers the calls: the real tool pool, or with ``rollout.environment: simulated`` a model (the
@@ -259,6 +320,24 @@ class RolloutActor:
             self.run(self.graders.close())
         finally:
             self.runner.close()
+
+
+async def _unless_stopped(work: Any, engine: Any) -> Any:
+    """``await work``, or None when a stop is requested first (then ``work`` is cancelled and the engine's aborted
+    requests are settled before returning)."""
+    from afm_core.train.trainer import stop_requested
+
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        if stop_requested():
+            task.cancel()
+            await asyncio.wait({task})
+            idle = getattr(engine, "idle", None)  # engines that abort as the cancellation arrives have none
+            if idle is not None:
+                await idle()
+            return None
+        await asyncio.wait({task}, timeout=STOP_POLL_S)
+    return task.result()
 
 
 def node_tool_urls(gathered: Sequence[tuple[str, int, dict[str, str]]], node: str) -> dict[str, str]:

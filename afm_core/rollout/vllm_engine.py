@@ -360,6 +360,10 @@ class VLLMEngine:
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """No-op (see :meth:`sleep`)."""
 
+    async def idle(self) -> None:
+        """Return once no request is in flight: at once here (``AsyncLLM`` aborts a request whose caller was
+        cancelled as the cancellation arrives)."""
+
     async def close(self) -> None:
         """Shut the engine down; its ``__del__`` then runs now, not at interpreter exit (where it fails noisily)."""
         if self.llm is not None:
@@ -507,6 +511,12 @@ class InprocVLLMEngine(VLLMEngine):
                     future.set_exception(EngineDead(f"vLLM engine step failed: {e.__class__.__name__}: {e}"))
             self._futures.clear()
             raise
+
+    async def idle(self) -> None:
+        """Return once the requests of cancelled callers are aborted in vLLM and none is in flight (the stepping
+        task applies the aborts and stops; on a lockstep leader the followers apply them too)."""
+        while self._stepper is not None and not self._stepper.done():
+            await asyncio.wait({self._stepper})
 
     def end_round(self) -> None:
         """Leader of a lockstep group: release the followers from :meth:`follow` (after a generation round)."""

@@ -75,6 +75,36 @@ def training_dtype(precision: str) -> torch.dtype:
     return dtypes[precision]
 
 
+RECOMPUTE_CONFIG: dict[str | None, dict[str, Any]] = {
+    None: {},
+    "selective": {"recompute_granularity": "selective"},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+
+
+def activation_memory_overrides(parallel: Any) -> dict[str, Any]:
+    """The ``TransformerConfig`` fields of ``parallel.recompute`` and ``parallel.sequence_parallel``: what every
+    Megatron model of a job (the SFT model; the RL policy, its critic and its reference) is built with.
+
+    ``recompute``: ``selective`` recomputes the core attention in backward; ``full`` keeps only each layer's
+    input and recomputes the layer (Megatron-LM ``--recompute-granularity full --recompute-method uniform
+    --recompute-num-layers 1``; Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+    Models"). ``sequence_parallel`` shards the norms' and dropouts' activations over the TP ranks (same paper).
+
+    Raises:
+        ValueError: an unknown ``parallel.recompute``, or ``parallel.sequence_parallel`` without
+            transformer-engine (GPU); the message names the field.
+    """
+    from afm_core.models.bridge import transformer_engine_available
+
+    recompute, sp = parallel.get("recompute"), bool(parallel.get("sequence_parallel"))
+    if recompute not in RECOMPUTE_CONFIG:
+        raise ValueError(f"parallel.recompute={recompute!r}: expected null, selective or full")
+    if sp and not transformer_engine_available():
+        raise ValueError("parallel.sequence_parallel needs transformer-engine (GPU)")
+    return {"sequence_parallel": sp, **RECOMPUTE_CONFIG[recompute]}
+
+
 def set_num_threads(num_threads: int | None, local_world_size: int) -> int:
     """``torch.set_num_threads`` to ``num_threads``, or ``max(1, cores // local_world_size)`` when None.
 

@@ -10,8 +10,10 @@ drops the gradient buffers' contents (they are spent at a step boundary: the nex
 empties the CUDA caching allocator; :meth:`Offloaded.reload` gives each storage its size back, copies the host
 copies in and zeroes the gradient buffers.
 
-On CPU there is nothing to free for another user of the same memory, so the trainer's ranks skip it
-(``enabled=False``); the tests run the real path on CPU (``enabled=True``) and check the state bit for bit.
+The RL step calls it around generation (:class:`afm_core.rl.colocation.Handover`). On CPU there is nothing to
+free for another user of the same memory (the engine's KV cache is fixed at start), so the trainer's ranks skip it
+unless ``colocation.offload_trainer=true``, which the tests set to run the real path on CPU: there the "host copy"
+is a second CPU tensor and the freed storage goes back to the allocator, so memory moves but no device is left.
 """
 
 from __future__ import annotations

@@ -30,12 +30,6 @@ from afm_core.data.loader import full_micro_batches
 
 log = logging.getLogger(__name__)
 
-_RECOMPUTE: dict[str | None, dict[str, Any]] = {
-    None: {},
-    "selective": {"recompute_granularity": "selective"},
-    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
-}
-
 
 def resolve_max_steps(trainer: Any, num_train_sequences: int) -> int:
     """``trainer.max_steps``, else ``trainer.epochs * (train sequences // global_batch_size)``.
@@ -106,22 +100,12 @@ def _data_module(cfg: DictConfig, hf_dir: Path):
 def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_steps: int) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from afm_core.models.bridge import (
-        build_gpt_model,
-        load_hf_weights,
-        mcore_config_from_hf,
-        save_hf_checkpoint,
-        transformer_engine_available,
-    )
-    from afm_core.train.distributed import training_dtype
+    from afm_core.models.bridge import build_gpt_model, load_hf_weights, mcore_config_from_hf, save_hf_checkpoint
+    from afm_core.train.distributed import activation_memory_overrides, training_dtype
     from afm_core.train.trainer import SFTTrainer, build_model_chunks, find_resume_checkpoint
 
     t, p = cfg.trainer, cfg.parallel
-    if p.recompute not in _RECOMPUTE:
-        raise ValueError(f"parallel.recompute={p.recompute!r}: expected null, selective or full")
-    te = transformer_engine_available()
-    if not te and p.sequence_parallel:
-        raise ValueError("parallel.sequence_parallel needs transformer-engine (GPU)")
+    overrides = activation_memory_overrides(p)
     if p.distributed_optimizer and not layout.on_gpu:
         raise ValueError(
             "parallel.distributed_optimizer needs a GPU: on CPU megatron-core 0.16.1 falls back to "
@@ -134,8 +118,7 @@ def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_s
         pp=layout.pp,
         params_dtype=training_dtype(t.precision),
         virtual_pipeline_model_parallel_size=layout.vpp,
-        sequence_parallel=bool(p.sequence_parallel),
-        **_RECOMPUTE[p.recompute],
+        **overrides,
     )
 
     def provider(pre_process: bool, post_process: bool, vp_stage: int | None):

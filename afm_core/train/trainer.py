@@ -82,6 +82,12 @@ def request_checkpoint(stop: bool = True) -> None:
     _stop_requested = _stop_requested or stop
 
 
+def stop_requested() -> bool:
+    """Whether this rank was asked to stop (:func:`request_checkpoint`), without clearing the flag: what a phase
+    that can be abandoned (an RL generation round) polls; the step boundary (:func:`boundary_flags`) clears it."""
+    return _stop_requested
+
+
 def boundary_flags(on_gpu: bool) -> tuple[bool, bool]:
     """``(checkpoint requested, stop requested)`` OR-ed over all ranks: the requeue check every training loop
     (SFT's and RL's) makes at each step boundary (a collective: every rank calls it).

@@ -74,7 +74,52 @@ def rl_config(run_dir, *overrides: str, recipe: str = "rl_smoke") -> dict:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def _rl_rank(rank: int, world: int, port: int, cfg: dict, stop_after, out: str) -> None:
+def distinct_chars_reward(response: str, **_: object) -> float:
+    """A plug-in reward (``reward_fn``) with spread on a random model's text: the fraction of distinct characters.
+    Gives the RL tests non-zero advantages, hence gradients and AdamW moments to compare across a resume."""
+    return len(set(response)) / max(1, len(response))
+
+
+def _stop_during_round(round_: int, aborts: list[bool]) -> None:
+    """In this rank: SIGUSR2 (relayed to ``request_checkpoint`` as ``jobs.rl``'s relay does) while generation
+    round ``round_`` (1-based, counted over the run) has requests in vLLM; the round cannot end before the stop is
+    seen (its first request is held for 4 polls). ``aborts`` gets, per aborted round, whether vLLM was left with
+    no request in flight."""
+    import asyncio
+    import signal
+
+    from afm_core.rl.rollout_actor import STOP_POLL_S, RolloutAborted, RolloutActor
+    from afm_core.rollout.vllm_engine import InprocVLLMEngine
+    from afm_core.train.trainer import request_checkpoint
+
+    signal.signal(signal.SIGUSR2, lambda signum, frame: request_checkpoint())
+    rounds, generate, engine_generate = [0], RolloutActor.generate, InprocVLLMEngine.generate
+
+    def actor_generate(self, *args, **kwargs):
+        rounds[0] += 1
+        try:
+            return generate(self, *args, **kwargs)
+        except RolloutAborted:
+            aborts.append(not self.engine.llm.llm_engine.has_unfinished_requests() and not self.engine._futures)
+            raise
+
+    async def held_generate(self, *args, **kwargs):
+        if rounds[0] != round_ or self.__dict__.get("_signalled"):
+            return await engine_generate(self, *args, **kwargs)
+        self._signalled = True
+        request = asyncio.ensure_future(engine_generate(self, *args, **kwargs))
+        await asyncio.sleep(0)  # the request is queued for vLLM
+        os.kill(os.getpid(), signal.SIGUSR2)
+        try:
+            await asyncio.sleep(4 * STOP_POLL_S)
+            return await request
+        finally:
+            request.cancel()  # the round was cancelled: so is its request (a no-op once it finished)
+
+    RolloutActor.generate, InprocVLLMEngine.generate = actor_generate, held_generate
+
+
+def _rl_rank(rank: int, world: int, port: int, cfg: dict, stop_after, stop_in_round, out: str) -> None:
     from afm_core.rl.driver import run_rl
     from afm_core.train.trainer import request_checkpoint
     from tests.gloo_env import set_rank_env
@@ -85,14 +130,18 @@ def _rl_rank(rank: int, world: int, port: int, cfg: dict, stop_after, out: str) 
         if step == stop_after:
             request_checkpoint()
 
+    aborts: list[bool] = []
+    if stop_in_round is not None:
+        _stop_during_round(stop_in_round, aborts)
     summary = run_rl(cfg, after_step=after_step)
     if rank == 0:
-        Path(out).write_text(json.dumps(summary))
+        Path(out).write_text(json.dumps({**summary, "aborted_rounds_left_vllm_idle": aborts}))
 
 
-def run_rl_ranks(cfg: dict, world: int = 1, stop_after: int | None = None) -> dict:
-    """``run_rl(cfg)`` on ``world`` spawned gloo ranks (a checkpoint-and-stop requested after rollout step
-    ``stop_after``); rank 0's summary."""
+def run_rl_ranks(cfg: dict, world: int = 1, stop_after: int | None = None, stop_in_round: int | None = None) -> dict:
+    """``run_rl(cfg)`` on ``world`` spawned gloo ranks: a checkpoint-and-stop requested after rollout step
+    ``stop_after``, or a SIGUSR2 during generation round ``stop_in_round`` (:func:`_stop_during_round`); rank 0's
+    summary, with ``aborted_rounds_left_vllm_idle``."""
     import torch.multiprocessing as mp
 
     from afm_core.launch.distributed import free_port
@@ -100,6 +149,10 @@ def run_rl_ranks(cfg: dict, world: int = 1, stop_after: int | None = None) -> di
     out = Path(cfg["run_dir"]) / f"summary-{time.monotonic_ns()}.json"
     Path(cfg["run_dir"]).mkdir(parents=True, exist_ok=True)
     mp.start_processes(
-        _rl_rank, args=(world, free_port(), cfg, stop_after, str(out)), nprocs=world, join=True, start_method="spawn"
+        _rl_rank,
+        args=(world, free_port(), cfg, stop_after, stop_in_round, str(out)),
+        nprocs=world,
+        join=True,
+        start_method="spawn",
     )
     return json.loads(out.read_text())

