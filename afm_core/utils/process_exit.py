@@ -20,7 +20,8 @@ def skip_final_gc() -> None:
     """Freeze every object when this process exits (an ``atexit`` hook, registered once), so the interpreter's
     final garbage collections skip them. The ``atexit`` hooks registered after this one still run first (last in,
     first out), and objects are still freed by reference counting; only cyclic garbage left at exit is not
-    collected, which the operating system reclaims with the process."""
+    collected (the operating system reclaims its memory with the process, but its finalizers do not run: a file
+    left open in a reference cycle is not flushed, so close files explicitly)."""
     global _registered
     if not _registered:
         atexit.register(gc.freeze)
