@@ -78,8 +78,9 @@ class VLLMConfig:
         enforce_eager: no CUDA graphs / no compile of the model; None: eager on CPU (no inductor compile at
             start), compiled on GPU.
         cpu_threads: CPU only: OpenMP threads of the engine's worker, bound to this process's first
-            ``cpu_threads`` allowed cores; None: all of them (``os.sched_getaffinity``). A user's
-            ``VLLM_CPU_OMP_THREADS_BIND`` wins.
+            ``cpu_threads`` allowed cores, one thread per core (``GOMP_CPU_AFFINITY``; at TP 1 the worker is the
+            engine-core process, whose own threads start on the first of them); None: all of them
+            (``os.sched_getaffinity``). A user's ``VLLM_CPU_OMP_THREADS_BIND`` wins.
         seed: the engine's sampling seed.
         logprobs_mode: ``processed_logprobs`` (after temperature/top-p, comparable with a trainer that
             applies the same temperature) or ``raw_logprobs``.
