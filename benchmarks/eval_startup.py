@@ -8,7 +8,9 @@
 Runs the command of ``tests/eval/test_eval_job.py::test_benchmark_files_alone_evaluate_only_those_files_listed_
 before_the_start`` (a 4-record GSM8K-style jsonl file, ``eval.k=1 eval.max_response_tokens=48
 engine.max_model_len=1024 tools.cache=null``; the sandbox is started for the code tool) and times it from outside
-(wall seconds to the submitter's exit; CPU seconds of the whole process tree from ``RUSAGE_CHILDREN``).
+(wall seconds to the submitter's exit; CPU seconds of the whole process tree, each process's last reading while
+the tree is polled every 0.2 s: a process killed by its parent, as vLLM's process manager kills an engine core
+that does not exit in time, is counted too, which ``RUSAGE_CHILDREN`` misses when no one reaps it).
 
 The phases come from a probe loaded into every Python process of the job (a ``sitecustomize`` on a temporary
 ``PYTHONPATH`` entry: the submitter, submitit's controller and rank, the tool servers, vLLM's engine core and
@@ -20,14 +22,16 @@ import. A phase that did not happen (e.g. no separate vLLM worker process) shows
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 from afm_core.utils.atomic import atomic_write_json
 from afm_core.utils.paths import repo_root
@@ -170,17 +174,24 @@ def run_once(model: str, work: Path, overrides: list[str]) -> dict:
     cmd = [sys.executable, "-m", "jobs.eval", f"model={model}", f"benchmark_files=[{tasks}]", "eval.k=1",
            "eval.max_response_tokens=48", "engine.max_model_len=1024", f"hydra.run.dir={run_dir}", "tools.cache=null",
            *overrides]  # fmt: skip
-    load_before, cpu_before = os.getloadavg()[0], resource.getrusage(resource.RUSAGE_CHILDREN)
+    load_before, cpu = os.getloadavg()[0], {}
     start = time.time()
-    done = subprocess.run(cmd, cwd=repo_root(), env=env, capture_output=True, text=True)
+    with open(work / "stdout.txt", "w") as out, open(work / "stderr.txt", "w") as err:
+        job = subprocess.Popen(cmd, cwd=repo_root(), env=env, stdout=out, stderr=err)
+        root = psutil.Process(job.pid)
+        while job.poll() is None:
+            for proc in [root, *root.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    times = proc.cpu_times()
+                    cpu[proc.pid] = times.user + times.system
+            time.sleep(0.2)
     end = time.time()
-    if done.returncode != 0:
-        raise SystemExit(f"jobs.eval failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if job.returncode != 0:
+        raise SystemExit(f"jobs.eval failed ({job.returncode}):\n{(work / 'stderr.txt').read_text()[-3000:]}")
     at = marks(log, start, end)
     phases = {name: round(at[b] - at[a], 2) if a in at and b in at else None for name, a, b in PHASES}
     return {"wall_s": round(end - start, 2), "load_before": load_before, "load_after": os.getloadavg()[0],
-            "cpu_s": round(cpu.ru_utime + cpu.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime, 1),
+            "cpu_s": round(sum(cpu.values()), 1),
             "phases": phases}  # fmt: skip
 
 
