@@ -12,10 +12,12 @@ upstream scan, only so that tests and benchmarks can compare the two.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from afm_core.coa.render import observation_spans
+
+if TYPE_CHECKING:  # transformers costs 1-2 s to import: a job's submitter prints its plan without it
+    from transformers import PreTrainedTokenizerBase
 
 IGNORE_INDEX = -100
 """Label of a token that is not trained (prompt, observation, padding): PyTorch's CE ``ignore_index``."""

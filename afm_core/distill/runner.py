@@ -26,7 +26,7 @@ import asyncio
 import json
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +119,7 @@ def _data_cfg(cfg: Mapping[str, Any], run_dir: Path) -> dict[str, Any]:
 
 
 async def _distill(cfg: Mapping[str, Any], todo: list[tuple[AgentTask, int]], writer: SampleWriter,
-                   urls: Mapping[str, str]) -> dict[str, Any]:  # fmt: skip
+                   server_urls: Callable[[], dict[str, str]]) -> dict[str, Any]:  # fmt: skip
     from tqdm import tqdm
 
     from afm_core.tools.registry import build_tool_pool
@@ -133,7 +133,13 @@ async def _distill(cfg: Mapping[str, Any], todo: list[tuple[AgentTask, int]], wr
 
         hf_dir = ensure_hf_checkpoint(cfg["model"])
         tokenizer = load_tokenizer(hf_dir)
-        engine = await build_engine(cfg["engine"], hf_dir, tokenizer)
+        engine = await build_engine(cfg["engine"], hf_dir, tokenizer)  # the tool servers start meanwhile
+    try:
+        urls = server_urls()
+    except BaseException:
+        if engine is not None:
+            await engine.close()
+        raise
     teachers: dict[str, Teacher] = {name: build_teacher(name, spec, engine, tokenizer)
                                     for name, spec in cfg["teachers"].items()}  # fmt: skip
     role_teachers = {}
@@ -312,8 +318,8 @@ def run_distill(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
         writer = SampleWriter(runs_path)
         try:
             with tool_servers(cfg, needed_servers(families, graders, cfg["tools"]),
-                              run_dir / "logs" / "tool_servers") as urls:  # fmt: skip
-                info = asyncio.run(_distill(cfg, todo, writer, urls))
+                              run_dir / "logs" / "tool_servers") as server_urls:  # fmt: skip
+                info = asyncio.run(_distill(cfg, todo, writer, server_urls))
         finally:
             writer.close()
     report = finish(cfg, run_dir, info)

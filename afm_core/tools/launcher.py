@@ -216,10 +216,21 @@ def allow_entry(url: str) -> str:
 
 
 def start_servers(group: ServerGroup, servers_cfg: Mapping, data_dir: Path) -> dict[str, str]:
-    """Start every enabled server of ``servers_cfg`` in ``group``; returns ``{name: url}`` once all are healthy.
+    """Start every enabled server of ``servers_cfg`` in ``group``; returns ``{name: url}`` once all are healthy
+    (:func:`launch_servers`, then :meth:`ServerGroup.wait`)."""
+    launch_servers(group, servers_cfg, data_dir)
+    group.wait()
+    return dict(group.urls)
 
-    The pages server starts first when web search needs its URL as ``link_base`` or the crawler must be
-    allowed to fetch it (its address joins the crawler's allow-list).
+
+def launch_servers(group: ServerGroup, servers_cfg: Mapping, data_dir: Path) -> None:
+    """Launch every enabled server of ``servers_cfg`` in ``group`` without waiting for them to be healthy
+    (:meth:`ServerGroup.wait` does), except where one needs another's URL: the pages server starts first, and is
+    waited for, when web search needs its URL as ``link_base`` or the crawler must be allowed to fetch it (its
+    address joins the crawler's allow-list).
+
+    Raises:
+        ValueError: an unknown server, a missing data path, or web search without a pages server to link to.
     """
     entries = {n: dict(e) for n, e in servers_cfg.items() if e is not None and e.get("enabled", True)}
     args = {name: server_args(name, entry, data_dir) for name, entry in entries.items()}
@@ -239,5 +250,3 @@ def start_servers(group: ServerGroup, servers_cfg: Mapping, data_dir: Path) -> d
         if needs_pages:
             args["web_search"] += ["--link-base", group.wait(["pages"])["pages"]]
         group.launch("web_search", args["web_search"], search.get("port", 0))
-    group.wait()
-    return dict(group.urls)

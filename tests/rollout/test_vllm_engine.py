@@ -43,17 +43,20 @@ def loop_and_engine(tiny_llama):
     loop.close()
 
 
-def test_the_engine_worker_runs_one_openmp_thread_per_core_this_job_may_use(loop_and_engine):
-    # vLLM's own binding reserves a core for its scheduler: on 2 cores every worker thread sat on core 0
+def test_the_engine_core_runs_the_worker_with_one_openmp_thread_per_core_this_job_may_use(loop_and_engine):
+    # vLLM's own binding reserves a core for its scheduler: on 2 cores every worker thread sat on core 0; and
+    # vLLM-CPU's separate worker process imported vLLM a third time (afm_core.rollout.vllm_cpu_executor)
     import os
 
     import psutil
 
     loop, engine, _ = loop_and_engine
     loop.run_until_complete(engine.generate([1, 2, 3], SamplingConfig(max_tokens=4), "omp"))  # OpenMP threads exist
-    workers = [p for p in psutil.Process().children(recursive=True) if p.name() == "VLLM::Worker"]
-    assert workers, "no vLLM worker process under this one"
-    bound = {core for thread in workers[0].threads() for core in os.sched_getaffinity(thread.id)}
+    names = {p.pid: p.name() for p in psutil.Process().children(recursive=True)}
+    cores = [psutil.Process(pid) for pid, name in names.items() if name.startswith("VLLM::EngineCor")]
+    assert cores, f"no vLLM engine-core process under this one: {names}"
+    assert not [name for name in names.values() if name.startswith("VLLM::Worker")], "a separate worker process"
+    bound = {core for thread in cores[0].threads() for core in os.sched_getaffinity(thread.id)}
     assert bound == set(os.sched_getaffinity(0))
 
 
