@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 COLOCATION_MODES = ("auto", "inprocess", "async")
@@ -136,9 +136,9 @@ def select_colocation(
     sleep_level = int(cfg.get("sleep_level", 1))
     if sleep_level not in (0, 1, 2):
         raise ValueError(f"colocation.sleep_level={sleep_level}: expected 0 (never sleep), 1 or 2 (vLLM levels)")
-    layout = Colocation(mode, on_gpu, tp, sleep_level, rank, world_size)
+    colocation = Colocation(mode, on_gpu, tp, sleep_level, rank, world_size)
     offload = cfg.get("offload_trainer")
-    return Colocation(mode, on_gpu, tp, sleep_level, rank, world_size, layout.sleeps if offload is None else offload)
+    return replace(colocation, offload_trainer=colocation.sleeps if offload is None else bool(offload))
 
 
 def lockstep_group(colocation: Colocation) -> Any:
