@@ -243,15 +243,10 @@ class RolloutActor:
         trainer's state leaves the GPU there: :class:`afm_core.rl.colocation.Handover`)."""
         from afm_core.rl.weight_sync import sync_weights_async
 
-        asleep, self.asleep = self.asleep, False
-        if asleep:
-            self.run(self.engine.wake_up(["weights"]))
-        stats = self.run(sync_weights_async(self.engine, model_chunks, bucket_bytes=bucket_bytes))
-        if before_kv_cache is not None:
-            before_kv_cache()
-        if asleep:
-            self.run(self.engine.wake_up(["kv_cache"]))
-        return stats
+        return self._wake_around(
+            lambda: self.run(sync_weights_async(self.engine, model_chunks, bucket_bytes=bucket_bytes)),
+            before_kv_cache,
+        )
 
     def wake(self, before_kv_cache: Callable[[], None] | None = None) -> None:
         """Wake a sleeping engine with the weights it had (sleep level 1 kept them in host memory): weights, then
@@ -260,16 +255,22 @@ class RolloutActor:
         Raises:
             RuntimeError: the engine slept at level 2.
         """
-        asleep, self.asleep = self.asleep, False
-        if asleep and self.colocation.sleep_level >= 2:
-            self.asleep = True
+        if self.asleep and self.colocation.sleep_level >= 2:
             raise RuntimeError("the engine slept at level 2 (weights dropped): wake it with sync_weights")
+        self._wake_around(lambda: None, before_kv_cache)
+
+    def _wake_around(self, work: Callable[[], Any], before_kv_cache: Callable[[], None] | None) -> Any:
+        """A sleeping engine's weights woken, ``work()``, ``before_kv_cache()``, then its KV cache woken; returns
+        what ``work`` returned."""
+        asleep, self.asleep = self.asleep, False
         if asleep:
             self.run(self.engine.wake_up(["weights"]))
+        result = work()
         if before_kv_cache is not None:
             before_kv_cache()
         if asleep:
             self.run(self.engine.wake_up(["kv_cache"]))
+        return result
 
     @property
     def keeps_weights_asleep(self) -> bool:
