@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -180,11 +181,41 @@ def test_the_weight_sync_plan_names_every_hf_tensor_of_qwen25_32b_once_with_its_
     # the RL job applies the recipe's full recompute (B2): 160.6 GiB "does not fit" planned without it, 70.4 with it
     assert plan["layout"]["recompute"] == "full" and plan["fits"] is True, render(plan)
     # a 32B RL checkpoint with AdamW state, ~460 GB: 57 s at 1 GB/s per node on 8 nodes, within USR2@120
-    ckpt = plan["checkpoint"]
+    cfg = plain("rl", "recipe=afm_code_rl_32b", "cluster.checkpoint_write_gb_s=1.0")
+    ckpt = checkpoint_plan(cfg, layout_of(cfg, "rl"), plan["total_params"])
     assert abs(ckpt["gb"] - 458.7) < 1 and 50 < ckpt["write_s"] < 120 and ckpt["lead_warning"] is None
+    assert ckpt["write_speed_source"] == "configured"
+    # host memory per node: the 8 GPUs' trainer state while vLLM generates, vLLM's weights while the trainer runs
+    state = max(row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"] for row in plan["stages"])
+    assert plan["host"]["per_node_bytes"] == {"generation": 8 * state, "training": 8 * plan["vllm"]["weights_bytes"]}
+    small = make_plan(plain("rl", "recipe=afm_code_rl_32b", "cluster.mem=64G"), "rl")
+    assert any("> cluster.mem=64G" in note for note in small["notes"]), small["notes"]
+    # unset (the default), the speed is measured: a probe write into the run dir's file system
+    assert plan["checkpoint"]["write_speed_source"].startswith("measured: 256 MiB written and fsynced to ")
+    assert plan["checkpoint"]["write_s"] == pytest.approx(
+        plan["checkpoint"]["bytes"] / (plan["checkpoint"]["write_gb_s_per_node"] * 1e9 * 8)
+    )
     cfg = plain("rl", "recipe=afm_code_rl_32b", "cluster.signal_delay_s=60", "cluster.checkpoint_write_gb_s=0.5")
     slow = checkpoint_plan(cfg, layout_of(cfg, "rl"), plan["total_params"])
     assert "set cluster.signal_delay_s >= 232" in slow["lead_warning"], slow  # 115 s to write x 1.5 + 60
+
+
+def test_a_resubmitted_run_sizes_the_usr2_lead_by_its_own_last_checkpoint_write(tmp_path):
+    from afm_core.train.checkpoint_dirs import publish_checkpoint, staging_dir
+
+    run_dir = tmp_path / "run"
+    staging = staging_dir(run_dir / "checkpoints", 40)
+    staging.mkdir(parents=True)
+    (staging / "shard.distcp").write_bytes(b"x" * 3_000_000)
+    started = time.time() - 30  # 3 MB in ~30 s by 2 nodes: 5e-5 GB/s per node
+    publish_checkpoint(run_dir / "checkpoints", 40, layout={}, engine="megatron", keep_last=1, started=started, nodes=2)
+    cfg = plain("rl", "recipe=afm_code_rl_32b", f"run_dir={run_dir}", "cluster.signal_delay_s=60")
+    ckpt = checkpoint_plan(cfg, layout_of(cfg, "rl"), 32_763_876_352)
+    assert ckpt["write_speed_source"] == "measured by this run's step_00000040"
+    assert (
+        ckpt["write_gb_s_per_node"] == pytest.approx(5e-5, rel=0.05)
+        and "set cluster.signal_delay_s >= " in (ckpt["lead_warning"])
+    )
 
 
 def test_a_32b_sft_at_tp1_pp1_does_not_fit_and_slurm_submission_is_refused_before_sbatch(tmp_path):

@@ -376,8 +376,12 @@ def test_exact_resume_after_preemption_signal(tmp_path, straight_run):
 @pytest.mark.slow
 def test_crash_during_checkpoint_write_keeps_previous(tmp_path, straight_run):
     from afm_core.train.checkpoint_dirs import (
+        COMPLETE_MARKER,
         complete_checkpoints,
+        directory_bytes,
         latest_complete_checkpoint,
+        measured_write_speed,
+        read_marker,
     )
 
     run_dir = tmp_path / "run"
@@ -387,6 +391,12 @@ def test_crash_during_checkpoint_write_keeps_previous(tmp_path, straight_run):
     assert [step for step, _ in complete_checkpoints(checkpoints)] == [2]
     assert (checkpoints / ".tmp-step_00000004").is_dir()  # the torn save, ignored
     assert latest_complete_checkpoint(checkpoints).name == "step_00000002"
+    # the marker measures the save (what jobs.plan sizes the USR2 lead with on a resubmission)
+    marker, saved = read_marker(checkpoints / "step_00000002"), checkpoints / "step_00000002"
+    assert marker["bytes"] == directory_bytes(saved) - (saved / COMPLETE_MARKER).stat().st_size > 0
+    assert marker["write_s"] > 0 and marker["nodes"] == 1
+    speed = measured_write_speed(checkpoints)
+    assert speed["gb_s_per_node"] == marker["bytes"] / marker["write_s"] / 1e9
     logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert max(logged) == 4  # lines past the checkpoint, to be dropped on resume
 

@@ -55,7 +55,7 @@ class SlurmClusterConfig:
     tasks_per_node: int = 1
     gpus_per_node: int = 0
     gpu_memory_gb: float = 80
-    checkpoint_write_gb_s: float = 1.0
+    checkpoint_write_gb_s: float | None = None
     cpus_per_task: int = 1
     mem: str | None = None
     time: int = 60
@@ -98,8 +98,9 @@ class SlurmClusterConfig:
                 self.container_mounts,
                 "one SRC[:DST[:FLAGS]] per entry, no commas",
             )
-        for key in ("gpu_memory_gb", "checkpoint_write_gb_s"):
-            require(getattr(self, key) > 0, f"cluster.{key}", getattr(self, key), "a positive number")
+        require(self.gpu_memory_gb > 0, "cluster.gpu_memory_gb", self.gpu_memory_gb, "a positive number")
+        speed = self.checkpoint_write_gb_s
+        require(speed is None or speed > 0, "cluster.checkpoint_write_gb_s", speed, "a positive number or null")
         _check_common(self)
 
     def data_parallel(self, model_parallel: int) -> int:

@@ -11,9 +11,9 @@ and the training phase (trainer states + activations + what the sleeping engine 
 :data:`~afm_core.train.memory.GPU_OVERHEAD_BYTES`.
 
 A checkpoint holds the parameters in the training dtype and the optimizer's fp32 master weights and two Adam
-moments (14 bytes per parameter in bf16, 12 in fp32); its write time is its size over
-``cluster.checkpoint_write_gb_s`` GB/s per node, and it must fit in the ``--signal=USR2@cluster.signal_delay_s``
-lead time.
+moments (14 bytes per parameter in bf16, 12 in fp32); its write time is its size over the write speed per node
+(``cluster.checkpoint_write_gb_s`` when set, else measured: :func:`write_speed`), and it must fit in the
+``--signal=USR2@cluster.signal_delay_s`` lead time.
 """
 
 from __future__ import annotations
@@ -253,6 +253,43 @@ def vllm_plan(hf_config: Any, cfg: Mapping[str, Any], max_model_len: int, total_
     }
 
 
+def host_plan(cfg: Mapping[str, Any], layout: Layout, trainer_state_bytes: int, engine_weights_bytes: int) -> dict:
+    """Host memory per node that colocation adds on a GPU job (:mod:`afm_core.rl.colocation`): while vLLM generates,
+    each GPU's trainer parameters, gradients and optimizer state wait in host memory (``colocation.offload_trainer``;
+    null: whenever the engine sleeps); while the trainer runs, a level-1 sleeping engine keeps its weights there.
+    ``note`` says when the larger phase exceeds ``cluster.mem`` (Slurm's per-node ``--mem``), else None."""
+    colocation = cfg.get("colocation") or {}
+    level = int(colocation.get("sleep_level", 1))
+    offload = colocation.get("offload_trainer")
+    offload = level >= 1 if offload is None else bool(offload)
+    gpus = max(1, layout.gpus_per_node) if layout.on_gpu else 0
+    phases = {
+        "generation": gpus * trainer_state_bytes if offload else 0,
+        "training": gpus * engine_weights_bytes if level == 1 else 0,
+    }
+    peak = max(phases.values())
+    limit = _slurm_mem_bytes(cfg["cluster"].get("mem"))
+    note = None
+    if limit is not None and peak > limit:
+        what = "trainer state while vLLM generates" if peak == phases["generation"] else "vLLM weights while training"
+        note = (
+            f"colocation keeps {as_gib(peak)} GiB per node in host memory ({what}) > cluster.mem="
+            f"{cfg['cluster']['mem']}: raise cluster.mem or set colocation.offload_trainer=false"
+        )
+    return {"per_node_bytes": phases, "peak_gib": as_gib(peak), "mem_limit_bytes": limit, "note": note}
+
+
+def _slurm_mem_bytes(mem: Any) -> int | None:
+    """Bytes of a Slurm ``--mem`` value (``64G``, ``512000``: MB by default, suffixes K/M/G/T), None when unset or 0
+    (0: all of the node's memory)."""
+    if mem in (None, "", 0, "0"):
+        return None
+    text = str(mem).strip().upper()
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    scale = units.get(text[-1])
+    return int(float(text[:-1] if scale else text) * (scale or 2**20))
+
+
 def weight_sync_plan(hf_config: Any, tp: int, pp: int, vpp: int | None) -> list[dict[str, Any]]:
     """Every HF tensor once: name, shape, the pipeline stage that owns it and how its TP shards are split (the
     gather in :func:`afm_core.models.bridge.export_hf_weights`: TP all-gather, then a broadcast from the owning
@@ -369,6 +406,10 @@ def make_plan(cfg: Mapping[str, Any], app: str) -> dict[str, Any]:
         target = {"peak_bytes": peak, "fits": peak <= gpu_total_bytes(layout.gpu_gb), "why_not": []}
     plan["fits"] = bool(target["fits"]) if layout.on_gpu else None
     plan["weight_sync"] = sync if app == "rl" else []
+    if app == "rl":
+        plan["host"] = host_plan(cfg, layout, state_max, plan["vllm"]["weights_bytes"])
+        if plan["host"]["note"]:
+            plan["notes"].append(plan["host"]["note"])
     ckpt = checkpoint_plan(cfg, layout, total_params)
     plan["checkpoint"] = ckpt
     if ckpt["lead_warning"]:
@@ -377,20 +418,20 @@ def make_plan(cfg: Mapping[str, Any], app: str) -> dict[str, Any]:
 
 
 def checkpoint_plan(cfg: Mapping[str, Any], layout: Layout, total_params: int) -> dict[str, Any]:
-    """The checkpoint's size (bytes; GB = 1e9 bytes) and write time (seconds, at ``cluster.checkpoint_write_gb_s``
-    GB/s per node), and ``lead_warning``: a note when ``--signal=USR2@cluster.signal_delay_s`` is shorter than the
-    write (a stop then loses the checkpoint), else None. An RL stop during generation costs the write alone (the
+    """The checkpoint's size (bytes; GB = 1e9 bytes) and write time (seconds, at the write speed of
+    :func:`write_speed`), and ``lead_warning``: a note when ``--signal=USR2@cluster.signal_delay_s`` is shorter than
+    the write (a stop then loses the checkpoint), else None. An RL stop during generation costs the write alone (the
     rollouts are aborted); one during training also waits for the step's end, which ``jobs.rl`` measures and warns
     about after each checkpoint (:class:`afm_core.rl.checkpoint.StopLead`)."""
     per_param = (2 if layout.bf16 else 4) + 12 - (0 if layout.bf16 else 4)  # params + fp32 master (bf16) + m, v
     size = total_params * per_param
-    speed = cfg["cluster"].get("checkpoint_write_gb_s")
-    write_s = size / (float(speed) * 1e9 * layout.nodes) if speed else None
+    speed, source = write_speed(cfg, size)
+    write_s = size / (speed * 1e9 * layout.nodes)
     lead = int(cfg["cluster"].get("signal_delay_s", 0))
     warning = None
-    if write_s is not None and write_s > lead:
+    if write_s > lead:
         warning = (
-            f"checkpoint write ~{write_s:.0f} s ({size / 1e9:.0f} GB at {speed} GB/s per node) > "
+            f"checkpoint write ~{write_s:.0f} s ({size / 1e9:.0f} GB at {speed:g} GB/s per node, {source}) > "
             f"--signal=USR2@{lead}: set cluster.signal_delay_s >= {int(write_s * 1.5) + 60}"
         )
     return {
@@ -398,10 +439,69 @@ def checkpoint_plan(cfg: Mapping[str, Any], layout: Layout, total_params: int) -
         "gb": round(size / 1e9, 1),
         "hf_export_gb": round(total_params * 2 / 1e9, 1),
         "write_gb_s_per_node": speed,
+        "write_speed_source": source,
         "write_s": write_s,
         "signal_lead_s": lead,
         "lead_warning": warning,
     }
+
+
+def write_speed(cfg: Mapping[str, Any], checkpoint_bytes: int) -> tuple[float, str]:
+    """GB/s one node writes to the run dir's file system, and where the figure comes from: ``cluster.
+    checkpoint_write_gb_s`` when set ("configured"); else the run's own latest checkpoint when the run dir has one
+    (a resubmitted or requeued run: :func:`afm_core.train.checkpoint_dirs.measured_write_speed`); else a probe
+    (:func:`probe_write_speed`) of ``min(plan.write_probe_mib, checkpoint size)`` MiB into the run dir's nearest
+    existing folder. The probe writes from one process of the submitting node; a node's ranks write in parallel,
+    so on a parallel file system it is a lower bound (the lead it asks for errs long)."""
+    from afm_core.train.checkpoint_dirs import measured_write_speed
+
+    configured = cfg["cluster"].get("checkpoint_write_gb_s")
+    if configured:
+        return float(configured), "configured"
+    run_dir = _existing_run_dir(cfg)
+    measured = measured_write_speed(run_dir / "checkpoints")
+    if measured is not None:
+        return measured["gb_s_per_node"], f"measured by this run's {measured['checkpoint']}"
+    probe_mib = int((cfg.get("plan") or {}).get("write_probe_mib", 256))
+    size_mib = max(1, min(probe_mib, checkpoint_bytes // 2**20))
+    speed = probe_write_speed(_nearest_existing(run_dir), size_mib)
+    return speed, f"measured: {size_mib} MiB written and fsynced to {_nearest_existing(run_dir)}"
+
+
+def _existing_run_dir(cfg: Mapping[str, Any]) -> Path:
+    """The run dir when it is a path (``jobs.plan`` composes without Hydra's run, leaving ``${hydra:...}``)."""
+    run_dir = str(cfg.get("run_dir") or ".")
+    return Path("." if "${" in run_dir else run_dir)
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.is_dir():
+        path = path.parent
+    return path
+
+
+def probe_write_speed(directory: str | Path, size_mib: int, block_mib: int = 8) -> float:
+    """GB/s (1e9 bytes) of writing ``size_mib`` MiB of random bytes (incompressible) to a temporary file in
+    ``directory`` and fsyncing it, as a checkpoint is written (:func:`afm_core.utils.atomic.atomic_path`); the file is
+    removed. Raises ``OSError`` when ``directory`` is not writable or full."""
+    import os
+    import tempfile
+    import time
+
+    block = os.urandom(min(size_mib, block_mib) * 2**20)
+    left = size_mib * 2**20
+    fd, name = tempfile.mkstemp(prefix=".afm-write-probe-", dir=directory)
+    try:
+        start = time.perf_counter()
+        while left > 0:
+            left -= os.write(fd, block[: min(left, len(block))])
+        os.fsync(fd)
+        seconds = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        os.unlink(name)
+    return size_mib * 2**20 / max(seconds, 1e-6) / 1e9
 
 
 def suggest(cfg: Mapping[str, Any], app: str, max_tries: int = 4) -> list[str] | None:
@@ -477,8 +577,15 @@ def render(plan: Mapping[str, Any]) -> str:
             f"  {gb} GB GPU ({verdict['gpu_gib']} GiB): peak {verdict['peak_gib']} GiB ({phases}, + "
             f"{as_gib(GPU_OVERHEAD_BYTES)} overhead): {state}"
         )
+    if plan.get("host"):
+        h = plan["host"]
+        lines.append(
+            f"  host memory per node for colocation: {h['peak_gib']} GiB ("
+            + ", ".join(f"{k} {as_gib(v)}" for k, v in h["per_node_bytes"].items())
+            + ")"
+        )
     c = plan["checkpoint"]
-    write = f"~{c['write_s']:.0f} s at {c['write_gb_s_per_node']} GB/s per node" if c["write_s"] else "write time n/a"
+    write = f"~{c['write_s']:.0f} s at {c['write_gb_s_per_node']:g} GB/s per node, {c['write_speed_source']}"
     lines.append(f"  checkpoint: {c['gb']} GB with optimizer state ({write}); HF export {c['hf_export_gb']} GB")
     lines += [f"  note: {note}" for note in plan["notes"]]
     if plan["fits"] is not None:

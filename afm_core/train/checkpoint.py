@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,7 @@ class Checkpointer:
         Returns:
             The final checkpoint directory.
         """
-        temp = staging_dir(self.root, step)
+        temp, started = staging_dir(self.root, step), time.time()
         # rank 0 prepares (free space checked) and every rank learns whether it could: no rank waits for a rank 0
         # that raised "no space" at a barrier
         on_rank0(self.layout.is_rank0, lambda: stage_checkpoint(self.root, step).mkdir())
@@ -144,7 +145,13 @@ class Checkpointer:
                 if not (temp / name).is_file():
                     raise RuntimeError(f"dist_checkpointing.save left no {name} in {temp}")
             publish_checkpoint(
-                self.root, step, layout=_layout_key(self.layout), engine="megatron", keep_last=self.keep_last
+                self.root,
+                step,
+                layout=_layout_key(self.layout),
+                engine="megatron",
+                keep_last=self.keep_last,
+                started=started,
+                nodes=self.layout.nodes,
             )
 
         on_rank0(self.layout.is_rank0, publish)

@@ -3,7 +3,7 @@
 Layout of ``RUN_DIR/checkpoints/``::
 
     step_00000100/           a complete checkpoint: the engine's files, then COMPLETE
-        COMPLETE             JSON {step, layout, engine, time}; written last
+        COMPLETE             JSON {step, layout, engine, time, bytes, write_s, nodes}; written last
     .tmp-step_00000200/      a save in progress (or killed): ignored, removed by the next save
 
 A save stages everything in ``.tmp-step_N`` (:func:`stage_checkpoint`), then rank 0 publishes it
@@ -131,19 +131,33 @@ def stage_checkpoint(root: str | Path, step: int) -> Path:
     return staging_dir(root, step)
 
 
-def publish_checkpoint(root: str | Path, step: int, *, layout: dict[str, int], engine: str, keep_last: int) -> Path:
+def publish_checkpoint(
+    root: str | Path,
+    step: int,
+    *,
+    layout: dict[str, int],
+    engine: str,
+    keep_last: int,
+    started: float | None = None,
+    nodes: int = 1,
+) -> Path:
     """Rank 0, once every rank has written into :func:`staging_dir`: make it the complete checkpoint ``step_N``.
 
-    Writes ``COMPLETE`` (``{step, layout, engine, time}``, time in unix seconds) atomically, fsyncs, replaces an
-    earlier ``step_N`` (a re-run of a finished job), renames, fsyncs ``root``, then keeps only the last
-    ``keep_last`` complete checkpoints.
+    Writes ``COMPLETE`` (``{step, layout, engine, time, bytes, write_s, nodes}``: time in unix seconds, the
+    checkpoint's bytes, the seconds since ``started`` (unix time when the save began, None: not measured) and the
+    number of nodes that wrote it; :func:`measured_write_speed` reads them) atomically, fsyncs, replaces an earlier
+    ``step_N`` (a re-run of a finished job), renames, fsyncs ``root``, then keeps only the last ``keep_last``
+    complete checkpoints.
 
     Returns:
         ``root/step_N``.
     """
     root = Path(root)
     temp, final = staging_dir(root, step), root / checkpoint_dir_name(step)
-    atomic_write_json(temp / COMPLETE_MARKER, {"step": step, "layout": layout, "engine": engine, "time": time.time()})
+    now = time.time()
+    marker = {"step": step, "layout": layout, "engine": engine, "time": now, "bytes": directory_bytes(temp)}
+    marker.update(write_s=None if started is None else round(now - started, 3), nodes=nodes)
+    atomic_write_json(temp / COMPLETE_MARKER, marker)
     fsync_dir(temp)
     if final.exists():
         shutil.rmtree(final)
@@ -152,6 +166,28 @@ def publish_checkpoint(root: str | Path, step: int, *, layout: dict[str, int], e
     for _, old in complete_checkpoints(root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def measured_write_speed(root: str | Path) -> dict[str, Any] | None:
+    """How fast this job's file system took its latest complete checkpoint under ``root`` (a resumed or requeued
+    run): ``{"gb_s_per_node", "bytes", "write_s", "nodes", "checkpoint"}`` (GB = 1e9 bytes; the write time runs from
+    the start of the save to its ``COMPLETE`` marker, so it includes the ranks' barrier), or None when there is no
+    checkpoint or it was written before the markers held the measurement."""
+    found = complete_checkpoints(root)
+    if not found:
+        return None
+    marker = read_marker(found[-1][1])
+    if not marker.get("write_s") or not marker.get("bytes"):
+        return None
+    nodes = int(marker.get("nodes") or 1)
+    speed = marker["bytes"] / marker["write_s"] / 1e9 / nodes
+    return {
+        "gb_s_per_node": speed,
+        "bytes": marker["bytes"],
+        "write_s": marker["write_s"],
+        "nodes": nodes,
+        "checkpoint": found[-1][1].name,
+    }
 
 
 def read_marker(path: str | Path) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -421,7 +422,7 @@ class DeepSpeedSFTTrainer(SFTLoop):
         this rank's RNG and data-loader state; ``COMPLETE`` last, then a rename from ``.tmp-step_N``.
         The layout is :mod:`afm_core.train.checkpoint_dirs`, so its ``latest_complete_checkpoint`` finds them."""
         root, step = self.run_dir / "checkpoints", self.progress.step
-        temp = staging_dir(root, step)
+        temp, started = staging_dir(root, step), time.time()
         on_rank0(self.layout.is_rank0, lambda: stage_checkpoint(root, step))  # rank 0's "no space" reaches all
         client_state = {"progress": asdict(self.progress), "scheduler": self.scheduler.state_dict()}
         self.engine.save_checkpoint(str(root), tag=temp.name, client_state=client_state, save_latest=False)
@@ -431,7 +432,13 @@ class DeepSpeedSFTTrainer(SFTLoop):
         on_rank0(
             self.layout.is_rank0,
             lambda: publish_checkpoint(
-                root, step, layout=self._layout_key(), engine="deepspeed", keep_last=int(self.cfg.trainer.keep_last)
+                root,
+                step,
+                layout=self._layout_key(),
+                engine="deepspeed",
+                keep_last=int(self.cfg.trainer.keep_last),
+                started=started,
+                nodes=self.layout.nodes,
             ),
         )
         return root / checkpoint_dir_name(step)

@@ -47,6 +47,11 @@ class ParallelLayout:
     def on_gpu(self) -> bool:
         return self.device.type == "cuda"
 
+    @property
+    def nodes(self) -> int:
+        """Nodes of the job (ranks fill one node after another, ``local_world_size`` per node)."""
+        return max(1, -(-self.world_size // max(1, self.local_world_size)))
+
 
 def _env_int(name: str) -> int:
     value = os.environ.get(name)
