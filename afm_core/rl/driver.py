@@ -191,12 +191,20 @@ def _validate(
 ) -> None:
     """Validate the live weights on engine 0 (its TP followers mirror it; the other ranks go on to the next
     collective) and log the ``split: val`` record at ``step`` (rank 0). Every rank calls it: the engine's turn
-    (the weight sync) is collective."""
+    (the weight sync) is collective. A stop requested meanwhile (USR2, preemption) aborts it: no record for this
+    step, and the job goes on to its checkpoint."""
+    from afm_core.rl.rollout_actor import RolloutAborted
+
     handover.to_engine()
     if actor.engines[1] != 0:
         return
     start = time.perf_counter()
-    results = actor.validate(benchmarks, cfg["val"])
+    try:
+        results = actor.validate(benchmarks, cfg["val"])
+    except RolloutAborted:
+        if metrics.log is not None:
+            print(f"[rl] stop requested during rollout step {step}'s validation: aborted, not logged", flush=True)
+        return
     metrics.write_validation(step, results, time.perf_counter() - start)
 
 

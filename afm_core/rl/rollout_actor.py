@@ -210,18 +210,26 @@ class RolloutActor:
         """``benchmarks`` x ``k`` on this rank's engine with the weights it holds now (the trainer's, after a
         sync; nothing reloaded) through :func:`afm_core.eval.runner.validate`: the eval job's agent loop, tools
         and graders; returns ``{benchmark: metrics}`` (``avg@k``, ``pass@k``, ... as in ``metrics.json``). Not
-        collective: the driver calls it on engine 0's ranks (a follower rank mirrors its leader, returns {})."""
+        collective: the driver calls it on engine 0's ranks (a follower rank mirrors its leader, returns {}).
+
+        Raises:
+            RolloutAborted: a stop was requested before the validation ended (as in :meth:`generate`: its
+                requests are aborted in vLLM, the checkpoint need not wait for it).
+        """
         from afm_core.eval.runner import validate
 
         if self.follower:
             self.engine.follow()
             return {}
         try:
-            return dict(self.run(validate(self.engine, self.tokenizer, self.tool_runner(), self.graders,
-                                          list(benchmarks), eval_cfg)))  # fmt: skip
+            results = self.run(_unless_stopped(validate(self.engine, self.tokenizer, self.tool_runner(),
+                                                        self.graders, list(benchmarks), eval_cfg), self.engine))  # fmt: skip
         finally:
             if self.lockstep is not None:
                 self.engine.end_round()  # release the followers
+        if results is None:
+            raise RolloutAborted("a stop was requested during validation: its requests were aborted")
+        return dict(results)
 
     def sleep(self) -> None:
         """Free the engine's memory for the training phase (GPU sleep mode; a no-op elsewhere). The next

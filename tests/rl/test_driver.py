@@ -426,8 +426,9 @@ class StuckPolicy:
         pass
 
 
-def test_sigusr2_while_a_round_generates_aborts_every_request_of_the_round_at_once(tmp_path, monkeypatch):
+def test_sigusr2_while_a_round_generates_or_validates_aborts_every_request_of_the_round_at_once(tmp_path, monkeypatch):
     import afm_core.train.trainer as trainer
+    from afm_core.eval.benchmarks import Benchmark
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.rollout_actor import RolloutAborted
     from afm_core.rollout import AgentTask
@@ -449,12 +450,27 @@ def test_sigusr2_while_a_round_generates_aborts_every_request_of_the_round_at_on
     try:
         with pytest.raises(RolloutAborted):
             actor.generate([("0:0", task), ("0:1", task)], n=2, stage=parse_schedule([], 64)[0], seed=0)
+        sender.join()
+        assert policy.cancelled == 4 and policy.settled and time.perf_counter() - start < 10
+        assert trainer.stop_requested()  # still set: the driver clears it when it saves (boundary_flags)
+
+        # validation during RL (2 problems x k=2, the eval job's loop) is aborted the same way
+        trainer._stop_requested = trainer._checkpoint_requested = False
+        policy.started.clear()
+        policy.cancelled, policy.settled = 0, False
+        sender = threading.Thread(target=lambda: policy.started.wait(60) and os.kill(os.getpid(), signal.SIGUSR2))
+        sender.start()
+        start = time.perf_counter()
+        val_task = AgentTask(id="v", task="math", prompt="What is 6 x 7?", question="6 x 7", answer="42",
+                             meta={"grader": "math", "benchmark": "val"})  # fmt: skip
+        val = Benchmark("val", [val_task, val_task], {"k": 2})
+        with pytest.raises(RolloutAborted, match="during validation"):
+            actor.validate([val], {**cfg["val"], "k": 2, "max_response_tokens": 64})
+        assert policy.cancelled == 4 and policy.settled and time.perf_counter() - start < 10
     finally:
         sender.join()
         actor.close()
         signal.signal(signal.SIGUSR2, relay)
-    assert policy.cancelled == 4 and policy.settled and time.perf_counter() - start < 10
-    assert trainer.stop_requested()  # still set: the driver clears it when it saves (boundary_flags)
 
 
 def test_a_step_whose_training_and_checkpoint_outlast_the_signal_lead_is_warned_about_once_per_new_worst(capsys):
