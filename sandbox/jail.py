@@ -16,12 +16,14 @@ OPPO-PersonalAI/Agent_Foundation_Models, ``verl/verl/tools/code_executor.py``):
 - a seccomp filter (:mod:`sandbox.seccomp`: no new namespaces, mounts, ptrace, keyrings, eBPF, ...), and on
   bubblewrap >= 0.8 ``--disable-userns`` as well: no nested user namespace;
 - rlimits: CPU seconds (soft limit sends SIGXCPU, hard limit one second later sends SIGKILL), address
-  space, processes, file size, open files, no core dumps.
+  space, processes, file size, open files, no core dumps. The snippet's are set inside the jail (by
+  ``prlimit`` in a one-shot jail, by the zygote in a warm one, by nsjail in its child), and the process
+  limit never on the jail binary: ``RLIMIT_NPROC`` counts the tasks of the jail's own user namespace (the
+  snippet's and its init's), nothing else that runs under the same host uid (see :func:`bwrap_argv`).
 
 When the server runs as root, each snippet slot runs as its own unprivileged host uid/gid
 (``uid_base + block * UIDS_PER_SERVER + slot``, one block per server process): concurrent snippets, also
-those of other sandbox servers on the host, cannot signal or ptrace each other, and ``RLIMIT_NPROC``
-(which the kernel counts per real uid) bounds each snippet on its own.
+those of other sandbox servers on the host, cannot signal or ptrace each other.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ class Limits:
         timeout_s: wall-clock seconds before the whole jail is killed.
         memory_mb: address-space limit (``RLIMIT_AS``) in MiB.
         cpu_s: CPU seconds (``RLIMIT_CPU`` soft limit, rounded up; the hard limit is one second more).
-        max_processes: ``RLIMIT_NPROC`` (processes and threads of the snippet's uid); None: unchanged.
+        max_processes: processes and threads the snippet may have at once, itself included (its
+            ``RLIMIT_NPROC``, counted in the jail's own user namespace); None: unchanged.
         max_file_mb: largest file the snippet may write (``RLIMIT_FSIZE``), MiB.
         max_open_files: ``RLIMIT_NOFILE``.
         tmp_size_mb: size of the private ``/tmp`` tmpfs, MiB.
@@ -139,13 +142,18 @@ def _prefix_binds(cfg: JailConfig) -> list[str]:
     return paths
 
 
-def _rlimit_args(limits: Limits, cpu: bool = True) -> list[str]:
-    """``prlimit(1)`` options (values in the units the kernel uses: bytes, seconds, counts)."""
+def _rlimit_args(limits: Limits, cpu: bool = True, other_tasks: int = 0) -> list[str]:
+    """``prlimit(1)`` options (values in the units the kernel uses: bytes, seconds, counts).
+
+    Args:
+        other_tasks: tasks besides the snippet's that ``RLIMIT_NPROC`` counts where it is set.
+    """
     seconds = max(1, math.ceil(limits.cpu_s))
+    nproc = None if limits.max_processes is None else limits.max_processes + other_tasks
     return [
         *([f"--cpu={seconds}:{seconds + 1}"] if cpu else []),
         f"--as={limits.memory_mb << 20}",
-        *([f"--nproc={limits.max_processes}"] if limits.max_processes is not None else []),
+        *([f"--nproc={nproc}"] if nproc is not None else []),
         f"--fsize={limits.max_file_mb << 20}",
         f"--nofile={limits.max_open_files}",
         "--core=0",
@@ -218,22 +226,32 @@ def _bwrap_tail(binds: list[str]) -> list[str]:
 
 
 def bwrap_argv(cfg: JailConfig, limits: Limits, code_file: Path, *, seccomp_fd: int) -> list[str]:
-    """argv for ``prlimit … bwrap … python -I -u -B /code/main.py`` (one jail per snippet: the cold path).
+    """argv for ``bwrap … -- prlimit … -- python -I -u -B /code/main.py`` (one jail per snippet: the cold path).
+
+    The rlimits are set inside the jail, where ``RLIMIT_NPROC`` counts the tasks of the jail's user namespace:
+    bubblewrap's pid 1 and the snippet's. Set on bubblewrap itself (before it makes the namespace), the limit
+    would count every task of the host uid, among them the pid 1 of the slot's earlier jails: bubblewrap's
+    launcher exits as soon as the snippet has (``monitor_child`` returns on the snippet's exit status without
+    waiting for the jail's pid 1; containers/bubblewrap, ``bubblewrap.c``), so each jail's pid 1 ends up a
+    zombie of the host's init, counted until that init reaps it, which can be seconds later (a burst of cold
+    snippets then failed with ``bwrap: Can't fork for pid 1: Resource temporarily unavailable``).
 
     Args:
         code_file: host path of the snippet (must be readable by the slot uid).
         seccomp_fd: an fd the jail inherits, holding :func:`sandbox.seccomp.bpf_program`.
     """
-    argv = ["prlimit", *_rlimit_args(limits), "--", *_bwrap_jail(cfg, limits.tmp_size_mb, seccomp_fd)]
+    argv = _bwrap_jail(cfg, limits.tmp_size_mb, seccomp_fd)
     argv += _bwrap_tail(["--ro-bind", str(code_file), CODE_PATH_IN_JAIL])
-    return [*argv, "--", *_python_argv(cfg)]
+    return [*argv, "--", "prlimit", *_rlimit_args(limits, other_tasks=1), "--", *_python_argv(cfg)]
 
 
 def bwrap_zygote_argv(cfg: JailConfig, limits: Limits, code_dir: Path, ctrl_fd: int, *, seccomp_fd: int) -> list[str]:
     """argv of a warm jail: ``bwrap … python -I -u -B /sandbox/zygote.py CTRL_FD`` as the jail's process 1.
 
     Args:
-        limits: the most any snippet may ask for (the zygote lowers them per snippet); its CPU limit is unused.
+        limits: the most any snippet may ask for (the zygote sets each snippet's); its CPU limit is unused, and
+            its ``max_processes`` should be None: a process limit set here would count the host uid's tasks
+            (see :func:`bwrap_argv`), while the zygote sets the snippet's inside the jail.
         code_dir: host folder holding the slot's ``main.py``, bound read-only at ``/code``.
         ctrl_fd: the zygote's end of the control socket (inherited).
     """

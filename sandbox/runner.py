@@ -22,8 +22,6 @@ import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import psutil
-
 from sandbox.jail import UIDS_PER_SERVER, JailConfig, Limits, bwrap_argv, launcher_env, nsjail_argv, slot_identity
 from sandbox.warm import JailStartError, WarmJail, seccomp_memfd
 
@@ -131,10 +129,10 @@ class SnippetRunner:
         self._work_dir.chmod(0o711)
         self._jails: list[WarmJail] = []
         if cfg.warm:
-            # The jail's own limits: the most a snippet may ask for. Its process limit is checked against the
-            # slot uid's tasks on the host: as root that is the jail alone; else leave the user's limit.
-            nproc = cfg.max_processes + 8 if os.geteuid() == 0 else None
-            ceiling = replace(self.limits(cfg.max_timeout_s, cfg.max_memory_mb), max_processes=nproc)
+            # The jail's own limits: the most a snippet may ask for. No process limit: one on the jail would
+            # count the slot uid's tasks on the host, zombies of the slot's replaced jails among them (see
+            # sandbox.jail.bwrap_argv); the zygote sets each snippet's in the jail's own user namespace.
+            ceiling = replace(self.limits(cfg.max_timeout_s, cfg.max_memory_mb), max_processes=None)
             self._jails = [WarmJail(cfg.jail, slot, self._work_dir, ceiling) for slot in range(cfg.max_concurrency)]
 
     async def start(self) -> None:
@@ -168,19 +166,15 @@ class SnippetRunner:
         """Limits of one snippet; the CPU limit equals the wall-clock timeout.
 
         ``RLIMIT_NPROC`` counts the tasks of the real uid in the task's user namespace (and checks each
-        enclosing namespace against the limit its creator had). In a warm jail the snippet's namespace holds
-        only the zygote and the snippet, so the limit bounds the snippet alone. A one-shot jail's limit is set
-        on the host (``prlimit``): as root each slot has its own uid; otherwise the server's uid is shared with
-        everything else its user runs, so the tasks it already has are added.
+        enclosing namespace against the limit its creator had). Every jail sets it inside its own user
+        namespace, which holds only the jail's init (the zygote, or bubblewrap's pid 1) and the snippet, so
+        ``max_processes`` bounds the snippet alone, whatever else runs under the same host uid.
         """
-        max_processes = self.cfg.max_processes
-        if os.geteuid() != 0 and not self._jails:
-            max_processes += _tasks_of_this_uid()
         return Limits(
             timeout_s=timeout_s,
             memory_mb=memory_mb,
             cpu_s=timeout_s,
-            max_processes=max_processes,
+            max_processes=self.cfg.max_processes,
             max_file_mb=self.cfg.max_file_mb,
             max_open_files=self.cfg.max_open_files,
             tmp_size_mb=self.cfg.tmp_size_mb,
@@ -312,16 +306,6 @@ class SnippetRunner:
         if status == "timeout" and not stderr:
             stderr = f"Timed out after {limits.timeout_s:g} s. Check for infinite loops, blocked I/O (e.g., input()), or deadlocks."
         return RunResult(status, stdout, stderr, exit_code, round(duration, 4), cut_out or cut_err)
-
-
-def _tasks_of_this_uid() -> int:
-    """Processes and threads whose real uid is this process's (what ``RLIMIT_NPROC`` counts)."""
-    uid = os.getuid()
-    tasks = 0
-    for proc in psutil.process_iter(["uids", "num_threads"]):
-        if proc.info["uids"] is not None and proc.info["uids"].real == uid:
-            tasks += proc.info["num_threads"] or 1
-    return tasks
 
 
 async def _feed_stdin(proc, stdin: str | None) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
 import os
 import subprocess
 import sys
@@ -20,9 +22,12 @@ from sandbox.jail import (
     bwrap_zygote_argv,
     nsjail_argv,
     nsjail_zygote_argv,
+    slot_uid,
 )
 from sandbox.runner import RunnerConfig, SnippetRunner
 from tests.tools.conftest import jail_unavailable, sandbox_server
+
+PR_SET_CHILD_SUBREAPER = 36
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: dict) -> tuple[int, dict]:
@@ -107,7 +112,10 @@ def test_server_refuses_to_start_without_a_working_jail(tmp_path):
 def test_jail_command_lines():
     limits = Limits(timeout_s=3, memory_mb=128, cpu_s=3)
     argv = bwrap_argv(JailConfig(), limits, Path("/x/code.py"), seccomp_fd=7)
-    assert argv[:1] == ["prlimit"] and "--cpu=3:4" in argv and f"--as={128 << 20}" in argv
+    # the rlimits are the interpreter's, set inside the jail: there RLIMIT_NPROC counts bubblewrap's pid 1 and the snippet
+    inner = argv[argv.index("prlimit") :]
+    assert argv[0] == "bwrap" and inner[-1] == "/code/main.py" and "--nproc=33" in inner
+    assert "--cpu=3:4" in inner and f"--as={128 << 20}" in inner
     for flag in ("--unshare-all", "--die-with-parent", "--new-session", "--clearenv", "--remount-ro"):
         assert flag in argv
     assert argv[argv.index("--seccomp") + 1] == "7"
@@ -173,3 +181,68 @@ def test_a_jail_that_cannot_start_is_a_sandbox_error(tmp_path):
         timeout=60,
     )
     assert proc.returncode != 0 and "sandbox self-test failed" in proc.stderr
+
+
+FORK_UNTIL_REFUSED = """
+import os, signal
+children = 0
+try:
+    while True:
+        if os.fork() == 0:
+            signal.pause()
+        children += 1
+except OSError as e:
+    print(children, e.errno)
+"""
+
+
+@pytest.mark.skipif(jail_unavailable() is not None or os.geteuid() != 0, reason="needs root and a working bubblewrap")
+def test_zombies_of_earlier_jails_do_not_count_against_the_next_snippet():
+    """bubblewrap's launcher exits before the jail's pid 1, which becomes a zombie until the host's init reaps it
+    (seconds later on a busy host: 1 of 64 cold snippets once failed with "Can't fork for pid 1"). Here this
+    process adopts those zombies (a subreaper) and keeps them: each cold snippet, and each snippet of a warm
+    jail replaced after the last, still starts and may have exactly ``max_processes`` tasks."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+    async def main(warm: bool, runs: int) -> list:
+        runner = SnippetRunner(RunnerConfig(warm=warm, max_concurrency=1, max_processes=4))
+        results = []
+        try:
+            for _ in range(runs):
+                results.append(await runner.run(FORK_UNTIL_REFUSED, None, 5.0, 256))
+                for jail in runner._jails:  # as after a timeout past the backstop: the slot starts a new jail
+                    jail.kill()
+                    await jail.wait_exit(5.0)
+        finally:
+            await runner.aclose()
+        return results
+
+    uid = slot_uid(JailConfig(), 0)
+    try:
+        cold, warm = asyncio.run(main(False, 4)), asyncio.run(main(True, 9))
+        zombies = adopted_zombies(uid)
+    finally:
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        for pid in adopted_zombies(uid):
+            os.waitpid(pid, 0)
+    assert [(result.status, result.stderr) for result in cold + warm] == [("ok", "")] * (4 + 9)
+    assert {result.stdout for result in cold + warm} == {f"3 {errno.EAGAIN}\n"}  # 4 tasks: the snippet, 3 children
+    assert len(zombies) >= 4 + 9 - 1  # each jail's pid 1 (the last warm one may still be dying)
+
+
+def adopted_zombies(uid: int) -> list[int]:
+    """This process's zombie children that ran as ``uid``."""
+    zombies = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            owner = entry.stat().st_uid
+        except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if state == "Z" and int(ppid) == os.getpid() and owner == uid:
+            zombies.append(int(entry.name))
+    return zombies
