@@ -431,7 +431,7 @@ def checkpoint_plan(cfg: Mapping[str, Any], layout: Layout, total_params: int) -
     warning = None
     if write_s > lead:
         warning = (
-            f"checkpoint write ~{write_s:.0f} s ({size / 1e9:.0f} GB at {speed:g} GB/s per node, {source}) > "
+            f"checkpoint write ~{write_s:.0f} s ({size / 1e9:.0f} GB at {speed:.3g} GB/s per node, {source}) > "
             f"--signal=USR2@{lead}: set cluster.signal_delay_s >= {int(write_s * 1.5) + 60}"
         )
     return {
@@ -585,7 +585,7 @@ def render(plan: Mapping[str, Any]) -> str:
             + ")"
         )
     c = plan["checkpoint"]
-    write = f"~{c['write_s']:.0f} s at {c['write_gb_s_per_node']:g} GB/s per node, {c['write_speed_source']}"
+    write = f"~{c['write_s']:.0f} s at {c['write_gb_s_per_node']:.3g} GB/s per node, {c['write_speed_source']}"
     lines.append(f"  checkpoint: {c['gb']} GB with optimizer state ({write}); HF export {c['hf_export_gb']} GB")
     lines += [f"  note: {note}" for note in plan["notes"]]
     if plan["fits"] is not None:
