@@ -118,6 +118,9 @@ def test_two_node_sweep_of_three_values_is_one_array(tmp_path):
     assert lrs == [1e-4, 2e-4, 4e-4]  # one run dir (config, metrics, checkpoints) per member
     starts = [read_job_record(sweep / str(i) / "logs")["start"] for i in range(3)]
     assert all(s["ranks"] == {"afm-n1": [0], "afm-n2": [1]} for s in starts)
+    # members running at once on the same first node rendezvous on different ports, below the ephemeral range
+    ports = [s["master_port"] for s in starts]
+    assert len(set(ports)) == 3 and all(15000 <= port < 25000 for port in ports), ports
     status = subprocess.run(
         [sys.executable, "-m", "jobs.status", str(sweep)], cwd=repo_root(), capture_output=True, text=True, check=True
     ).stdout
