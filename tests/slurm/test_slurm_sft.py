@@ -1,7 +1,7 @@
 """Acceptance of the job layer on the real local Slurm cluster with the real SFT trainer (tiny-llama, CPU, gloo).
 
 - a 2-task Slurm run with parallel.tp=2 gives the same losses as the local tp=2 run;
-- the same run interrupted 3 times by ``scancel --signal=USR2`` at different steps completes with final weights
+- the same run interrupted twice by ``scancel --signal=USR2`` at different steps completes with final weights
   bitwise equal to the uninterrupted run and every step exactly once in metrics.jsonl;
 - a job in the ``high`` partition preempts a running SFT job, which is requeued, resumes and completes.
 
@@ -62,11 +62,12 @@ def test_slurm_tp2_matches_local_tp2(uninterrupted_tp2, tmp_path):
     assert read_job_record(uninterrupted_tp2 / "logs")["world_size"] == 2
 
 
-def test_three_usr2_interrupts_resume_bitwise(uninterrupted_tp2, tmp_path):
+def test_two_usr2_interrupts_resume_bitwise(uninterrupted_tp2, tmp_path):
+    # twice, not three times: a second resume from a resumed run is the case a first one does not cover (CI time)
     run_dir = tmp_path / "interrupted"
     job_id = submit_slurm(run_dir, "cluster.tasks_per_node=2", "parallel.tp=2", f"trainer.max_steps={MAX_STEPS}")
-    interrupt_with_usr2(run_dir, job_id, times=3)
-    assert_resumed_bitwise(run_dir, uninterrupted_tp2, job_id, times=3, max_steps=MAX_STEPS)
+    interrupt_with_usr2(run_dir, job_id, times=2)
+    assert_resumed_bitwise(run_dir, uninterrupted_tp2, job_id, times=2, max_steps=MAX_STEPS)
 
 
 def test_high_partition_preempts_and_the_job_resumes(tmp_path):
