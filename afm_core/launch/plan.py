@@ -258,14 +258,15 @@ def host_plan(cfg: Mapping[str, Any], layout: Layout, trainer_state_bytes: int, 
     each GPU's trainer parameters, gradients and optimizer state wait in host memory (``colocation.offload_trainer``;
     null: whenever the engine sleeps); while the trainer runs, a level-1 sleeping engine keeps its weights there.
     ``note`` says when the larger phase exceeds ``cluster.mem`` (Slurm's per-node ``--mem``), else None."""
-    colocation = cfg.get("colocation") or {}
-    level = int(colocation.get("sleep_level", 1))
-    offload = colocation.get("offload_trainer")
-    offload = level >= 1 if offload is None else bool(offload)
+    from afm_core.rl.colocation import select_colocation
+
+    colocation = select_colocation(
+        cfg.get("colocation"), cfg["engine"], on_gpu=layout.on_gpu, rank=0, world_size=layout.world_size
+    )
     gpus = max(1, layout.gpus_per_node) if layout.on_gpu else 0
     phases = {
-        "generation": gpus * trainer_state_bytes if offload else 0,
-        "training": gpus * engine_weights_bytes if level == 1 else 0,
+        "generation": gpus * trainer_state_bytes if colocation.offload_trainer else 0,
+        "training": gpus * engine_weights_bytes if colocation.sleeps and colocation.sleep_level == 1 else 0,
     }
     peak = max(phases.values())
     limit = _slurm_mem_bytes(cfg["cluster"].get("mem"))
@@ -464,8 +465,8 @@ def write_speed(cfg: Mapping[str, Any], checkpoint_bytes: int) -> tuple[float, s
         return measured["gb_s_per_node"], f"measured by this run's {measured['checkpoint']}"
     probe_mib = int((cfg.get("plan") or {}).get("write_probe_mib", 256))
     size_mib = max(1, min(probe_mib, checkpoint_bytes // 2**20))
-    speed = probe_write_speed(_nearest_existing(run_dir), size_mib)
-    return speed, f"measured: {size_mib} MiB written and fsynced to {_nearest_existing(run_dir)}"
+    directory = _nearest_existing(run_dir)
+    return probe_write_speed(directory, size_mib), f"measured: {size_mib} MiB written and fsynced to {directory}"
 
 
 def _existing_run_dir(cfg: Mapping[str, Any]) -> Path:

@@ -168,14 +168,7 @@ class RolloutActor:
 
             return list(await asyncio.gather(*(bounded(uid, task, s) for uid, task in items for s in range(n))))
 
-        try:
-            samples = self.run(_unless_stopped(all_(), self.engine))
-        finally:
-            if self.lockstep is not None:
-                self.engine.end_round()  # release the followers
-        if samples is None:
-            raise RolloutAborted("a stop was requested during the generation round: its trajectories were aborted")
-        return samples
+        return self._round(all_(), "the generation round: its trajectories were aborted")
 
     def generate_gathered(
         self, prompts: Sequence[tuple[str, int]], tasks: Sequence[Any], n: int, stage: Stage, seed: int
@@ -221,15 +214,20 @@ class RolloutActor:
         if self.follower:
             self.engine.follow()
             return {}
+        work = validate(self.engine, self.tokenizer, self.tool_runner(), self.graders, list(benchmarks), eval_cfg)
+        return dict(self._round(work, "validation: its requests were aborted"))
+
+    def _round(self, work: Any, during: str) -> Any:
+        """Run ``work`` (a coroutine on this rank's engine) to its end, then release the followers of a vLLM TP
+        group; raises RolloutAborted ("a stop was requested during {during}") when a stop came first."""
         try:
-            results = self.run(_unless_stopped(validate(self.engine, self.tokenizer, self.tool_runner(),
-                                                        self.graders, list(benchmarks), eval_cfg), self.engine))  # fmt: skip
+            result = self.run(_unless_stopped(work, self.engine))
         finally:
             if self.lockstep is not None:
                 self.engine.end_round()  # release the followers
-        if results is None:
-            raise RolloutAborted("a stop was requested during validation: its requests were aborted")
-        return dict(results)
+        if result is None:
+            raise RolloutAborted(f"a stop was requested during {during}")
+        return result
 
     def sleep(self) -> None:
         """Free the engine's memory for the training phase (GPU sleep mode; a no-op elsewhere). The next
