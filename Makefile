@@ -47,7 +47,7 @@ lint: setup
 # Two xdist workers: on 2 cores the serial suite kept one core busy ~half the time (subprocess starts, Slurm
 # scheduling and requeues, engine starts). Slurm tests stay together on one worker (tests/conftest.py).
 test: setup lint
-	$(PY) -m pytest tests -n 2 --dist loadgroup
+	$(PY) -m pytest tests -n 2 --dist loadgroup --durations=30
 
 test-fast: setup
 	$(PY) -m pytest tests -m "not slow and not slurm"
