@@ -71,14 +71,20 @@ def build_optimizer(
 
 
 def use_fused_adamw(optimizer: MegatronOptimizer) -> int:
-    """Run the torch AdamW inside a megatron optimizer with torch's fused kernel, on CPU parameters.
+    """Run the torch AdamW inside a megatron optimizer with torch's fused kernel (CPU and CUDA parameters).
 
-    Without transformer-engine or apex (CPU), megatron-core wraps ``torch.optim.AdamW`` built with torch's
-    defaults, which on CPU means the single-tensor loop: per parameter about ten elementwise passes and two
-    parameter-sized temporaries. ``fused=True`` (``torch/optim/adamw.py``; on CPU since torch 2.4) is one pass per
-    parameter, the same update (HF Trainer's default optimizer, ``adamw_torch_fused``, is this one). A param
-    group's ``fused`` is read at every ``step()``, so it is switched on the built optimizer; parameters on GPU
-    (TE/apex FusedAdam there) are left alone.
+    Without transformer-engine or apex, megatron-core wraps ``torch.optim.AdamW`` built with torch's defaults
+    (``megatron/core/optimizer/__init__.py``). On CPU that is the single-tensor loop: per parameter about ten
+    elementwise passes and two parameter-sized temporaries. On CUDA it is the ``foreach`` path, whose
+    ``_foreach_sqrt`` of the second moments allocates a copy of them for the whole param group at once
+    (``torch/optim/adam.py`` ``_multi_tensor_adam``): 4 bytes per parameter on top of the model states during the
+    step. Measured on an H200 (``benchmarks/plan_vs_gpu.py``, Qwen2.5-1.5B, 4096 tokens, full recomputation, no
+    TE): the step's peak over the model states 5.78 GiB with ``foreach``, 0.87 with ``fused``; GPU memory reserved
+    40.81 vs 35.47 GiB; 1.60 vs 1.30 s per training step (two micro batches).
+    ``fused=True`` (``torch/optim/adamw.py``; CUDA since torch 2.0, CPU since 2.4) is one pass per parameter with
+    no temporaries, the same update (HF Trainer's default optimizer, ``adamw_torch_fused``, is this one). A param
+    group's ``fused`` is read at every ``step()``, so it is switched on the built optimizer, before its state
+    exists. TE/apex ``FusedAdam`` (not a torch ``Adam``) is left alone.
 
     Returns:
         The number of param groups switched.
@@ -90,7 +96,11 @@ def use_fused_adamw(optimizer: MegatronOptimizer) -> int:
             continue
         for group in inner.param_groups:
             params = group["params"]
-            if params and all(p.device.type == "cpu" and p.dtype.is_floating_point for p in params):
+            if (
+                params
+                and {p.device.type for p in params} in ({"cpu"}, {"cuda"})
+                and all(p.dtype.is_floating_point for p in params)
+            ):
                 group["fused"], group["foreach"] = True, False
                 switched += 1
     return switched
