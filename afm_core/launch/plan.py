@@ -28,7 +28,10 @@ if TYPE_CHECKING:
     from afm_core.train.memory import Activations, StageState
 
 GIB = 1024**3
-GPU_OVERHEAD_BYTES = 2 * GIB  # CUDA context, NCCL and cuBLAS workspaces, allocator slack (not modelled)
+# CUDA context, NCCL and cuBLAS workspaces, allocator slack (not modelled). Measured on an H200 at world size 1
+# (benchmarks/plan_vs_gpu.py, Qwen2.5-1.5B/3B at 4096 tokens): 2.84 GiB held outside torch's allocator plus 0.4-0.8
+# GiB reserved above the allocated peak; NCCL communicators of larger worlds add to it.
+GPU_OVERHEAD_BYTES = 4 * GIB
 
 APPS = ("sft", "rl")
 # Nominal GPU size (GB, as sold) -> the bytes torch reports as total memory (H100/A100 80GB: 81559 MiB;
@@ -112,6 +115,9 @@ class Layout:
     micro_batch_size: int
     num_microbatches: int
     gpu_gb: float
+    # GPU jobs run transformer-engine's layer spec and cross entropy (requirements/gpu.txt); False: a GPU install
+    # without it (megatron's local spec and native fused cross entropy: afm_core.train.memory.activations)
+    transformer_engine: bool = True
 
     @property
     def dp(self) -> int:
@@ -158,6 +164,7 @@ def layout_of(cfg: Mapping[str, Any], app: str) -> Layout:
         micro_batch_size=mbs,
         num_microbatches=num_microbatches,
         gpu_gb=float(cluster.get("gpu_memory_gb") or 80),
+        transformer_engine=on_gpu,
     )
 
 
@@ -210,6 +217,7 @@ def training_plan(hf_config: Any, layout: Layout) -> list[dict[str, Any]]:
             recompute=layout.recompute,
             element_size=2 if layout.bf16 else 4,
             on_gpu=layout.on_gpu,
+            transformer_engine=layout.transformer_engine,
         )
         rows.append(stage_table(stage, acts))
     return rows

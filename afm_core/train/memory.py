@@ -18,21 +18,29 @@ Activations are analytic, one decoder layer's saved tensors for backward per mic
 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 4, rewritten for GQA, SwiGLU, no
 dropout and flash / fused SDPA attention, which store no ``s x s`` scores), in elements of ``s * b``:
 
-  * ``4h``, divided by ``tp`` only with sequence parallelism: the two RMSNorm inputs and outputs (the outputs
-    are the inputs of the fused QKV and FC1 matmuls);
+  * transformer-engine's layer spec (GPU): ``4h``, divided by ``tp`` only with sequence parallelism: the two
+    RMSNorm inputs and outputs (the outputs are the inputs of the fused QKV and FC1 matmuls);
   * ``(2h + 2 g d + 3f) / tp``: q, k, v after RoPE (``h + 2 g d``), the attention output (``h``, also the input
     of the output projection), the FC1 output (``2f``, SwiGLU's input) and the SwiGLU output (``f``, FC2's input);
   * with full recomputation (Sec. 4.1) a layer keeps only its input (``h``, divided by ``tp`` with sequence
     parallelism) and one layer's full set is live while it is recomputed; selective recomputation drops the
     attention scores, which flash attention never stores, so it is counted as none;
+  * the local layer spec (CPU, or a GPU without transformer-engine): :func:`layer_activation_elements`;
   * the 1F1B pipeline schedule keeps ``min(pp - stage, micro batches)`` micro batches in flight on a stage
     (Sec. 4.2.3), times ``1 + (pp - 1) / (pp * vpp)`` with interleaving; context parallelism divides ``s``;
-  * the last stage's output layer and cross entropy keep the logits and fp32 softmax, ``(e + 4) * s * b * V / t``
-    bytes (``e`` the activation element size); on CPU at TP=1 the fused, chunked
-    :func:`afm_core.train.loss.linear_cross_entropy` stores no logits (counted as 0).
+  * the last stage's output layer and cross entropy keep ``c * s * b * V / t`` bytes at their peak, ``c`` per logit
+    by the cross entropy the model runs (:func:`cross_entropy_kind`; ``e`` the activation element size):
+    transformer-engine's ``parallel_cross_entropy`` (GPU with TE) keeps only the logits and writes their gradient
+    in place, ``c = e`` (``transformer_engine/pytorch/cross_entropy.py``); megatron's native fused one (GPU
+    without TE) holds the logits, their fp32 copy and the fp32 softmax at once in forward, ``c = e + 8``
+    (``megatron/core/fusions/fused_cross_entropy.py``; measured on an H200 with ``benchmarks/plan_vs_gpu.py``:
+    5.8 GiB over the kept layer inputs at 4096 tokens x 151936 vocab, bf16); megatron's unfused
+    ``vocab_parallel_cross_entropy`` (CPU, TP > 1) the logits and an fp32 softmax, ``c = e + 4``; on CPU at TP=1
+    the fused, chunked :func:`afm_core.train.loss.linear_cross_entropy` stores no logits (``c = 0``).
 
 Not counted: allocator fragmentation, the CUDA context and NCCL buffers (the plan adds
-:data:`afm_core.launch.plan.GPU_OVERHEAD_BYTES`), and communication buckets.
+:data:`afm_core.launch.plan.GPU_OVERHEAD_BYTES`), communication buckets, and the optimizer step's temporaries
+(with the fused AdamW, one fp32 copy of the largest parameter: below the forward-backward peak).
 """
 
 from __future__ import annotations
@@ -224,7 +232,8 @@ def layer_activation_elements(
     """Elements saved for backward by one decoder layer per token of a micro batch (module docstring):
     ``{"full": all saved tensors, "input": the layer input kept under full recomputation}``.
 
-    ``transformer_engine=False``: the CPU layer spec (:mod:`afm_core.models.local_spec`), whose fused norm keeps
+    ``transformer_engine=False``: the local layer spec (:mod:`afm_core.models.local_spec`; CPU, or a GPU without
+    transformer-engine: there measured within 4% with :func:`activations`, ``benchmarks/plan_vs_gpu.py``), whose fused norm keeps
     only the norm input (``2h`` per layer, never sequence parallel), whose attention keeps q and k after RoPE
     next to the fused QKV output and a copy of its output for the projection (``4h + 3 g d``), and whose MLP
     keeps the FC1 output only (``2f``).
@@ -251,6 +260,21 @@ class Activations:
         return self.layers + self.logits
 
 
+def cross_entropy_kind(*, on_gpu: bool, tp: int, transformer_engine: bool) -> str:
+    """Which output layer + cross entropy the last stage runs (module docstring): ``"te"`` (transformer-engine's
+    ``parallel_cross_entropy``), ``"native"`` (megatron's fused one), ``"unfused"`` (megatron's
+    ``vocab_parallel_cross_entropy``) or ``"chunked"`` (:func:`afm_core.train.loss.linear_cross_entropy`), as
+    :func:`afm_core.models.bridge.platform_fusions` and ``_GPTModel._postprocess`` choose it."""
+    if on_gpu:
+        return "te" if transformer_engine else "native"
+    return "unfused" if tp > 1 else "chunked"
+
+
+def logit_bytes(kind: str, element_size: int) -> int:
+    """Bytes per logit element the cross entropy ``kind`` (:func:`cross_entropy_kind`) holds at its peak."""
+    return {"te": element_size, "native": element_size + 8, "unfused": element_size + 4, "chunked": 0}[kind]
+
+
 def activations(
     arch: ModelArch,
     stage: StageState,
@@ -266,6 +290,7 @@ def activations(
     recompute: str | None,
     element_size: int,
     on_gpu: bool,
+    transformer_engine: bool | None = None,
 ) -> Activations:
     """Activation bytes of ``stage`` (module docstring).
 
@@ -274,11 +299,15 @@ def activations(
         num_microbatches: micro batches per optimizer step on a DP rank.
         recompute: ``None``, ``"selective"`` or ``"full"`` (``parallel.recompute``).
         element_size: bytes per activation element (2 for bf16, 4 for fp32).
-        on_gpu: the transformer-engine layer spec (GPU); else the CPU spec, and at TP=1 the fused, chunked
-            output layer + loss (:func:`afm_core.train.loss.linear_cross_entropy`).
+        on_gpu: the job runs on GPUs; on CPU the local layer spec, and at TP=1 the fused, chunked output layer +
+            loss (:func:`afm_core.train.loss.linear_cross_entropy`).
+        transformer_engine: the GPU job has transformer-engine (its layer spec and cross entropy); None: as
+            ``on_gpu`` (``requirements/gpu.txt`` installs it). Without it a GPU job runs the local layer spec and
+            megatron's native fused cross entropy.
     """
+    te = on_gpu if transformer_engine is None else transformer_engine and on_gpu
     tokens = seq_length // cp * micro_batch_size
-    per_layer = layer_activation_elements(arch, tp=tp, sequence_parallel=sequence_parallel, transformer_engine=on_gpu)
+    per_layer = layer_activation_elements(arch, tp=tp, sequence_parallel=sequence_parallel, transformer_engine=te)
     full_layer = int(per_layer["full"] * tokens * element_size)
     in_flight = float(min(pp - stage.pp_rank, num_microbatches))
     if vpp:
@@ -289,6 +318,7 @@ def activations(
     else:
         layers = int(in_flight * stage.layers * full_layer)
     logits = 0
-    if stage.last and (on_gpu or tp > 1):
-        logits = int((element_size + 4) * tokens * arch.vocab_size / tp)
+    if stage.last:
+        per_logit = logit_bytes(cross_entropy_kind(on_gpu=on_gpu, tp=tp, transformer_engine=te), element_size)
+        logits = int(per_logit * tokens * arch.vocab_size / tp)
     return Activations(full_layer, layers, logits, in_flight)
