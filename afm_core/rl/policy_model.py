@@ -37,29 +37,11 @@ def build_policy_model(
     """
     from transformers import AutoConfig
 
-    from afm_core.models.bridge import (
-        build_gpt_model,
-        load_hf_weights,
-        mcore_config_from_hf,
-    )
-    from afm_core.train.trainer import build_model_chunks
+    from afm_core.models.bridge import load_hf_weights
+    from afm_core.train.trainer import build_model
 
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    config = mcore_config_from_hf(
-        hf_config,
-        tp=layout.tp,
-        pp=layout.pp,
-        params_dtype=params_dtype,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        **config_overrides,
-    )
-
-    def provider(pre_process: bool, post_process: bool, vp_stage: int | None):
-        return build_gpt_model(
-            hf_config, config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
-        ).to(layout.device)
-
-    chunks = build_model_chunks(provider, layout)
+    chunks = build_model(hf_config, layout, params_dtype=params_dtype, **config_overrides)
     if load_weights:
         load_hf_weights(chunks, hf_dir)
     return chunks, hf_config

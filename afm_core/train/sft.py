@@ -100,9 +100,9 @@ def _data_module(cfg: DictConfig, hf_dir: Path):
 def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_steps: int) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from afm_core.models.bridge import build_gpt_model, load_hf_weights, mcore_config_from_hf, save_hf_checkpoint
+    from afm_core.models.bridge import load_hf_weights, save_hf_checkpoint
     from afm_core.train.distributed import activation_memory_overrides, training_dtype
-    from afm_core.train.trainer import SFTTrainer, build_model_chunks, find_resume_checkpoint
+    from afm_core.train.trainer import SFTTrainer, build_model, find_resume_checkpoint
 
     t, p = cfg.trainer, cfg.parallel
     overrides = activation_memory_overrides(p)
@@ -112,21 +112,7 @@ def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_s
             "torch AdamW, whose state the DistributedOptimizer cannot checkpoint"
         )
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    mcore_config = mcore_config_from_hf(
-        hf_config,
-        tp=layout.tp,
-        pp=layout.pp,
-        params_dtype=training_dtype(t.precision),
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        **overrides,
-    )
-
-    def provider(pre_process: bool, post_process: bool, vp_stage: int | None):
-        return build_gpt_model(
-            hf_config, mcore_config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
-        ).to(layout.device)
-
-    chunks = build_model_chunks(provider, layout)
+    chunks = build_model(hf_config, layout, params_dtype=training_dtype(t.precision), **overrides)
     resume_from = cfg.get("resume")
     if find_resume_checkpoint(cfg.run_dir, resume_from) is None:
         load_hf_weights(chunks, hf_dir)  # a resumed run gets its weights from the checkpoint instead

@@ -278,6 +278,32 @@ def build_model_chunks(model_provider: Any, layout: ParallelLayout) -> list[torc
     return chunks
 
 
+def build_model(
+    hf_config: Any, layout: ParallelLayout, *, params_dtype: torch.dtype, **config_overrides: Any
+) -> list[torch.nn.Module]:
+    """This rank's randomly initialised ``GPTModel`` chunks shaped like ``hf_config`` (a transformers Llama/Qwen2
+    config), on ``layout.device``: :func:`afm_core.models.bridge.mcore_config_from_hf` with this rank's TP/PP/VPP
+    and ``config_overrides`` (recompute, sequence parallel...), then :func:`build_model_chunks`. Megatron's
+    parallel state must be initialised."""
+    from afm_core.models.bridge import build_gpt_model, mcore_config_from_hf
+
+    config = mcore_config_from_hf(
+        hf_config,
+        tp=layout.tp,
+        pp=layout.pp,
+        params_dtype=params_dtype,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        **config_overrides,
+    )
+
+    def provider(pre_process: bool, post_process: bool, vp_stage: int | None):
+        return build_gpt_model(
+            hf_config, config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
+        ).to(layout.device)
+
+    return build_model_chunks(provider, layout)
+
+
 class SFTLoop(ABC):
     """The engine-independent SFT loop: batch sizes, resume, step loop, evals, metrics, checkpoint cadence, summary.
 
