@@ -44,6 +44,9 @@ ENGINES: dict[str, tuple[dict[str, Any], dict[str, str]]] = {
     "default": ({}, {}),
     "compiled": ({"enforce_eager": False}, {}),
     "fp32": ({"dtype": "float32"}, {}),
+    # knobs measured once against the profile (benchmarks/README.md): neither helps on 2 cores
+    "no-split-kv": ({}, {"VLLM_CPU_ATTN_SPLIT_KV": "0"}),
+    "omp-passive": ({}, {"OMP_WAIT_POLICY": "PASSIVE"}),
 }
 
 
