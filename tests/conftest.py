@@ -7,7 +7,7 @@ of jobs, requeues and preemptions start at once beside the rest of the suite ins
 
 The tests of a module that share a module-scoped fixture (an RL run, a DeepSpeed run, an engine) form one group
 too: xdist runs a module fixture once per worker that gets one of its tests, so a module split over both workers
-paid for its run twice (two ~100 s setups of tests/rl/test_rl_job_ux.py's resumed run in one CI run).
+paid for its run twice (two ~100 s setups of tests/rl/test_rl_job_ux.py's resumed run in one full run).
 """
 
 from __future__ import annotations
