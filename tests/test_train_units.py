@@ -173,11 +173,21 @@ def test_resolve_max_steps_and_eval_batches():
         full_micro_batches(iter(batches[1:]), 2)
 
 
-def test_training_dtype():
+def test_training_dtype_auto_is_bf16_only_where_it_is_fast_and_warns_on_bf16_emulated(monkeypatch, caplog):
     from afm_core.train.distributed import training_dtype
+    from afm_core.utils import hardware
 
-    assert training_dtype("auto") == (torch.bfloat16 if torch.cuda.is_available() else torch.float32)
-    assert training_dtype("bf16") == torch.bfloat16
+    for gpu, native, auto in (
+        (True, False, torch.bfloat16),
+        (False, True, torch.bfloat16),
+        (False, False, torch.float32),
+    ):
+        monkeypatch.setattr(hardware, "cuda_available", lambda gpu=gpu: gpu)
+        monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda native=native: native)
+        caplog.clear()
+        assert training_dtype("auto") == auto and training_dtype("fp32") == torch.float32
+        assert training_dtype("bf16") == torch.bfloat16  # kept as asked, with a warning where it is emulated
+        assert ("trainer.precision=bf16 on a CPU without native bf16" in caplog.text) == (auto == torch.float32)
     with pytest.raises(ValueError, match=r"trainer\.precision='fp16'"):
         training_dtype("fp16")
 

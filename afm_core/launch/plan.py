@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from afm_core.utils.hardware import bf16_is_fast
+
 if TYPE_CHECKING:
     from afm_core.train.memory import Activations, StageState
 
@@ -159,7 +161,7 @@ def layout_of(cfg: Mapping[str, Any], app: str) -> Layout:
         sequence_parallel=sp,
         recompute=recompute,
         distributed_optimizer=bool(p.get("distributed_optimizer")),
-        bf16=precision == "bf16" or (precision == "auto" and on_gpu),
+        bf16=precision == "bf16" or (precision == "auto" and bf16_is_fast(on_gpu)),  # a CPU job: this host's CPU
         seq_length=seq_length,
         micro_batch_size=mbs,
         num_microbatches=num_microbatches,

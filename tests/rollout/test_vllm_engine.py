@@ -65,12 +65,13 @@ def test_cpu_engine_settings_bf16_only_where_native_eager_by_default_and_a_users
 
     from afm_core.rollout import vllm_engine
     from afm_core.rollout.vllm_engine import VLLMConfig, engine_args
+    from afm_core.utils import hardware
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr(vllm_engine, "_bind_set_here", None)
     monkeypatch.setattr(vllm_engine, "cuda_available", lambda: False)
     for native, dtype in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(vllm_engine, "cpu_has_native_bf16", lambda native=native: native)
+        monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda native=native: native)
         args = engine_args(VLLMConfig(model="m"))
         assert args["dtype"] == dtype and args["enforce_eager"] is True
     first = sorted(os.sched_getaffinity(0))[0]
