@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 #: The stage names the report reads (``conf/recipe/rl_demo_pipeline.yaml``).
-STAGES = ("warm", "train_slice", "heldout_slice", "before_slice", "before_full", "rl", "after_slice", "after_full")
+STAGES = ("warm", "heldout_slice", "train_slice", "before_slice", "before_full", "rl", "after_slice", "after_full")
 
 
 def ols_slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:

@@ -59,13 +59,13 @@ def test_the_rl_demo_chain_runs_every_stage_on_tiny_llama_and_writes_the_report(
 
     summary = json.loads((run_dir / "summary.json").read_text())
     names = [s["name"] for s in summary["stages"]]
-    assert names == ["warm", "train_slice", "heldout_slice", "before_slice", "before_full", "rl", "after_slice",
+    assert names == ["warm", "heldout_slice", "train_slice", "before_slice", "before_full", "rl", "after_slice",
                      "after_full"]  # fmt: skip
     stages = {s["name"]: s for s in summary["stages"]}
     # each stage saw the model it should: the warm start before RL, the RL export after it
     assert stages["before_slice"]["command"][-1] == f"model.hf_path={run_dir / '0_warm' / 'hf'}"
     assert stages["after_full"]["command"][-1] == f"model.hf_path={run_dir / '5_rl' / 'hf'}"
-    assert f"data.files=[{run_dir / '1_train_slice'}/rl_data.parquet]" in stages["rl"]["command"]
+    assert f"data.files=[{run_dir / '2_train_slice'}/rl_data.parquet]" in stages["rl"]["command"]
     slice_ = summary["heldout_slice"]
     assert slice_["n_problems"] == 3 and slice_["k"] == 2 and slice_["selection"]["k"] == 2
     assert {"before", "after", "se", "z"} <= set(slice_)
