@@ -52,7 +52,6 @@ import argparse
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -153,14 +152,13 @@ def compose_sft_config(args: argparse.Namespace, seq_length: int, run_dir: Path)
 
 def join_single_process_group(cfg: Any, num_threads: int | None) -> Any:
     """World size 1 (TP = PP = DP = 1) on a free local port: the process group megatron's step needs."""
+    from afm_core.launch.distributed import free_port
     from afm_core.train.distributed import init_distributed
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.update(
-        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )  # fmt: skip
     return init_distributed(cfg.parallel, seed=int(cfg.trainer.seed), num_threads=num_threads)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import pytest
 
 from afm_core.coa import user_prompt
 from afm_core.data.tokenize import encode_prompt
+from afm_core.launch.distributed import free_port
 from afm_core.rollout import AgentConfig, AgentLoop, AgentTask, SamplingConfig
 from afm_core.rollout.engine import EngineError
 
@@ -125,17 +125,11 @@ def test_a_prompt_longer_than_the_context_is_an_engine_error(loop_and_engine):
         loop.run_until_complete(engine.generate([1] * 2000, SamplingConfig(max_tokens=8), "too-long"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_the_remote_engine_gets_token_ids_and_logprobs_from_vllm_serve(tiny_llama, tmp_path):
     from afm_core.rollout.factory import load_tokenizer
     from afm_core.rollout.remote_engine import RemoteEngine
 
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - the server writes to it until it stops
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_llama), "--port", str(port),

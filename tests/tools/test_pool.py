@@ -4,12 +4,12 @@ guard, rate/concurrency/connection limits and metrics."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import pytest
 from aiohttp import web
 
+from afm_core.launch.distributed import free_port
 from afm_core.tools import ToolCache, ToolLimits, ToolPool, WikiSearchTool
 from afm_core.tools.base import Tool, ToolError
 from afm_core.tools.wiki_search import REPEATED_SEARCH
@@ -57,12 +57,6 @@ class Backend:
         return app
 
 
-def free_port_nobody_listens_on() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def one_call(url: str, limits: ToolLimits, content: str = "query") -> tuple[str, ToolPool]:
     async with ToolPool([WikiSearchTool(url)], {"wiki_search": limits}) as pool:
         return await pool.call("wiki_search", content, "traj-1"), pool
@@ -88,7 +82,7 @@ def test_faults_give_error_observations_after_the_configured_retries(mode, kind)
 
 
 def test_server_down():
-    url = f"http://127.0.0.1:{free_port_nobody_listens_on()}"
+    url = f"http://127.0.0.1:{free_port()}"
     observation, pool = asyncio.run(one_call(url, ToolLimits(**FAST_RETRY)))
     assert observation.startswith("[wiki_search error: connect]") and "(3 attempts)" in observation
     m = pool.metrics["wiki_search"]
@@ -324,7 +318,7 @@ def test_circuit_states_with_one_probe_at_a_time():
 def test_fail_fast_raises_a_dedicated_error_once_the_circuit_is_open():
     from afm_core.tools.errors import ToolCircuitOpenError
 
-    url = f"http://127.0.0.1:{free_port_nobody_listens_on()}"
+    url = f"http://127.0.0.1:{free_port()}"
     limits = ToolLimits(timeout_s=1, retries=0, circuit_failures=2, circuit_cooldown_s=60)
 
     async def main():
