@@ -39,7 +39,7 @@ from afm_core.distill.mas import MASConfig, MultiAgentSystem, RoleTeacher
 from afm_core.distill.roles import ROLES
 from afm_core.distill.teacher import Teacher, build_teacher, teacher_sampling, teacher_settings
 from afm_core.eval.benchmarks import Benchmark, load_sources
-from afm_core.eval.samples import SampleWriter, read_samples, sample_key
+from afm_core.eval.samples import SampleWriter, read_samples, sample_key, samples_todo
 from afm_core.rollout import AgentTask
 from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
 from afm_core.utils.aio import run_with_tools
@@ -306,8 +306,7 @@ def run_distill(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     samples = int(cfg["distill"].get("samples", 1))
     runs_path = run_dir / RUNS_FILE
     done = {sample_key(r) for r in read_samples(runs_path)}
-    todo = [(task, sample) for bench in benchmarks for sample in range(samples) for task in bench.tasks
-            if (bench.name, str(task.meta["problem_id"]), sample) not in done]  # fmt: skip
+    todo = samples_todo(benchmarks, lambda _: samples, done)
     total = sum(len(b.tasks) for b in benchmarks) * samples
     print(f"[distill] {', '.join(f'{b.name} ({len(b.tasks)})' for b in benchmarks)} x {samples} sample(s): "
           f"{total} runs, {total - len(todo)} already done, {len(todo)} to run; run dir {run_dir}", flush=True)  # fmt: skip

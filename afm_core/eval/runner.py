@@ -25,7 +25,7 @@ from omegaconf import DictConfig
 from afm_core.eval.benchmarks import SAMPLING_KEYS, Benchmark, load_sources
 from afm_core.eval.metrics import benchmark_metrics, double_check_score
 from afm_core.eval.report import write_report
-from afm_core.eval.samples import SampleWriter, read_samples, sample_key
+from afm_core.eval.samples import SampleWriter, read_samples, sample_key, samples_todo
 from afm_core.rewards import Grade, Graders, LLMJudge, SandboxClient, normalize_answer
 from afm_core.rewards.base import extract_answer
 from afm_core.rewards.code import extract_program
@@ -211,8 +211,7 @@ async def validate(engine: Any, tokenizer: Any, pool: Any, graders: Graders, ben
     during RL: the colocated engine with the live weights, nothing reloaded), without a run dir; returns
     ``{benchmark: metrics}`` as in ``metrics.json`` (:func:`afm_core.eval.metrics.benchmark_metrics`)."""
     records: list[dict[str, Any]] = []
-    todo = [(task, sample) for bench in benchmarks for sample in range(int(benchmark_settings(eval_cfg, bench)["k"]))
-            for task in bench.tasks]  # fmt: skip
+    todo = samples_todo(benchmarks, lambda bench: int(benchmark_settings(eval_cfg, bench)["k"]))
     await evaluate_samples(engine, tokenizer, pool, graders, benchmarks, eval_cfg, todo, records.append, progress=False)
     return {b.name: benchmark_metrics([r for r in records if r["benchmark"] == b.name],
                                       int(benchmark_settings(eval_cfg, b)["k"])) for b in benchmarks}  # fmt: skip
@@ -270,8 +269,7 @@ def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     benchmarks = load_benchmarks(cfg)
     samples_path = run_dir / "samples.jsonl"
     done = {sample_key(r) for r in read_samples(samples_path)}
-    todo = [(task, sample) for bench in benchmarks for sample in range(int(benchmark_settings(cfg["eval"], bench)["k"]))
-            for task in bench.tasks if (bench.name, str(task.meta["problem_id"]), sample) not in done]  # fmt: skip
+    todo = samples_todo(benchmarks, lambda bench: int(benchmark_settings(cfg["eval"], bench)["k"]), done)
     skipped = {b.name: b.skipped for b in benchmarks if b.skipped}
     total = sum(len(b.tasks) * int(benchmark_settings(cfg["eval"], b)["k"]) for b in benchmarks)
     print(describe_plan(cfg, benchmarks), flush=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,17 @@ SampleKey = tuple[str, str, int]
 
 def sample_key(record: dict[str, Any]) -> SampleKey:
     return (record["benchmark"], str(record["problem_id"]), int(record["sample"]))
+
+
+def samples_todo(benchmarks: Iterable[Any], k_of: Callable[[Any], int], done: Iterable[SampleKey] = ()) -> list[Any]:
+    """Every ``(task, sample index)`` of ``benchmarks`` (objects with ``.name`` and ``.tasks``; ``k_of(bench)``
+    samples each) whose key is not in ``done``, problem-major: the samples of a problem follow one another, as
+    verl's ``DataProto.repeat(interleave=True)`` lays out rollout.n. They are then in flight together, so the
+    engine's prefix cache serves their shared prompt, and a stopped run leaves whole problems (a complete pass@k,
+    what RL prompt filtering reads) rather than sample 0 of every problem."""
+    skip = set(done)
+    return [(task, sample) for bench in benchmarks for task in bench.tasks for sample in range(k_of(bench))
+            if (bench.name, str(task.meta["problem_id"]), sample) not in skip]  # fmt: skip
 
 
 def read_samples(path: str | Path) -> list[dict[str, Any]]:

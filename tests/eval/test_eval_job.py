@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -75,6 +76,9 @@ def test_a_killed_eval_resumes_without_recomputing_or_duplicating_samples(tmp_pa
     before = samples.read_bytes()
     kept = read_samples(samples)
     assert 5 <= len(kept) < 24, "killed halfway"
+    per_problem = Counter(r["problem_id"] for r in kept)
+    partial = [p for p, n in per_problem.items() if n < 2]
+    assert len(partial) <= 2, f"problem-major: only the <= concurrency samples in flight are missing, not {partial}"
 
     done = subprocess.run(_eval_cmd(run_dir, tasks), cwd=repo_root(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
