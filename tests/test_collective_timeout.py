@@ -12,7 +12,7 @@ from afm_core.config.checks import ConfigError
 from afm_core.config.rl import RLConfig
 from afm_core.launch.distributed import collective_timeout_min, free_port, rollout_wait_s
 from afm_core.utils.paths import repo_root
-from tests.gloo_env import set_rank_env
+from tests.gloo_env import set_rank_env_for_test
 
 
 def _rl(*overrides: str):
@@ -37,12 +37,12 @@ def test_an_explicit_collective_timeout_shorter_than_the_rollout_is_rejected_nam
         raise AssertionError("a 30 min collective timeout passed against 3600 s rollouts")
 
 
-def test_init_distributed_gives_every_process_group_the_configured_timeout():
+def test_init_distributed_gives_every_process_group_the_configured_timeout(monkeypatch):
     from megatron.core import parallel_state as ps
 
     from afm_core.train.distributed import destroy_distributed, init_distributed
 
-    set_rank_env(0, 1, free_port())
+    set_rank_env_for_test(monkeypatch, free_port())
     init_distributed(OmegaConf.create({"tp": 1, "pp": 1, "collective_timeout_min": 130}), seed=1, num_threads=1)
     try:
         cpu = torch.device("cpu")

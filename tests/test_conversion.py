@@ -6,7 +6,6 @@ cases are marked slow."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import torch.multiprocessing as mp
 from afm_core.launch.distributed import free_port
 from afm_core.models.arch import arch_from_hf_config
 from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+from tests.gloo_env import set_rank_env
 
 LOGITS_ATOL = 1e-4  # fp32, max |Δ| against transformers
 
@@ -40,9 +40,7 @@ def _pipeline_forward(model, input_ids: torch.Tensor) -> torch.Tensor | None:
 
 
 def _worker(rank: int, world_size: int, tp: int, pp: int, port: int, hf_dir: str, work: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    set_rank_env(rank, world_size, port)
     torch.set_num_threads(1)
     import torch.distributed as dist
 

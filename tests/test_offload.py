@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from afm_core.launch.distributed import free_port
-from tests.gloo_env import set_rank_env
+from tests.gloo_env import set_rank_env_for_test
 from tests.test_train_engine import SyntheticBatches, make_cfg, tiny_provider
 
 
@@ -20,12 +20,12 @@ def _state(trainer) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("bf16", [False, True])
-def test_offloaded_training_state_reloads_bit_for_bit_and_training_continues_identically(tmp_path, bf16):
+def test_offloaded_training_state_reloads_bit_for_bit_and_training_continues_identically(tmp_path, bf16, monkeypatch):
     from afm_core.train.distributed import destroy_distributed, init_distributed
     from afm_core.train.offload import offload_training_state
     from afm_core.train.trainer import SFTTrainer, build_model_chunks
 
-    set_rank_env(0, 1, free_port())
+    set_rank_env_for_test(monkeypatch, free_port())
     cfg = make_cfg(**{"trainer.global_batch_size": 4})
     layout = init_distributed(cfg.parallel, seed=cfg.trainer.seed, num_threads=1)
     try:

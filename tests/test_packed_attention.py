@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,6 +14,7 @@ import torch.multiprocessing as mp
 
 from afm_core.launch.distributed import free_port
 from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+from tests.gloo_env import set_rank_env
 
 DOC_LENGTHS = (37, 50, 20)  # three documents, then 21 padding tokens
 SEQ = 128
@@ -31,9 +31,7 @@ def _packed_sample(vocab: int) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    set_rank_env(rank, world, port)
     torch.set_num_threads(1)
     import torch.distributed as dist
 

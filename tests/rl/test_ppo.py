@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from afm_core.launch.distributed import free_port
 from afm_core.rl.critic import gae_per_sample
 from afm_core.rl.grading import Sample
-from tests.gloo_env import set_rank_env
+from tests.gloo_env import set_rank_env, set_rank_env_for_test
 from tests.rl.helpers import needs_shared_data, rl_config, run_rl_ranks
 
 
@@ -175,14 +175,14 @@ def test_the_mhqa_ppo_recipe_passes_the_submit_check_as_gae_with_one_sample_per_
 
 
 # -- activation memory (B2) ------------------------------------------------------------------------------------
-def test_the_policy_its_critic_and_its_reference_are_built_with_the_jobs_recompute_setting(tmp_path):
+def test_the_policy_its_critic_and_its_reference_are_built_with_the_jobs_recompute_setting(tmp_path, monkeypatch):
     """RL applies ``parallel.recompute`` / ``parallel.sequence_parallel`` as SFT does (it built its models without
     them: at 32B and 32k tokens the activations did not fit). One rank, tiny-llama, all three models."""
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.policy_trainer import PolicyTrainer
     from afm_core.train.distributed import destroy_distributed, init_distributed
 
-    set_rank_env(0, 1, free_port())
+    set_rank_env_for_test(monkeypatch, free_port())
     cfg = _config(tmp_path / "run", "parallel.recompute=full", "algorithm.adv_estimator=gae", "algorithm.kl_coef=0.1")
     layout = init_distributed(OmegaConf.create(cfg["parallel"]), seed=1, num_threads=1)
     try:
