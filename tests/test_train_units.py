@@ -188,6 +188,8 @@ def test_training_dtype_auto_is_bf16_only_where_it_is_fast_and_warns_on_bf16_emu
         assert training_dtype("auto") == auto and training_dtype("fp32") == torch.float32
         assert training_dtype("bf16") == torch.bfloat16  # kept as asked, with a warning where it is emulated
         assert ("trainer.precision=bf16 on a CPU without native bf16" in caplog.text) == (auto == torch.float32)
+        caplog.clear()
+        assert training_dtype("bf16", warn=False) == torch.bfloat16 and not caplog.text  # the RL rollout actor's read
     with pytest.raises(ValueError, match=r"trainer\.precision='fp16'"):
         training_dtype("fp16")
 

@@ -106,7 +106,7 @@ class RolloutActor:
 
         if (
             engine_cfg.get("dtype", "auto") == "auto"
-            and training_dtype(self.cfg["trainer"]["precision"]) == torch.float32
+            and training_dtype(self.cfg["trainer"]["precision"], warn=False) == torch.float32  # the policy warns
         ):
             engine_cfg["dtype"] = "float32"  # an fp32 trainer gets fp32 rollouts: logprobs agree to ~1e-5 (TIS, tests)
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()

@@ -70,11 +70,12 @@ def _env_int(name: str) -> int:
         raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def training_dtype(precision: str) -> torch.dtype:
+def training_dtype(precision: str, *, warn: bool = True) -> torch.dtype:
     """``trainer.precision`` as a dtype: ``auto`` is bf16 (with fp32 main weights) on a GPU and on a CPU that
     multiplies bf16 natively, else fp32 (:func:`afm_core.utils.hardware.bf16_is_fast`; the rollout engine's
     ``dtype: auto`` follows the same rule, so trainer and engine agree). An explicit ``bf16`` on a CPU without
-    native bf16 is kept and logged as a warning: its matmuls run one to two orders of magnitude slower than fp32.
+    native bf16 is kept and, with ``warn``, logged as a warning: its matmuls run one to two orders of magnitude
+    slower than fp32 (callers that only read the trainer's dtype, as the RL rollout actor, pass ``warn=False``).
 
     Raises:
         ValueError: not one of auto, fp32, bf16.
@@ -84,7 +85,7 @@ def training_dtype(precision: str) -> torch.dtype:
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if precision not in dtypes:
         raise ValueError(f"trainer.precision={precision!r}: expected auto, fp32 or bf16")
-    if precision == "bf16" and not bf16_is_fast():
+    if precision == "bf16" and warn and not bf16_is_fast():
         log.warning(
             "trainer.precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX): torch converts bf16 in "
             "software here and its matmuls run one to two orders of magnitude slower than fp32 "
