@@ -27,9 +27,9 @@ def samples_todo(benchmarks: Iterable[Any], k_of: Callable[[Any], int], done: It
     verl's ``DataProto.repeat(interleave=True)`` lays out rollout.n. They are then in flight together, so the
     engine's prefix cache serves their shared prompt, and a stopped run leaves whole problems (a complete pass@k,
     what RL prompt filtering reads) rather than sample 0 of every problem."""
-    skip = set(done)
+    skip = set(done)  # empty: tasks need no problem_id (RL validation's)
     return [(task, sample) for bench in benchmarks for task in bench.tasks for sample in range(k_of(bench))
-            if (bench.name, str(task.meta["problem_id"]), sample) not in skip]  # fmt: skip
+            if not skip or (bench.name, str(task.meta["problem_id"]), sample) not in skip]  # fmt: skip
 
 
 def read_samples(path: str | Path) -> list[dict[str, Any]]:
