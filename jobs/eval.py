@@ -34,12 +34,14 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
     except ConfigError as err:
         print(f"jobs.eval: bad config: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    from afm_core.eval.runner import describe_plan, load_benchmarks
+    from afm_core.eval.runner import check_resume, describe_plan, load_benchmarks
     from afm_core.utils.plugins import check_plugins
 
     try:  # before the queue: a missing file or an unknown preset fails here, and the user sees what will run
         plan = OmegaConf.to_container(cfg, resolve=True)
-        print(describe_plan(plan, load_benchmarks(plan)), flush=True)
+        benchmarks = load_benchmarks(plan)
+        print(describe_plan(plan, benchmarks), flush=True)
+        check_resume(plan, benchmarks)  # a run dir's samples drawn under other settings are not mixed with new ones
         check_plugins(plan)  # a plug-in (reward_fn, a tool) that does not import fails here too
     except (ValueError, FileNotFoundError) as err:
         print(f"jobs.eval: {err}", file=sys.stderr)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig
@@ -25,7 +26,7 @@ from omegaconf import DictConfig
 from afm_core.eval.benchmarks import SAMPLING_KEYS, Benchmark, load_sources
 from afm_core.eval.metrics import benchmark_metrics, double_check_score
 from afm_core.eval.report import write_report
-from afm_core.eval.samples import SampleWriter, read_samples, sample_key, samples_todo
+from afm_core.eval.samples import SampleWriter, check_sample_settings, read_samples, sample_key, samples_todo
 from afm_core.rewards import Grade, Graders, LLMJudge, SandboxClient, normalize_answer
 from afm_core.rewards.base import extract_answer
 from afm_core.rewards.code import extract_program
@@ -254,6 +255,37 @@ async def _evaluate(cfg: Mapping[str, Any], benchmarks: list[Benchmark], todo: l
     )
 
 
+#: What a benchmark's samples depend on (:func:`benchmark_settings`); ``k`` and ``limit`` only say how many.
+_SAMPLE_KEYS = tuple(key for key in SAMPLING_KEYS if key not in ("k", "limit"))
+
+
+def sample_settings(cfg: Mapping[str, Any], benchmarks: list[Benchmark]) -> dict[str, Any]:
+    """What decides a sample of this eval: the model, the engine's seed and dtype, ``eval.seed`` and
+    ``eval.max_turns``, and each benchmark's sampling settings (:func:`check_sample_settings
+    <afm_core.eval.samples.check_sample_settings>` guards a resumed run with it)."""
+    engine = cfg.get("engine") or {}
+    per_benchmark = {b.name: benchmark_settings(cfg["eval"], b) for b in benchmarks}
+    return {
+        "model": cfg["model"].get("hf_path") or cfg["model"].get("name"),
+        "engine": {"seed": engine.get("seed"), "dtype": engine.get("dtype")},
+        "eval": {"seed": cfg["eval"].get("seed") or 0, "max_turns": cfg["eval"].get("max_turns")},
+        "benchmarks": {name: {key: s.get(key) for key in _SAMPLE_KEYS} for name, s in per_benchmark.items()},
+    }
+
+
+def check_resume(cfg: Mapping[str, Any], benchmarks: list[Benchmark], *, record: bool = False) -> set[Any]:
+    """The sample keys already in ``cfg.run_dir/samples.jsonl``; with some, the run's :func:`sample_settings` must
+    be those they were drawn under (``jobs.eval`` checks before the queue, :func:`run_eval` again and records them).
+
+    Raises:
+        ValueError: the settings differ (names the file and each field).
+    """
+    run_dir = Path(cfg["run_dir"])
+    done = {sample_key(r) for r in read_samples(run_dir / "samples.jsonl")}
+    check_sample_settings(run_dir, sample_settings(cfg, benchmarks), resuming=bool(done), record=record)
+    return done
+
+
 def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """Evaluate ``cfg.model`` on the presets (:func:`preset_names`) + ``cfg.benchmark_files`` into ``cfg.run_dir``.
 
@@ -261,14 +293,15 @@ def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
         ``{"metrics": {benchmark: {...}}, "stopped_early": bool, "samples": int, ...}``.
 
     Raises:
-        ValueError: bad benchmark settings (names the key).
+        ValueError: bad benchmark settings (names the key); a run dir whose samples were drawn under other
+            settings (:func:`sample_settings`: another model, seed, temperature, ...).
     """
     global _stop_requested
     _stop_requested = False
     cfg, run_dir = open_run(cfg)
     benchmarks = load_benchmarks(cfg)
     samples_path = run_dir / "samples.jsonl"
-    done = {sample_key(r) for r in read_samples(samples_path)}
+    done = check_resume(cfg, benchmarks, record=True)
     todo = samples_todo(benchmarks, lambda bench: int(benchmark_settings(cfg["eval"], bench)["k"]), done)
     skipped = {b.name: b.skipped for b in benchmarks if b.skipped}
     total = sum(len(b.tasks) * int(benchmark_settings(cfg["eval"], b)["k"]) for b in benchmarks)

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from afm_core.utils.atomic import atomic_write_json
 from afm_core.utils.jsonlog import read_jsonl_log
+
+#: Beside the sample log: the settings its samples were drawn under (:func:`check_sample_settings`).
+SETTINGS_FILE = "sample_settings.json"
 
 SampleKey = tuple[str, str, int]
 
@@ -30,6 +34,57 @@ def samples_todo(benchmarks: Iterable[Any], k_of: Callable[[Any], int], done: It
     skip = set(done)  # empty: tasks need no problem_id (RL validation's)
     return [(task, sample) for bench in benchmarks for task in bench.tasks for sample in range(k_of(bench))
             if not skip or (bench.name, str(task.meta["problem_id"]), sample) not in skip]  # fmt: skip
+
+
+def check_sample_settings(
+    run_dir: str | Path, settings: Mapping[str, Any], resuming: bool, *, record: bool = True
+) -> None:
+    """Record what decides a sample (model, seeds, sampling and agent limits) in ``run_dir/sample_settings.json``,
+    and refuse to add samples drawn under other settings to a log that holds some.
+
+    ``settings``: ``{"model": ..., "engine": {...}, "eval": {...}, "benchmarks": {name: {...}}}`` (JSON values).
+    Top-level entries must match the recorded ones; under ``benchmarks`` only the benchmarks both hold are compared
+    (a benchmark added to a resumed run has no samples yet; one left out keeps its record). Settings that do not
+    change a sample (``k``, ``limit``, ``concurrency``, timeouts) do not belong here: raising ``k`` or ``limit`` on a
+    resume adds samples, as it should. A log without a settings file (written before it existed) is adopted as is.
+
+    Args:
+        resuming: the sample log already holds records.
+        record: write the settings file (False: only check, e.g. before the job is queued).
+
+    Raises:
+        ValueError: a resumed log was sampled under other settings; names the file and each field (old -> new).
+    """
+    path = Path(run_dir) / SETTINGS_FILE
+    new = json.loads(json.dumps(settings, sort_keys=True, default=str))
+    old = json.loads(path.read_text(encoding="utf-8")) if resuming and path.is_file() else None
+    if old is not None:
+        old_benches, new_benches = old.get("benchmarks") or {}, new.get("benchmarks") or {}
+        shared = set(old_benches) & set(new_benches)
+        before = _dotted({**old, "benchmarks": {name: old_benches[name] for name in shared}})
+        after = _dotted({**new, "benchmarks": {name: new_benches[name] for name in shared}})
+        changed = [f"{key}: {before.get(key)!r} -> {after.get(key)!r}"
+                   for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key)]  # fmt: skip
+        if changed:
+            raise ValueError(
+                f"{path}: the samples in {path.parent} were drawn under other settings ({'; '.join(changed)}); "
+                "resuming would mix the two in one result. Restore those settings, or start a new run dir "
+                "(hydra.run.dir=...)"
+            )
+        new["benchmarks"] = {**old_benches, **new_benches}
+    if record:
+        atomic_write_json(path, new)
+
+
+def _dotted(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            flat.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def read_samples(path: str | Path) -> list[dict[str, Any]]:

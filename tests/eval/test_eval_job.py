@@ -80,6 +80,16 @@ def test_a_killed_eval_resumes_without_recomputing_or_duplicating_samples(tmp_pa
     partial = [p for p, n in per_problem.items() if n < 2]
     assert len(partial) <= 2, f"problem-major: only the <= concurrency samples in flight are missing, not {partial}"
 
+    # other sampling settings on the same run dir: refused before the queue, nothing appended (concurrency may change)
+    other = subprocess.run(_eval_cmd(run_dir, tasks, "eval.temperature=0.5"), cwd=repo_root(), capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert other.returncode == 2, other.stderr[-3000:]
+    assert (
+        f"{run_dir / 'sample_settings.json'}: the samples in {run_dir} were drawn under other settings" in other.stderr
+    )
+    assert "settings (benchmarks.tasks.temperature: 0.8 -> 0.5); resuming would mix" in other.stderr, other.stderr
+    assert samples.read_bytes() == before
+
     done = subprocess.run(_eval_cmd(run_dir, tasks), cwd=repo_root(), capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"24 samples, {len(kept)} already done, {24 - len(kept)} to run" in done.stdout
