@@ -4,6 +4,7 @@ against the same run uninterrupted, bitwise.
     python -m benchmarks.resume_on_gpu --out runs/bench/resume_on_gpu.json      # one GPU: Qwen2.5-0.5B shape, bf16
     python -m benchmarks.resume_on_gpu --model tiny-llama --seq-length 128 --docs 2 --threads 1 --diagnose always
                                                                                # CPU: a dry run (fp32, gloo)
+    python -m benchmarks.resume_on_gpu --diagnose deterministic --out runs/bench/resume_det.json  # deterministic only
 
 At world size 1 (NCCL on GPU), a model preset's published shape with random weights (``conf/model``, nothing
 downloaded) and synthetic packed sequences (:func:`benchmarks.plan_vs_gpu.synthetic_packed`, ``thd``), each phase
@@ -25,6 +26,11 @@ process (differs too: the GPU kernels are not run-to-run deterministic, whatever
 ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (the ops torch warns about are recorded). Step seconds (device synchronised),
 checkpoint seconds and bytes (and the marker's ``write_s``), resume seconds: from the straight and resumed phases,
 each run alone on the device (repeat and deterministic straight run side by side).
+
+``--diagnose deterministic`` runs the deterministic phases only: **straight-det** alone on the device, then
+**resumed-det** (from its step-``--save-at`` checkpoint) and **repeat-det** (straight-det again from scratch) side
+by side, both compared with straight-det: whether resume is exact under deterministic mode, and whether that mode
+is run-to-run reproducible at all. Exit status 0 when both are bitwise equal.
 Writes every figure as JSON to ``--out`` after each phase.
 """
 
@@ -50,6 +56,10 @@ from afm_core.utils.paths import repo_root
 
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 STEP_KEYS = ("loss", "grad_norm", "lr", "tokens")
+DETERMINISTIC_PAIRS = (
+    "resume_vs_straight",
+    "repeat_vs_straight",
+)  # of result["deterministic"], --diagnose deterministic
 
 
 def sync() -> None:
@@ -338,6 +348,35 @@ def render(name: str, pair: dict[str, Any]) -> str:
     )
 
 
+def deterministic_runs(args: argparse.Namespace, work: Path, result: dict[str, Any], straight_det: dict[str, Any],
+                       *, repeat: bool = False) -> None:  # fmt: skip
+    """After **straight-det** (in ``work/run-det``, final state in ``work/straight-det.pt``): **resumed-det** from
+    its step-``--save-at`` checkpoint and, with ``repeat``, **repeat-det** (straight-det again from scratch) side by
+    side with it, both compared with straight-det; into ``result["deterministic"]``, with the deterministic-mode
+    warnings of every run and their timings."""
+    run_d, dump_d = work / "run-det", work / "straight-det.pt"
+    drop_last_checkpoint(run_d, args.save_at)
+    resumed_proc = start_phase(args, work, "resumed-det", run_d, deterministic=True, compare_to=dump_d)
+    repeat_dir, repeat_proc = work / "run-repeat-det", None
+    if repeat:
+        repeat_proc = start_phase(
+            args, work, "repeat-det", repeat_dir, deterministic=True, compare_to=dump_d, keep_last=1
+        )
+    runs = {"straight-det": straight_det, "resumed-det": finish_phase(resumed_proc)}
+    det = result["deterministic"] = {"straight": straight_det, "resumed": runs["resumed-det"],
+                                     "resume_vs_straight": compare_runs(runs["resumed-det"], straight_det)}  # fmt: skip
+    print(render("deterministic resumed vs straight", det["resume_vs_straight"]), flush=True)
+    if repeat_proc is not None:
+        runs["repeat-det"] = det["repeat"] = finish_phase(repeat_proc)
+        shutil.rmtree(repeat_dir, ignore_errors=True)
+        det["repeat_vs_straight"] = compare_runs(runs["repeat-det"], straight_det)
+        print(render("deterministic repeat vs straight", det["repeat_vs_straight"]), flush=True)
+    det["warnings"] = sorted({w for rec in runs.values() for w in rec.get("deterministic_warnings", [])})
+    for message in det["warnings"]:
+        print(f"  deterministic-mode warning: {message[:300]}", flush=True)
+    result.setdefault("timings", {}).update({name: timings(rec) for name, rec in runs.items()})
+
+
 def driver(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "torch": torch.__version__,
@@ -362,7 +401,14 @@ def driver(args: argparse.Namespace) -> int:
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="afm-resume-gpu-"))
     work.mkdir(parents=True, exist_ok=True)
+    run_d, dump_d = work / "run-det", work / "straight-det.pt"
     try:
+        if args.diagnose == "deterministic":  # the deterministic phases only: straight-det alone, then the others
+            straight_det = run_phase(args, work, "straight-det", run_d, deterministic=True, dump=dump_d)
+            result["deterministic"] = {"straight": straight_det}
+            write()
+            deterministic_runs(args, work, result, straight_det, repeat=True)
+            return 0 if all(result["deterministic"][k]["equal"] for k in DETERMINISTIC_PAIRS) else 1
         run_a, dump_a = work / "run", work / "straight.pt"
         straight = run_phase(args, work, "straight", run_a, dump=dump_a)
         result["straight"] = straight
@@ -376,7 +422,6 @@ def driver(args: argparse.Namespace) -> int:
         write()
         if args.diagnose == "always" or (args.diagnose == "auto" and not result["resume_vs_straight"]["equal"]):
             shutil.rmtree(run_a, ignore_errors=True)
-            run_d, dump_d = work / "run-det", work / "straight-det.pt"
             repeat_proc = start_phase(args, work, "repeat", work / "run-repeat", compare_to=dump_a, keep_last=1)
             det_proc = start_phase(args, work, "straight-det", run_d, deterministic=True, dump=dump_d)
             repeat, straight_det = finish_phase(repeat_proc), finish_phase(det_proc)
@@ -385,29 +430,22 @@ def driver(args: argparse.Namespace) -> int:
             result["deterministic"] = {"straight": straight_det}
             print(render("repeat vs straight (default settings)", result["repeat_vs_straight"]), flush=True)
             write()
-            drop_last_checkpoint(run_d, args.save_at)
-            resumed_det = run_phase(args, work, "resumed-det", run_d, deterministic=True, compare_to=dump_d)
-            result["deterministic"] = {"straight": straight_det, "resumed": resumed_det,
-                                       "resume_vs_straight": compare_runs(resumed_det, straight_det),
-                                       "warnings": sorted(set(straight_det.get("deterministic_warnings", [])
-                                                              + resumed_det.get("deterministic_warnings", [])))}  # fmt: skip
-            print(
-                render("deterministic resumed vs straight", result["deterministic"]["resume_vs_straight"]), flush=True
-            )
-            for message in result["deterministic"]["warnings"]:
-                print(f"  deterministic-mode warning: {message[:300]}", flush=True)
+            deterministic_runs(args, work, result, straight_det)
             write()
     finally:
         write()
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    t = result.get("timings", {})
-    for name, rec in t.items():
+        print_timings(result)
+    pair = result.get("resume_vs_straight")
+    return 0 if pair and pair["equal"] else 1
+
+
+def print_timings(result: dict[str, Any]) -> None:
+    for name, rec in result.get("timings", {}).items():
         saves = ", ".join(f"step {s['step']}: {s['seconds']:.2f} s / {s['bytes'] / 1e9:.2f} GB" for s in rec["saves"])
         resume = rec["resume"]["seconds"] if rec.get("resume") else None
         print(f"{name}: median step {rec['median_step_s']}, saves [{saves}], resume {resume}", flush=True)
-    pair = result.get("resume_vs_straight")
-    return 0 if pair and pair["equal"] else 1
 
 
 def main() -> int:
@@ -422,8 +460,9 @@ def main() -> int:
     parser.add_argument("--recompute", default="full", choices=["none", "selective", "full"],
                         help="parallel.recompute (conf/sft.yaml's default: full)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads per process (CPU runs)")
-    parser.add_argument("--diagnose", choices=["auto", "always", "never"], default="auto",
-                        help="the repeat and deterministic pairs: auto = only when the resumed run differs")  # fmt: skip
+    parser.add_argument("--diagnose", choices=["auto", "always", "never", "deterministic"], default="auto",
+                        help="the repeat and deterministic pairs: auto = only when the resumed run differs; "
+                        "deterministic = only the deterministic runs (straight, resumed, repeat from scratch)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=None, help="JSON of every figure, rewritten after each phase")
     parser.add_argument("--work-dir", type=Path, default=None, help="run dirs and dumps (default: a temp dir, removed)")
     # one phase (the driver starts these)

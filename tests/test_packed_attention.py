@@ -162,3 +162,23 @@ def test_thd_params_lay_micro_batch_rows_end_to_end():
     assert params.max_seqlen_q == 10 and params.qkv_format == "thd"
     with pytest.raises(ValueError, match="row 1"):
         thd_packed_seq_params([torch.tensor([0, 3]), torch.tensor([0, 12])], 10, torch.device("cpu"))
+
+
+def test_deterministic_mode_restricts_cuda_sdpa_to_deterministic_backends():
+    from torch.nn.attention import SDPBackend
+
+    from afm_core.models.attention import deterministic_sdpa_backends
+
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert deterministic_sdpa_backends() is None
+        # warn_only: torch runs the cuDNN / flash / memory-efficient backwards nondeterministically, with a warning
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert deterministic_sdpa_backends() == [SDPBackend.MATH]
+        torch.use_deterministic_algorithms(True)
+        assert SDPBackend.CUDNN_ATTENTION not in deterministic_sdpa_backends()
+        # the CPU path is untouched (and still runs) in deterministic mode
+        test_sdp_attention_per_document_equals_explicit_block_causal_softmax()
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])

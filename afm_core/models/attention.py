@@ -18,10 +18,16 @@ packed micro batch, ``np``/``ng`` attention heads / query groups of this TP rank
 ``[t, np * hn]``. Otherwise (``sbhd``): query ``[s, b, np, hn]``, key/value ``[s, b, ng, hn]``, output
 ``[s, b, np * hn]``; causal, or the boolean ``attention_mask [b, 1, s, s]`` (True = masked out) when one is given
 (a query row masked everywhere attends everywhere, never NaN).
+
+Under ``torch.use_deterministic_algorithms(True)`` on CUDA, SDPA runs only on backends whose backward torch makes
+deterministic (:func:`deterministic_sdpa_backends`): with ``warn_only=True`` that is the math backend alone, since
+torch then only warns about the cuDNN, flash and memory-efficient backwards ("... defaults to a non-deterministic
+algorithm") and runs them as they are. The CPU path is unchanged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -34,11 +40,38 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
     """``[d, n, hn]`` -> ``[1, n, d, hn]`` (a view)."""
     return x.permute(1, 0, 2).unsqueeze(0)
+
+
+def deterministic_sdpa_backends() -> list[SDPBackend] | None:
+    """The SDPA backends allowed on CUDA under torch's deterministic mode, or None (mode off: torch's choice).
+
+    What torch does under ``torch.use_deterministic_algorithms(True, warn_only=...)``, from its source
+    (``aten/src/ATen/native/transformers/cuda/attention_backward.cu`` and ``.../cuda/sdp_utils.cpp``):
+
+    - ``warn_only=False``: the cuDNN backend is not selected at all (``check_cudnn_deterministic``), flash
+      attention's backward runs its deterministic algorithm (``deterministic=true`` to ``mha_bwd``) and the
+      memory-efficient backward forces ``num_splits_key = 1``: flash, memory-efficient and math are deterministic.
+    - ``warn_only=True``: the cuDNN, flash and memory-efficient backwards each warn once ("cuDNN Attention / Flash
+      Attention / Memory Efficient attention defaults to a non-deterministic algorithm. To explicitly enable
+      determinism call torch.use_deterministic_algorithms(True, warn_only=False).") and run their default,
+      nondeterministic algorithm; only the math backend (matmuls, softmax; GQA by ``repeat_interleave``, whose
+      backward the deterministic mode makes deterministic) stays deterministic.
+
+    Megatron's ``TransformerConfig.deterministic_mode`` does not cover this attention: it switches the vocab
+    embedding to indexing (``VocabParallelEmbedding``) and requires ``NVTE_ALLOW_NONDETERMINISTIC_ALGO=0`` for
+    transformer-engine's attention only.
+    """
+    if not torch.are_deterministic_algorithms_enabled():
+        return None
+    if torch.is_deterministic_algorithms_warn_only_enabled():
+        return [SDPBackend.MATH]
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class _DocumentCausalAttention(torch.autograd.Function):
@@ -131,7 +164,10 @@ class SDPAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """``[b, np, sq, hn]`` attention of ``q`` over ``k``/``v`` ``[b, ng, sk, hn]``; causal when ``mask`` is None."""
+        """``[b, np, sq, hn]`` attention of ``q`` over ``k``/``v`` ``[b, ng, sk, hn]``; causal when ``mask`` is None.
+
+        On CUDA under torch's deterministic mode, restricted to :func:`deterministic_sdpa_backends` (the backward
+        runs the kernel the forward picked, so restricting the forward is enough)."""
         dropout = self.dropout_p if self.training else 0.0
         kwargs = {
             "attn_mask": mask,
@@ -140,10 +176,12 @@ class SDPAttention(MegatronModule):
             "scale": self.softmax_scale,
             "enable_gqa": self.num_heads != self.num_groups,
         }
-        if dropout and not self.config.sequence_parallel:
-            with tensor_parallel.get_cuda_rng_tracker().fork():  # as Megatron's DotProductAttention
-                return F.scaled_dot_product_attention(q, k, v, **kwargs)
-        return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        with contextlib.ExitStack() as stack:
+            if q.is_cuda and (backends := deterministic_sdpa_backends()):
+                stack.enter_context(sdpa_kernel(backends))
+            if dropout and not self.config.sequence_parallel:
+                stack.enter_context(tensor_parallel.get_cuda_rng_tracker().fork())  # as Megatron's DotProductAttention
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
 
     def forward(
         self,
