@@ -56,10 +56,8 @@ from afm_core.utils.paths import repo_root
 
 DETERMINISTIC_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 STEP_KEYS = ("loss", "grad_norm", "lr", "tokens")
-DETERMINISTIC_PAIRS = (
-    "resume_vs_straight",
-    "repeat_vs_straight",
-)  # of result["deterministic"], --diagnose deterministic
+# The comparisons in result["deterministic"] that --diagnose deterministic requires to be bitwise equal.
+DETERMINISTIC_PAIRS = ("resume_vs_straight", "repeat_vs_straight")
 
 
 def sync() -> None:
