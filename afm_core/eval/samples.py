@@ -14,6 +14,7 @@ from typing import Any
 
 from afm_core.utils.atomic import atomic_write_json
 from afm_core.utils.jsonlog import read_jsonl_log
+from afm_core.utils.tracking import flatten
 
 #: Beside the sample log: the settings its samples were drawn under (:func:`check_sample_settings`).
 SETTINGS_FILE = "sample_settings.json"
@@ -61,8 +62,8 @@ def check_sample_settings(
     if old is not None:
         old_benches, new_benches = old.get("benchmarks") or {}, new.get("benchmarks") or {}
         shared = set(old_benches) & set(new_benches)
-        before = _dotted({**old, "benchmarks": {name: old_benches[name] for name in shared}})
-        after = _dotted({**new, "benchmarks": {name: new_benches[name] for name in shared}})
+        before = flatten({**old, "benchmarks": {name: old_benches[name] for name in shared}})
+        after = flatten({**new, "benchmarks": {name: new_benches[name] for name in shared}})
         changed = [f"{key}: {before.get(key)!r} -> {after.get(key)!r}"
                    for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key)]  # fmt: skip
         if changed:
@@ -74,17 +75,6 @@ def check_sample_settings(
         new["benchmarks"] = {**old_benches, **new_benches}
     if record:
         atomic_write_json(path, new)
-
-
-def _dotted(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
-    flat: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping) and value:
-            flat.update(_dotted(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def read_samples(path: str | Path) -> list[dict[str, Any]]:

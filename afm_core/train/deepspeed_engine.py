@@ -56,6 +56,7 @@ from afm_core.train.optim import build_lr_scheduler
 from afm_core.train.trainer import MicroBatchSource, Progress, SFTLoop
 from afm_core.utils.atomic import atomic_dir, atomic_path
 from afm_core.utils.paths import repo_root
+from afm_core.utils.tracking import flatten
 
 DEFAULT_DEEPSPEED_CONFIG = repo_root() / "conf" / "deepspeed" / "ds_z3_config.json"
 
@@ -152,20 +153,10 @@ def deepspeed_config(
     ):
         if zero.get(field) == "auto":
             zero[field] = value
-    left = [k for k, v in _flatten(config).items() if v == "auto"]
+    left = [k for k, v in flatten(config).items() if v == "auto"]
     if left:
         raise DeepSpeedConfigError(f'{where(left[0])}: "auto" is not supported for this field; set a value')
     return config
-
-
-def _flatten(node: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for key, value in node.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def zero_stage(config: dict[str, Any]) -> int:
