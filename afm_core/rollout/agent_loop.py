@@ -49,14 +49,29 @@ def observation_error_kind(observation: str) -> str | None:
     return match.group("kind") if match else None
 
 
+def call_limit_observation(tool: str, max_tool_calls: int, last_turn: bool) -> str:
+    """The observation of a tool call past ``max_tool_calls`` (not run). Before the last turn the model may still
+    answer, and is told to; on the last turn (:func:`turn_limit_note` follows) no answer turn is left to ask for."""
+    then = "" if last_turn else "; give your final answer now"
+    return f"[{tool} error: call_limit] the limit of {max_tool_calls} tool calls is reached{then}"
+
+
+def turn_limit_note(max_turns: int) -> str:
+    """The last line of the observation after a tool call on the last of ``max_turns`` generation calls: the
+    trajectory ends there, without an answer turn (finish reason ``max_turns``)."""
+    return f"[turn_limit] the last of {max_turns} turns is spent: the trajectory ends without an answer"
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     """Limits of one trajectory.
 
     Attributes:
-        max_turns: generation calls per trajectory.
+        max_turns: generation calls per trajectory; after a tool call on the last one the observation ends
+            with :func:`turn_limit_note` and the trajectory with finish reason ``max_turns``.
         max_tool_calls: tool calls per trajectory (the paper's evaluation allows 12); a call past the limit
-            is not run: its observation says so, and the model may still answer.
+            is not run: its observation says so (:func:`call_limit_observation`), and the model may still
+            answer when a turn is left.
         max_response_tokens: tokens after the prompt (model + observation tokens), the RL ``max_response_len``.
         timeout_s: wall-clock seconds per trajectory (None: no limit).
         tools: the tools the model may call (their closing tags are stop strings); None: the task family's
@@ -224,6 +239,7 @@ class AgentLoop:
         self, task: AgentTask, sample: int, state: _State, segment: str, stop: str, tools: Sequence[str]
     ) -> None:
         turn = state.turns - 1
+        last_turn = state.turns >= self.config.max_turns  # no generation follows this observation
         tag = stop[2:-1]
         calls: list[ToolCall | None] = [call for call in parse_tool_calls(segment, tools) if call.name == tag] or [None]
         records: list[ToolCallRecord] = []
@@ -241,18 +257,8 @@ class AgentLoop:
                     )
                 )
             elif len(state.tool_calls) + len(records) >= self.config.max_tool_calls:
-                records.append(
-                    ToolCallRecord(
-                        turn,
-                        call.name,
-                        call.query,
-                        f"[{call.name} error: call_limit] "
-                        f"the limit of {self.config.max_tool_calls} tool calls is reached; "
-                        "give your final answer now",
-                        0.0,
-                        "call_limit",
-                    )
-                )
+                observation = call_limit_observation(call.name, self.config.max_tool_calls, last_turn)
+                records.append(ToolCallRecord(turn, call.name, call.query, observation, 0.0, "call_limit"))
             elif self.tools is None:
                 records.append(
                     ToolCallRecord(
@@ -272,7 +278,10 @@ class AgentLoop:
             transcript = state.prompt_ids + state.response_ids  # up to the call's closing tag
             await asyncio.gather(*(self._run_call(task, sample, record, call, transcript) for record, call in pending))
         state.tool_calls += records
-        text = render_observation("\n\n".join(record.observation for record in records))
+        observations = [record.observation for record in records]
+        if last_turn:
+            observations.append(turn_limit_note(self.config.max_turns))
+        text = render_observation("\n\n".join(observations))
         ids = encode_text(self.tokenizer, text)
         room = self.config.max_response_tokens - len(state.response_ids)
         room = min(room, self.engine.max_model_len - len(state.prompt_ids) - len(state.response_ids))

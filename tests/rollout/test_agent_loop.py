@@ -130,6 +130,34 @@ def test_limits_end_trajectories_with_their_finish_reasons(tokenizer):
     assert rollout.finish_reason == FinishReason.EOS and "missing_answer" in rollout.format_issues
 
 
+def test_the_observation_after_a_tool_call_on_the_last_turn_says_no_answer_turn_follows(tokenizer):
+    """The rl demo's limits (4 turns, 3 tool calls): a fourth call on the last turn is refused without the "give your
+    final answer now" of an earlier turn, and the observation ends on the spent turn budget; a call that ran on the
+    last turn gets the same last line. Eval, RL and distillation share this loop, so they all see these lines."""
+    task = AgentTask("t:4", "math", user_prompt("math", "q"), "q", "1")
+    calls = ["<code>\n```py\nprint(1)\n```\n</code>"] * 5
+    refused_last = "[code error: call_limit] the limit of 3 tool calls is reached"
+    spent = "[turn_limit] the last of 4 turns is spent: the trajectory ends without an answer"
+    loop = AgentLoop(ReplayEngine(tokenizer, calls), tokenizer, RecordedTools(["1"] * 5),
+                     AgentConfig(max_turns=4, max_tool_calls=3), SamplingConfig())  # fmt: skip
+    rollout = asyncio.run(loop.run(task))
+    assert rollout.finish_reason == FinishReason.MAX_TURNS and rollout.turns == 4
+    assert [c.observation for c in rollout.tool_calls] == ["1", "1", "1", refused_last]
+    assert rollout.response_text.endswith(render_observation(f"{refused_last}\n\n{spent}"))
+    assert "final answer now" not in rollout.response_text
+
+    loop = AgentLoop(ReplayEngine(tokenizer, calls), tokenizer, RecordedTools(["1"] * 5),
+                     AgentConfig(max_turns=4, max_tool_calls=2), SamplingConfig())  # fmt: skip
+    rollout = asyncio.run(loop.run(task))
+    assert rollout.tool_calls[2].observation == (
+        "[code error: call_limit] the limit of 2 tool calls is reached; give your final answer now"
+    )  # a turn is left: the model may still answer
+    loop = AgentLoop(ReplayEngine(tokenizer, calls), tokenizer, RecordedTools(["1"] * 5),
+                     AgentConfig(max_turns=2, max_tool_calls=12), SamplingConfig())  # fmt: skip
+    rollout = asyncio.run(loop.run(task))
+    assert rollout.response_text.endswith(render_observation(f"1\n\n{spent.replace('4 turns', '2 turns')}"))
+
+
 def test_a_slow_tool_ends_the_trajectory_at_its_timeout(tokenizer):
     class SlowTools(RecordedTools):
         async def call(self, *args, **kwargs):
