@@ -6,9 +6,11 @@
         teachers.main.model=Qwen2.5-72B-Instruct                      # a `vllm serve` (or any OpenAI-compatible) URL
     python -m jobs.distill hydra.run.dir=runs/distill/X               # continue X: finished runs are not redone
 
-The run dir holds ``runs.jsonl`` (every MAS run, every role message and tool call), ``trajectories.jsonl``
-(the runs as CoA trajectories), ``sft_data/`` (the filtered SFT parquet, the ``jobs.prepare_data`` layout),
-``report.json`` and ``filters.png`` (afm_core.distill).
+The run dir holds ``runs.jsonl`` (every MAS run, every role message and tool call), ``sample_settings.json`` (the
+settings its runs were drawn under: a resume under other teachers, roles, sampling or MAS limits exits with status
+2 before the job is submitted, naming each field), ``trajectories.jsonl`` (the runs as CoA trajectories),
+``sft_data/`` (the filtered SFT parquet, the ``jobs.prepare_data`` layout), ``report.json`` and ``filters.png``
+(afm_core.distill).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import sys
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from afm_core.config import ConfigError, check_config
 from afm_core.config.eval import DistillConfig
@@ -31,6 +33,13 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
         check_config(cfg, DistillConfig)
     except ConfigError as err:
         print(f"jobs.distill: bad config: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    from afm_core.distill.runner import check_resume
+
+    try:  # before the queue: runs drawn under other settings are not mixed with new ones in one run dir
+        check_resume(OmegaConf.to_container(cfg, resolve=True))
+    except ValueError as err:
+        print(f"jobs.distill: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     report = submit(
         "afm_core.distill.runner.run_distill",

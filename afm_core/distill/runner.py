@@ -11,7 +11,7 @@ Read like the algorithm::
     report.json, filters.png
 
 Resumable: ``runs.jsonl`` (one record per finished run, :mod:`afm_core.distill.mas`) is the checkpoint; a
-restarted job skips the runs it holds. On ``SIGUSR2`` (Slurm preemption) or Ctrl-C it stops taking new runs;
+restarted job skips the runs it holds, and refuses to add runs drawn under other settings (:func:`check_resume`). On ``SIGUSR2`` (Slurm preemption) or Ctrl-C it stops taking new runs;
 runs in flight are dropped and redone on restart. Concurrency: ``distill.concurrency`` runs in flight, each
 teacher's ``concurrency`` requests, and each tool's limits in the ToolPool (``tools.tools.<name>.limits``).
 
@@ -27,6 +27,7 @@ import json
 import logging
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,9 @@ from afm_core.data.filters import DataFilters, build_graders, grade_trajectory
 from afm_core.distill.convert import NotConverted, convert_run, convert_runs
 from afm_core.distill.mas import MASConfig, MultiAgentSystem, RoleTeacher
 from afm_core.distill.roles import ROLES
-from afm_core.distill.teacher import Teacher, build_teacher, teacher_sampling, teacher_settings
+from afm_core.distill.teacher import ChatSampling, Teacher, build_teacher, teacher_sampling, teacher_settings
 from afm_core.eval.benchmarks import Benchmark, load_sources
-from afm_core.eval.samples import SampleWriter, read_samples, sample_key, samples_todo
+from afm_core.eval.samples import SampleKey, SampleWriter, check_sample_settings, read_samples, sample_key, samples_todo
 from afm_core.rollout import AgentTask
 from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
 from afm_core.utils.aio import run_with_tools
@@ -110,6 +111,61 @@ def _needs_engine(cfg: Mapping[str, Any], specs: Mapping[str, Mapping[str, Any]]
                for s in specs.values())  # fmt: skip
 
 
+def role_sampling(cfg: Mapping[str, Any], spec: Mapping[str, Any]) -> ChatSampling:
+    """A role's sampling: its teacher's, with the role's own ``max_tokens`` / ``temperature`` where set."""
+    own = {key: value for key, value in spec.items() if key != "teacher" and value is not None}
+    return teacher_sampling({**cfg["teachers"][spec["teacher"]], **own})
+
+
+def distill_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """What decides a run of this distillation (:func:`check_resume` guards ``runs.jsonl`` with it): each role's
+    teacher, that teacher's backend and model (the job's ``model`` for ``backend=engine``) and the role's sampling;
+    the MAS limits (``mas``: tool calls, steps, re-plans, observation characters, ...); the engine's seed and
+    dtype when a role uses it. Not here: what only says how a teacher is reached (its URL, key, concurrency,
+    timeouts, retries) and how many runs there are (``distill.limit``, ``distill.samples``: raising them on a
+    resume adds runs); the per-run seed follows from the task and sample (:func:`afm_core.rollout.sample_seed`).
+
+    Raises:
+        ValueError: bad teachers, roles or MAS settings (the key is named).
+    """
+    specs = role_specs(cfg)
+    job_model = cfg["model"].get("hf_path") or cfg["model"].get("name")
+    roles = {}
+    for role, spec in specs.items():
+        teacher = teacher_settings(spec["teacher"], cfg["teachers"][spec["teacher"]])
+        sampling = role_sampling(cfg, spec)
+        roles[role] = {
+            "teacher": spec["teacher"],
+            "backend": teacher["backend"],
+            "model": job_model if teacher["backend"] == "engine" else teacher.get("model"),
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_tokens,
+        }
+    engine = cfg.get("engine") or {}
+    return {
+        "roles": roles,
+        "mas": asdict(MASConfig(**(cfg.get("mas") or {}))),
+        "engine": {"seed": engine.get("seed"), "dtype": engine.get("dtype")} if _needs_engine(cfg, specs) else None,
+    }
+
+
+def check_resume(cfg: Mapping[str, Any], *, record: bool = False) -> set[SampleKey]:
+    """The runs already in ``cfg.run_dir/runs.jsonl``; with some, the job's :func:`distill_settings` must be those
+    they were drawn under, else the converted trajectories would mix the two. The check is eval's
+    (:func:`afm_core.eval.samples.check_sample_settings`, ``sample_settings.json`` beside the log); ``jobs.distill``
+    checks before the queue, :func:`run_distill` again and records the settings.
+
+    Raises:
+        ValueError: the settings differ (names the file and each field, old -> new); bad teachers, roles or MAS
+            settings.
+    """
+    run_dir = Path(cfg["run_dir"])
+    done = {sample_key(r) for r in read_samples(run_dir / RUNS_FILE)}
+    check_sample_settings(run_dir, distill_settings(cfg), resuming=bool(done), record=record, what="runs")
+    return done
+
+
 def _data_cfg(cfg: Mapping[str, Any], run_dir: Path) -> dict[str, Any]:
     """The data config of ``sft_data/``: the ``data`` group with ``sources.trajectories`` = this run's trajectories."""
     data = dict(cfg["data"])
@@ -142,12 +198,8 @@ async def _distill(cfg: Mapping[str, Any], todo: list[tuple[AgentTask, int]], wr
         raise
     teachers: dict[str, Teacher] = {name: build_teacher(name, spec, engine, tokenizer)
                                     for name, spec in cfg["teachers"].items()}  # fmt: skip
-    role_teachers = {}
-    for role, spec in specs.items():
-        sampling = teacher_sampling(
-            {**cfg["teachers"][spec["teacher"]], **{k: v for k, v in spec.items() if k != "teacher" and v is not None}}
-        )
-        role_teachers[role] = RoleTeacher(teachers[spec["teacher"]], sampling)  # fmt: skip
+    role_teachers = {role: RoleTeacher(teachers[spec["teacher"]], role_sampling(cfg, spec))
+                     for role, spec in specs.items()}  # fmt: skip
     tools_cfg = reachable_tools_cfg(cfg["tools"], urls)
     pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
     graders = build_graders(filters, urls.get("sandbox"))
@@ -294,18 +346,17 @@ def run_distill(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
         The report (``report.json``) with ``stopped_early`` and ``total`` added.
 
     Raises:
-        ValueError: bad teachers, roles, MAS or filter settings (the key is named).
+        ValueError: bad teachers, roles, MAS or filter settings (the key is named); a run dir whose runs were drawn
+            under other settings (:func:`check_resume`).
     """
     global _stop_requested
     _stop_requested = False
     cfg, run_dir = open_run(cfg)
-    role_specs(cfg)
-    MASConfig(**(cfg.get("mas") or {}))
+    done = check_resume(cfg, record=True)  # checks the teachers, roles and MAS settings too
     DataFilters.from_config(cfg["data"].get("filters"))
     benchmarks = load_tasks(cfg)
     samples = int(cfg["distill"].get("samples", 1))
     runs_path = run_dir / RUNS_FILE
-    done = {sample_key(r) for r in read_samples(runs_path)}
     todo = samples_todo(benchmarks, lambda _: samples, done)
     total = sum(len(b.tasks) for b in benchmarks) * samples
     print(f"[distill] {', '.join(f'{b.name} ({len(b.tasks)})' for b in benchmarks)} x {samples} sample(s): "

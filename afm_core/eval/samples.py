@@ -38,10 +38,11 @@ def samples_todo(benchmarks: Iterable[Any], k_of: Callable[[Any], int], done: It
 
 
 def check_sample_settings(
-    run_dir: str | Path, settings: Mapping[str, Any], resuming: bool, *, record: bool = True
+    run_dir: str | Path, settings: Mapping[str, Any], resuming: bool, *, record: bool = True, what: str = "samples"
 ) -> None:
     """Record what decides a sample (model, seeds, sampling and agent limits) in ``run_dir/sample_settings.json``,
-    and refuse to add samples drawn under other settings to a log that holds some.
+    and refuse to add samples drawn under other settings to a log that holds some. Eval and RL filtering guard
+    ``samples.jsonl`` with it, distillation its ``runs.jsonl`` (:func:`afm_core.distill.runner.check_resume`).
 
     ``settings``: ``{"model": ..., "engine": {...}, "eval": {...}, "benchmarks": {name: {...}}}`` (JSON values).
     Top-level entries must match the recorded ones; under ``benchmarks`` only the benchmarks both hold are compared
@@ -52,6 +53,7 @@ def check_sample_settings(
     Args:
         resuming: the sample log already holds records.
         record: write the settings file (False: only check, e.g. before the job is queued).
+        what: what the log holds, for the message ("samples", "runs").
 
     Raises:
         ValueError: a resumed log was sampled under other settings; names the file and each field (old -> new).
@@ -68,11 +70,12 @@ def check_sample_settings(
                    for key in sorted(set(before) | set(after)) if before.get(key) != after.get(key)]  # fmt: skip
         if changed:
             raise ValueError(
-                f"{path}: the samples in {path.parent} were drawn under other settings ({'; '.join(changed)}); "
+                f"{path}: the {what} in {path.parent} were drawn under other settings ({'; '.join(changed)}); "
                 "resuming would mix the two in one result. Restore those settings, or start a new run dir "
                 "(hydra.run.dir=...)"
             )
-        new["benchmarks"] = {**old_benches, **new_benches}
+        if old_benches or new_benches:
+            new["benchmarks"] = {**old_benches, **new_benches}
     if record:
         atomic_write_json(path, new)
 
