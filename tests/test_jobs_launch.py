@@ -19,10 +19,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+import submitit
 from omegaconf import OmegaConf
 from submitit.core.utils import FailedJobError
 
 from afm_core.launch import submit
+from afm_core.launch.distributed import rendezvous_vars
 from afm_core.launch.executor import ClusterConfigError, make_executor, world_size
 from afm_core.launch.placement import compress_ranks, parse_tasks_per_node, rank_nodes
 from afm_core.launch.records import (
@@ -56,6 +58,11 @@ def local_cfg(run_dir: Path, *, tp: int = 1, max_steps: int = 5, step_s: float =
             "trainer": {"max_steps": max_steps, "step_s": step_s, "save_interval": 1000},
         }
     )
+
+
+#: What a submitter started by torch.distributed (a notebook, an ``srun`` step, a torchrun worker) inherits.
+STALE_RENDEZVOUS = {"MASTER_ADDR": "10.255.255.1", "MASTER_PORT": "29999", "RANK": "1", "WORLD_SIZE": "8",
+                    "LOCAL_RANK": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}  # fmt: skip
 
 
 def expected_weight(steps: int) -> float:
@@ -137,6 +144,29 @@ def test_slurm_executor_gets_every_cluster_field(tmp_path):
     assert params["srun_args"] == ["--kill-on-bad-exit=1"]
 
 
+def test_inherited_rendezvous_variables_do_not_reach_sbatch(tmp_path, monkeypatch):
+    """sbatch gets the submitter's environment without the rendezvous variables it inherited, and with the user's
+    ``SBATCH_*`` defaults; the submitter's own environment is left as it was. ``sbatch`` here is a stand-in that
+    records its environment and answers as sbatch does (jobs on the real cluster: tests/slurm/)."""
+    bin_dir, seen = tmp_path / "bin", tmp_path / "sbatch.env"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f"#!/bin/sh\nenv -0 > {seen}\necho 'Submitted batch job 4242'\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(submitit.SlurmExecutor, "affinity", classmethod(lambda cls: 1))  # no srun probe
+    for name, value in {**STALE_RENDEZVOUS, "SBATCH_PARTITION": "debug"}.items():
+        monkeypatch.setenv(name, value)
+    cluster = OmegaConf.load(repo_root() / "conf" / "cluster" / "slurm.yaml")
+    del cluster["defaults"]
+    cfg = OmegaConf.create({"run_dir": str(tmp_path / "run"), "cluster": cluster, "parallel": {"tp": 1, "pp": 1}})
+
+    assert submit(STAND_IN, cfg, on_preempt=STOP_HOOK, job_name="t") is None  # cluster.wait=false: submitted
+    env = dict(entry.split("=", 1) for entry in seen.read_text().split("\0") if "=" in entry)
+    assert rendezvous_vars(env) == [] and env["SBATCH_PARTITION"] == "debug"
+    assert read_job_record(tmp_path / "run" / "logs")["job_id"] == "4242"
+    assert {name: os.environ[name] for name in STALE_RENDEZVOUS} == STALE_RENDEZVOUS
+
+
 def test_slurm_config_selects_the_array_callback():
     out = subprocess.run(
         [sys.executable, "-m", "jobs.sft", "cluster=slurm", "--cfg", "hydra", "-p", "hydra.callbacks"],
@@ -174,7 +204,9 @@ def test_a_start_recorded_before_the_submitters_record_is_kept(tmp_path):
 
 
 # -- local jobs ----------------------------------------------------------------------------------------------
-def test_local_two_ranks_stream_rank0_and_return_the_summary(tmp_path, capfd):
+def test_local_two_ranks_stream_rank0_and_return_the_summary(tmp_path, capfd, monkeypatch):
+    for name, value in STALE_RENDEZVOUS.items():  # inherited ones do not reach the ranks: they rendezvous on their own
+        monkeypatch.setenv(name, value)
     run_dir = tmp_path / "run"
     summary = submit(STAND_IN, local_cfg(run_dir, tp=2), on_preempt=STOP_HOOK, job_name="t")
 
@@ -183,6 +215,7 @@ def test_local_two_ranks_stream_rank0_and_return_the_summary(tmp_path, capfd):
     assert summary["weight"] == expected_weight(5)
     out = capfd.readouterr()
     assert "stand-in: rank 0 of 2, starting at step 0" in out.out  # rank 0's stdout, streamed
+    assert f"not passed to the job (inherited rendezvous variables): {', '.join(sorted(STALE_RENDEZVOUS))}" in out.out
     host = socket.gethostname()
     assert f"[afm]   {host}: rank(s) 0-1" in out.out and f"[afm] rank 0/2 on {host} (local rank 0)" in out.out
     record = read_job_record(run_dir / "logs")

@@ -3,8 +3,10 @@
 :class:`submitit.helpers.TorchDistributedEnvironment` reads the job environment (``SLURM_PROCID``,
 ``SLURM_LOCALID``, ``SLURM_NTASKS``, ``SLURM_JOB_NODELIST``... or their ``SUBMITIT_LOCAL_*`` twins) and this
 module exports them as ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` (the job's
-first node) and ``MASTER_PORT``, so one node and many nodes run the same code. It also sizes the collective
-timeout of a job (:func:`collective_timeout_min`) from the longest a rank waits for another at a collective.
+first node) and ``MASTER_PORT``, so one node and many nodes run the same code. Those a submitter inherited (a
+notebook or an ``srun`` step that ran torch.distributed, a torchrun worker) stay out of the jobs it submits
+(:func:`without_rendezvous_env`). It also sizes the collective timeout of a job (:func:`collective_timeout_min`)
+from the longest a rank waits for another at a collective.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import math
 import os
 import random
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +75,41 @@ def _ephemeral_low() -> int:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
+
+
+#: The rendezvous variables of a process started for torch.distributed: the ``env://`` ones and the rest of a torchrun
+#: worker's (pytorch/pytorch, ``torch/distributed/elastic/agent/server/local_elastic_agent.py``, ``_start_workers``),
+#: plus every ``TORCHELASTIC_*`` (:data:`RENDEZVOUS_PREFIXES`).
+RENDEZVOUS_VARS = (
+    "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+    "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+)  # fmt: skip
+RENDEZVOUS_PREFIXES = ("TORCHELASTIC_",)  # TORCHELASTIC_USE_AGENT_STORE=True: every rank a store client, none a server
+
+
+def rendezvous_vars(environ: Any = None) -> list[str]:
+    """The names of :data:`RENDEZVOUS_VARS` and ``TORCHELASTIC_*`` variables set in ``environ`` (default: ours)."""
+    names = os.environ if environ is None else environ
+    return sorted(n for n in names if n in RENDEZVOUS_VARS or n.startswith(RENDEZVOUS_PREFIXES))
+
+
+@contextmanager
+def without_rendezvous_env() -> Iterator[dict[str, str]]:
+    """Hide this process's rendezvous variables (:func:`rendezvous_vars`) while a job is submitted; yields those
+    hidden, puts them back after.
+
+    ``sbatch`` exports the submitter's environment to the job (``--export=ALL``, its default) and submitit's local
+    controller copies it to the ranks (``submitit/local/local.py``, ``start_controller``), so values left by a
+    notebook or an ``srun`` step that ran torch.distributed would reach the ranks: a stale ``MASTER_PORT`` would
+    replace the job's own (:func:`export_distributed_env` keeps a ``MASTER_PORT`` it finds), a stale
+    ``TORCHELASTIC_USE_AGENT_STORE=True`` would leave the job without a store server. Everything else, the user's
+    ``SBATCH_*`` defaults among it, is passed on as before.
+    """
+    hidden = {name: os.environ.pop(name) for name in rendezvous_vars()}
+    try:
+        yield hidden
+    finally:
+        os.environ.update(hidden)
 
 
 def export_distributed_env(master_port: int | None = None) -> TorchDistributedEnvironment:

@@ -9,7 +9,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from afm_core.launch import sweep
-from afm_core.launch.distributed import free_port
+from afm_core.launch.distributed import free_port, without_rendezvous_env
 from afm_core.launch.executor import make_executor, world_size
 from afm_core.launch.follow import wait_streaming
 from afm_core.launch.records import job_record, write_job_record
@@ -21,7 +21,8 @@ def submit(fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str) -> dict[
 
     The config is resolved here (``run_dir`` is Hydra's output dir) and travels with the job as plain
     containers. The job's submitit files and the ranks' logs go to ``RUN_DIR/logs/`` with ``job.json`` (see
-    :mod:`afm_core.launch.records`).
+    :mod:`afm_core.launch.records`). Rendezvous variables this process inherited (``MASTER_ADDR``, ``RANK``, ...:
+    :func:`afm_core.launch.distributed.without_rendezvous_env`) do not reach the job.
 
     - ``cluster=local``: ``tp * pp * cp * cluster.dp`` processes on this machine.
     - ``cluster=slurm``: ``sbatch``; prints the job id, the follow command and the log path. Inside a Slurm
@@ -54,7 +55,10 @@ def submit(fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str) -> dict[
 
     log_dir = run_dir / "logs"
     executor = make_executor(cluster, job_cfg["parallel"], log_dir, job_name)
-    submitted = executor.submit(job)
+    with without_rendezvous_env() as stale:  # the ranks rendezvous on the job's own values, not inherited ones
+        submitted = executor.submit(job)
+    if stale:
+        print(f"[afm] {job_name}: not passed to the job (inherited rendezvous variables): {', '.join(stale)}")
     write_job_record(log_dir, job_record(submitted, job_name, cluster["name"], ranks))
     if local:
         print(f"[afm] {job_name}: {ranks} rank(s) on this machine (job {submitted.job_id}); run dir {run_dir}")

@@ -20,6 +20,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from afm_core.launch.distributed import without_rendezvous_env
 from afm_core.launch.executor import ClusterConfigError, make_executor
 from afm_core.launch.records import job_record, write_job_record
 from afm_core.launch.requeue import RequeueableJob
@@ -72,7 +73,8 @@ def submit_array(members: list[ArrayMember], sweep_dir: Path) -> list[Any]:
     first = members[0]
     folder = sweep_dir / "logs"
     executor = make_executor(first.job.cfg["cluster"], first.job.cfg["parallel"], folder, first.job_name)
-    jobs = executor.submit_array([m.job for m in members])
+    with without_rendezvous_env():  # as afm_core.launch.submit: inherited rendezvous variables stay here
+        jobs = executor.submit_array([m.job for m in members])
     for member, job in zip(members, jobs):
         write_job_record(member.run_dir / "logs", job_record(job, member.job_name, "slurm", member.world_size))
     return jobs
