@@ -22,12 +22,16 @@ OPPO-PersonalAI/Agent_Foundation_Models, ``verl/verl/tools/code_executor.py``):
   snippet's and its init's), nothing else that runs under the same host uid (see :func:`bwrap_argv`).
 
 When the server runs as root, each snippet slot runs as its own unprivileged host uid/gid
-(``uid_base + block * UIDS_PER_SERVER + slot``, one block per server process): concurrent snippets, also
-those of other sandbox servers on the host, cannot signal or ptrace each other.
+(``uid_base + block * UIDS_PER_SERVER + slot``): concurrent snippets, also those of other sandbox servers on the
+host, cannot signal or ptrace each other. Each live server holds its block alone (:func:`claim_uid_block`: an
+advisory lock on a per-block file, taken at start, released at exit). Not root, every slot runs as the server's
+own uid; the jails still keep snippets apart (own pid, user and IPC namespaces: nothing outside is visible or
+reachable) and the process limit is counted in each jail's user namespace, as above.
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import math
 import os
@@ -40,6 +44,8 @@ from sandbox.seccomp import kafel_policy
 
 # Uids reserved per sandbox server process (its max_concurrency must not exceed this).
 UIDS_PER_SERVER = 1024
+# Uid blocks on a host: at most this many root sandbox servers at once (the last block ends below 2**31 by far).
+UID_BLOCKS = 1000
 # Where the snippet file appears inside the jail.
 CODE_DIR_IN_JAIL = "/code"
 CODE_PATH_IN_JAIL = "/code/main.py"
@@ -84,6 +90,8 @@ class JailConfig:
             outside ``/usr``.
         ro_paths: extra host paths bound read-only at the same place (e.g. a conda env with numpy).
         uid_base: first host uid/gid of the snippet slots when the server is root.
+        uid_lock_dir: the host-wide folder of the uid blocks' lock files (:func:`claim_uid_block`); servers that
+            share the host's uids (containers included) must see the same folder.
     """
 
     nsjail_path: str | None = None
@@ -91,6 +99,7 @@ class JailConfig:
     python: str = "/usr/bin/python3"
     ro_paths: list[str] = field(default_factory=list)
     uid_base: int = 2_000_000
+    uid_lock_dir: str = "/run/lock/afm-sandbox"
 
     @property
     def backend(self) -> str:
@@ -117,18 +126,69 @@ class JailConfig:
                 raise FileNotFoundError(f"sandbox ro_paths entry {path!r} does not exist")
 
 
-def slot_uid(cfg: JailConfig, slot: int) -> int:
-    """Host uid/gid of snippet slot ``slot`` of this server process (a block of uids per process id)."""
-    if not 0 <= slot < UIDS_PER_SERVER:
-        raise ValueError(f"sandbox slot {slot} out of range: max_concurrency is at most {UIDS_PER_SERVER}")
-    return cfg.uid_base + (os.getpid() % 1000) * UIDS_PER_SERVER + slot
+class UidBlock:
+    """A block of :data:`UIDS_PER_SERVER` host uids that this process holds alone while the block is open.
+
+    Held through an exclusive ``flock`` on its lock file: the kernel releases it when the file is closed, by
+    :meth:`close` or by the end of the process, however it ends (SIGKILL included), so a dead server's block is
+    free again and a live one's is never handed out twice.
+    """
+
+    def __init__(self, cfg: JailConfig, index: int, fd: int) -> None:
+        self.index, self.first = index, cfg.uid_base + index * UIDS_PER_SERVER
+        self._fd: int | None = fd
+
+    def uid(self, slot: int) -> int:
+        """Host uid (and gid) of snippet slot ``slot``.
+
+        Raises:
+            ValueError: ``slot`` outside ``[0, UIDS_PER_SERVER)``.
+        """
+        if not 0 <= slot < UIDS_PER_SERVER:
+            raise ValueError(f"sandbox slot {slot} out of range: max_concurrency is at most {UIDS_PER_SERVER}")
+        return self.first + slot
+
+    @property
+    def uids(self) -> tuple[int, int]:
+        """The first and the last uid of the block."""
+        return self.first, self.first + UIDS_PER_SERVER - 1
+
+    def close(self) -> None:
+        """Release the block (idempotent)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
-def slot_identity(cfg: JailConfig, slot: int) -> dict:
-    """``subprocess`` keyword arguments that run slot ``slot`` as its own unprivileged host uid (root only)."""
-    if os.geteuid() != 0:
+def claim_uid_block(cfg: JailConfig) -> UidBlock:
+    """The first uid block no other live process holds, from block ``pid % UID_BLOCKS`` on (which spreads the
+    servers over the blocks: a block is seldom held, and a released one seldom taken again at once).
+
+    Raises:
+        RuntimeError: all :data:`UID_BLOCKS` blocks are held (as many root sandbox servers alive on this host).
+        OSError: ``cfg.uid_lock_dir`` cannot be created or written.
+    """
+    lock_dir = Path(cfg.uid_lock_dir)
+    lock_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+    start = os.getpid() % UID_BLOCKS
+    for step in range(UID_BLOCKS):
+        index = (start + step) % UID_BLOCKS
+        fd = os.open(lock_dir / f"uid-block-{index:03d}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return UidBlock(cfg, index, fd)
+    raise RuntimeError(f"all {UID_BLOCKS} sandbox uid blocks are held (lock files in {lock_dir})")
+
+
+def slot_identity(uids: UidBlock | None, slot: int) -> dict:
+    """``subprocess`` keyword arguments that run slot ``slot`` as its own unprivileged host uid of ``uids`` (the
+    server's block when it is root; None: the server's own uid)."""
+    if uids is None:
         return {}
-    uid = slot_uid(cfg, slot)
+    uid = uids.uid(slot)
     return {"user": uid, "group": uid, "extra_groups": []}
 
 

@@ -22,7 +22,17 @@ import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from sandbox.jail import UIDS_PER_SERVER, JailConfig, Limits, bwrap_argv, launcher_env, nsjail_argv, slot_identity
+from sandbox.jail import (
+    UIDS_PER_SERVER,
+    JailConfig,
+    Limits,
+    UidBlock,
+    bwrap_argv,
+    claim_uid_block,
+    launcher_env,
+    nsjail_argv,
+    slot_identity,
+)
 from sandbox.warm import JailStartError, WarmJail, seccomp_memfd
 
 #: Every status a run can end with.
@@ -114,12 +124,21 @@ class _CappedReader:
 
 
 class SnippetRunner:
-    """Runs snippets in jails, ``max_concurrency`` at a time, with a bounded wait queue."""
+    """Runs snippets in jails, ``max_concurrency`` at a time, with a bounded wait queue.
+
+    As root it holds a uid block of its own (:func:`sandbox.jail.claim_uid_block`) from construction to
+    :meth:`close`: each slot's jails run as that slot's uid of it.
+
+    Raises:
+        ValueError: ``max_concurrency`` outside ``[1, UIDS_PER_SERVER]``.
+        RuntimeError: (root) every uid block is held by another live server.
+    """
 
     def __init__(self, cfg: RunnerConfig) -> None:
         if not 1 <= cfg.max_concurrency <= UIDS_PER_SERVER:
             raise ValueError(f"max_concurrency must be in [1, {UIDS_PER_SERVER}], got {cfg.max_concurrency}")
         self.cfg = cfg
+        self.uids: UidBlock | None = claim_uid_block(cfg.jail) if os.geteuid() == 0 else None
         self._free_slots: asyncio.Queue[int] = asyncio.Queue()
         for slot in range(cfg.max_concurrency):
             self._free_slots.put_nowait(slot)
@@ -133,7 +152,8 @@ class SnippetRunner:
             # count the slot uid's tasks on the host, zombies of the slot's replaced jails among them (see
             # sandbox.jail.bwrap_argv); the zygote sets each snippet's in the jail's own user namespace.
             ceiling = replace(self.limits(cfg.max_timeout_s, cfg.max_memory_mb), max_processes=None)
-            self._jails = [WarmJail(cfg.jail, slot, self._work_dir, ceiling) for slot in range(cfg.max_concurrency)]
+            self._jails = [WarmJail(cfg.jail, slot, self._work_dir, ceiling, self.uids)
+                           for slot in range(cfg.max_concurrency)]  # fmt: skip
 
     async def start(self) -> None:
         """Start the warm jails (else each starts before its slot's first snippet).
@@ -144,15 +164,20 @@ class SnippetRunner:
         await asyncio.gather(*(jail.start() for jail in self._jails))
 
     def close(self) -> None:
-        """Kill the warm jails and remove the folder of snippet files (see :meth:`aclose` in a running loop)."""
+        """Kill the warm jails, remove the folder of snippet files and release the uid block (see :meth:`aclose`
+        in a running loop)."""
         for jail in self._jails:
             jail.kill()
         shutil.rmtree(self._work_dir, ignore_errors=True)
+        if self.uids is not None:
+            self.uids.close()
 
     async def aclose(self) -> None:
-        """:meth:`close`, then wait until the jails have exited."""
-        self.close()
+        """Kill the warm jails, wait until they have exited, then :meth:`close`."""
+        for jail in self._jails:
+            jail.kill()
         await asyncio.gather(*(jail.wait_exit(5.0) for jail in self._jails))
+        self.close()
 
     @property
     def running(self) -> int:
@@ -248,7 +273,7 @@ class SnippetRunner:
                 env=launcher_env(),
                 start_new_session=True,
                 pass_fds=() if seccomp_fd is None else (seccomp_fd,),
-                **slot_identity(jail, slot),
+                **slot_identity(self.uids, slot),
             )
             if seccomp_fd is not None:
                 os.close(seccomp_fd)

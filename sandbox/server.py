@@ -5,7 +5,8 @@ API
   (``stdin``, ``timeout_s`` and ``memory_mb`` are optional; defaults from :class:`~sandbox.runner.RunnerConfig`).
   200: ``{"status", "stdout", "stderr", "exit_code", "duration_s", "truncated"}`` (:class:`~sandbox.runner.RunResult`),
   whatever the snippet did. 400: a malformed request, naming the field. 503: the queue is full (retry later).
-- ``GET /health``: ``{"status": "ok", "backend", "warm", "running", "queued", "max_concurrency", "max_queue"}``.
+- ``GET /health``: ``{"status": "ok", "backend", "warm", "running", "queued", "max_concurrency", "max_queue", "uids"}``
+  (``uids``: the first and last host uid of the server's uid block when it runs as root, else null).
 
 Each of the ``--max-concurrency`` slots keeps a warm jail whose zygote forks a fresh child per snippet
 (:mod:`sandbox.warm`); ``--cold`` starts a new jail and interpreter per snippet instead (slower; kept for
@@ -94,6 +95,7 @@ def health(request: web.Request) -> dict[str, Any]:
         "queued": runner.queued,
         "max_concurrency": runner.cfg.max_concurrency,
         "max_queue": runner.cfg.max_queue,
+        "uids": list(runner.uids.uids) if runner.uids is not None else None,
     }
 
 
@@ -154,9 +156,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--python", default=JailConfig.python, help="interpreter inside the jail")
     parser.add_argument("--ro-path", action="append", default=[], help="extra host path bound read-only (repeatable)")
+    parser.add_argument(
+        "--uid-lock-dir", default=JailConfig.uid_lock_dir, help="host-wide folder of the uid blocks' locks (root)"
+    )
     args = parser.parse_args(argv)
     cfg = RunnerConfig(
-        jail=JailConfig(nsjail_path=args.nsjail_path, python=args.python, ro_paths=args.ro_path),
+        jail=JailConfig(
+            nsjail_path=args.nsjail_path, python=args.python, ro_paths=args.ro_path, uid_lock_dir=args.uid_lock_dir
+        ),
         warm=not args.cold,
         max_concurrency=args.max_concurrency,
         max_queue=args.max_queue,

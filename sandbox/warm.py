@@ -22,6 +22,7 @@ from pathlib import Path
 from sandbox.jail import (
     JailConfig,
     Limits,
+    UidBlock,
     bwrap_zygote_argv,
     jail_env,
     launcher_env,
@@ -56,13 +57,16 @@ class WarmJail:
 
     Args:
         jail: how jails are built.
-        slot: the slot number (its host uid when the server is root).
+        slot: the slot number.
         work_dir: the server's folder; the slot's code folder is created in it.
         ceiling: the largest limits any snippet may ask for (the jail's own rlimits).
+        uids: the server's uid block (root): the jail runs as the slot's uid of it; None: as the server's uid.
     """
 
-    def __init__(self, jail: JailConfig, slot: int, work_dir: Path, ceiling: Limits) -> None:
-        self.jail, self.slot, self.ceiling = jail, slot, ceiling
+    def __init__(
+        self, jail: JailConfig, slot: int, work_dir: Path, ceiling: Limits, uids: UidBlock | None = None
+    ) -> None:
+        self.jail, self.slot, self.ceiling, self.uids = jail, slot, ceiling, uids
         self.code_dir = work_dir / f"slot-{slot}"
         self.code_dir.mkdir(mode=0o711)
         self._staging = work_dir / f"slot-{slot}.py"
@@ -99,7 +103,7 @@ class WarmJail:
                 env=launcher_env(),
                 start_new_session=True,
                 pass_fds=pass_fds,
-                **slot_identity(self.jail, self.slot),
+                **slot_identity(self.uids, self.slot),
             )
         finally:
             theirs.close()

@@ -1,5 +1,7 @@
 """Hostile snippets against a real sandbox server (warm jails), on bubblewrap and on nsjail, with the seccomp
-filter on; and the clean-state guarantee of warm jails: nothing of one snippet reaches the next.
+filter on, and those that test the process limit and the reach of one snippet over another on a server without
+root (every slot then runs as the server's own uid); uid blocks that two live servers never share; and the
+clean-state guarantee of warm jails: nothing of one snippet reaches the next.
 
 Every snippet must be contained (what it tries does not happen, which the snippet itself or the host
 checks), come back with a clear status, and leave the server healthy. Snippets print ``ESCAPED`` when an
@@ -11,19 +13,21 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import socket
+import tempfile
 import textwrap
 import time
 import urllib.request
 import uuid
 from pathlib import Path
-from unittest.mock import patch
 
 import psutil
 import pytest
 
-from sandbox.jail import UIDS_PER_SERVER, JailConfig, slot_uid
-from tests.tools.conftest import SECRET, sandbox_server
+from afm_core.tools.launcher import ServerGroup
+from afm_core.utils.paths import repo_root
+from tests.tools.conftest import SECRET, jail_unavailable, sandbox_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -46,10 +50,12 @@ def server(request, tmp_path_factory):
         yield url, group
 
 
-def sandbox_processes(server_pid: int) -> list[psutil.Process]:
-    """Processes left running under the slot uids of the sandbox server ``server_pid``."""
-    with patch("os.getpid", return_value=server_pid):
-        first, last = slot_uid(JailConfig(), 0), slot_uid(JailConfig(), UIDS_PER_SERVER - 1)
+def sandbox_processes(url: str) -> list[psutil.Process]:
+    """Processes running under the slot uids of the sandbox server at ``url`` (its uid block, from ``/health``;
+    none for a server without root, whose slots run as itself)."""
+    if health(url)["uids"] is None:
+        return []
+    first, last = health(url)["uids"]
     left = []
     for proc in psutil.process_iter(["uids"]):
         uids = proc.info["uids"]
@@ -441,18 +447,17 @@ def test_server_healthy_and_clean_after_the_suite(server):
     result = post_run(url, "print(6 * 7)")
     assert result["status"] == "ok" and result["stdout"] == "42\n"
     assert group.dead() == []
-    [server_pid] = [p.pid for p in group.processes()]
 
     def leftovers() -> list[psutil.Process]:
         """Processes under the slot uids other than the warm jails (bwrap/nsjail and their zygotes)."""
-        return [p for p in sandbox_processes(server_pid) if p.name() not in ("bwrap", "nsjail") and not is_zygote(p)]
+        return [p for p in sandbox_processes(url) if p.name() not in ("bwrap", "nsjail") and not is_zygote(p)]
 
     deadline = time.monotonic() + 5
     while leftovers() and time.monotonic() < deadline:
         time.sleep(0.2)
     if os.geteuid() == 0:
         assert leftovers() == []
-        assert sum(map(is_zygote, sandbox_processes(server_pid))) == health(url)["max_concurrency"]
+        assert sum(map(is_zygote, sandbox_processes(url))) == health(url)["max_concurrency"]
 
 
 def is_zygote(proc: psutil.Process) -> bool:
@@ -592,8 +597,7 @@ def test_a_dead_jail_is_replaced_before_the_next_snippet(one_slot_server):
     import signal
     from concurrent.futures import ThreadPoolExecutor
 
-    url, group = one_slot_server
-    [server_pid] = [p.pid for p in group.processes()]
+    url, _ = one_slot_server
     with ThreadPoolExecutor(1) as ex:
         sleeper = ex.submit(post_run, url, "import time\nprint('started')\ntime.sleep(20)", 30)
         deadline = time.monotonic() + 10
@@ -601,14 +605,73 @@ def test_a_dead_jail_is_replaced_before_the_next_snippet(one_slot_server):
             time.sleep(0.05)
         time.sleep(0.3)
         # a snippet is a fork of the zygote (same command line): the zygote is the one whose parent is not
-        [zygote] = [p for p in sandbox_processes(server_pid) if is_zygote(p) and not is_zygote(p.parent())]
+        [zygote] = [p for p in sandbox_processes(url) if is_zygote(p) and not is_zygote(p.parent())]
         zygote.send_signal(signal.SIGKILL)
         result = sleeper.result()
     assert result["status"] == "sandbox_error" and "jail died" in result["stderr"], result
     assert post_run(url, "print(6 * 7)")["stdout"] == "42\n"
     # killed between snippets: the next snippet finds out when it hands over its request
-    [zygote] = [p for p in sandbox_processes(server_pid) if is_zygote(p) and not is_zygote(p.parent())]
+    [zygote] = [p for p in sandbox_processes(url) if is_zygote(p) and not is_zygote(p.parent())]
     zygote.send_signal(signal.SIGKILL)
     zygote.wait(5)
     assert post_run(url, "print(7 * 6)")["stdout"] == "42\n"
     assert health(url)["running"] == 0
+
+
+def _server_as(group: ServerGroup, name: str, args: list[str], **env: str) -> str:
+    """Start ``sandbox.server`` as ``name`` in ``group`` under :mod:`tests.tools.sandbox_server_as` (``env``: its
+    ``AFM_TEST_*`` conditions); its URL once healthy."""
+    path = os.pathsep.join(filter(None, [str(repo_root()), os.environ.get("PYTHONPATH")]))
+    group.launch(name, args, env={"PYTHONPATH": path, **env}, module="tests.tools.sandbox_server_as")
+    return group.wait([name])[name]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="slot uids are root's: a server without root runs every slot as itself")
+def test_two_live_servers_whose_pids_collide_hold_disjoint_uid_blocks(tmp_path_factory):
+    """A uid block was ``pid % 1000`` alone: two live servers whose pids collided modulo 1000 shared one, and the
+    snippets of one ran under the uids of the other's. Here the second server is given the first one's pid (what
+    ``os.getpid()`` answers in it); it finds that block held and takes another, and each server's jails run under
+    its own block only."""
+    if reason := jail_unavailable():
+        pytest.skip(reason)
+    with ServerGroup(log_dir=tmp_path_factory.mktemp("uid-blocks")) as group:
+        args = ["--max-concurrency", "2"]
+        first = _server_as(group, "first", args)
+        second = _server_as(group, "second", args, AFM_TEST_PID=str(group.processes()[0].pid))
+        blocks = [health(url)["uids"] for url in (first, second)]
+        assert blocks[0][1] < blocks[1][0] or blocks[1][1] < blocks[0][0], blocks
+        for server, (low, _) in zip(group.processes(), blocks):
+            jails = {p.uids().real for p in psutil.Process(server.pid).children(recursive=True)}
+            assert jails == {low, low + 1}, (blocks, jails)  # its two slots' uids, nothing of the other block
+
+
+@pytest.fixture(scope="module")
+def unprivileged_server():
+    """A server started as root that drops to ``nobody`` before it starts: no slot uids, every slot and jail runs
+    as that one uid (the path of a server started by a user)."""
+    if os.geteuid() != 0:
+        pytest.skip("this process is not root: the bwrap and nsjail servers above already run without root")
+    if reason := jail_unavailable():
+        pytest.skip(reason)
+    log_dir = Path(tempfile.mkdtemp(prefix="afm-sandbox-nobody-"))
+    log_dir.chmod(0o777)  # the server writes its ready file there as nobody
+    try:
+        with ServerGroup(log_dir=log_dir) as group:
+            url = _server_as(group, "sandbox", ["--max-concurrency", "4", "--max-queue", "64"], AFM_TEST_UID="65534",
+                             AFM_TEST_SECRET=SECRET)  # fmt: skip
+            assert health(url)["uids"] is None and psutil.Process(group.processes()[0].pid).uids().real == 65534
+            yield url, group
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+
+
+#: The hostile snippets that a server without root puts to another test: the process limit (set in each jail's own
+#: user namespace, which the slots no longer tell apart by uid) and what one snippet can reach of another or of
+#: the server when all run as the same host uid.
+WITHOUT_ROOT = [test_fork_bomb, test_thread_bomb, test_signal_a_neighbour, test_kill_the_parent, test_proc_snooping,
+                test_the_zygote_is_out_of_reach, test_privilege_escalation]  # fmt: skip
+
+
+@pytest.mark.parametrize("hostile", WITHOUT_ROOT, ids=lambda test: test.__name__.removeprefix("test_"))
+def test_hostile_snippets_on_a_server_without_root(unprivileged_server, hostile):
+    hostile(unprivileged_server)

@@ -22,7 +22,6 @@ from sandbox.jail import (
     bwrap_zygote_argv,
     nsjail_argv,
     nsjail_zygote_argv,
-    slot_uid,
 )
 from sandbox.runner import RunnerConfig, SnippetRunner
 from tests.tools.conftest import jail_unavailable, sandbox_server
@@ -205,8 +204,12 @@ def test_zombies_of_earlier_jails_do_not_count_against_the_next_snippet():
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
 
+    uids: set[int] = set()  # slot 0's uid of each runner's block
+
     async def main(warm: bool, runs: int) -> list:
         runner = SnippetRunner(RunnerConfig(warm=warm, max_concurrency=1, max_processes=4))
+        assert runner.uids is not None
+        uids.add(runner.uids.uid(0))
         results = []
         try:
             for _ in range(runs):
@@ -218,21 +221,20 @@ def test_zombies_of_earlier_jails_do_not_count_against_the_next_snippet():
             await runner.aclose()
         return results
 
-    uid = slot_uid(JailConfig(), 0)
     try:
         cold, warm = asyncio.run(main(False, 4)), asyncio.run(main(True, 9))
-        zombies = adopted_zombies(uid)
+        zombies = adopted_zombies(uids)
     finally:
         libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
-        for pid in adopted_zombies(uid):
+        for pid in adopted_zombies(uids):
             os.waitpid(pid, 0)
     assert [(result.status, result.stderr) for result in cold + warm] == [("ok", "")] * (4 + 9)
     assert {result.stdout for result in cold + warm} == {f"3 {errno.EAGAIN}\n"}  # 4 tasks: the snippet, 3 children
     assert len(zombies) >= 4 + 9 - 1  # each jail's pid 1 (the last warm one may still be dying)
 
 
-def adopted_zombies(uid: int) -> list[int]:
-    """This process's zombie children that ran as ``uid``."""
+def adopted_zombies(uids: set[int]) -> list[int]:
+    """This process's zombie children that ran as one of ``uids``."""
     zombies = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -243,6 +245,6 @@ def adopted_zombies(uid: int) -> list[int]:
         except (FileNotFoundError, ProcessLookupError):  # exited meanwhile
             continue
         state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if state == "Z" and int(ppid) == os.getpid() and owner == uid:
+        if state == "Z" and int(ppid) == os.getpid() and owner in uids:
             zombies.append(int(entry.name))
     return zombies
