@@ -34,6 +34,7 @@ from afm_core.launch.records import (
     write_job_record,
 )
 from afm_core.launch.status import collect
+from afm_core.launch.teardown import stop_process_trees
 from afm_core.utils.paths import repo_root
 from jobs import status as status_cli
 
@@ -295,6 +296,19 @@ def test_local_timeout_requeues_until_max_num_timeout_then_fails(tmp_path):
     assert events[1]["reason"] == "timed-out" and events[1]["step"] < events[3]["step"]
     steps = train_steps(run_dir)
     assert steps == list(range(1, len(steps) + 1))  # resumed, never repeated
+
+
+def test_stopping_a_process_tree_reaches_what_its_root_leaves_behind():
+    """What a stopped submitter does to a child (afm_core.launch.teardown): SIGINT; a root that exits at once leaves
+    its own child behind (here a background ``sleep``, which ignores SIGINT as a shell's background jobs do): that
+    orphan gets SIGTERM at once, without waiting out the grace time, and nothing of the tree runs afterwards."""
+    root = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
+    _wait_for(lambda: len(psutil.Process(root.pid).children()) == 1, "the background sleep", 30)
+    [orphan] = psutil.Process(root.pid).children()
+    started = time.monotonic()
+    stopped = stop_process_trees([psutil.Process(root.pid)], grace_s=30)
+    assert stopped == [orphan] and time.monotonic() - started < 10
+    assert root.wait(5) == -signal.SIGINT and not orphan.is_running()
 
 
 # -- status ----------------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@
 - :mod:`~afm_core.launch.sweep`: a Slurm multirun as one job array.
 - :mod:`~afm_core.launch.records`: ``RUN_DIR/logs/job.json`` and ``events.jsonl``.
 - :mod:`~afm_core.launch.follow`: stream rank 0's logs while waiting.
+- :mod:`~afm_core.launch.teardown`: a stopped submitter (SIGTERM, Ctrl-C) stops its local job's processes.
 """
 
 from afm_core.launch.submit import submit

@@ -49,11 +49,13 @@ def rank0_tail(job: submitit.Job[Any]) -> LogTail:
     return LogTail([(job.paths.stdout, sys.stdout.buffer), (job.paths.stderr, sys.stderr.buffer)])
 
 
-def wait_streaming(job: submitit.Job[Any], poll_s: float = 0.5) -> Any:
+def wait_streaming(job: submitit.Job[Any], poll_s: float = 0.5, *, cancel_on_interrupt: bool = True) -> Any:
     """Stream rank 0's output until ``job`` ends; return rank 0's result.
 
     A job whose ranks did not all finish within :data:`STUCK_AFTER_S` seconds of the first one (one rank failed,
-    the others wait for it in a collective) is cancelled. Ctrl-C or SIGTERM cancels the job.
+    the others wait for it in a collective) is cancelled. Ctrl-C or SIGTERM cancels the job (with
+    ``cancel_on_interrupt``; a local job's submitter stops its processes itself instead:
+    :mod:`afm_core.launch.teardown`), then ``KeyboardInterrupt`` is raised.
 
     Raises:
         submitit.core.utils.FailedJobError: a rank raised (the message holds its traceback).
@@ -80,8 +82,9 @@ def wait_streaming(job: submitit.Job[Any], poll_s: float = 0.5) -> Any:
                 cancelled = True
             time.sleep(poll_s)
     except KeyboardInterrupt:
-        print(f"\n[afm] interrupted: cancelling job {job.job_id}", file=sys.stderr)
-        job.cancel()
+        if cancel_on_interrupt:
+            print(f"\n[afm] interrupted: cancelling job {job.job_id}", file=sys.stderr)
+            job.cancel()
         raise
     finally:
         if in_main_thread:

@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from afm_core.launch.teardown import STOP_BOUND_S, stop_children_on_interrupt
 from afm_core.utils.atomic import atomic_write_json, atomic_write_text
 
 JOBS = {"sft": "jobs.sft", "rl": "jobs.rl", "eval": "jobs.eval", "filter_rl": "jobs.filter_rl"}
@@ -174,11 +175,13 @@ def stage_command(spec: StageSpec, overrides: Sequence[str]) -> list[str]:
 
 def run_subprocess(command: list[str]) -> int:
     """Run a stage's job in the foreground from the repository root (its output goes to this process's stdout and
-    stderr; the job's own logs to its run dir); returns the exit status."""
+    stderr; the job's own logs to its run dir); returns the exit status. SIGTERM or Ctrl-C passes SIGINT on to the
+    stage, which stops its own job, and waits for it (bounded: :mod:`afm_core.launch.teardown`)."""
     from afm_core.utils.paths import repo_root
 
     print(f"[pipeline] $ {' '.join(command)}", flush=True)
-    return subprocess.call(command, cwd=repo_root())
+    with stop_children_on_interrupt(grace_s=STOP_BOUND_S + 5.0):  # the stage's own teardown first
+        return subprocess.Popen(command, cwd=repo_root()).wait()
 
 
 class PipelineState:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from afm_core.launch.executor import make_executor, world_size
 from afm_core.launch.follow import wait_streaming
 from afm_core.launch.records import job_record, write_job_record
 from afm_core.launch.requeue import RequeueableJob
+from afm_core.launch.teardown import stop_children_on_interrupt
 
 
 def submit(fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str) -> dict[str, Any] | None:
@@ -29,7 +31,9 @@ def submit(fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str) -> dict[
       multirun the job joins the sweep's job array instead (:mod:`afm_core.launch.sweep`) and None is returned.
 
     With ``cluster.wait`` it streams rank 0's output until the job ends and returns its result; otherwise it
-    returns None at once.
+    returns None at once. SIGTERM or Ctrl-C while waiting cancels a Slurm job (``scancel``); a local job's
+    processes get SIGINT and are waited for, those left after the grace time are killed
+    (:func:`afm_core.launch.teardown.stop_children_on_interrupt`), before ``KeyboardInterrupt`` is raised.
 
     Args:
         fn: dotted path of the per-rank function (see :class:`RequeueableJob` for its contract).
@@ -55,23 +59,25 @@ def submit(fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str) -> dict[
 
     log_dir = run_dir / "logs"
     executor = make_executor(cluster, job_cfg["parallel"], log_dir, job_name)
-    with without_rendezvous_env() as stale:  # the ranks rendezvous on the job's own values, not inherited ones
-        submitted = executor.submit(job)
-    if stale:
-        print(f"[afm] {job_name}: not passed to the job (inherited rendezvous variables): {', '.join(stale)}")
-    write_job_record(log_dir, job_record(submitted, job_name, cluster["name"], ranks))
-    if local:
-        print(f"[afm] {job_name}: {ranks} rank(s) on this machine (job {submitted.job_id}); run dir {run_dir}")
-    else:
-        where = f" on partition {cluster['partition']}" if cluster.get("partition") else ""
-        print(
-            f"Submitted Slurm job {submitted.job_id} ({job_name}, {ranks} rank(s){where})\n"
-            f"  follow: python -m jobs.status {run_dir} --follow\n"
-            f"  log:    {submitted.paths.stdout}"
-        )
-    if not cluster.get("wait"):
-        return None
-    return wait_streaming(submitted)
+    # a local job waited for is this process's children: stopping this process stops them (afm_core.launch.teardown)
+    with stop_children_on_interrupt() if local and cluster.get("wait") else nullcontext():
+        with without_rendezvous_env() as stale:  # the ranks rendezvous on the job's own values, not inherited ones
+            submitted = executor.submit(job)
+        if stale:
+            print(f"[afm] {job_name}: not passed to the job (inherited rendezvous variables): {', '.join(stale)}")
+        write_job_record(log_dir, job_record(submitted, job_name, cluster["name"], ranks))
+        if local:
+            print(f"[afm] {job_name}: {ranks} rank(s) on this machine (job {submitted.job_id}); run dir {run_dir}")
+        else:
+            where = f" on partition {cluster['partition']}" if cluster.get("partition") else ""
+            print(
+                f"Submitted Slurm job {submitted.job_id} ({job_name}, {ranks} rank(s){where})\n"
+                f"  follow: python -m jobs.status {run_dir} --follow\n"
+                f"  log:    {submitted.paths.stdout}"
+            )
+        if not cluster.get("wait"):
+            return None
+        return wait_streaming(submitted, cancel_on_interrupt=not local)
 
 
 def run_training_job(
