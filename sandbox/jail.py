@@ -166,20 +166,24 @@ def claim_uid_block(cfg: JailConfig) -> UidBlock:
 
     Raises:
         RuntimeError: all :data:`UID_BLOCKS` blocks are held (as many root sandbox servers alive on this host).
-        OSError: ``cfg.uid_lock_dir`` cannot be created or written.
+        OSError: ``cfg.uid_lock_dir`` cannot be created or written (the message names it and the flag).
     """
     lock_dir = Path(cfg.uid_lock_dir)
-    lock_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
     start = os.getpid() % UID_BLOCKS
-    for step in range(UID_BLOCKS):
-        index = (start + step) % UID_BLOCKS
-        fd = os.open(lock_dir / f"uid-block-{index:03d}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue
-        return UidBlock(cfg, index, fd)
+    try:
+        lock_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        for step in range(UID_BLOCKS):
+            index = (start + step) % UID_BLOCKS
+            fd = os.open(lock_dir / f"uid-block-{index:03d}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another live server's
+                os.close(fd)
+                continue
+            return UidBlock(cfg, index, fd)
+    except OSError as e:
+        raise OSError(e.errno, f"sandbox uid blocks: cannot use {lock_dir} ({e.strerror}); set --uid-lock-dir to "
+                      "a writable folder that every sandbox server on this host sees") from e  # fmt: skip
     raise RuntimeError(f"all {UID_BLOCKS} sandbox uid blocks are held (lock files in {lock_dir})")
 
 

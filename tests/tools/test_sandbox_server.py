@@ -15,11 +15,13 @@ import aiohttp
 import pytest
 
 from sandbox.jail import (
+    UIDS_PER_SERVER,
     JailConfig,
     Limits,
     bwrap_argv,
     bwrap_supports_disable_userns,
     bwrap_zygote_argv,
+    claim_uid_block,
     nsjail_argv,
     nsjail_zygote_argv,
 )
@@ -147,6 +149,23 @@ def test_cold_jails_still_work(tmp_path_factory):
     assert ok["status"] == "ok" and ok["stdout"] == "cba\n"
     assert err["status"] == "error" and err["stdout"] == "-1\n" and "ZeroDivisionError" in err["stderr"]
     assert slow["status"] == "timeout"
+
+
+def test_a_uid_block_is_held_until_released(tmp_path):
+    """Two holders get two blocks (the lock is per open file, so even in one process); a released block is free
+    again; a lock folder that cannot be made names itself and the flag (two servers in two processes:
+    test_sandbox_security.py)."""
+    cfg = JailConfig(uid_lock_dir=str(tmp_path / "locks"))
+    first, second = claim_uid_block(cfg), claim_uid_block(cfg)
+    assert first.index != second.index and second.uid(0) not in range(first.uid(0), first.uid(0) + UIDS_PER_SERVER)
+    first.close()
+    again = claim_uid_block(cfg)
+    assert again.index == first.index
+    again.close()
+    second.close()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError, match=f"cannot use {tmp_path / 'file' / 'locks'} .*set --uid-lock-dir"):
+        claim_uid_block(JailConfig(uid_lock_dir=str(tmp_path / "file" / "locks")))
 
 
 @pytest.mark.skipif(jail_unavailable() is not None, reason="bubblewrap cannot create namespaces here")
