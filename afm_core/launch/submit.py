@@ -63,21 +63,28 @@ def submit(fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str) -> dict[
     with stop_children_on_interrupt() if local and cluster.get("wait") else nullcontext():
         with without_rendezvous_env() as stale:  # the ranks rendezvous on the job's own values, not inherited ones
             submitted = executor.submit(job)
-        if stale:
-            print(f"[afm] {job_name}: not passed to the job (inherited rendezvous variables): {', '.join(stale)}")
         write_job_record(log_dir, job_record(submitted, job_name, cluster["name"], ranks))
-        if local:
-            print(f"[afm] {job_name}: {ranks} rank(s) on this machine (job {submitted.job_id}); run dir {run_dir}")
-        else:
-            where = f" on partition {cluster['partition']}" if cluster.get("partition") else ""
-            print(
-                f"Submitted Slurm job {submitted.job_id} ({job_name}, {ranks} rank(s){where})\n"
-                f"  follow: python -m jobs.status {run_dir} --follow\n"
-                f"  log:    {submitted.paths.stdout}"
-            )
+        _announce(submitted, job_name, cluster, ranks, run_dir, stale)
         if not cluster.get("wait"):
             return None
         return wait_streaming(submitted, cancel_on_interrupt=not local)
+
+
+def _announce(
+    submitted: Any, job_name: str, cluster: dict[str, Any], ranks: int, run_dir: Path, stale: dict[str, str]
+) -> None:
+    """Where the job runs (Slurm: its id, the follow command and the log), and the rendezvous variables kept out."""
+    if stale:
+        print(f"[afm] {job_name}: not passed to the job (inherited rendezvous variables): {', '.join(stale)}")
+    if cluster["name"] == "local":
+        print(f"[afm] {job_name}: {ranks} rank(s) on this machine (job {submitted.job_id}); run dir {run_dir}")
+        return
+    where = f" on partition {cluster['partition']}" if cluster.get("partition") else ""
+    print(
+        f"Submitted Slurm job {submitted.job_id} ({job_name}, {ranks} rank(s){where})\n"
+        f"  follow: python -m jobs.status {run_dir} --follow\n"
+        f"  log:    {submitted.paths.stdout}"
+    )
 
 
 def run_training_job(
