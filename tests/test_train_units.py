@@ -177,21 +177,28 @@ def test_training_dtype_auto_is_bf16_only_where_it_is_fast_and_warns_on_bf16_emu
     from afm_core.train.distributed import training_dtype
     from afm_core.utils import hardware
 
-    for gpu, native, auto in (
-        (True, False, torch.bfloat16),
-        (False, True, torch.bfloat16),
-        (False, False, torch.float32),
+    for gpu, native, forced, auto, warns in (
+        (True, False, "", torch.bfloat16, False),
+        (True, False, "0", torch.bfloat16, False),  # the switch is about CPUs
+        (False, True, "", torch.bfloat16, False),
+        (False, False, "", torch.float32, True),
+        (False, False, "1", torch.bfloat16, False),  # AFM_CPU_BF16=1 on an AVX2 CPU: asked for, no warning
+        (False, True, "0", torch.float32, False),  # AFM_CPU_BF16=0 on an AVX512-BF16 CPU: bf16 is still fast
     ):
+        monkeypatch.setenv("AFM_CPU_BF16", forced)
         monkeypatch.setattr(hardware, "cuda_available", lambda gpu=gpu: gpu)
         monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda native=native: native)
         caplog.clear()
         assert training_dtype("auto") == auto and training_dtype("fp32") == torch.float32
         assert training_dtype("bf16") == torch.bfloat16  # kept as asked, with a warning where it is emulated
-        assert ("trainer.precision=bf16 on a CPU without native bf16" in caplog.text) == (auto == torch.float32)
+        assert ("trainer.precision=bf16 on a CPU without native bf16" in caplog.text) == warns
         caplog.clear()
         assert training_dtype("bf16", warn=False) == torch.bfloat16 and not caplog.text  # the RL rollout actor's read
     with pytest.raises(ValueError, match=r"trainer\.precision='fp16'"):
         training_dtype("fp16")
+    monkeypatch.setenv("AFM_CPU_BF16", "yes")
+    with pytest.raises(ValueError, match=r"AFM_CPU_BF16='yes': expected 1 .*, 0 .* or unset"):
+        training_dtype("auto")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the shims apply only without CUDA")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from afm_core.launch.distributed import DEFAULT_COLLECTIVE_TIMEOUT_MIN
-from afm_core.utils.hardware import bf16_is_fast
+from afm_core.utils import hardware
 
 log = logging.getLogger(__name__)
 
@@ -72,20 +72,21 @@ def _env_int(name: str) -> int:
 
 def training_dtype(precision: str, *, warn: bool = True) -> torch.dtype:
     """``trainer.precision`` as a dtype: ``auto`` is bf16 (with fp32 main weights) on a GPU and on a CPU that
-    multiplies bf16 natively, else fp32 (:func:`afm_core.utils.hardware.bf16_is_fast`; the rollout engine's
-    ``dtype: auto`` follows the same rule, so trainer and engine agree). An explicit ``bf16`` on a CPU without
-    native bf16 is kept and, with ``warn``, logged as a warning: its matmuls run one to two orders of magnitude
-    slower than fp32 (callers that only read the trainer's dtype, as the RL rollout actor, pass ``warn=False``).
+    multiplies bf16 natively, else fp32 (:func:`afm_core.utils.hardware.bf16_is_fast`; ``AFM_CPU_BF16=1`` or ``0``
+    forces the CPU's side; the rollout engine's ``dtype: auto`` follows the same rule, so trainer and engine
+    agree). An explicit ``bf16`` on a CPU without native bf16 (and not forced by ``AFM_CPU_BF16=1``) is kept and,
+    with ``warn``, logged as a warning: its matmuls run one to two orders of magnitude slower than fp32 (callers
+    that only read the trainer's dtype, as the RL rollout actor, pass ``warn=False``).
 
     Raises:
-        ValueError: not one of auto, fp32, bf16.
+        ValueError: not one of auto, fp32, bf16; ``AFM_CPU_BF16`` not 0, 1 or unset.
     """
     if precision == "auto":
-        return torch.bfloat16 if bf16_is_fast() else torch.float32
+        return torch.bfloat16 if hardware.bf16_is_fast() else torch.float32
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     if precision not in dtypes:
         raise ValueError(f"trainer.precision={precision!r}: expected auto, fp32 or bf16")
-    if precision == "bf16" and warn and not bf16_is_fast():
+    if precision == "bf16" and warn and not hardware.bf16_is_fast() and not hardware.cpu_has_native_bf16():
         log.warning(
             "trainer.precision=bf16 on a CPU without native bf16 (AVX512-BF16 or AMX): torch converts bf16 in "
             "software here and its matmuls run one to two orders of magnitude slower than fp32 "

@@ -70,7 +70,9 @@ def test_cpu_engine_settings_bf16_only_where_native_eager_by_default_and_a_users
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr(vllm_engine, "_bind_set_here", None)
     monkeypatch.setattr(vllm_engine, "cuda_available", lambda: False)
-    for native, dtype in ((True, "bfloat16"), (False, "float32")):
+    for native, forced, dtype in ((True, "", "bfloat16"), (False, "", "float32"), (False, "1", "bfloat16"),
+                                  (True, "0", "float32")):  # fmt: skip
+        monkeypatch.setenv("AFM_CPU_BF16", forced)
         monkeypatch.setattr(hardware, "cpu_has_native_bf16", lambda native=native: native)
         args = engine_args(VLLMConfig(model="m"))
         assert args["dtype"] == dtype and args["enforce_eager"] is True
