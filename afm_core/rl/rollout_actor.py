@@ -104,11 +104,10 @@ class RolloutActor:
         }
         from afm_core.train.distributed import training_dtype
 
-        if (
-            engine_cfg.get("dtype", "auto") == "auto"
-            and training_dtype(self.cfg["trainer"]["precision"], warn=False) == torch.float32  # the policy warns
-        ):
-            engine_cfg["dtype"] = "float32"  # an fp32 trainer gets fp32 rollouts: logprobs agree to ~1e-5 (TIS, tests)
+        if engine_cfg.get("dtype", "auto") == "auto":  # the engine computes in the trainer's dtype (the policy warns)
+            trainer_dtype = training_dtype(self.cfg["trainer"]["precision"], warn=False)
+            # fp32 trainer, fp32 rollouts: logprobs agree to ~1e-5 (TIS, tests); bf16 likewise on every machine
+            engine_cfg["dtype"] = str(trainer_dtype).removeprefix("torch.")
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         self.engine = self.run(build_engine(engine_cfg, self.hf_dir, self.tokenizer))
         set_num_threads(threads)  # vLLM may patch torch's thread setter; the trainer keeps its threads

@@ -72,11 +72,21 @@ def _checkpoint_state(path: str, tmp_path: Path) -> tuple[dict, dict, dict]:
     return tensors, load_common_state_dict(path)["optimizer"], rank["rng"]
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("rl") / "straight"
-    summary = _run(_job_config(run_dir))
-    return run_dir, summary
+def adam_state(optimizer: dict) -> dict:
+    """The AdamW part of a checkpoint's common optimizer state: the state itself in fp32; in bf16, megatron's
+    ``Float16OptimizerWithFloat16Params`` nests it under ``optimizer`` beside its fp32 main weights
+    (megatron/core/optimizer/optimizer.py, ``sharded_state_dict``)."""
+    return optimizer.get("optimizer", optimizer)
+
+
+@pytest.fixture(scope="module", params=["fp32", "bf16"])
+def uninterrupted(request, tmp_path_factory):
+    """The smoke job run straight through, in each precision: fp32, and bf16 weights with fp32 main weights in
+    megatron's mixed-precision optimizer (the layout of its state differs: tested both ways). ``(run_dir,
+    summary, precision)``."""
+    run_dir = tmp_path_factory.mktemp(f"rl-{request.param}") / "straight"
+    summary = _run(_job_config(run_dir, f"trainer.precision={request.param}"))
+    return run_dir, summary, request.param
 
 
 # -- fast units -------------------------------------------------------------------------------------------
@@ -153,7 +163,7 @@ def test_the_paper_rl_recipes_pass_the_submit_checks_and_start_an_engine_within_
 @needs_shared_data
 @pytest.mark.slow
 def test_rl_smoke_runs_every_step_with_the_time_split_and_the_stage_switch_at_its_step(uninterrupted):
-    run_dir, summary = uninterrupted
+    run_dir, summary, _ = uninterrupted
     assert summary["step"] == 3 and not summary["stopped_early"]
     records = _metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -194,8 +204,8 @@ def test_a_run_stopped_while_generating_resumes_the_step_to_the_same_weights_opt
     from before it saved (step 2's prompts given back), and the resumed run logs every step once and ends with
     the uninterrupted run's weights, AdamW moments and step counter, and RNG states, bit for bit. This run also
     offloads the trainer's state around every generation round (B4; forced on CPU): it comes back exactly."""
-    straight_dir, straight = uninterrupted
-    cfg = _job_config(tmp_path / "interrupted", "colocation.offload_trainer=true")
+    straight_dir, straight, precision = uninterrupted
+    cfg = _job_config(tmp_path / "interrupted", "colocation.offload_trainer=true", f"trainer.precision={precision}")
     first = _run(cfg, stop_in_round=2)
     assert first["stopped_early"] and first["step"] == 1 and first["hf_dir"] is None
     assert first["aborted_rounds_left_vllm_idle"] == [True]
@@ -217,15 +227,39 @@ def test_a_run_stopped_while_generating_resumes_the_step_to_the_same_weights_opt
 
     tensors, optimizer, rng = _checkpoint_state(second["checkpoint"], tmp_path)
     want_tensors, want_optimizer, want_rng = _checkpoint_state(straight["checkpoint"], tmp_path)
+    (embedding,) = [k for k in want_tensors if k.endswith("embedding.word_embeddings.weight")]
+    assert want_tensors[embedding].dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     moments = [k for k in want_tensors if k.startswith("optimizer.state.exp_avg")]
     assert moments and any(want_tensors[k].abs().sum() > 0 for k in moments)  # gradients flowed
     assert tensors.keys() == want_tensors.keys()
     assert [k for k in want_tensors if not torch.equal(tensors[k], want_tensors[k])] == []
-    assert optimizer == want_optimizer and int(optimizer["state"]["common_step"]) == 6  # 3 rollout steps x 2
+    assert optimizer == want_optimizer
+    assert int(adam_state(optimizer)["state"]["common_step"]) == 6  # 3 rollout steps x 2
     assert rng["python"] == want_rng["python"] and torch.equal(rng["torch"], want_rng["torch"])
     assert all(np.array_equal(a, b) for a, b in zip(rng["numpy"], want_rng["numpy"]))
     assert rng["tracker"].keys() == want_rng["tracker"].keys()
     assert all(torch.equal(rng["tracker"][k], want_rng["tracker"][k]) for k in want_rng["tracker"])
+
+
+@pytest.mark.slow
+def test_the_final_rl_checkpoint_exports_to_hf_in_its_precision_with_the_megatron_models_logits(
+    uninterrupted, tmp_path, monkeypatch
+):
+    """``jobs.export``'s body on the RL run's checkpoint: the export keeps the checkpoint's dtype and its logits
+    match the Megatron model's within that dtype's tolerance (fp32 1e-3; bf16 one rounding of the logits)."""
+    from afm_core.models.export import PARITY_TOLERANCE, export_checkpoint
+    from tests.test_export import weights
+
+    run_dir, straight, precision = uninterrupted
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, os.environ.get(key, ""))  # the export's one-rank world sets them: undone after
+    threads = torch.get_num_threads()
+    summary = export_checkpoint(run_dir, tmp_path / "hf")
+    torch.set_num_threads(threads)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    assert summary["checkpoint"] == straight["checkpoint"] and summary["dtype"] == str(dtype).split(".")[-1]
+    assert summary["max_logit_diff"] < PARITY_TOLERANCE[dtype]
+    assert {t.dtype for t in weights(tmp_path / "hf").values()} == {dtype}
 
 
 # -- the policy update ------------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ def resumed_run(tmp_path_factory):
         "profile.enabled=true",
         "profile.steps=[2,2]",
         "trainer.keep_last=3",  # the first attempt's checkpoint stays readable (and exportable)
+        "trainer.precision=fp32",  # the export's 1e-3 logit bound; bf16 exports: tests/rl/test_driver.py
         *plugin_overrides(root),
     )
     with pytest.MonkeyPatch.context() as env:
