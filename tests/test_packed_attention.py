@@ -1,5 +1,6 @@
 """Packed documents on Megatron's GPTModel: SDPA core attention reading cu_seqlens (afm_core.models.attention),
-RoPE restarting per document, per-document losses equal to each document alone, at TP=1 and TP=2 (gloo)."""
+RoPE restarting per document, per-document losses equal to each document alone, at TP=1 and TP=2 (gloo); the CUDA
+kernels' pure parts (varlen_attn's signature forms, FlexAttention's document mask)."""
 
 from __future__ import annotations
 
@@ -160,6 +161,7 @@ def test_thd_params_lay_micro_batch_rows_end_to_end():
     params = thd_packed_seq_params([torch.tensor([0, 3, 7]), torch.tensor([0, 10])], 10, torch.device("cpu"))
     assert params.cu_seqlens_q.tolist() == [0, 3, 7, 10, 20]
     assert params.max_seqlen_q == 10 and params.qkv_format == "thd"
+    assert params.cu_seqlens_host == (0, 3, 7, 10, 20)  # the host copy: no layer reads the offsets back
     with pytest.raises(ValueError, match="row 1"):
         thd_packed_seq_params([torch.tensor([0, 3]), torch.tensor([0, 12])], 10, torch.device("cpu"))
 
@@ -182,3 +184,39 @@ def test_deterministic_mode_restricts_cuda_sdpa_to_deterministic_backends():
         test_sdp_attention_per_document_equals_explicit_block_causal_softmax()
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_varlen_kwargs_follow_the_signature_of_each_torch_version():
+    from afm_core.models.attention import varlen_causal_kwargs
+
+    def torch_2_13(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                   enable_gqa=False, seqused_k=None, block_table=None, num_splits=None): ...  # fmt: skip
+
+    def torch_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)): ...
+
+    def torch_2_10(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None): ...
+
+    default = 1 / 64**0.5
+    assert varlen_causal_kwargs(torch_2_13, scale=0.1, head_dim=64, gqa=True) == {
+        "window_size": (-1, 0), "scale": 0.1, "enable_gqa": True}  # fmt: skip
+    assert varlen_causal_kwargs(torch_2_13, scale=0.1, head_dim=64, gqa=False) == {"window_size": (-1, 0), "scale": 0.1}
+    assert varlen_causal_kwargs(torch_2_11, scale=0.1, head_dim=64, gqa=True) == {"window_size": (-1, 0), "scale": 0.1}
+    assert varlen_causal_kwargs(torch_2_10, scale=default, head_dim=64, gqa=True) == {"is_causal": True}
+    assert varlen_causal_kwargs(torch_2_10, scale=0.1, head_dim=64, gqa=True) is None  # no scale= in 2.10
+    # the installed torch's varlen_attn, when it has one, is one of these forms
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return
+    assert varlen_causal_kwargs(varlen_attn, scale=0.1, head_dim=64, gqa=True) is not None
+
+
+def test_flex_document_mask_is_the_block_causal_mask():
+    from afm_core.data.packing import block_causal_attention_mask
+    from afm_core.models.attention import document_causal_mask_mod
+
+    cu_seqlens = torch.tensor([0, 9, 25, 33, 40], dtype=torch.int32)  # the last "document": a row's padding
+    mask_mod = document_causal_mask_mod(cu_seqlens, 40)
+    q, k = torch.arange(40)[:, None], torch.arange(40)[None, :]
+    attends = mask_mod(None, None, q, k)
+    torch.testing.assert_close(attends, ~block_causal_attention_mask([0, 9, 25, 33, 40], 40)[0, 0], rtol=0, atol=0)

@@ -51,7 +51,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from afm_core.data.loader import StepMicroBatches
-from afm_core.data.packing import block_causal_attention_mask
+from afm_core.data.packing import block_causal_attention_mask, thd_offsets
 from afm_core.train.checkpoint import Checkpointer
 from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
 from afm_core.train.distributed import ParallelLayout
@@ -128,8 +128,9 @@ class Progress:
 
 
 def thd_packed_seq_params(cu_seqlens: list[torch.Tensor], seq_length: int, device: torch.device) -> PackedSeqParams:
-    """``thd`` parameters for ``b`` packed sequences laid end to end as one row of ``b * seq_length`` tokens:
-    each document is a sequence, and each row's trailing padding one more.
+    """``thd`` parameters for ``b`` packed sequences laid end to end as one row of ``b * seq_length`` tokens
+    (:func:`~afm_core.data.packing.thd_offsets`), with the offsets on ``device`` and on the host
+    (:class:`~afm_core.models.attention.PackedDocuments`): built once per micro batch, read by every layer.
 
     Args:
         cu_seqlens: ``b`` int tensors ``[d_i + 1]`` of document offsets in tokens (the loader's ``cu_seqlens``).
@@ -137,27 +138,9 @@ def thd_packed_seq_params(cu_seqlens: list[torch.Tensor], seq_length: int, devic
     Raises:
         ValueError: offsets that do not rise from 0 to at most ``seq_length``.
     """
-    parts = []
-    for row, offsets in enumerate(cu_seqlens):
-        offsets = torch.as_tensor(offsets, dtype=torch.int64).flatten()
-        if (
-            offsets.numel() == 0
-            or int(offsets[0]) != 0
-            or bool((offsets[1:] < offsets[:-1]).any())
-            or int(offsets[-1]) > seq_length
-        ):
-            raise ValueError(
-                f"cu_seqlens of row {row} must rise from 0 to at most seq_length={seq_length}, got {offsets.tolist()}"
-            )
-        if int(offsets[-1]) < seq_length:
-            offsets = torch.cat([offsets, torch.tensor([seq_length])])
-        parts.append(offsets[int(row > 0) :] + row * seq_length)
-    offsets = torch.cat(parts).to(torch.int32)
-    max_len = int((offsets[1:] - offsets[:-1]).max())
-    offsets = offsets.to(device)
-    return PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets, max_seqlen_q=max_len, max_seqlen_kv=max_len
-    )
+    from afm_core.models.attention import PackedDocuments
+
+    return PackedDocuments.from_offsets(thd_offsets(cu_seqlens, seq_length), device)
 
 
 def reads_packed_seq_params(chunks: list[torch.nn.Module]) -> bool:
