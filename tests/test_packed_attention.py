@@ -1,6 +1,7 @@
 """Packed documents on Megatron's GPTModel: SDPA core attention reading cu_seqlens (afm_core.models.attention),
-RoPE restarting per document, per-document losses equal to each document alone, at TP=1 and TP=2 (gloo); the CUDA
-kernels' pure parts (varlen_attn's signature forms, FlexAttention's document mask)."""
+RoPE restarting per document, per-document losses equal to each document alone, at TP=1 and TP=2 (gloo); a packed
+training forward + backward that reads nothing back from the device; the CUDA kernels' pure parts (varlen_attn's
+signature forms, FlexAttention's document mask)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import itertools
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from afm_core.launch.distributed import free_port
 from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
@@ -29,6 +32,54 @@ def _packed_sample(vocab: int) -> dict[str, torch.Tensor]:
     labels = torch.randint(0, vocab, (1, SEQ), generator=g)
     offsets = torch.tensor([0, *torch.tensor(DOC_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     return {"tokens": tokens, "labels": labels, "cu_seqlens": offsets}
+
+
+class _NoHostSync(TorchDispatchMode):
+    """Fails on every op that reads a device value back to the host or whose output shape depends on the data:
+    ``.item()`` / ``bool()`` / ``int()`` (``aten._local_scalar_dense``), ``nonzero``, ``masked_select`` and
+    indexing with a boolean mask. (``Tensor.tolist`` of a CPU tensor reaches no op: patched apart.)"""
+
+    SYNCING = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+               torch.ops.aten.masked_select.default)  # fmt: skip
+    INDEXING = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        boolean = func in self.INDEXING and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+        if func in self.SYNCING or boolean:
+            raise AssertionError(f"{func} inside the model's forward/backward: a host sync on CUDA")
+        return func(*args, **(kwargs or {}))
+
+
+def _no_tolist(*_args, **_kwargs):
+    raise AssertionError("Tensor.tolist() inside the model's forward/backward: a host sync on CUDA")
+
+
+def _packed_training_step(model, sample, sync_free: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token losses and parameter gradients of one packed forward + backward of the SFT loss (a masked sum):
+    the trainer's way (offsets and labelled rows found on the host) under :class:`_NoHostSync`, or the way before
+    it (megatron's plain ``PackedSeqParams``: offsets and labelled rows read back from the model's tensors)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from afm_core.models.bridge import OutputRows
+    from afm_core.train.trainer import thd_packed_seq_params
+
+    params = thd_packed_seq_params([sample["cu_seqlens"]], SEQ, torch.device("cpu"))
+    labels = sample["labels"].clone()
+    labels[:, sample["cu_seqlens"][1:] - 1] = -100  # each document's last token and a prompt: not trained
+    labels[:, 40:47] = -100
+    model.zero_grad(set_to_none=True)
+    positions = torch.zeros(1, SEQ, dtype=torch.long)
+    if sync_free:
+        rows = OutputRows.of(labels >= 0, "cpu", unit_grads=True)
+        with _NoHostSync(), mock.patch.object(torch.Tensor, "tolist", _no_tolist):
+            loss = model(sample["tokens"], positions, None, labels=labels, packed_seq_params=params, output_rows=rows)
+            (loss * (labels >= 0)).sum().backward()
+    else:
+        plain = PackedSeqParams(**{f: getattr(params, f) for f in ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv",
+                                                                   "max_seqlen_q", "max_seqlen_kv")})  # fmt: skip
+        loss = model(sample["tokens"], positions, None, labels=labels, packed_seq_params=plain)
+        (loss * (labels >= 0)).sum().backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 def _worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
@@ -79,6 +130,12 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
                 result["packed_vs_alone"].append((packed[a:e] - alone).abs().max().item())
                 result["query_vs_alone"].append((packed_query[a:e] - alone_query).abs().max().item())
                 result.setdefault("alone", []).append(alone.tolist())
+        model.train()
+        before = _packed_training_step(model, sample, sync_free=False)
+        after = _packed_training_step(model, sample, sync_free=True)
+        assert torch.equal(before[0], after[0])
+        for name, grad in before[1].items():
+            assert torch.equal(grad, after[1][name]), name
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         ps.destroy_model_parallel()
@@ -87,6 +144,8 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_packed_documents_have_the_losses_they_have_alone(tmp_path, tp):
+    # and in the worker: a packed training forward + backward the trainer's way reads nothing back from the
+    # device (no .item(), .tolist(), nonzero or boolean mask inside the model) and computes what it did before
     from transformers import AutoModelForCausalLM
 
     hf_dir = ensure_hf_checkpoint("tiny-llama")

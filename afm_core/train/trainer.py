@@ -27,6 +27,7 @@ bitwise on CPU, and ``metrics.jsonl`` is cut back to the checkpoint's step.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -749,6 +750,13 @@ class SFTTrainer(SFTLoop, MegatronTrainer):
             checkpoint_dir=self.run_dir / "checkpoints",
             keep_last=t.keep_last,
         )
+        # the model takes the labelled positions found on the host (bridge.OutputRows): no nonzero on the device
+        self.output_rows = all("output_rows" in inspect.signature(chunk.forward).parameters for chunk in model_chunks)
+        # the loss's gradient is 1 on every labelled position when the objective is a plain masked sum and the
+        # optimizer scales no loss (bf16/fp32; read once here, a device sync)
+        self.unit_row_grads = (
+            bool(getattr(self.objective, "unit_row_grads", False)) and float(self.optimizer.get_loss_scale()) == 1.0
+        )
 
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The ``GPTModel.forward`` arguments of a micro batch, on this rank's device (module docstring).
@@ -757,13 +765,21 @@ class SFTTrainer(SFTLoop, MegatronTrainer):
             ``input_ids``, ``position_ids``, ``labels`` (-100 wherever ``loss_mask`` is 0: no loss, and the fused
             output layer + loss of :class:`~afm_core.models.bridge._GPTModel` computes no gradient there),
             ``loss_mask`` (``[b, s]``, or ``[1, b * s]`` in the ``thd`` format), ``attention_mask`` and
-            ``packed_seq_params`` (one of them None).
+            ``packed_seq_params`` (one of them None), and for our ``GPTModel`` ``output_rows`` (the labelled
+            positions, :class:`~afm_core.models.bridge.OutputRows`, found on the host from the CPU batch).
         """
         device = self.layout.device
         names = {"input_ids": "tokens", "labels": "labels", "loss_mask": "loss_mask", "position_ids": "position_ids"}
         inputs = {key: batch[name].to(device, non_blocking=True) for key, name in names.items()}
         inputs["labels"] = inputs["labels"].masked_fill(inputs["loss_mask"] == 0, -100)
         inputs["attention_mask"] = inputs["packed_seq_params"] = None
+        if self.output_rows:
+            from afm_core.models.bridge import OutputRows
+
+            mask = batch["loss_mask"]
+            labelled = (mask != 0) & (batch["labels"] >= 0)  # where the labels stay >= 0 above
+            unit = self.unit_row_grads and bool(((mask == 1) | ~labelled).all())
+            inputs["output_rows"] = OutputRows.of(labelled, device, unit_grads=unit)
         if self.thd_packing and batch.get("cu_seqlens") is not None:
             b, s = inputs["input_ids"].shape
             inputs.update(
