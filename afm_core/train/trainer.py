@@ -53,9 +53,11 @@ from tqdm import tqdm
 
 from afm_core.data.loader import StepMicroBatches
 from afm_core.data.packing import block_causal_attention_mask, thd_offsets
+from afm_core.models.arch import ModelArch
 from afm_core.train.checkpoint import Checkpointer
 from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
 from afm_core.train.distributed import ParallelLayout
+from afm_core.train.flops import batch_attention_pairs, datasheet_peak_tflops, mfu, training_flops
 from afm_core.train.host_memory import populate_for_write, zero_by_release
 from afm_core.train.metrics import plot_losses, read_metrics
 from afm_core.train.objective import Objective, build_objective
@@ -335,6 +337,9 @@ class SFTLoop(ABC):
         self.num_microbatches = t.global_batch_size // per_pass
         self.progress = Progress()
         self.metrics: Tracker | None = None
+        self.arch = _model_arch(cfg)
+        self.peak_tflops = _peak_tflops(t.get("peak_tflops") if hasattr(t, "get") else None, layout.on_gpu)
+        self._attention_pairs = 0  # of this rank's micro batches in the current step (_check_batch)
 
     # -- what an engine implements ---------------------------------------------------------------------
     @abstractmethod
@@ -357,6 +362,7 @@ class SFTLoop(ABC):
 
     # -- shared by the engines -------------------------------------------------------------------------
     def _check_batch(self, batch: dict[str, torch.Tensor]) -> None:
+        """Check a train micro batch's shapes, and count its attention work into the step's model FLOPs."""
         shape = (self.micro_batch_size, self.seq_length)
         for key in BATCH_KEYS:
             if key not in batch:
@@ -366,6 +372,19 @@ class SFTLoop(ABC):
                     f"micro batch {key!r} has shape {tuple(batch[key].shape)}, expected "
                     f"[trainer.micro_batch_size, trainer.seq_length] = {list(shape)}"
                 )
+        self._attention_pairs += batch_attention_pairs(batch, self.seq_length)
+
+    def _throughput(self, seconds: float) -> dict[str, float | None]:
+        """``tflops`` (model TFLOP/s per device, :mod:`afm_core.train.flops`) and ``mfu`` (against
+        ``self.peak_tflops``; None without one) of the step just taken in ``seconds``; both None without the
+        model's architecture. Every data-parallel rank trains ``global_batch_size / dp`` sequences like this one's."""
+        if self.arch is None or seconds <= 0:
+            return {"tflops": None, "mfu": None}
+        layout = self.layout
+        tokens = int(self.cfg.trainer.global_batch_size) * self.seq_length
+        flops = training_flops(self.arch, tokens, self._attention_pairs * layout.dp)
+        per_device = (flops["linear"] + flops["attention"]) / (layout.dp * layout.tp * layout.pp)
+        return {"tflops": per_device / seconds / 1e12, "mfu": mfu(per_device, seconds, self.peak_tflops)}
 
     def _find_checkpoint(self) -> Path | None:
         return find_resume_checkpoint(self.run_dir, self.resume_from)
@@ -448,6 +467,7 @@ class SFTLoop(ABC):
         run_steps, run_tokens, run_time, stopped_early = 0, 0, 0.0, False
         while self.progress.step < self.max_steps:
             start = time.perf_counter()
+            self._attention_pairs = 0
             with profiler.step(self.progress.step + 1):
                 out = self.train_step()
             seconds = time.perf_counter() - start
@@ -465,6 +485,7 @@ class SFTLoop(ABC):
                         **out,
                         "tokens_per_s": out["tokens"] / seconds,
                         "input_tokens_per_s": t.global_batch_size * self.seq_length / seconds,
+                        **self._throughput(seconds),
                         "step_s": seconds,
                         "elapsed_s": self.progress.train_time_s,
                     }
@@ -513,6 +534,28 @@ class SFTLoop(ABC):
         if "pref_acc" in after:
             summary.update(eval_pref_acc_before=first.get("pref_acc"), eval_pref_acc_after=after["pref_acc"])
         return summary
+
+
+def _model_arch(cfg: Any) -> ModelArch | None:
+    """The architecture of ``cfg.model`` (a preset's fields), or None when the config has no valid model group."""
+    from afm_core.models.presets import PresetError, load_preset
+
+    model = cfg.get("model") if hasattr(cfg, "get") else None
+    if model is None:
+        return None
+    try:
+        return load_preset(model).arch
+    except PresetError:
+        return None
+
+
+def _peak_tflops(configured: float | None, on_gpu: bool) -> float | None:
+    """``trainer.peak_tflops``, else the datasheet peak of this rank's CUDA device, else None (CPU, unknown)."""
+    if configured:
+        return float(configured)
+    if not on_gpu:
+        return None
+    return datasheet_peak_tflops(torch.cuda.get_device_name())
 
 
 class MegatronTrainer:
