@@ -178,8 +178,8 @@ def _varlen_attn() -> Callable[..., Any] | None:
 def document_causal_mask_mod(cu_seqlens: torch.Tensor, t: int) -> Callable[..., torch.Tensor]:
     """FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` of causal attention inside each document
     ``[cu_seqlens[i], cu_seqlens[i+1])`` of ``t`` packed tokens (True = attend); the document of each token is
-    found on the device (``searchsorted``), without reading ``cu_seqlens`` back. The document-masking example of
-    the FlexAttention docs (``torch/nn/attention/flex_attention.py``; pytorch.org blog "FlexAttention", 2024)."""
+    found on the device (``searchsorted``), without reading ``cu_seqlens`` back. As attention-gym's document mask
+    (``pytorch-labs/attention-gym``, ``attn_gym/masks/document_mask.py``) with the causal mask inside."""
     rows = torch.arange(t, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
     document = torch.searchsorted(cu_seqlens, rows, right=True)
 
@@ -358,7 +358,7 @@ class SDPAttention(MegatronModule):
         s, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
-    def _thd_kernel(self, query: torch.Tensor) -> str:
+    def thd_kernel(self, query: torch.Tensor) -> str:
         """Which kernel attends over the documents of a ``thd`` micro batch (module docstring): ``"cpu"``,
         ``"varlen"``, ``"flex"`` or ``"sdpa"`` (per document)."""
         dropout = bool(self.training and self.dropout_p)
@@ -384,7 +384,7 @@ class SDPAttention(MegatronModule):
         # value is a view into megatron's fused [t, ng * (np/ng + 2) * hn] QKV output: saved as it is for
         # backward, it would keep that whole buffer alive (query and key are RoPE outputs of their own)
         value = value.contiguous()
-        kernel = self._thd_kernel(query)
+        kernel = self.thd_kernel(query)
         if kernel == "cpu":
             out = _DocumentCausalAttention.apply(query, key, value, list(offsets), self.softmax_scale)
             return out.reshape(t, -1)
