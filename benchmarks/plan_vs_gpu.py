@@ -166,23 +166,34 @@ class Memory:
         return total - free - torch.cuda.memory_reserved()
 
 
-def measure(cfg: Any, steps: int, docs: int, hf_config: Any, adamw: str) -> dict[str, Any]:
+def measure(
+    cfg: Any,
+    steps: int,
+    docs: int,
+    hf_config: Any,
+    adamw: str,
+    data: Any = None,
+    profile: bool = False,
+    threads: int | None = None,
+) -> dict[str, Any]:
     """Build the model and run ``steps`` SFT steps the SFT job's way; memory readings (bytes) and step times.
     ``adamw="foreach"``: torch AdamW's default implementation instead of the fused one the trainer sets
-    (:func:`afm_core.train.optim.use_fused_adamw`), to show what that choice saves."""
-    from afm_core.data.loader import TrainIterator
+    (:func:`afm_core.train.optim.use_fused_adamw`), to show what that choice saves. ``data``: the packed sequences
+    to train on (default: :func:`synthetic_packed`, ``docs`` documents per sequence); ``profile``: one more step
+    under ``torch.profiler``, its top ops in ``"profile"``."""
     from afm_core.models.arch import arch_from_hf_config
     from afm_core.train.distributed import activation_memory_overrides, training_dtype
     from afm_core.train.trainer import SFTTrainer, build_model
-    from benchmarks.sft_throughput import join_single_process_group
+    from benchmarks.sft_throughput import join_single_process_group, profile_step, train_stream
 
     t, p = cfg.trainer, cfg.parallel
-    layout = join_single_process_group(cfg, None)
+    layout = join_single_process_group(cfg, threads)
     mem = Memory()
     chunks = build_model(hf_config, layout, params_dtype=training_dtype(t.precision), **activation_memory_overrides(p))
     built = mem.allocated()
-    data = synthetic_packed(8, int(t.seq_length), docs, arch_from_hf_config(hf_config).vocab_size)
-    stream = TrainIterator(data, seed=0, micro_batch_size=int(t.micro_batch_size), dp_rank=0, dp_size=1, pack=True)
+    if data is None:
+        data = synthetic_packed(8, int(t.seq_length), docs, arch_from_hf_config(hf_config).vocab_size)
+    stream = train_stream(data, t, dense_mask=False)
     trainer = SFTTrainer(cfg, layout, chunks, stream, [], cfg.run_dir, int(t.max_steps))
     wrapped = mem.allocated()
     if adamw == "foreach":
@@ -223,9 +234,15 @@ def measure(cfg: Any, steps: int, docs: int, hf_config: Any, adamw: str) -> dict
             }
         )
         print(f"  step {i + 1}: {seconds:.3f} s, loss {float(out['loss']):.4f}", flush=True)
+    trainer.optimizer.step = inner_step
+    table = None
+    if profile:
+        train_step = trainer.train_step
+        table = profile_step(lambda: (train_step(), mem.sync()))
     thd = trainer.thd_packing
     del trainer, chunks, stream
-    return {"built": built, "wrapped": wrapped, "steps": records, "thd_packing": thd, "device": str(layout.device)}
+    return {"built": built, "wrapped": wrapped, "steps": records, "thd_packing": thd, "device": str(layout.device),
+            "profile": table}  # fmt: skip
 
 
 def compare(pred: dict[str, Any], meas: dict[str, Any], global_batch: int, seq_length: int) -> dict[str, Any]:

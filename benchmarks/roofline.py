@@ -78,29 +78,44 @@ class DecoderShape:
 
 
 def measure_linear_gflops(
-    in_features: int, out_features: int, batch: int, dtype: Any, threads: int, seconds: float = 0.3
+    in_features: int,
+    out_features: int,
+    batch: int,
+    dtype: Any,
+    threads: int,
+    seconds: float = 0.3,
+    device: str = "cpu",
 ) -> float:
     """Dense ``[batch, in] x [in, out]`` GFLOP/s of ``torch.nn.functional.linear`` (median of timed bursts).
 
-    Runs in this process with ``torch.set_num_threads(threads)`` (restored after).
+    Runs in this process with ``torch.set_num_threads(threads)`` (restored after), on ``device`` (a CUDA device is
+    synchronised around every burst).
     """
     import statistics
 
     import torch
 
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize(device)
+
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        x = torch.randn(batch, in_features).to(dtype)
-        w = torch.randn(out_features, in_features).to(dtype)
+        x = torch.randn(batch, in_features, device=device).to(dtype)
+        w = torch.randn(out_features, in_features, device=device).to(dtype)
         for _ in range(3):
             torch.nn.functional.linear(x, w)
         rates = []
         for _ in range(5):
+            sync()
             calls, start = 0, time.perf_counter()
             while calls < 2 or time.perf_counter() - start < seconds / 5:
                 torch.nn.functional.linear(x, w)
                 calls += 1
+                if calls % 8 == 0:
+                    sync()
+            sync()
             rates.append(2.0 * batch * in_features * out_features * calls / (time.perf_counter() - start) / 1e9)
         return statistics.median(rates)
     finally:

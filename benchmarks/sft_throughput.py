@@ -218,21 +218,35 @@ def hf_step(cfg: Any, hf_dir: Path, data: PackedSequences, max_steps: int, threa
     """HF forward + backward + AdamW on the same batches and loss; and its attention kind."""
     from transformers import AutoModelForCausalLM
 
-    from afm_core.train.deepspeed_engine import (
-        adamw_param_groups,
-        per_token_cross_entropy,
-    )
-    from afm_core.train.loss import masked_token_loss
-    from afm_core.train.optim import build_lr_scheduler
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(int(cfg.trainer.seed))
-    t = cfg.trainer
     model = AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, attn_implementation="sdpa", local_files_only=True
     ).to(device)
+    step = hf_train_step(model, cfg, data, max_steps, device)
+    return step, f"HF {model.config._attn_implementation}, 4-D block-causal bool mask [b,1,s,s]"
+
+
+def hf_train_step(
+    model: Any,
+    cfg: Any,
+    data: PackedSequences,
+    max_steps: int,
+    device: torch.device,
+    autocast: torch.dtype | None = None,
+) -> StepFn:
+    """One optimizer step of the HF causal LM ``model`` (on ``device``) over the next global batch of ``data``
+    (:func:`train_stream`, with the dense block-causal mask): the masked token-mean loss over the global batch,
+    backward per micro batch, ``clip_grad_norm_``, fused ``torch.optim.AdamW`` with megatron's weight-decay groups
+    and LR schedule. ``autocast``: the forward under ``torch.autocast`` in that dtype (HF Trainer's ``bf16=True``:
+    fp32 weights and optimizer, bf16 matrix products)."""
+    from afm_core.train.deepspeed_engine import adamw_param_groups, per_token_cross_entropy
+    from afm_core.train.loss import masked_token_loss
+    from afm_core.train.optim import build_lr_scheduler
+
+    t = cfg.trainer
     model.config.use_cache = False
     model.train()
     optimizer = torch.optim.AdamW(  # fused: HF Trainer's default optimizer (adamw_torch_fused), as ours runs it
@@ -250,19 +264,20 @@ def hf_step(cfg: Any, hf_dir: Path, data: PackedSequences, max_steps: int, threa
         micro_batches = [next(stream) for _ in range(num_microbatches)]
         num_tokens = int(sum(int(b["loss_mask"].sum()) for b in micro_batches))
         optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=device)
         for batch in micro_batches:  # HF reads packed documents from the 4-D mask
-            per_token = per_token_cross_entropy(model, batch, device)
+            with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
+                per_token = per_token_cross_entropy(model, batch, device)
             micro_loss_sum, _, _ = masked_token_loss(batch["loss_mask"].to(device), per_token)
             (micro_loss_sum / num_tokens).backward()
-            loss_sum += float(micro_loss_sum.detach())
+            loss_sum += micro_loss_sum.detach()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(t.grad_clip))
         optimizer.step()
         scheduler.step(increment=1)
         synchronize(device)
-        return {"loss": loss_sum / num_tokens, "tokens": num_tokens, "grad_norm": float(grad_norm)}
+        return {"loss": float(loss_sum) / num_tokens, "tokens": num_tokens, "grad_norm": float(grad_norm)}
 
-    return step, f"HF {model.config._attn_implementation}, 4-D block-causal bool mask [b,1,s,s]"
+    return step
 
 
 def profile_step(step: StepFn) -> str:

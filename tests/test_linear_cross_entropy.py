@@ -29,10 +29,13 @@ def _grads(loss, upstream, hidden, weight, sink):
     return grads[0], sink.clone()
 
 
+@pytest.mark.parametrize("rows", ["found", "given"])
 @pytest.mark.parametrize("sink", [False, True], ids=["autograd", "grad-sink"])
 @pytest.mark.parametrize("upstream", ["ones", "per-row", "token-sum"])
-def test_chunked_linear_cross_entropy_equals_full_logits_loss_and_grads(upstream, sink):
+def test_chunked_linear_cross_entropy_equals_full_logits_loss_and_grads(upstream, sink, rows):
     hidden, weight, labels, g = _inputs()
+    # given: the labelled rows found by the caller, and with "ones" its promise that g = 1 on each (no check)
+    given = {"rows": (labels >= 0).nonzero().squeeze(1), "unit_grads": upstream == "ones"} if rows == "given" else {}
     # ones: the SFT loss (a sum of masked token losses; d weight complete after forward); token-sum: one other
     # value on every labelled row; per-row: any upstream gradient. The ignored rows get any value.
     scale = {
@@ -42,7 +45,7 @@ def test_chunked_linear_cross_entropy_equals_full_logits_loss_and_grads(upstream
     }[upstream].index_fill(0, torch.tensor([3]), 5.0)
     grad_sink = torch.zeros(50, 16) if sink else None
 
-    loss = linear_cross_entropy(hidden, weight, labels, chunk_bytes=CHUNK_BYTES, grad_sink=grad_sink)
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_bytes=CHUNK_BYTES, grad_sink=grad_sink, **given)
     expected = F.cross_entropy(hidden @ weight.t(), labels, reduction="none")
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)
     grads = _grads(loss, scale, hidden, weight, grad_sink)

@@ -1,5 +1,7 @@
 """Packed documents on Megatron's GPTModel: SDPA core attention reading cu_seqlens (afm_core.models.attention),
-RoPE restarting per document, per-document losses equal to each document alone, at TP=1 and TP=2 (gloo)."""
+RoPE restarting per document, per-document losses equal to each document alone, at TP=1 and TP=2 (gloo); a packed
+training forward + backward that reads nothing back from the device; the CUDA kernels' pure parts (varlen_attn's
+signature forms, FlexAttention's document mask)."""
 
 from __future__ import annotations
 
@@ -7,10 +9,12 @@ import itertools
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from afm_core.launch.distributed import free_port
 from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
@@ -28,6 +32,54 @@ def _packed_sample(vocab: int) -> dict[str, torch.Tensor]:
     labels = torch.randint(0, vocab, (1, SEQ), generator=g)
     offsets = torch.tensor([0, *torch.tensor(DOC_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     return {"tokens": tokens, "labels": labels, "cu_seqlens": offsets}
+
+
+class _NoHostSync(TorchDispatchMode):
+    """Fails on every op that reads a device value back to the host or whose output shape depends on the data:
+    ``.item()`` / ``bool()`` / ``int()`` (``aten._local_scalar_dense``), ``nonzero``, ``masked_select`` and
+    indexing with a boolean mask. (``Tensor.tolist`` of a CPU tensor reaches no op: patched apart.)"""
+
+    SYNCING = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+               torch.ops.aten.masked_select.default)  # fmt: skip
+    INDEXING = (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        boolean = func in self.INDEXING and any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+        if func in self.SYNCING or boolean:
+            raise AssertionError(f"{func} inside the model's forward/backward: a host sync on CUDA")
+        return func(*args, **(kwargs or {}))
+
+
+def _no_tolist(*_args, **_kwargs):
+    raise AssertionError("Tensor.tolist() inside the model's forward/backward: a host sync on CUDA")
+
+
+def _packed_training_step(model, sample, sync_free: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token losses and parameter gradients of one packed forward + backward of the SFT loss (a masked sum):
+    the trainer's way (offsets and labelled rows found on the host) under :class:`_NoHostSync`, or the way before
+    it (megatron's plain ``PackedSeqParams``: offsets and labelled rows read back from the model's tensors)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from afm_core.models.bridge import OutputRows
+    from afm_core.train.trainer import thd_packed_seq_params
+
+    params = thd_packed_seq_params([sample["cu_seqlens"]], SEQ, torch.device("cpu"))
+    labels = sample["labels"].clone()
+    labels[:, sample["cu_seqlens"][1:] - 1] = -100  # each document's last token and a prompt: not trained
+    labels[:, 40:47] = -100
+    model.zero_grad(set_to_none=True)
+    positions = torch.zeros(1, SEQ, dtype=torch.long)
+    if sync_free:
+        rows = OutputRows.of(labels >= 0, "cpu", unit_grads=True)
+        with _NoHostSync(), mock.patch.object(torch.Tensor, "tolist", _no_tolist):
+            loss = model(sample["tokens"], positions, None, labels=labels, packed_seq_params=params, output_rows=rows)
+            (loss * (labels >= 0)).sum().backward()
+    else:
+        plain = PackedSeqParams(**{f: getattr(params, f) for f in ("qkv_format", "cu_seqlens_q", "cu_seqlens_kv",
+                                                                   "max_seqlen_q", "max_seqlen_kv")})  # fmt: skip
+        loss = model(sample["tokens"], positions, None, labels=labels, packed_seq_params=plain)
+        (loss * (labels >= 0)).sum().backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 def _worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
@@ -78,6 +130,13 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
                 result["packed_vs_alone"].append((packed[a:e] - alone).abs().max().item())
                 result["query_vs_alone"].append((packed_query[a:e] - alone_query).abs().max().item())
                 result.setdefault("alone", []).append(alone.tolist())
+        if world == 1:  # TP > 1: the output layer is megatron's vocab-parallel cross entropy (boolean masks)
+            model.train()
+            before = _packed_training_step(model, sample, sync_free=False)
+            after = _packed_training_step(model, sample, sync_free=True)
+            assert torch.equal(before[0], after[0])
+            for name, grad in before[1].items():
+                assert torch.equal(grad, after[1][name]), name
         (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         ps.destroy_model_parallel()
@@ -86,6 +145,8 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_packed_documents_have_the_losses_they_have_alone(tmp_path, tp):
+    # and in the worker at TP=1: a packed training forward + backward the trainer's way reads nothing back from
+    # the device (no .item(), .tolist(), nonzero or boolean mask inside the model) and computes what it did before
     from transformers import AutoModelForCausalLM
 
     hf_dir = ensure_hf_checkpoint("tiny-llama")
@@ -160,6 +221,7 @@ def test_thd_params_lay_micro_batch_rows_end_to_end():
     params = thd_packed_seq_params([torch.tensor([0, 3, 7]), torch.tensor([0, 10])], 10, torch.device("cpu"))
     assert params.cu_seqlens_q.tolist() == [0, 3, 7, 10, 20]
     assert params.max_seqlen_q == 10 and params.qkv_format == "thd"
+    assert params.cu_seqlens_host == (0, 3, 7, 10, 20)  # the host copy: no layer reads the offsets back
     with pytest.raises(ValueError, match="row 1"):
         thd_packed_seq_params([torch.tensor([0, 3]), torch.tensor([0, 12])], 10, torch.device("cpu"))
 
@@ -182,3 +244,39 @@ def test_deterministic_mode_restricts_cuda_sdpa_to_deterministic_backends():
         test_sdp_attention_per_document_equals_explicit_block_causal_softmax()
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+def test_varlen_kwargs_follow_the_signature_of_each_torch_version():
+    from afm_core.models.attention import varlen_causal_kwargs
+
+    def torch_2_13(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                   enable_gqa=False, seqused_k=None, block_table=None, num_splits=None): ...  # fmt: skip
+
+    def torch_2_11(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)): ...
+
+    def torch_2_10(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None): ...
+
+    default = 1 / 64**0.5
+    assert varlen_causal_kwargs(torch_2_13, scale=0.1, head_dim=64, gqa=True) == {
+        "window_size": (-1, 0), "scale": 0.1, "enable_gqa": True}  # fmt: skip
+    assert varlen_causal_kwargs(torch_2_13, scale=0.1, head_dim=64, gqa=False) == {"window_size": (-1, 0), "scale": 0.1}
+    assert varlen_causal_kwargs(torch_2_11, scale=0.1, head_dim=64, gqa=True) == {"window_size": (-1, 0), "scale": 0.1}
+    assert varlen_causal_kwargs(torch_2_10, scale=default, head_dim=64, gqa=True) == {"is_causal": True}
+    assert varlen_causal_kwargs(torch_2_10, scale=0.1, head_dim=64, gqa=True) is None  # no scale= in 2.10
+    # the installed torch's varlen_attn, when it has one, is one of these forms
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return
+    assert varlen_causal_kwargs(varlen_attn, scale=0.1, head_dim=64, gqa=True) is not None
+
+
+def test_flex_document_mask_is_the_block_causal_mask():
+    from afm_core.data.packing import block_causal_attention_mask
+    from afm_core.models.attention import document_causal_mask_mod
+
+    cu_seqlens = torch.tensor([0, 9, 25, 33, 40], dtype=torch.int32)  # the last "document": a row's padding
+    mask_mod = document_causal_mask_mod(cu_seqlens, 40)
+    q, k = torch.arange(40)[:, None], torch.arange(40)[None, :]
+    attends = mask_mod(None, None, q, k)
+    torch.testing.assert_close(attends, ~block_causal_attention_mask([0, 9, 25, 33, 40], 40)[0, 0], rtol=0, atol=0)

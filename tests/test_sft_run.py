@@ -71,6 +71,7 @@ def test_run_sft_trains_exports_and_resumes_into_a_new_run(tmp_path, capfd):
     ]
     record = read_metrics(first_dir / "metrics.jsonl")[1]
     assert record["tokens"] > 0 and record["tokens_per_s"] > 0 and record["lr"] == 0.0  # warmup starts at 0
+    assert record["tflops"] > 0 and record["mfu"] is None  # model TFLOP/s; no MFU without a datasheet peak (CPU)
     assert (first_dir / "loss.png").is_file()
     assert [s for s, _ in complete_checkpoints(first_dir / "checkpoints")] == [2]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -248,3 +249,28 @@ def test_a_preemption_signal_during_the_boundary_all_reduce_is_kept_for_the_next
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None: None)
     assert trainer.boundary_flags(on_gpu=False) == (True, True)  # ...and the late request is not lost
     assert trainer.boundary_flags(on_gpu=False) == (False, False)  # consumed once
+
+
+def test_training_flops_count_every_matrix_product_and_causal_pairs():
+    from transformers import AutoModelForCausalLM
+
+    from afm_core.models.arch import hf_config_from_arch
+    from afm_core.models.presets import load_preset
+    from afm_core.train.flops import causal_pairs, datasheet_peak_tflops, matmul_params, mfu, training_flops
+
+    # Qwen2.5-1.5B's shape (GQA, q/k/v biases, tied output layer) with 2 of its 28 layers
+    arch = dataclasses.replace(load_preset("qwen2.5-1.5b-instruct").arch, num_layers=2)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config_from_arch(arch))
+    linear = [m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)]  # lm_head included
+    assert matmul_params(arch) == sum(linear)
+    assert causal_pairs([1, 3, 4]) == 1 + 6 + 10
+    flops = training_flops(arch, tokens=8, attention_pairs=17)
+    assert flops["linear"] == 6 * sum(linear) * 8
+    assert flops["attention"] == 12 * 2 * 12 * 128 * 17
+    assert datasheet_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert datasheet_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert datasheet_peak_tflops("NVIDIA H200") == 989.0
+    assert datasheet_peak_tflops("cpu") is None
+    assert mfu(989e12, 2.0, 989.0) == 0.5
+    assert mfu(1e12, 1.0, None) is None

@@ -58,6 +58,7 @@ class TrainerConfig:
     export_hf: bool = True
     num_threads: int | None = None
     progress: bool = True
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
         require(self.engine in ENGINES, "trainer.engine", self.engine, f"one of {', '.join(ENGINES)}")
@@ -93,6 +94,8 @@ class TrainerConfig:
         _at_least("trainer.grad_clip", self.grad_clip, 0.0)
         if self.num_threads is not None:
             _at_least("trainer.num_threads", self.num_threads, 1)
+        if self.peak_tflops is not None:
+            require(self.peak_tflops > 0, "trainer.peak_tflops", self.peak_tflops, "a positive TFLOP/s, or null")
 
 
 @dataclass

@@ -229,6 +229,30 @@ def fill_sequences(
     return input_ids, labels, position_ids, cu_seqlens
 
 
+def thd_offsets(cu_seqlens: Sequence[Sequence[int] | np.ndarray | torch.Tensor], seq_length: int) -> list[int]:
+    """Document offsets of ``b`` packed sequences laid end to end as one row of ``b * seq_length`` tokens (the
+    ``thd`` format, as Megatron-LM packs a micro batch): each document is a sequence, and each row's trailing
+    padding one more. Host work on the rows' ``cu_seqlens``, once per micro batch.
+
+    Args:
+        cu_seqlens: ``b`` ``[d_i + 1]`` document offsets in tokens (the loader's ``cu_seqlens``).
+        seq_length: tokens in each packed sequence.
+    Returns:
+        ``[D + 1]`` offsets from 0 to ``b * seq_length``.
+    Raises:
+        ValueError: offsets of a row that do not rise from 0 to at most ``seq_length``.
+    """
+    offsets = [0]
+    for row, bounds in enumerate(cu_seqlens):
+        ends = np.asarray(bounds, dtype=np.int64).ravel().tolist()
+        if not ends or ends[0] != 0 or any(e < a for a, e in itertools.pairwise(ends)) or ends[-1] > seq_length:
+            raise ValueError(f"cu_seqlens of row {row} must rise from 0 to at most seq_length={seq_length}, got {ends}")
+        if ends[-1] < seq_length:
+            ends.append(seq_length)
+        offsets.extend(row * seq_length + e for e in ends[1:])
+    return offsets
+
+
 def first_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
     """Bin packing, first-fit-decreasing (Johnson 1973): ``[bins]`` lists of indices into ``lengths``."""
     order = np.argsort(-lengths, kind="stable")

@@ -19,17 +19,37 @@ packed micro batch, ``np``/``ng`` attention heads / query groups of this TP rank
 ``[s, b, np * hn]``; causal, or the boolean ``attention_mask [b, 1, s, s]`` (True = masked out) when one is given
 (a query row masked everywhere attends everywhere, never NaN).
 
+Kernels of the ``thd`` format, by device:
+
+* CPU: one fused flash kernel call per document (:class:`_DocumentCausalAttention`).
+* CUDA: one ``torch.nn.attention.varlen.varlen_attn`` call per layer for all documents (FlashAttention-2 inside
+  torch, bf16/fp16; torch >= 2.10, its signature adapted by :func:`varlen_causal_kwargs`); where torch has no
+  ``varlen_attn`` (or it cannot express the call), one compiled FlexAttention call with a document mask
+  (:func:`document_causal_mask_mod`); per-document SDPA otherwise (fp32, attention dropout, or torch's
+  deterministic mode). Per-document SDPA on CUDA builds a kernel plan per new document length (cuDNN attention),
+  which made it the slowest part of a training step whose documents change every step.
+
+The document offsets come on the host with :class:`PackedDocuments` (built once per micro batch by the trainer), so
+no ``thd`` kernel reads them back from the device; megatron's plain ``PackedSeqParams`` still work (their offsets
+copied to the host, a device sync on CUDA).
+
 Under ``torch.use_deterministic_algorithms(True)`` on CUDA, SDPA runs only on backends whose backward torch makes
 deterministic (:func:`deterministic_sdpa_backends`): with ``warn_only=True`` that is the math backend alone, since
 torch then only warns about the cuDNN, flash and memory-efficient backwards ("... defaults to a non-deterministic
-algorithm") and runs them as they are. The CPU path is unchanged.
+algorithm") and runs them as they are; ``varlen_attn`` and FlexAttention are not used then. The CPU path is
+unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import itertools
 import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +92,127 @@ def deterministic_sdpa_backends() -> list[SDPBackend] | None:
     if torch.is_deterministic_algorithms_warn_only_enabled():
         return [SDPBackend.MATH]
     return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+@dataclass
+class PackedDocuments(PackedSeqParams):
+    """Megatron's ``thd`` ``PackedSeqParams`` of one micro batch with the document offsets on the host as well.
+
+    Attributes (beyond megatron's): ``cu_seqlens_host``: the ``[d + 1]`` offsets of ``cu_seqlens_q`` (= ``_kv``) as
+    Python ints, which the per-document kernels slice with and which validate the micro batch without reading the
+    device tensor back (a host sync per layer on CUDA).
+    """
+
+    cu_seqlens_host: tuple[int, ...] = ()
+
+    @classmethod
+    def from_offsets(cls, offsets: Sequence[int], device: torch.device | str) -> PackedDocuments:
+        """``thd`` params of documents ``[offsets[i], offsets[i+1])``: ``cu_seqlens`` int32 on ``device`` (copied
+        without waiting), ``max_seqlen`` the longest document, in tokens.
+
+        Raises:
+            ValueError: ``offsets`` has fewer than two entries or decreases.
+        """
+        host = tuple(int(x) for x in offsets)
+        if len(host) < 2 or any(e < a for a, e in itertools.pairwise(host)):
+            raise ValueError(f"document offsets must rise, at least two of them, got {list(host)}")
+        cu_seqlens = torch.tensor(host, dtype=torch.int32).to(device, non_blocking=True)
+        max_len = max(e - a for a, e in itertools.pairwise(host))
+        return cls(
+            qkv_format="thd",
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_kv=cu_seqlens,
+            max_seqlen_q=max_len,
+            max_seqlen_kv=max_len,
+            cu_seqlens_host=host,
+        )
+
+
+def _offsets(params: PackedSeqParams) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The document offsets of ``thd`` params, on their device and on the host (read back unless
+    :class:`PackedDocuments` carries them: a device sync on CUDA)."""
+    padded = params.cu_seqlens_q_padded is not None
+    device = params.cu_seqlens_q_padded if padded else params.cu_seqlens_q
+    host = getattr(params, "cu_seqlens_host", ()) if not padded else ()
+    return device, host or tuple(device.tolist())
+
+
+def varlen_causal_kwargs(
+    varlen_attn: Callable[..., Any], *, scale: float, head_dim: int, gqa: bool
+) -> dict[str, Any] | None:
+    """The keyword arguments of a causal ``varlen_attn(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs)`` call
+    with softmax scale ``scale`` (and fewer K/V heads than query heads when ``gqa``), for the signature of the
+    ``torch.nn.attention.varlen.varlen_attn`` given, or None when that signature cannot express the call.
+
+    The forms, read from torch's ``torch/nn/attention/varlen.py``: 2.13: causal is ``window_size=(-1, 0)`` (a
+    tuple: torch compares it to one), ``scale=``, GQA needs ``enable_gqa=True``; 2.11: ``window_size``, ``scale=``,
+    GQA without a flag (FlashAttention-2 takes fewer K/V heads as they are); 2.10: ``is_causal=True``, no
+    ``scale`` (the default ``1 / sqrt(head_dim)`` only).
+    """
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, Any] = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)
+    elif "is_causal" in params:
+        kwargs["is_causal"] = True
+    else:
+        return None
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif scale != 1.0 / math.sqrt(head_dim):
+        return None
+    if gqa and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    return kwargs
+
+
+def _varlen_attn() -> Callable[..., Any] | None:
+    """torch's ``varlen_attn`` (torch >= 2.10), or None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def document_causal_mask_mod(cu_seqlens: torch.Tensor, t: int) -> Callable[..., torch.Tensor]:
+    """FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` of causal attention inside each document
+    ``[cu_seqlens[i], cu_seqlens[i+1])`` of ``t`` packed tokens (True = attend); the document of each token is
+    found on the device (``searchsorted``), without reading ``cu_seqlens`` back. As attention-gym's document mask
+    (``pytorch-labs/attention-gym``, ``attn_gym/masks/document_mask.py``) with the causal mask inside."""
+    rows = torch.arange(t, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    document = torch.searchsorted(cu_seqlens, rows, right=True)
+
+    def mask_mod(b: Any, h: Any, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        return (document[q_idx] == document[kv_idx]) & (kv_idx <= q_idx)
+
+    return mask_mod
+
+
+@functools.cache
+def _compiled_flex_attention() -> Callable[..., Any] | None:
+    """``torch.compile(flex_attention)`` (FlexAttention runs as one fused kernel only compiled), or None."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+    except ImportError:
+        return None
+    return torch.compile(flex_attention)
+
+
+# the last (cu_seqlens, block mask): every layer of a forward pass attends with the same documents
+_BLOCK_MASK: list[tuple[torch.Tensor, tuple[int, int], Any]] = []
+
+
+def _document_block_mask(cu_seqlens: torch.Tensor, t: int) -> Any:
+    """FlexAttention's block mask of :func:`document_causal_mask_mod`, built once per micro batch."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (cu_seqlens._version, t)
+    if _BLOCK_MASK and _BLOCK_MASK[0][0] is cu_seqlens and _BLOCK_MASK[0][1] == key:
+        return _BLOCK_MASK[0][2]
+    mask = create_block_mask(document_causal_mask_mod(cu_seqlens, t), None, None, t, t, device=cu_seqlens.device)
+    _BLOCK_MASK[:] = [(cu_seqlens, key, mask)]
+    return mask
 
 
 class _DocumentCausalAttention(torch.autograd.Function):
@@ -162,6 +303,14 @@ class SDPAttention(MegatronModule):
         if config.apply_query_key_layer_scaling:
             self.softmax_scale /= max(1, layer_number)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        varlen = _varlen_attn()
+        self._varlen_kwargs = (
+            None
+            if varlen is None
+            else varlen_causal_kwargs(
+                varlen, scale=self.softmax_scale, head_dim=head_dim, gqa=self.num_heads != self.num_groups
+            )
+        )
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """``[b, np, sq, hn]`` attention of ``q`` over ``k``/``v`` ``[b, ng, sk, hn]``; causal when ``mask`` is None.
@@ -209,15 +358,25 @@ class SDPAttention(MegatronModule):
         s, b = query.shape[:2]
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
+    def thd_kernel(self, query: torch.Tensor) -> str:
+        """Which kernel attends over the documents of a ``thd`` micro batch (module docstring): ``"cpu"``,
+        ``"varlen"``, ``"flex"`` or ``"sdpa"`` (per document)."""
+        dropout = bool(self.training and self.dropout_p)
+        if query.device.type == "cpu":
+            return "sdpa" if dropout else "cpu"
+        if query.device.type != "cuda" or dropout or torch.are_deterministic_algorithms_enabled():
+            return "sdpa"
+        if self._varlen_kwargs is not None:
+            return "varlen" if query.dtype in (torch.float16, torch.bfloat16) else "sdpa"
+        return "flex" if _compiled_flex_attention() is not None else "sdpa"
+
     def _forward_thd(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams
     ) -> torch.Tensor:
         if params.qkv_format != "thd":
             raise ValueError(f"SDPAttention reads packed_seq_params in the 'thd' format, got {params.qkv_format!r}")
         t = query.shape[0]
-        offsets = (
-            params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        ).tolist()
+        cu_seqlens, offsets = _offsets(params)
         if offsets[0] != 0 or offsets[-1] != t:
             raise ValueError(
                 f"cu_seqlens must run from 0 to the {t} tokens of the micro batch, got {offsets[0]}..{offsets[-1]}"
@@ -225,11 +384,27 @@ class SDPAttention(MegatronModule):
         # value is a view into megatron's fused [t, ng * (np/ng + 2) * hn] QKV output: saved as it is for
         # backward, it would keep that whole buffer alive (query and key are RoPE outputs of their own)
         value = value.contiguous()
-        if query.device.type == "cpu" and not (self.training and self.dropout_p):
-            out = _DocumentCausalAttention.apply(query, key, value, offsets, self.softmax_scale)
+        kernel = self.thd_kernel(query)
+        if kernel == "cpu":
+            out = _DocumentCausalAttention.apply(query, key, value, list(offsets), self.softmax_scale)
             return out.reshape(t, -1)
+        if kernel == "varlen":
+            varlen = _varlen_attn()
+            assert varlen is not None and self._varlen_kwargs is not None
+            longest = params.max_seqlen_q or max(e - a for a, e in itertools.pairwise(offsets))
+            cu = cu_seqlens.to(torch.int32)
+            out = varlen(query, key, value, cu, cu, longest, longest, **self._varlen_kwargs)  # [t, np, hn]
+            return out.reshape(t, -1)
+        if kernel == "flex":
+            flex = _compiled_flex_attention()
+            assert flex is not None
+            q, k, v = (_heads_first(x) for x in (query, key, value))  # [1, n, t, hn]
+            block_mask = _document_block_mask(cu_seqlens, t)
+            gqa = self.num_heads != self.num_groups
+            out = flex(q, k, v, block_mask=block_mask, scale=self.softmax_scale, enable_gqa=gqa)
+            return out.squeeze(0).permute(1, 0, 2).reshape(t, -1)
         # [t, n, hn] -> [1, n, t, hn]; each document is a causal attention of its own
-        q, k, v = (x.permute(1, 0, 2).unsqueeze(0) for x in (query, key, value))
+        q, k, v = (_heads_first(x) for x in (query, key, value))
         # the CPU kernel's output [1, np, d, hn] is laid out [1, d, np, hn]: as [d, np, hn] it needs no copy
         outs = [
             self._sdpa(q[:, :, a:e], k[:, :, a:e], v[:, :, a:e], None).squeeze(0).permute(1, 0, 2)

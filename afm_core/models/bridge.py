@@ -27,6 +27,7 @@ import json
 import logging
 import os
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -233,6 +234,33 @@ def gpt_layer_spec() -> Any:
     return local_layer_spec(SDPAttention)
 
 
+@dataclass(frozen=True)
+class OutputRows:
+    """The positions of a micro batch whose output the model computes, found by the caller on the host.
+
+    With them :class:`_GPTModel`'s output layer (the fused loss, or the row logits) reads no device value back to
+    the host: the index comes from the data loader's CPU tensors, not from a ``nonzero`` of device tensors (a
+    device sync) inside the model.
+
+    Attributes:
+        index: ``[n]`` int64 positions, ascending, in the micro batch's ``[b, s]`` positions read batch-first
+            (``row * s + column``; in the ``thd`` format, the ``[1, b * s]`` positions), on the model's device.
+        unit_grads: the loss is the plain sum of these positions' per-token losses (gradient exactly 1 on each:
+            the SFT token loss with a 0/1 mask and no loss scale), which lets the fused loss skip its check of the
+            upstream gradient (:func:`afm_core.train.loss.linear_cross_entropy`).
+    """
+
+    index: torch.Tensor
+    unit_grads: bool = False
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, device: torch.device | str, *, unit_grads: bool = False) -> OutputRows:
+        """The positions where the CPU ``mask`` (``[b, s]``, any dtype) is nonzero, copied to ``device``
+        without waiting."""
+        index = mask.reshape(-1).nonzero().squeeze(1)
+        return cls(index.to(device, non_blocking=True), unit_grads)
+
+
 class _GPTModel(GPTModel):
     """Megatron's ``GPTModel`` whose per-token loss at TP=1 is one fused linear + cross entropy.
 
@@ -250,6 +278,10 @@ class _GPTModel(GPTModel):
     losses, :mod:`afm_core.rl.logprobs`); where that cannot apply (sequence parallelism, multi-token prediction,
     inference) it is the full ``[b, s, vocab / tp]`` as without ``loss_mask``.
 
+    ``output_rows`` (:class:`OutputRows`, a keyword of ``forward``): the labelled positions (with ``labels``) or
+    the selected ones (without; instead of ``loss_mask``), found on the host, so that the output layer reads
+    nothing back from the device.
+
     ``grad_into_main_grad`` (set by the trainer when megatron's DDP reduces gradients only after the
     backward pass, never overlapped with it): the output weight's gradient is added straight into its DDP
     ``main_grad`` (megatron's gradient-accumulation fusion, done by the fused loss), instead of a separate
@@ -258,11 +290,20 @@ class _GPTModel(GPTModel):
     """
 
     grad_into_main_grad = False
+    _output_rows: OutputRows | None = None
+
+    def forward(self, *args: Any, output_rows: OutputRows | None = None, **kwargs: Any) -> torch.Tensor:
+        self._output_rows = output_rows  # read by _postprocess, at the end of this call
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._output_rows = None
 
     def _postprocess(
         self, hidden_states: torch.Tensor, labels: torch.Tensor | None = None, **kwargs: Any
     ) -> torch.Tensor:
-        rows = kwargs.get("loss_mask")
+        output_rows = self._output_rows
+        rows = kwargs.get("loss_mask") if output_rows is None else output_rows
         if labels is None and rows is not None and self._rows_only(kwargs):
             return self._row_logits(hidden_states, rows)
         if (
@@ -286,7 +327,12 @@ class _GPTModel(GPTModel):
         sink = getattr(weight, "main_grad", None) if self.grad_into_main_grad else None
         s, b, h = hidden_states.shape
         loss = linear_cross_entropy(
-            hidden_states.reshape(s * b, h), weight, labels.transpose(0, 1).reshape(s * b), grad_sink=sink
+            hidden_states.reshape(s * b, h),
+            weight,
+            labels.transpose(0, 1).reshape(s * b),
+            grad_sink=sink,
+            rows=None if output_rows is None else _sequence_major(output_rows.index, s, b),
+            unit_grads=output_rows is not None and output_rows.unit_grads,
         )
         return loss.view(s, b).transpose(0, 1).contiguous()  # [b, s]
 
@@ -301,9 +347,10 @@ class _GPTModel(GPTModel):
             and not self.config.sequence_parallel
         )
 
-    def _row_logits(self, hidden_states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Logits of the rows where ``rows`` ``[b, s]`` is nonzero: ``[1, n, vocab / tp]``, in row-major
-        ``[b, s]`` order (``logits[0, k]`` is the ``k``-th True of ``rows.bool()`` read batch-first).
+    def _row_logits(self, hidden_states: torch.Tensor, rows: torch.Tensor | OutputRows) -> torch.Tensor:
+        """Logits of the rows where ``rows`` ``[b, s]`` is nonzero (or of the positions of an
+        :class:`OutputRows`, without boolean indexing): ``[1, n, vocab / tp]``, in row-major ``[b, s]`` order
+        (``logits[0, k]`` is the ``k``-th True of ``rows.bool()`` read batch-first).
 
         The RL losses need the logits of the model's own response tokens only (``response_mask``: ~25% of the
         positions of a padded rollout micro batch, less with long prompts and observations), so the output layer
@@ -311,9 +358,19 @@ class _GPTModel(GPTModel):
         ``[*, vocab]`` are skipped for every other row. Exact: the output layer is row-wise.
         """
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        selected = hidden_states.transpose(0, 1)[rows.to(torch.bool)]  # [n, h]
+        if isinstance(rows, OutputRows):
+            s, b, h = hidden_states.shape
+            selected = hidden_states.reshape(s * b, h).index_select(0, _sequence_major(rows.index, s, b))
+        else:
+            selected = hidden_states.transpose(0, 1)[rows.to(torch.bool)]  # [n, h]
         logits, _ = self.output_layer(selected.unsqueeze(1), weight=weight)  # [n, 1, vocab / tp]
         return logits.transpose(0, 1).contiguous()
+
+
+def _sequence_major(index: torch.Tensor, s: int, b: int) -> torch.Tensor:
+    """Positions ``row * s + column`` of a ``[b, s]`` batch as rows of megatron's ``[s, b]`` layout flattened
+    (``column * b + row``), in the same order."""
+    return index if b == 1 else (index % s) * b + index // s
 
 
 class _HFBridge(LLMBridge):

@@ -39,7 +39,6 @@ FFN size, ``p`` the TP size.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from typing import Any
 
@@ -261,28 +260,29 @@ class _RotaryEmbedding(torch.autograd.Function):
         return out, None, None
 
 
-# the last (key, freqs, cos, sin): every layer of a forward pass gets the same freqs tensor and bounds
-_COS_SIN: list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+# the last (key, freqs, cu_seqlens, cos, sin): every layer of a forward pass gets the same freqs and cu_seqlens tensors
+_COS_SIN: list[tuple[Any, torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]] = []
 
 
-def _cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor | None, dtype: torch.dtype):
+def _cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor | None, rows: int, dtype: torch.dtype):
     """``cos``/``sin`` of the frequencies of each position as megatron's unfused RoPE picks them: ``freqs [s, 1, 1,
-    hn]`` as they are (``bshd``), or for packed ``thd`` rows (``cu_seqlens``, one context-parallel rank) the
-    rows' own positions when ``freqs`` covers all ``t`` of them, else each document's ``freqs[:len]`` again;
-    then ``[t, 1, hn]``. Cached for the next layer of the same forward pass."""
-    bounds = None if cu_seqlens is None else tuple(int(x) for x in cu_seqlens.tolist())
-    key = (freqs.data_ptr(), freqs._version, tuple(freqs.shape), bounds, dtype)
-    if _COS_SIN and _COS_SIN[0][0] == key and _COS_SIN[0][1] is freqs:
-        return _COS_SIN[0][2], _COS_SIN[0][3]
+    hn]`` as they are (``bshd``), or for ``rows`` packed ``thd`` rows (``cu_seqlens``, one context-parallel rank,
+    covering the rows from 0) the rows' own positions when ``freqs`` covers all of them, else each row's position
+    in its document (``freqs[:len]`` of every document), then ``[t, 1, hn]``. The positions are gathered on the
+    device (``searchsorted`` of the rows in ``cu_seqlens``): no host loop over documents, no device sync. Cached for
+    the next layer of the same forward pass (the same ``freqs`` and ``cu_seqlens`` tensors)."""
+    key = (freqs._version, tuple(freqs.shape), None if cu_seqlens is None else cu_seqlens._version, rows, dtype)
+    if _COS_SIN and _COS_SIN[0][0] == key and _COS_SIN[0][1] is freqs and _COS_SIN[0][2] is cu_seqlens:
+        return _COS_SIN[0][3], _COS_SIN[0][4]
     picked = freqs
-    if bounds is not None:
-        if freqs.shape[0] == bounds[-1]:
-            picked = freqs[bounds[0] : bounds[-1]]
-        else:
-            picked = torch.cat([freqs[: e - a] for a, e in itertools.pairwise(bounds)])
-        picked = picked.squeeze(1)
+    if cu_seqlens is not None:
+        picked = freqs.squeeze(1)  # [s, 1, hn]
+        if freqs.shape[0] != rows:
+            index = torch.arange(rows, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+            starts = cu_seqlens[torch.searchsorted(cu_seqlens, index, right=True) - 1]
+            picked = picked.index_select(0, (index - starts).long())
     cos, sin = torch.cos(picked).to(dtype), torch.sin(picked).to(dtype)
-    _COS_SIN[:] = [(key, freqs, cos, sin)]
+    _COS_SIN[:] = [(key, freqs, cu_seqlens, cos, sin)]
     return cos, sin
 
 
@@ -311,7 +311,7 @@ def lean_apply_rotary_pos_emb(
         return rope_utils.apply_rotary_pos_emb(
             t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale, cp_group=cp_group
         )
-    cos, sin = _cos_sin(freqs, cu_seqlens, t.dtype)
+    cos, sin = _cos_sin(freqs, cu_seqlens, t.shape[0], t.dtype)
     return _RotaryEmbedding.apply(t, cos, sin)
 
 

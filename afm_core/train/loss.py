@@ -114,7 +114,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     Only the labelled rows are computed (gathered first when some are not): an unlabelled row's loss is 0 and its
     gradient is 0 whatever its logits are, so its ``[vocab]`` logits, softmax and both gradient products would be
-    work for nothing (in observation-masked SFT most rows are prompt or observation tokens)."""
+    work for nothing (in observation-masked SFT most rows are prompt or observation tokens). Given ``rows`` (their
+    indices, found by the caller on the host) and ``unit_grads`` (the caller's promise that ``g = 1`` on every
+    labelled row), no step reads a device value back to the host: no data-dependent shape, no check of ``g``."""
 
     @staticmethod
     def forward(
@@ -125,10 +127,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk_rows: int,
         grad_enabled: bool,
         grad_sink: torch.Tensor | None,
+        rows: torch.Tensor | None,
+        unit_grads: bool,
     ) -> torch.Tensor:
         n = hidden.shape[0]
-        valid = labels >= 0
-        rows = None if bool(valid.all()) else valid.nonzero().squeeze(1)  # None: every row
+        if rows is None:  # found here: a device sync on CUDA
+            valid = labels >= 0
+            rows = None if bool(valid.all()) else valid.nonzero().squeeze(1)  # None: every row
         kept = hidden if rows is None else hidden.index_select(0, rows)  # [m, h]
         targets = labels if rows is None else labels.index_select(0, rows)
         m = kept.shape[0]
@@ -163,6 +168,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.n, ctx.chunk_rows = n, chunk_rows
         ctx.unit_hidden, ctx.grad_weight, ctx.grad_sink = unit_hidden, grad_weight, grad_sink
         ctx.weight_rows_done = want_weight  # d W holds g = 1 on every labelled row (False after a backward)
+        ctx.unit_grads = unit_grads
         if rows is None:
             return losses
         return losses.new_zeros(n).index_copy_(0, rows, losses)
@@ -178,7 +184,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 kept_grad if rows is None else kept.new_zeros(ctx.n, kept.shape[1]).index_copy_(0, rows, kept_grad)
             )
         if not ctx.needs_input_grad[1]:
-            return grad_hidden, None, None, None, None, None
+            return grad_hidden, None, None, None, None, None, None, None
         if ctx.weight_rows_done:  # forward's d W, for g = 1 on every labelled row
             grad_weight, missing = ctx.grad_weight, g - 1.0
         else:  # a second backward (retain_graph): all of this g
@@ -188,16 +194,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             )
             missing = g
+        # g = 1 on every labelled row (the caller's promise, unchecked: checking reads g back to the host)
+        promised = ctx.weight_rows_done and ctx.unit_grads
         ctx.weight_rows_done, ctx.grad_weight = False, None
-        if bool(missing.any()):
+        if not promised and bool(missing.any()):
             for a in range(0, kept.shape[0], ctx.chunk_rows):
                 h = kept[a : a + ctx.chunk_rows]
                 n = h.shape[0]
                 grad_logits = _softmax_minus_onehot_((h @ weight.t()).float(), lse[a : a + n], targets[a : a + n])
                 grad_weight.addmm_(grad_logits.mul_(missing[a : a + n, None]).t(), h.float())
         if ctx.grad_sink is not None:
-            return grad_hidden, None, None, None, None, None
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+            return grad_hidden, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -206,6 +214,8 @@ def linear_cross_entropy(
     labels: torch.Tensor,
     chunk_bytes: int = LINEAR_CE_CHUNK_BYTES,
     grad_sink: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    unit_grads: bool = False,
 ) -> torch.Tensor:
     """Cross entropy of the output layer's logits ``hidden @ weight.T`` per row, without materialising them.
 
@@ -220,6 +230,13 @@ def linear_cross_entropy(
             on: see :class:`_LinearCrossEntropy`), e.g. megatron DDP's ``weight.main_grad``; backward then returns
             no gradient for ``weight`` (megatron's DDP hook must not run for this weight, or must see the
             gradient of its other use only: the tied input embedding). None: the gradient goes through autograd.
+        rows: ``[m]`` int64 indices (ascending, on ``hidden``'s device) of exactly the rows whose label is >= 0,
+            found by the caller (on the host, from its CPU labels); None: found here (``nonzero``: a device sync on
+            CUDA).
+        unit_grads: the upstream gradient is exactly 1 on every labelled row (a loss that is the plain sum of
+            these rows' losses, as the SFT token loss :func:`masked_token_loss` with a 0/1 mask and no loss
+            scale): backward then takes the weight's gradient computed in forward without checking ``g`` (a device
+            sync). A wrong promise gives a wrong weight gradient.
     Returns:
         ``[n]`` fp32 per-row loss in nats.
     Raises:
@@ -231,4 +248,4 @@ def linear_cross_entropy(
         )
     chunk_rows = max(1, chunk_bytes // (4 * weight.shape[0]))
     grad_enabled = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_rows, grad_enabled, grad_sink)
+    return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_rows, grad_enabled, grad_sink, rows, unit_grads)

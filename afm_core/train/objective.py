@@ -30,6 +30,9 @@ class Objective(Protocol):
     """The loss of the trainer's forward step and the reduction of its reports."""
 
     name: str
+    # the loss is the plain sum of the labelled positions' per-token losses (gradient 1 on each: the fused output
+    # layer then skips its check of that gradient, see afm_core.train.loss.linear_cross_entropy)
+    unit_row_grads: bool
 
     def loss_func(self, batch: Mapping[str, Any], loss_mask: torch.Tensor) -> LossFunc:
         """Megatron's ``loss_func`` for one micro batch: ``per_token_loss -> (loss_sum, count, reports)``.
@@ -50,6 +53,7 @@ class TokenLoss:
     """Observation-masked SFT: the global token mean of the cross entropy over trained tokens."""
 
     name = "sft"
+    unit_row_grads = True  # masked_token_loss: sum(per_token_loss * loss_mask), a 0/1 loss mask
 
     def loss_func(self, batch: Mapping[str, Any], loss_mask: torch.Tensor) -> LossFunc:
         return partial(masked_token_loss, loss_mask)
@@ -68,6 +72,7 @@ class PairLoss:
     """
 
     name = "contrastive"
+    unit_row_grads = False
 
     def __init__(self, config: ContrastiveConfig, seq_length: int):
         self.config, self.seq_length = config, seq_length

@@ -27,6 +27,7 @@ bitwise on CPU, and ``metrics.jsonl`` is cut back to the checkpoint's step.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import time
@@ -51,10 +52,12 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from afm_core.data.loader import StepMicroBatches
-from afm_core.data.packing import block_causal_attention_mask
+from afm_core.data.packing import block_causal_attention_mask, thd_offsets
+from afm_core.models.arch import ModelArch
 from afm_core.train.checkpoint import Checkpointer
 from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
 from afm_core.train.distributed import ParallelLayout
+from afm_core.train.flops import batch_attention_pairs, datasheet_peak_tflops, mfu, training_flops
 from afm_core.train.host_memory import populate_for_write, zero_by_release
 from afm_core.train.metrics import plot_losses, read_metrics
 from afm_core.train.objective import Objective, build_objective
@@ -128,8 +131,9 @@ class Progress:
 
 
 def thd_packed_seq_params(cu_seqlens: list[torch.Tensor], seq_length: int, device: torch.device) -> PackedSeqParams:
-    """``thd`` parameters for ``b`` packed sequences laid end to end as one row of ``b * seq_length`` tokens:
-    each document is a sequence, and each row's trailing padding one more.
+    """``thd`` parameters for ``b`` packed sequences laid end to end as one row of ``b * seq_length`` tokens
+    (:func:`~afm_core.data.packing.thd_offsets`), with the offsets on ``device`` and on the host
+    (:class:`~afm_core.models.attention.PackedDocuments`): built once per micro batch, read by every layer.
 
     Args:
         cu_seqlens: ``b`` int tensors ``[d_i + 1]`` of document offsets in tokens (the loader's ``cu_seqlens``).
@@ -137,27 +141,9 @@ def thd_packed_seq_params(cu_seqlens: list[torch.Tensor], seq_length: int, devic
     Raises:
         ValueError: offsets that do not rise from 0 to at most ``seq_length``.
     """
-    parts = []
-    for row, offsets in enumerate(cu_seqlens):
-        offsets = torch.as_tensor(offsets, dtype=torch.int64).flatten()
-        if (
-            offsets.numel() == 0
-            or int(offsets[0]) != 0
-            or bool((offsets[1:] < offsets[:-1]).any())
-            or int(offsets[-1]) > seq_length
-        ):
-            raise ValueError(
-                f"cu_seqlens of row {row} must rise from 0 to at most seq_length={seq_length}, got {offsets.tolist()}"
-            )
-        if int(offsets[-1]) < seq_length:
-            offsets = torch.cat([offsets, torch.tensor([seq_length])])
-        parts.append(offsets[int(row > 0) :] + row * seq_length)
-    offsets = torch.cat(parts).to(torch.int32)
-    max_len = int((offsets[1:] - offsets[:-1]).max())
-    offsets = offsets.to(device)
-    return PackedSeqParams(
-        qkv_format="thd", cu_seqlens_q=offsets, cu_seqlens_kv=offsets, max_seqlen_q=max_len, max_seqlen_kv=max_len
-    )
+    from afm_core.models.attention import PackedDocuments
+
+    return PackedDocuments.from_offsets(thd_offsets(cu_seqlens, seq_length), device)
 
 
 def reads_packed_seq_params(chunks: list[torch.nn.Module]) -> bool:
@@ -351,6 +337,9 @@ class SFTLoop(ABC):
         self.num_microbatches = t.global_batch_size // per_pass
         self.progress = Progress()
         self.metrics: Tracker | None = None
+        self.arch = _model_arch(cfg)
+        self.peak_tflops = _peak_tflops(t.get("peak_tflops") if hasattr(t, "get") else None, layout.on_gpu)
+        self._attention_pairs = 0  # of this rank's micro batches in the current step (_check_batch)
 
     # -- what an engine implements ---------------------------------------------------------------------
     @abstractmethod
@@ -373,6 +362,7 @@ class SFTLoop(ABC):
 
     # -- shared by the engines -------------------------------------------------------------------------
     def _check_batch(self, batch: dict[str, torch.Tensor]) -> None:
+        """Check a train micro batch's shapes, and count its attention work into the step's model FLOPs."""
         shape = (self.micro_batch_size, self.seq_length)
         for key in BATCH_KEYS:
             if key not in batch:
@@ -382,6 +372,19 @@ class SFTLoop(ABC):
                     f"micro batch {key!r} has shape {tuple(batch[key].shape)}, expected "
                     f"[trainer.micro_batch_size, trainer.seq_length] = {list(shape)}"
                 )
+        self._attention_pairs += batch_attention_pairs(batch, self.seq_length)
+
+    def _throughput(self, seconds: float) -> dict[str, float | None]:
+        """``tflops`` (model TFLOP/s per device, :mod:`afm_core.train.flops`) and ``mfu`` (against
+        ``self.peak_tflops``; None without one) of the step just taken in ``seconds``; both None without the
+        model's architecture. Every data-parallel rank trains ``global_batch_size / dp`` sequences like this one's."""
+        if self.arch is None or seconds <= 0:
+            return {"tflops": None, "mfu": None}
+        layout = self.layout
+        tokens = int(self.cfg.trainer.global_batch_size) * self.seq_length
+        flops = training_flops(self.arch, tokens, self._attention_pairs * layout.dp)
+        per_device = (flops["linear"] + flops["attention"]) / (layout.dp * layout.tp * layout.pp)
+        return {"tflops": per_device / seconds / 1e12, "mfu": mfu(per_device, seconds, self.peak_tflops)}
 
     def _find_checkpoint(self) -> Path | None:
         return find_resume_checkpoint(self.run_dir, self.resume_from)
@@ -464,6 +467,7 @@ class SFTLoop(ABC):
         run_steps, run_tokens, run_time, stopped_early = 0, 0, 0.0, False
         while self.progress.step < self.max_steps:
             start = time.perf_counter()
+            self._attention_pairs = 0
             with profiler.step(self.progress.step + 1):
                 out = self.train_step()
             seconds = time.perf_counter() - start
@@ -481,6 +485,7 @@ class SFTLoop(ABC):
                         **out,
                         "tokens_per_s": out["tokens"] / seconds,
                         "input_tokens_per_s": t.global_batch_size * self.seq_length / seconds,
+                        **self._throughput(seconds),
                         "step_s": seconds,
                         "elapsed_s": self.progress.train_time_s,
                     }
@@ -529,6 +534,28 @@ class SFTLoop(ABC):
         if "pref_acc" in after:
             summary.update(eval_pref_acc_before=first.get("pref_acc"), eval_pref_acc_after=after["pref_acc"])
         return summary
+
+
+def _model_arch(cfg: Any) -> ModelArch | None:
+    """The architecture of ``cfg.model`` (a preset's fields), or None when the config has no valid model group."""
+    from afm_core.models.presets import PresetError, load_preset
+
+    model = cfg.get("model") if hasattr(cfg, "get") else None
+    if model is None:
+        return None
+    try:
+        return load_preset(model).arch
+    except PresetError:
+        return None
+
+
+def _peak_tflops(configured: float | None, on_gpu: bool) -> float | None:
+    """``trainer.peak_tflops``, else the datasheet peak of this rank's CUDA device, else None (CPU, unknown)."""
+    if configured:
+        return float(configured)
+    if not on_gpu:
+        return None
+    return datasheet_peak_tflops(torch.cuda.get_device_name())
 
 
 class MegatronTrainer:
@@ -766,6 +793,13 @@ class SFTTrainer(SFTLoop, MegatronTrainer):
             checkpoint_dir=self.run_dir / "checkpoints",
             keep_last=t.keep_last,
         )
+        # the model takes the labelled positions found on the host (bridge.OutputRows): no nonzero on the device
+        self.output_rows = all("output_rows" in inspect.signature(chunk.forward).parameters for chunk in model_chunks)
+        # the loss's gradient is 1 on every labelled position when the objective is a plain masked sum and the
+        # optimizer scales no loss (bf16/fp32; read once here, a device sync)
+        self.unit_row_grads = (
+            bool(getattr(self.objective, "unit_row_grads", False)) and float(self.optimizer.get_loss_scale()) == 1.0
+        )
 
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The ``GPTModel.forward`` arguments of a micro batch, on this rank's device (module docstring).
@@ -774,13 +808,21 @@ class SFTTrainer(SFTLoop, MegatronTrainer):
             ``input_ids``, ``position_ids``, ``labels`` (-100 wherever ``loss_mask`` is 0: no loss, and the fused
             output layer + loss of :class:`~afm_core.models.bridge._GPTModel` computes no gradient there),
             ``loss_mask`` (``[b, s]``, or ``[1, b * s]`` in the ``thd`` format), ``attention_mask`` and
-            ``packed_seq_params`` (one of them None).
+            ``packed_seq_params`` (one of them None), and for our ``GPTModel`` ``output_rows`` (the labelled
+            positions, :class:`~afm_core.models.bridge.OutputRows`, found on the host from the CPU batch).
         """
         device = self.layout.device
         names = {"input_ids": "tokens", "labels": "labels", "loss_mask": "loss_mask", "position_ids": "position_ids"}
         inputs = {key: batch[name].to(device, non_blocking=True) for key, name in names.items()}
         inputs["labels"] = inputs["labels"].masked_fill(inputs["loss_mask"] == 0, -100)
         inputs["attention_mask"] = inputs["packed_seq_params"] = None
+        if self.output_rows:
+            from afm_core.models.bridge import OutputRows
+
+            mask = batch["loss_mask"]
+            labelled = (mask != 0) & (batch["labels"] >= 0)  # where the labels stay >= 0 above
+            unit = self.unit_row_grads and bool(((mask == 1) | ~labelled).all())
+            inputs["output_rows"] = OutputRows.of(labelled, device, unit_grads=unit)
         if self.thd_packing and batch.get("cu_seqlens") is not None:
             b, s = inputs["input_ids"].shape
             inputs.update(

@@ -1,0 +1,40 @@
+"""benchmarks.sft_gpu: its packed steps drawn from the committed CoA length histogram, and its CPU dry run (both
+engines on tiny-llama, each in a process of its own, the JSON report)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+
+
+def test_packed_steps_draw_new_documents_every_step_from_the_histogram():
+    from benchmarks.sft_gpu import LENGTHS_PATH, packed_steps
+
+    histogram = json.loads(LENGTHS_PATH.read_text())
+    assert histogram["documents"] > 1000 and 0 < histogram["target_share"] < 1
+    data = packed_steps(histogram, steps=3, global_batch=2, seq_length=4096, vocab_size=1000)
+    assert len(data) == 6 and data.stats.efficiency > 0.9  # first-fit-decreasing fills the sequences
+    lengths = [np.diff(offsets).tolist() for offsets in data.cu_seqlens]
+    steps = [sorted(lengths[2 * i] + lengths[2 * i + 1]) for i in range(3)]
+    assert all(a != b for a, b in itertools.combinations(steps, 2))  # new document lengths every step
+    assert max(max(row) for row in lengths) < len(histogram["counts"]) * histogram["bin_tokens"]
+    share = data.stats.num_target_tokens / data.stats.num_tokens
+    assert abs(share - histogram["target_share"]) < 0.02
+
+
+def test_sft_gpu_dry_run_reports_both_engines(tmp_path):
+    from benchmarks import sft_gpu
+
+    out = tmp_path / "sft_gpu.json"
+    assert sft_gpu.main(["--dry-run", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["versions"]["torch"] and report["matmul_peak_tflops"] > 0
+    ours, hf = report["engines"]["ours"], report["engines"]["hf"]
+    assert ours["attention"] == "cpu"  # the thd kernel SDPAttention chose
+    assert {row["name"] for row in ours["memory_vs_plan"]} >= {"train peak", "device peak"}
+    for engine in (ours, hf):
+        assert engine["input_tokens_per_s"] > 0 and engine["tflops"] > 0 and engine["mfu_datasheet"] is None
+        assert np.isfinite(engine["losses"]).all()
+    assert report["ratio_ours_over_hf"] > 0
