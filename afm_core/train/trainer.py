@@ -269,8 +269,11 @@ def build_model(
 ) -> list[torch.nn.Module]:
     """This rank's randomly initialised ``GPTModel`` chunks shaped like ``hf_config`` (a transformers Llama/Qwen2
     config), on ``layout.device``: :func:`afm_core.models.bridge.mcore_config_from_hf` with this rank's TP/PP/VPP
-    and ``config_overrides`` (recompute, sequence parallel...), then :func:`build_model_chunks`. Megatron's
-    parallel state must be initialised."""
+    and ``config_overrides`` (recompute, sequence parallel...), then :func:`build_model_chunks`. Every floating
+    parameter is in ``params_dtype``: megatron's norms (the final layernorm among them) are built in fp32 whatever
+    ``params_dtype`` says, and Megatron-LM's ``Float16Module`` casts them only in training
+    (``megatron/core/transformer/module.py``), so an unwrapped bf16 model (the export, a reference policy) would
+    otherwise carry one fp32 tensor. Megatron's parallel state must be initialised."""
     from afm_core.models.bridge import build_gpt_model, mcore_config_from_hf
 
     config = mcore_config_from_hf(
@@ -285,7 +288,7 @@ def build_model(
     def provider(pre_process: bool, post_process: bool, vp_stage: int | None):
         return build_gpt_model(
             hf_config, config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage
-        ).to(layout.device)
+        ).to(device=layout.device, dtype=params_dtype)
 
     return build_model_chunks(provider, layout)
 

@@ -72,6 +72,13 @@ def _checkpoint_state(path: str, tmp_path: Path) -> tuple[dict, dict, dict]:
     return tensors, load_common_state_dict(path)["optimizer"], rank["rng"]
 
 
+#: Mean |logprob| gap between the trainer and the engine it synced its weights into: in fp32 the two differ in
+#: op order only; in bf16 each rounds activations and logits to 8-bit mantissas along its own kernels (0.00102
+#: measured on tiny-llama). That the sync reaches the engine at all is tested in fp32 (tests/rl/test_weight_sync.py:
+#: a stale engine > 1e-2, a synced one <= 1e-3).
+LOGPROB_GAP = {"fp32": 1e-3, "bf16": 1e-2}
+
+
 def adam_state(optimizer: dict) -> dict:
     """The AdamW part of a checkpoint's common optimizer state: the state itself in fp32; in bf16, megatron's
     ``Float16OptimizerWithFloat16Params`` nests it under ``optimizer`` beside its fp32 main weights
@@ -163,7 +170,7 @@ def test_the_paper_rl_recipes_pass_the_submit_checks_and_start_an_engine_within_
 @needs_shared_data
 @pytest.mark.slow
 def test_rl_smoke_runs_every_step_with_the_time_split_and_the_stage_switch_at_its_step(uninterrupted):
-    run_dir, summary, _ = uninterrupted
+    run_dir, summary, precision = uninterrupted
     assert summary["step"] == 3 and not summary["stopped_early"]
     records = _metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -171,7 +178,7 @@ def test_rl_smoke_runs_every_step_with_the_time_split_and_the_stage_switch_at_it
     for r in records:
         assert r["response_len_max"] <= r["max_response_len"]
         assert r["optimizer_steps"] == 2  # train batch 2 groups / mini batch 1 group
-        assert r["logprob_gap_vllm_trainer"] <= 1e-3, "weights in vLLM are the trainer's"
+        assert r["logprob_gap_vllm_trainer"] <= LOGPROB_GAP[precision], "weights in vLLM are the trainer's"
         for key in (
             "generate_s",
             "tools_s",
@@ -227,7 +234,7 @@ def test_a_run_stopped_while_generating_resumes_the_step_to_the_same_weights_opt
 
     tensors, optimizer, rng = _checkpoint_state(second["checkpoint"], tmp_path)
     want_tensors, want_optimizer, want_rng = _checkpoint_state(straight["checkpoint"], tmp_path)
-    (embedding,) = [k for k in want_tensors if k.endswith("embedding.word_embeddings.weight")]
+    (embedding,) = [k for k in want_tensors if k.endswith("word_embeddings.weight") and not k.startswith("optimizer.")]
     assert want_tensors[embedding].dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     moments = [k for k in want_tensors if k.startswith("optimizer.state.exp_avg")]
     assert moments and any(want_tensors[k].abs().sum() > 0 for k in moments)  # gradients flowed
