@@ -2,8 +2,9 @@
 
 ``make test`` runs the suite on two pytest-xdist workers (``-n 2 --dist loadgroup``). Tests marked ``slurm`` share
 one local Slurm cluster (started once per worker session by tests/slurm/conftest.py) and size their jobs to its
-CPUs, so they all go to one worker, in collection order; they are also collected first, so that their ~20 minutes
-of jobs, requeues and preemptions start at once beside the rest of the suite instead of after it.
+CPUs, so they all go to one worker, in collection order; they are also collected first, so that their ~15 minutes
+of jobs, requeues and preemptions start at once beside the rest of the suite instead of after it. The other slow
+tests come next (:func:`run_order`).
 
 The tests of a module that share a module-scoped fixture (an RL run, a DeepSpeed run, an engine) form one group
 too: xdist runs a module fixture once per worker that gets one of its tests, so a module split over both workers
@@ -22,7 +23,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("slurm"))
         elif uses_module_fixture(item):
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
-    items.sort(key=lambda item: item.get_closest_marker("slurm") is None)  # stable: order kept within each part
+    items.sort(key=run_order)  # stable: collection order kept within each part
+
+
+def run_order(item: pytest.Item) -> int:
+    """Slurm tests first, then the other ``slow`` tests, then the rest: the longest work starts first and the
+    short tests fill both workers at the end (a ~5 min test started last would leave one worker alone)."""
+    if item.get_closest_marker("slurm"):
+        return 0
+    return 1 if item.get_closest_marker("slow") else 2
 
 
 def uses_module_fixture(item: pytest.Item) -> bool:

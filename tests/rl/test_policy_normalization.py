@@ -5,6 +5,7 @@ hand: the gradient of (sum of the per-token losses of the whole mini-batch) / (i
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
@@ -91,6 +92,7 @@ def _worker(rank: int, world: int, port: int, spec: dict) -> None:
         destroy_distributed()
 
 
+@pytest.mark.slow
 def test_the_policy_update_divides_by_the_response_tokens_of_all_micro_batches_and_data_parallel_ranks(tmp_path):
     cfg = make_cfg(**{"trainer.grad_clip": 0.0, "trainer.micro_batch_size": 2, "trainer.global_batch_size": 8})
     spec = {"cfg": OmegaConf.to_container(cfg), "run_dir": str(tmp_path / "run")}

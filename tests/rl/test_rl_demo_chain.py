@@ -14,9 +14,13 @@ import pytest
 from afm_core.utils.paths import repo_root, shared_data_dir
 from tests.slurm.tiny_sft import TINY
 
-pytestmark = pytest.mark.skipif(
-    not (shared_data_dir() / "math/gsm8k/test.jsonl").is_file(), reason="needs the shared GSM8K data (../shared/data)"
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (shared_data_dir() / "math/gsm8k/test.jsonl").is_file(),
+        reason="needs the shared GSM8K data (../shared/data)",
+    ),
+]
 
 SMALL_EVAL = ["eval.limit=3", "eval.k=2", "eval.max_response_tokens=48", "eval.concurrency=8", "engine.max_model_len=1024",
               "engine.cpu_kv_cache_gib=0.25", "engine.max_num_seqs=8", "engine.enforce_eager=true"]  # fmt: skip

@@ -59,6 +59,7 @@ STEPS = [
 ]
 
 
+@pytest.mark.slow
 def test_prompt_and_response_ids_are_the_sampled_ids_interleaved_with_observation_ids(tokenizer):
     task = AgentTask("t:0", "math", user_prompt("math", "What is (3+4)*6?"), "What is (3+4)*6?", "42")
     rollout, engine, tools = replay(tokenizer, task, STEPS)
