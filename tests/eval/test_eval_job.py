@@ -103,15 +103,28 @@ def test_a_killed_eval_resumes_without_recomputing_or_duplicating_samples(tmp_pa
     assert (run_dir / "report.md").is_file() and (run_dir / "eval.png").stat().st_size > 0
 
 
-def test_malformed_records_are_reported_with_file_line_and_field_and_the_rest_is_evaluated(tmp_path):
+def test_benchmark_files_alone_evaluate_only_those_files_and_malformed_records_are_reported_with_file_line_and_field(
+    tmp_path,
+):
+    """``benchmark_files`` without ``benchmarks``: only those files run (no default benchmark), listed before the
+    job is submitted; two malformed records are named by file, line and field and the rest is evaluated; the
+    run's metrics reach TensorBoard and W&B (offline) with the Slurm job id."""
     tasks = tmp_path / "tasks.jsonl"
     bad_field = json.dumps({k: v for k, v in _record(99, "q", "1").items() if k != "reward_model"})
     _write_tasks(tasks, 4, bad_lines={2: bad_field, 4: "{not json"})
     run_dir = tmp_path / "run"
     env = {**os.environ, "WANDB_MODE": "offline", "SLURM_JOB_ID": "77"}
-    done = subprocess.run(_eval_cmd(run_dir, tasks, "eval.k=1", "logger=[console,tensorboard,wandb]"), cwd=repo_root(),
-                          capture_output=True, text=True, timeout=900, env=env)  # fmt: skip
+    cmd = [
+        c for c in _eval_cmd(run_dir, tasks, "eval.k=1", "logger=[console,tensorboard,wandb]") if c != "benchmarks=[]"
+    ]
+    done = subprocess.run(cmd, cwd=repo_root(), capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    plan = (
+        f"[eval] will run 1 benchmark(s), 4 problems, 4 samples:\n  tasks: 4 problems x k=1 = 4 samples (file {tasks})"
+    )
+    assert done.stdout.startswith(plan), done.stdout[:500]  # printed before the job is submitted
+    assert list(json.loads((run_dir / "metrics.json").read_text())) == ["tasks"], "the default gsm8k_test ran too"
+    assert {r["benchmark"] for r in read_samples(run_dir / "samples.jsonl")} == {"tasks"}
     assert "skipped records: 2" in done.stdout
     n = tensorboard_scalars(run_dir, "eval/tasks/n")
     assert n == [(0, 4.0)] and len(tensorboard_scalars(run_dir, "eval/tasks/avg@1")) == 1
@@ -127,17 +140,3 @@ def test_malformed_records_are_reported_with_file_line_and_field_and_the_rest_is
                              capture_output=True, text=True, timeout=120)  # fmt: skip
     assert compare.returncode == 0, compare.stderr
     assert "| tasks | 4 |" in compare.stdout and "+0.0" in compare.stdout
-
-
-def test_benchmark_files_alone_evaluate_only_those_files_listed_before_the_start(tmp_path):
-    tasks = tmp_path / "my.jsonl"
-    _write_tasks(tasks, 4)
-    run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "jobs.eval", "model=tiny-llama", f"benchmark_files=[{tasks}]", "eval.k=1",
-           "eval.max_response_tokens=48", "engine.max_model_len=1024", f"hydra.run.dir={run_dir}", "tools.cache=null"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=repo_root(), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    plan = f"[eval] will run 1 benchmark(s), 4 problems, 4 samples:\n  my: 4 problems x k=1 = 4 samples (file {tasks})"
-    assert done.stdout.startswith(plan), done.stdout[:500]  # printed before the job is submitted
-    assert list(json.loads((run_dir / "metrics.json").read_text())) == ["my"], "the default gsm8k_test ran too"
-    assert {r["benchmark"] for r in read_samples(run_dir / "samples.jsonl")} == {"my"}
