@@ -217,6 +217,7 @@ def test_rl_smoke_with_one_vllm_tp2_engine_sharded_over_two_trainer_ranks(tmp_pa
         "engine.tensor_parallel_size=2",
         "trainer.max_steps=2",
         "trainer.num_threads=1",
+        "trainer.precision=fp32",  # the 1e-3 trainer/engine logprob bound is fp32's (bf16: tests/rl/test_driver.py)
     )
     summary = _run(cfg, world=2)
     assert summary["step"] == 2
@@ -232,7 +233,7 @@ def test_rl_smoke_with_one_vllm_tp2_engine_sharded_over_two_trainer_ranks(tmp_pa
 def test_rl_smoke_with_one_vllm_engine_per_data_parallel_rank_splits_the_prompts_and_gathers_the_groups(tmp_path):
     from torch.multiprocessing import ProcessRaisedException
 
-    dp2 = ("parallel.tp=1", "trainer.max_steps=2", "trainer.num_threads=1")
+    dp2 = ("parallel.tp=1", "trainer.max_steps=2", "trainer.num_threads=1", "trainer.precision=fp32")  # 1e-3: fp32's
     # a mini-batch of 1 group x n=2 does not split into 2 ranks x 2 micro batches: refused before any engine starts
     with pytest.raises(ProcessRaisedException, match=r"dp x trainer.micro_batch_size = 4"):
         _run(_config(tmp_path / "bad", *dp2, "trainer.micro_batch_size=2"), world=2)
