@@ -341,7 +341,7 @@ class SFTLoop(ABC):
         self.progress = Progress()
         self.metrics: Tracker | None = None
         self.arch = _model_arch(cfg)
-        self.peak_tflops = _peak_tflops(t.get("peak_tflops") if hasattr(t, "get") else None, layout.on_gpu)
+        self.peak_tflops = _peak_tflops(t.get("peak_tflops"), layout.on_gpu)
         self._attention_pairs = 0  # of this rank's micro batches in the current step (_check_batch)
 
     # -- what an engine implements ---------------------------------------------------------------------
@@ -543,7 +543,7 @@ def _model_arch(cfg: Any) -> ModelArch | None:
     """The architecture of ``cfg.model`` (a preset's fields), or None when the config has no valid model group."""
     from afm_core.models.presets import PresetError, load_preset
 
-    model = cfg.get("model") if hasattr(cfg, "get") else None
+    model = cfg.get("model")
     if model is None:
         return None
     try:
