@@ -11,9 +11,10 @@ Read like the algorithm::
     report.json, filters.png
 
 Resumable: ``runs.jsonl`` (one record per finished run, :mod:`afm_core.distill.mas`) is the checkpoint; a
-restarted job skips the runs it holds, and refuses to add runs drawn under other settings (:func:`check_resume`). On ``SIGUSR2`` (Slurm preemption) or Ctrl-C it stops taking new runs;
-runs in flight are dropped and redone on restart. Concurrency: ``distill.concurrency`` runs in flight, each
-teacher's ``concurrency`` requests, and each tool's limits in the ToolPool (``tools.tools.<name>.limits``).
+restarted job skips the runs it holds, and refuses to add runs drawn under other settings (:func:`check_resume`).
+On ``SIGUSR2`` (Slurm preemption) or Ctrl-C it stops taking new runs; runs in flight are dropped and redone on
+restart. Concurrency: ``distill.concurrency`` runs in flight, each teacher's ``concurrency`` requests, and each
+tool's limits in the ToolPool (``tools.tools.<name>.limits``).
 
 ``sft_data/`` is the layout ``jobs.prepare_data`` writes, and its ``report.json`` records the data config, so
 ``python -m jobs.sft data=distill data.sources.trajectories.path=RUN/trajectories.jsonl data.out_dir=RUN/sft_data``
