@@ -205,7 +205,8 @@ def test_training_dtype_auto_is_bf16_only_where_it_is_fast_and_warns_on_bf16_emu
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the shims apply only without CUDA")
 def test_cpu_shims_in_a_fresh_process():
     """Idempotent; device="cuda" lands on the CPU; `with torch.device("meta")` still applies (primed cache);
-    megatron's gradient clipping scales in place."""
+    megatron's gradient clipping on torch's foreach kernels (afm_core.train.multi_tensor): the same norm as its
+    fallback's, left on the device, and the grads scaled in place."""
     code = """
 import torch
 from afm_core.train.cpu_shims import apply_cpu_shims
@@ -217,10 +218,18 @@ assert torch.zeros(1).type() == "torch.cuda.FloatTensor" and torch.zeros(1).type
 with torch.device("meta"):
     assert torch.empty(3).device.type == "meta" and torch.nn.Linear(2, 2).weight.device.type == "meta"
 torch.cuda.manual_seed(7); a = torch.rand(1); torch.manual_seed(7); assert torch.equal(a, torch.rand(1))
-# gradient clipping scales the grads in place, to the same values as megatron's src * scale
+# gradient clipping: the norm on the device, the grads scaled in place, to megatron's fallback's values
+from megatron.core import utils
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-assert clip_grads.multi_tensor_scale_impl.__module__ == "afm_core.train.cpu_shims"
+from afm_core.train import multi_tensor
+multi_tensor.use_foreach_kernels(); multi_tensor.use_foreach_kernels()
+assert clip_grads.l2_norm_impl is multi_tensor.multi_tensor_l2_norm
+assert clip_grads.multi_tensor_scale_impl is multi_tensor.multi_tensor_scale
+tensors = [torch.randn(5, 3), torch.randn(7), torch.randn(1)]
+norm, _ = clip_grads.l2_norm_impl(2048, None, [tensors], False)
+want, _ = utils.local_multi_tensor_l2_norm(2048, None, [tensors], False)
+assert norm.shape == want.shape == (1,) and torch.allclose(norm, want, rtol=1e-6)
 params = [torch.nn.Parameter(torch.ones(5, 3)), torch.nn.Parameter(torch.ones(7))]
 for p in params:
     p.grad = torch.randn(p.shape)

@@ -35,11 +35,8 @@ Patches (in the order :func:`apply_cpu_shims` installs them):
    (``assert param.grad.type() == 'torch.cuda.FloatTensor'``) and ``TypeError: Wrapped parameters must be
    one of torch.cuda.FloatTensor, ...`` when megatron's mixed-precision optimizer wraps bf16 parameters.
 
-One more patch is an optimisation, not a fix: 6. without apex, megatron's gradient clipping
-(``optimizer/clip_grads.py`` ``clip_grad_by_total_norm_fp32``) scales the gradients with ``utils.py``
-``local_multi_tensor_scale``, ``dst.copy_(src * scale)``: a parameter-sized temporary and two more passes per
-gradient, for source = destination. :func:`_multi_tensor_scale` multiplies in place there (``_foreach_mul_``,
-the same fp32 products, bitwise), as ``torch.nn.utils.clip_grad_norm_`` does.
+Megatron's multi-tensor fallbacks without apex (gradient clipping) are replaced on every device, not here:
+:mod:`afm_core.train.multi_tensor`.
 """
 
 from __future__ import annotations
@@ -130,19 +127,8 @@ def _set_cpu_rng_state(new_state: torch.Tensor, *args, **kwargs) -> None:
     torch.set_rng_state(new_state)
 
 
-def _multi_tensor_scale(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], scale: float) -> None:
-    """megatron's ``local_multi_tensor_scale`` (``dst = src * scale`` per tensor pair), in place when every source
-    is its destination (patch 6 of the module docstring)."""
-    src, dst = tensor_lists
-    if len(src) == len(dst) and all(a is b for a, b in zip(src, dst)):
-        torch._foreach_mul_(dst, scale)
-        return
-    for a, b in zip(src, dst):
-        b.copy_(a * scale)
-
-
 def apply_cpu_shims() -> bool:
-    """Install the six CPU patches (module docstring) if CUDA is absent; idempotent.
+    """Install the five CPU patches (module docstring) if CUDA is absent; idempotent.
 
     Call after importing megatron and before building models or optimizers.
 
@@ -154,9 +140,7 @@ def apply_cpu_shims() -> bool:
         return False
     if _APPLIED:
         return True
-    from megatron.core.optimizer import clip_grads
     from megatron.core.tensor_parallel import random as tp_random
-    from megatron.core.utils import local_multi_tensor_scale
 
     # 1, 2
     torch.cuda.current_device = lambda: "cpu"
@@ -176,8 +160,5 @@ def apply_cpu_shims() -> bool:
     tp_random._set_cuda_rng_state = _set_cpu_rng_state
     # 5
     torch.Tensor.type = _wrap_tensor_type(torch.Tensor.type)
-    # 6 (only where megatron fell back to its local implementation: no apex)
-    if clip_grads.multi_tensor_scale_impl is local_multi_tensor_scale:
-        clip_grads.multi_tensor_scale_impl = _multi_tensor_scale
     _APPLIED = True
     return True

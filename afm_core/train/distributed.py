@@ -171,6 +171,7 @@ def init_distributed(
     from megatron.core import parallel_state as ps
 
     from afm_core.train.cpu_shims import apply_cpu_shims
+    from afm_core.train.multi_tensor import use_foreach_kernels
 
     rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
     _env_int("MASTER_PORT")
@@ -190,6 +191,7 @@ def init_distributed(
     else:
         apply_cpu_shims()
         device, backend = torch.device("cpu"), "gloo"
+    use_foreach_kernels()
     set_num_threads(num_threads, local_world_size)
     if not torch.distributed.is_initialized():
         torch.distributed.init_process_group(
