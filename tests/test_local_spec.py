@@ -1,11 +1,13 @@
 """The lean local-spec modules (afm_core.models.local_spec) against plain torch autograd: same outputs and
 gradients (also when the weights' gradients go into megatron's ``main_grad``), and only the tensors the
-docstring names kept for backward (one gloo rank, TP=1)."""
+docstring names kept for backward (one gloo rank, TP=1); with the eager elementwise kernels (CPU's) and with the
+``torch.compile``'d ones (CUDA's, compiled here for the CPU)."""
 
 from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
@@ -31,7 +33,7 @@ def _saved_bytes(fn, params: set[int]) -> list[int]:
     return sorted(seen.values()), out
 
 
-def _worker(rank: int, port: int) -> None:
+def _worker(rank: int, port: int, compiled: bool) -> None:
     set_rank_env(rank, 1, port)
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import parallel_state as ps
@@ -41,10 +43,11 @@ def _worker(rank: int, port: int) -> None:
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
-    from afm_core.models.local_spec import NormColumnParallelLinear, SwiGLUMLP
+    from afm_core.models.local_spec import NormColumnParallelLinear, SwiGLUMLP, set_compiled_elementwise
     from afm_core.train.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
+    set_compiled_elementwise(compiled)
     ps.initialize_model_parallel()
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     try:
@@ -126,11 +129,22 @@ def _worker(rank: int, port: int) -> None:
         torch.distributed.destroy_process_group()
 
 
-def test_fused_norm_linear_and_swiglu_mlp_equal_plain_autograd_and_keep_only_their_inputs():
-    mp.start_processes(_worker, args=(free_port(),), nprocs=1, join=True, start_method="spawn")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fused_norm_linear_and_swiglu_mlp_equal_plain_autograd_and_keep_only_their_inputs(compiled):
+    mp.start_processes(_worker, args=(free_port(), compiled), nprocs=1, join=True, start_method="spawn")
 
 
-def test_lean_rope_equals_megatrons_and_keeps_one_cos_sin_for_all_layers():
+@pytest.fixture
+def compiled_elementwise(request):
+    from afm_core.models.local_spec import set_compiled_elementwise
+
+    set_compiled_elementwise(request.param)
+    yield request.param
+    set_compiled_elementwise(None)
+
+
+@pytest.mark.parametrize("compiled_elementwise", [False, True], ids=["eager", "compiled"], indirect=True)
+def test_lean_rope_equals_megatrons_and_keeps_one_cos_sin_for_all_layers(compiled_elementwise):
     from types import SimpleNamespace
 
     from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb

@@ -59,6 +59,7 @@ class TrainerConfig:
     num_threads: int | None = None
     progress: bool = True
     peak_tflops: float | None = None
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         require(self.engine in ENGINES, "trainer.engine", self.engine, f"one of {', '.join(ENGINES)}")

@@ -28,6 +28,13 @@ Per layer 56 -> 26 MiB at those sizes, with the same matrix products: nothing bu
   (fused RoPE on GPU, interleaved or multi-latent RoPE, ``mscale``, context parallelism, partial rotary
   dimensions) go to megatron's function unchanged.
 Both compute in the parameters' dtype (fp32 on CPU), with the RMS statistics in fp32 as HF's ``LlamaRMSNorm``.
+
+On CUDA the elementwise parts of the three (the norm and its backward, ``silu(gate) * up`` and its backward, the
+rotation) run as ``torch.compile``'d functions (:func:`set_compiled_elementwise`): one generated kernel each where
+eager PyTorch launches one per operation (up to a dozen for the norm's backward), which dominated a launch-bound
+GPU step. The matrix products, the TP all-reduces and the gradient sinks stay as they are. The compiled functions
+compute the same values (the elementwise intermediates in fp32 instead of rounding each to bf16); the CPU keeps
+the eager kernels, which reuse their buffers (``out=``) for a lower resident set.
 Tensor parallelism as megatron's column/row parallel linears: ``NormColumnParallelLinear`` all-reduces the gradient
 of its (replicated) input over the TP group in backward, before the norm's backward (as transformer-engine's
 ``LayerNormLinear`` does), and ``SwiGLUMLP`` all-reduces fc2's partial output in forward. Sequence parallelism,
@@ -39,6 +46,7 @@ FFN size, ``p`` the TP size.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -74,6 +82,71 @@ def _main_grad_sink(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tens
     return getattr(weight, "main_grad", None)
 
 
+# None: compiled on CUDA tensors, eager on CPU ones (set_compiled_elementwise)
+_COMPILED_ELEMENTWISE: list[bool | None] = [None]
+
+
+def set_compiled_elementwise(enabled: bool | None) -> None:
+    """Whether this process runs the local spec's elementwise parts as ``torch.compile``'d functions (module
+    docstring): True on any device, False never, None (the default) on CUDA tensors only. Process-wide: the
+    trainer sets it from ``trainer.compile``."""
+    _COMPILED_ELEMENTWISE[0] = enabled
+
+
+def _compiled(x: torch.Tensor) -> bool:
+    setting = _COMPILED_ELEMENTWISE[0]
+    return x.is_cuda if setting is None else setting
+
+
+@functools.cache
+def _compile(fn: Any) -> Any:
+    """``torch.compile(fn)``, built on first use (shapes specialised, a second shape made dynamic: torch's default)."""
+    return torch.compile(fn)
+
+
+def _rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rmsnorm(x) * gamma, 1/rms(x) [..., 1] fp32)``: the compiled twin of :class:`_RMSNormLinear`'s forward."""
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * rstd).to(x.dtype) * gamma, rstd
+
+
+def _rms_norm_backward(
+    grad_normed: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, gamma: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d x, d gamma)`` of ``rmsnorm(x) * gamma`` from the gradient of its output: the compiled twin of
+    :class:`_RMSNormLinear`'s backward (same formula)."""
+    x_hat32 = x.float() * rstd
+    grad_gamma = (grad_normed * x_hat32.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0)
+    dy = (grad_normed * gamma).float()
+    mean = (dy * x_hat32).mean(-1, keepdim=True)
+    return ((dy - x_hat32 * mean) * rstd).to(x.dtype), grad_gamma
+
+
+def _swiglu(y: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``y = [gate, up]`` (last dim)."""
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _swiglu_backward(grad_act: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``[d gate, d up]`` of :func:`_swiglu` from the gradient of its output: the compiled twin of
+    :class:`_SwiGLULinear`'s backward (``d silu(g) / dg = sig * (1 + g * (1 - sig))``)."""
+    gate, up = y.float().chunk(2, dim=-1)
+    grad = grad_act.float()
+    sig = torch.sigmoid(gate)
+    grad_gate = grad * up * sig * (1 + gate * (1 - sig))
+    return torch.cat([grad_gate, grad * gate * sig], dim=-1).to(y.dtype)
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
+    """``[t1 cos1 - sign t2 sin1, t2 cos2 + sign t1 sin2]`` (halves of the last dim): the rotation of
+    :class:`_RotaryEmbedding` with ``sign=1``, its backward with ``sign=-1``."""
+    h = t.shape[-1] // 2
+    t1, t2 = t[..., :h], t[..., h:]
+    return torch.cat([t1 * cos[..., :h] - sign * t2 * sin[..., :h], t2 * cos[..., h:] + sign * t1 * sin[..., h:]], -1)
+
+
 class _RMSNormLinear(torch.autograd.Function):
     """``linear(rmsnorm(x) * gamma, weight, bias)``, keeping ``x`` and ``1/rms(x)`` for backward; ``d weight`` goes
     into ``grad_sink`` when one is given (:func:`_weight_grad`)."""
@@ -89,16 +162,21 @@ class _RMSNormLinear(torch.autograd.Function):
         tp_group: Any,
         grad_sink: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True).add_(eps))  # [..., 1] fp32
-        normed = (x.float() * rstd).to(x.dtype).mul_(gamma)
+        if _compiled(x):
+            normed, rstd = _compile(_rms_norm)(x, gamma, eps)
+        else:
+            rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True).add_(eps))  # [..., 1] fp32
+            normed = (x.float() * rstd).to(x.dtype).mul_(gamma)
         out = F.linear(normed, weight, bias)
         ctx.save_for_backward(x, rstd, gamma, weight)
-        ctx.has_bias, ctx.tp_group, ctx.grad_sink = bias is not None, tp_group, grad_sink
+        ctx.has_bias, ctx.tp_group, ctx.grad_sink, ctx.eps = bias is not None, tp_group, grad_sink, eps
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         x, rstd, gamma, weight = ctx.saved_tensors
+        if _compiled(x):
+            return _RMSNormLinear._compiled_backward(ctx, grad_out, x, rstd, gamma, weight)
         h = x.shape[-1]
         x_hat32 = x.float() * rstd  # the normalised input, recomputed (fp32)
         x_hat = x_hat32.to(x.dtype)  # in the input dtype: x_hat32 itself when that is fp32
@@ -126,6 +204,23 @@ class _RMSNormLinear(torch.autograd.Function):
             grad_x = dy.sub_(x_hat32.mul_(mean)).mul_(rstd).to(x.dtype)
         return grad_x, grad_gamma, grad_weight, grad_bias, None, None, None
 
+    @staticmethod
+    def _compiled_backward(ctx: Any, grad_out: torch.Tensor, x, rstd, gamma, weight):  # type: ignore[no-untyped-def]
+        """:meth:`backward` with its elementwise parts compiled (:func:`_rms_norm`, :func:`_rms_norm_backward`)."""
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[2]:
+            normed = _compile(_rms_norm)(x, gamma, ctx.eps)[0]  # the norm's output, recomputed
+            grad_weight = _weight_grad(ctx.grad_sink, g.t(), normed.reshape(-1, x.shape[-1]))
+            del normed
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_bias = g.sum(0)
+        grad_normed = grad_out @ weight
+        if ctx.tp_group is not None:
+            torch.distributed.all_reduce(grad_normed, group=ctx.tp_group)
+        grad_x, grad_gamma = _compile(_rms_norm_backward)(grad_normed, x, rstd, gamma)
+        return grad_x, grad_gamma, grad_weight, grad_bias, None, None, None
+
 
 class _SwiGLULinear(torch.autograd.Function):
     """``linear(silu(gate) * up, weight)`` of ``y = [gate, up]`` (last dim), keeping only ``y`` for backward;
@@ -135,8 +230,11 @@ class _SwiGLULinear(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, y: torch.Tensor, weight: torch.Tensor, grad_sink: torch.Tensor | None = None
     ) -> torch.Tensor:
-        gate, up = y.chunk(2, dim=-1)
-        out = F.linear(F.silu(gate).mul_(up), weight)
+        if _compiled(y):
+            out = F.linear(_compile(_swiglu)(y), weight)
+        else:
+            gate, up = y.chunk(2, dim=-1)
+            out = F.linear(F.silu(gate).mul_(up), weight)
         ctx.save_for_backward(y, weight)
         ctx.grad_sink = grad_sink
         return out
@@ -144,6 +242,15 @@ class _SwiGLULinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor):  # type: ignore[override]
         y, weight = ctx.saved_tensors
+        if _compiled(y):
+            grad_weight = None
+            if ctx.needs_input_grad[1]:
+                act = _compile(_swiglu)(y)
+                grad_weight = _weight_grad(
+                    ctx.grad_sink, grad_out.reshape(-1, grad_out.shape[-1]).t(), act.reshape(-1, act.shape[-1])
+                )
+                del act
+            return _compile(_swiglu_backward)(grad_out @ weight, y), grad_weight, None
         gate, up = y.chunk(2, dim=-1)
         sig = torch.sigmoid(gate)
         silu = gate * sig
@@ -243,16 +350,20 @@ class _RotaryEmbedding(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(cos, sin)
+        if _compiled(t):
+            return _compile(_rotate)(t, cos, sin, 1.0)
         h = t.shape[-1] // 2
         out = torch.empty(torch.broadcast_shapes(t.shape, cos.shape), dtype=t.dtype, device=t.device)
         torch.mul(t[..., :h], cos[..., :h], out=out[..., :h]).addcmul_(t[..., h:], sin[..., :h], value=-1.0)
         torch.mul(t[..., h:], cos[..., h:], out=out[..., h:]).addcmul_(t[..., :h], sin[..., h:])
-        ctx.save_for_backward(cos, sin)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # type: ignore[override]
         cos, sin = ctx.saved_tensors
+        if _compiled(grad):
+            return _compile(_rotate)(grad, cos, sin, -1.0), None, None
         h = grad.shape[-1] // 2
         out = torch.empty_like(grad)
         torch.mul(grad[..., :h], cos[..., :h], out=out[..., :h]).addcmul_(grad[..., h:], sin[..., h:])

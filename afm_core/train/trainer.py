@@ -54,6 +54,7 @@ from tqdm import tqdm
 from afm_core.data.loader import StepMicroBatches
 from afm_core.data.packing import block_causal_attention_mask, thd_offsets
 from afm_core.models.arch import ModelArch
+from afm_core.models.local_spec import set_compiled_elementwise
 from afm_core.train.checkpoint import Checkpointer
 from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
 from afm_core.train.distributed import ParallelLayout
@@ -785,6 +786,7 @@ class SFTTrainer(SFTLoop, MegatronTrainer):
             )
         self.thd_packing = reads_thd if thd_packing is None else thd_packing
         t = cfg.trainer
+        set_compiled_elementwise(t.get("compile"))  # process-wide, as megatron's own fusions are
         MegatronTrainer.__init__(
             self,
             layout,
