@@ -173,23 +173,30 @@ def measure(
     hf_config: Any,
     adamw: str,
     data: Any = None,
-    profile: bool = False,
     threads: int | None = None,
+    hf_dir: Path | None = None,
+    after: Any = None,
 ) -> dict[str, Any]:
     """Build the model and run ``steps`` SFT steps the SFT job's way; memory readings (bytes) and step times.
     ``adamw="foreach"``: torch AdamW's default implementation instead of the fused one the trainer sets
     (:func:`afm_core.train.optim.use_fused_adamw`), to show what that choice saves. ``data``: the packed sequences
-    to train on (default: :func:`synthetic_packed`, ``docs`` documents per sequence); ``profile``: one more step
-    under ``torch.profiler``, its top ops in ``"profile"``."""
+    to train on (default: :func:`synthetic_packed`, ``docs`` documents per sequence); ``hf_dir``: an HF checkpoint
+    loaded into the model (default: megatron's random initialisation); ``after(trainer, sync) -> dict``: called
+    after the measured steps with the :class:`~afm_core.train.trainer.SFTTrainer` and a device sync, its result in
+    ``"after"``."""
     from afm_core.models.arch import arch_from_hf_config
     from afm_core.train.distributed import activation_memory_overrides, training_dtype
     from afm_core.train.trainer import SFTTrainer, build_model
-    from benchmarks.sft_throughput import join_single_process_group, profile_step, train_stream
+    from benchmarks.sft_throughput import join_single_process_group, train_stream
 
     t, p = cfg.trainer, cfg.parallel
     layout = join_single_process_group(cfg, threads)
     mem = Memory()
     chunks = build_model(hf_config, layout, params_dtype=training_dtype(t.precision), **activation_memory_overrides(p))
+    if hf_dir is not None:
+        from afm_core.models.bridge import load_hf_weights
+
+        load_hf_weights(chunks, hf_dir)
     built = mem.allocated()
     if data is None:
         data = synthetic_packed(8, int(t.seq_length), docs, arch_from_hf_config(hf_config).vocab_size)
@@ -235,14 +242,11 @@ def measure(
         )
         print(f"  step {i + 1}: {seconds:.3f} s, loss {float(out['loss']):.4f}", flush=True)
     trainer.optimizer.step = inner_step
-    table = None
-    if profile:
-        train_step = trainer.train_step
-        table = profile_step(lambda: (train_step(), mem.sync()))
+    extra = after(trainer, mem.sync) if after is not None else None
     thd = trainer.thd_packing
     del trainer, chunks, stream
     return {"built": built, "wrapped": wrapped, "steps": records, "thd_packing": thd, "device": str(layout.device),
-            "profile": table}  # fmt: skip
+            "after": extra}  # fmt: skip
 
 
 def compare(pred: dict[str, Any], meas: dict[str, Any], global_batch: int, seq_length: int) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
     python -m benchmarks.sft_gpu --out runs/bench/sft_gpu.json       # Qwen2.5-1.5B, 2 x 4096 tokens a step
     python -m benchmarks.sft_gpu --model qwen2.5-3b-instruct --out runs/bench/sft_gpu_3b.json
-    python -m benchmarks.sft_gpu --profile                           # + the top-20 kernels of one step of each
+    python -m benchmarks.sft_gpu --profile --trace-dir runs/bench    # + the top kernels of one step of each
+    python -m benchmarks.sft_gpu --engines ours-eager ours hf        # our step without / with compiled kernels
     python -m benchmarks.sft_gpu --dry-run                           # CPU: tiny-llama, the whole path in seconds
     python -m benchmarks.sft_gpu --write-lengths                     # re-derive coa_doc_lengths.json (needs the data)
 
@@ -15,12 +16,22 @@ micro batches of 4096 tokens per step, 2 warmup and 8 timed steps per engine).
   in 64-token bins, with their trained-token share. Every step gets new documents (new lengths), packed
   first-fit-decreasing as the SFT data module packs (:func:`afm_core.data.packing.first_fit_decreasing`); in a
   document the leading ``1 - target share`` of its tokens are prompt (no loss), random token ids.
+* **Weights**: one random initialisation (``AutoModelForCausalLM.from_config`` of the preset, seeded, in bf16)
+  written as an HF checkpoint by this process and loaded by every engine, so that their first-step losses on the same
+  packed batch compare (:data:`LOSS_TOLERANCE`; past it the script exits with status 1).
 * **ours**: the SFT job's path, as :func:`benchmarks.plan_vs_gpu.measure` builds it (``conf/sft.yaml``, precision
-  ``auto``: bf16 on GPU; megatron's GPTModel of ``build_model``, :class:`~afm_core.train.trainer.SFTTrainer`,
-  ``train_step``); its peak memory against ``jobs.plan``'s prediction (:func:`benchmarks.plan_vs_gpu.compare`).
-* **hf**: ``AutoModelForCausalLM.from_config`` (SDPA attention, the documents by a 4-D block-causal mask), fp32
-  weights and fused AdamW with the forward under ``torch.autocast(bf16)`` on GPU (HF Trainer's ``bf16=True``;
-  ``--hf-precision bf16``: bf16 weights), :func:`benchmarks.sft_throughput.hf_train_step`.
+  ``auto``: bf16 on GPU; megatron's GPTModel of ``build_model``, the checkpoint loaded by ``load_hf_weights``,
+  :class:`~afm_core.train.trainer.SFTTrainer`, ``train_step``); its peak memory against ``jobs.plan``'s
+  prediction (:func:`benchmarks.plan_vs_gpu.compare`). ``ours`` runs ``trainer.compile`` as configured (null: the
+  compiled elementwise kernels on CUDA, eager on CPU), ``ours-eager`` with ``trainer.compile=false``,
+  ``ours-compiled`` with ``true``. On CUDA one more step runs under ``torch.cuda.set_sync_debug_mode("warn")``:
+  every host-device synchronisation inside it is reported by source line (``syncs``).
+* **hf**: ``AutoModelForCausalLM.from_pretrained`` of that checkpoint (SDPA attention; the documents by a 4-D
+  block-causal mask and position ids restarting per document), fp32 weights and fused AdamW with the forward under
+  ``torch.autocast(bf16)`` on GPU (HF Trainer's ``bf16=True``), :func:`benchmarks.sft_throughput.hf_train_step`;
+  ``hf-bf16`` (or ``--hf-precision bf16``): bf16 weights and optimizer; ``hf-causal``: bf16 weights, each packed
+  sequence one causal attention (no document mask: documents attend to the ones before them, not the computation
+  the others do, but the fastest HF step: SDPA's flash kernel, as a baseline).
 
 The engines run one after the other, each in a process of its own (its peak memory is its own), on the same
 sequences in the same order. Per engine: median seconds per step over the timed steps, input tokens/s (all
@@ -29,13 +40,18 @@ as ``jobs.plan`` counts them) and with attention (:mod:`afm_core.train.flops`: `
 plus the causal attention pairs of the documents), MFU against the dense bf16 matmul rate measured in the same run
 (``[8192, 8192] x [8192, 8192]`` on GPU) and against the device's datasheet peak, peak allocated memory. Writes
 JSON (``--out``) with the command, device and versions, and prints a Markdown row for ``benchmarks/README.md``.
+``--profile``: one more step per engine under ``torch.profiler``: the top ops by device time and by CPU time, and
+a summary (kernels launched, device-busy and CPU seconds against the step's wall time: a step whose CPU time
+exceeds its device time is launch-bound); ``--trace-dir``: that step's Chrome trace, gzipped.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import multiprocessing as mp
+import shutil
 import statistics
 import sys
 import tempfile
@@ -53,6 +69,12 @@ from afm_core.utils.atomic import atomic_write_json
 LENGTHS_PATH = Path(__file__).with_name("coa_doc_lengths.json")
 BIN_TOKENS = 64
 GIB = 1024**3
+# ours*: their trainer.compile
+ENGINES = {"ours": None, "ours-eager": False, "ours-compiled": True, "hf": None, "hf-bf16": None, "hf-causal": None}
+# |first-step loss of ours - HF's| on the same weights and batch, nats: fp32 (CPU) agrees to rounding
+# (benchmarks.sft_throughput's bound); bf16 rounds every matmul's output and our residual stream (HF's autocast
+# keeps it fp32), about 1e-3 relative on a ~12-nat loss of random weights
+LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}
 
 
 def write_lengths(path: Path = LENGTHS_PATH) -> dict[str, Any]:
@@ -124,14 +146,123 @@ def packed_steps(
     return PackedSequences(input_ids, labels, position_ids, cu_seqlens, stats)
 
 
-def compose(args: argparse.Namespace, run_dir: Path) -> Any:
-    """``conf/sft.yaml`` with the benchmark's model and shapes (:func:`benchmarks.plan_vs_gpu.compose_config`)."""
+def compose(args: argparse.Namespace, run_dir: Path, engine: str = "ours") -> Any:
+    """``conf/sft.yaml`` with the benchmark's model and shapes (:func:`benchmarks.plan_vs_gpu.compose_config`) and
+    the engine's ``trainer.compile``."""
     from benchmarks.plan_vs_gpu import compose_config
 
-    steps = args.warmup + args.steps + int(args.profile)
-    return compose_config(
+    steps = args.warmup + args.steps + int(args.profile) + 1  # + the sync check's step
+    cfg = compose_config(
         args.model, args.seq_length, args.recompute, args.micro_batch, args.global_batch, steps, run_dir
     )
+    if ENGINES[engine] is not None:
+        cfg.trainer.compile = ENGINES[engine]
+    return cfg
+
+
+def write_initial_weights(args: argparse.Namespace, out: Path) -> Path:
+    """One random initialisation of the preset (HF's ``_init_weights``, seeded by ``trainer.seed``), rounded to
+    bf16 (what a bf16 engine trains; an fp32 one loads the same values) and saved as an HF checkpoint in ``out``
+    for every engine to load."""
+    from transformers import AutoModelForCausalLM
+
+    from afm_core.launch.plan import hf_config_of
+
+    with tempfile.TemporaryDirectory(prefix="afm-sft-gpu-") as run_dir:
+        cfg = compose(args, Path(run_dir))
+    torch.manual_seed(int(cfg.trainer.seed))
+    model = AutoModelForCausalLM.from_config(hf_config_of(cfg.model), dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def sync_report(step: Any) -> list[dict[str, Any]]:
+    """Run ``step()`` under ``torch.cuda.set_sync_debug_mode("warn")``: each host-device synchronisation in it, by
+    the Python source line that caused it (``file:line``, with its count), most frequent first."""
+    import warnings
+
+    counts: dict[str, int] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{w.filename}:{w.lineno}"
+            counts[where] = counts.get(where, 0) + 1
+    return [{"where": k, "count": v} for k, v in sorted(counts.items(), key=lambda kv: -kv[1])]
+
+
+def forward_backward_sync_error(trainer: Any) -> str | None:
+    """One ``trainer.train_step()`` with ``torch.cuda.set_sync_debug_mode("error")`` over the forward and backward
+    passes of its micro batches (megatron's schedule up to its gradient finalisation, which reads the token count
+    back): None when nothing in them synchronised, else the error and the innermost frames that raised it."""
+    import traceback
+
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(trainer.model[0])
+    schedule, finalize = trainer.forward_backward, config.finalize_model_grads_func
+
+    def finalize_outside(*args: Any, **kwargs: Any) -> Any:
+        torch.cuda.set_sync_debug_mode("default")
+        return finalize(*args, **kwargs)
+
+    def checked(**kwargs: Any) -> Any:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return schedule(**kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    trainer.forward_backward, config.finalize_model_grads_func = checked, finalize_outside
+    try:
+        trainer.train_step()
+    except RuntimeError as error:
+        frames = traceback.extract_tb(error.__traceback__)[-4:]
+        return f"{error} at " + " <- ".join(f"{f.filename}:{f.lineno}" for f in reversed(frames))
+    finally:
+        trainer.forward_backward, config.finalize_model_grads_func = schedule, finalize
+    return None
+
+
+def profile_report(step: Any, trace: Path | None = None) -> dict[str, Any]:
+    """One ``step()`` under ``torch.profiler`` (CPU, and CUDA when present): its top ops by self device time and by
+    self CPU time (tables), kernels launched, device-busy seconds (the sum of their durations), CPU seconds (the
+    ops' self times) and the wall seconds; ``trace``: the Chrome trace written there, gzipped."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]  # kernels, copies, memsets
+    report = {
+        "wall_s": wall,
+        "kernels": len(kernels),
+        "device_busy_s": sum(e.time_range.elapsed_us() for e in kernels) / 1e6,
+        "cpu_s": sum(e.self_cpu_time_total for e in averages) / 1e6,
+        "by_device_time": averages.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=70)
+        if cuda
+        else None,
+        "by_cpu_time": averages.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70),
+    }
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(suffix=".json") as raw:
+            prof.export_chrome_trace(raw.name)
+            with open(raw.name, "rb") as src, gzip.open(trace, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    return report
 
 
 def matmul_peak_tflops(device: str, dtype: torch.dtype, size: int) -> float:
@@ -142,28 +273,43 @@ def matmul_peak_tflops(device: str, dtype: torch.dtype, size: int) -> float:
     return measure_linear_gflops(size, size, size, dtype, torch.get_num_threads(), seconds=1.0, device=device) / 1e3
 
 
-def ours(args: argparse.Namespace, data: PackedSequences) -> dict[str, Any]:
-    """Our engine in this (spawned) process: plan, steps, memory readings; then the device's matmul rate."""
+def ours(args: argparse.Namespace, data: PackedSequences, hf_dir: Path, engine: str = "ours") -> dict[str, Any]:
+    """Our engine in this (spawned) process: plan, steps, memory readings, the sync check (CUDA), the profile; then
+    the device's matmul rate."""
     from afm_core.models.attention import SDPAttention
     from afm_core.models.bridge import transformer_engine_available
+    from afm_core.models.local_spec import _compiled
     from afm_core.train.distributed import destroy_distributed, training_dtype
     from benchmarks import plan_vs_gpu
 
     on_gpu = torch.cuda.is_available()
     with tempfile.TemporaryDirectory(prefix="afm-sft-gpu-") as run_dir:
-        cfg = compose(args, Path(run_dir))
+        cfg = compose(args, Path(run_dir), engine)
         pred = plan_vs_gpu.predict(cfg, on_gpu=on_gpu, transformer_engine=transformer_engine_available())
         kernel = {}
 
         def note_kernel(module: Any, inputs: tuple[Any, ...]) -> None:  # the thd kernel of the first attention call
             if isinstance(module, SDPAttention):
                 kernel["attention"] = module.thd_kernel(inputs[0])
+                kernel["compiled_elementwise"] = _compiled(inputs[0])
                 hook.remove()  # a global hook costs every module call: gone before the first step ends
+
+        def checks(trainer: Any, sync: Any) -> dict[str, Any]:  # after the timed steps
+            found: dict[str, Any] = {"profile": None, "syncs": None, "forward_backward_syncs": None}
+            if args.profile:
+                trace = args.trace_dir / f"sft_gpu_trace_{engine}.json.gz" if args.trace_dir else None
+                found["profile"] = profile_report(lambda: (trainer.train_step(), sync()), trace)
+            if on_gpu:
+                found["syncs"] = sync_report(trainer.train_step)
+                found["forward_backward_syncs"] = forward_backward_sync_error(trainer)
+            return found
 
         hook = torch.nn.modules.module.register_module_forward_pre_hook(note_kernel)
         try:
             steps = args.warmup + args.steps
-            meas = plan_vs_gpu.measure(cfg, steps, 0, pred["hf_config"], "trainer", data, args.profile, args.threads)
+            meas = plan_vs_gpu.measure(
+                cfg, steps, 0, pred["hf_config"], "trainer", data, threads=args.threads, hf_dir=hf_dir, after=checks
+            )
         finally:
             hook.remove()
             destroy_distributed()
@@ -173,27 +319,29 @@ def ours(args: argparse.Namespace, data: PackedSequences) -> dict[str, Any]:
     memory = plan_vs_gpu.compare(pred, meas, tokens // layout["seq_length"], layout["seq_length"])["rows"]
     device = "cuda" if on_gpu else "cpu"
     return {
-        "engine": "ours",
+        "engine": engine,
         "device": torch.cuda.get_device_name() if on_gpu else "cpu",
         "attention": kernel.get("attention"),
+        "compiled_elementwise": kernel.get("compiled_elementwise"),
         "precision": str(dtype).removeprefix("torch."),
         "step_s": [s["seconds"] for s in meas["steps"][args.warmup :]],
         "losses": [s["loss"] for s in meas["steps"]],
         "peak_allocated_bytes": max(max(s["fwd_bwd_peak"], s["optimizer_peak"]) for s in meas["steps"][args.warmup :]),
         "memory_vs_plan": memory,
         "params": pred["params"],
-        "profile": meas["profile"],
+        "profile": meas["after"]["profile"],
+        "syncs": meas["after"]["syncs"],
+        "forward_backward_syncs": meas["after"]["forward_backward_syncs"],
         "matmul_peak_tflops": matmul_peak_tflops(device, torch.bfloat16 if on_gpu else dtype, args.matmul_size),
     }
 
 
-def hf(args: argparse.Namespace, data: PackedSequences) -> dict[str, Any]:
+def hf(args: argparse.Namespace, data: PackedSequences, hf_dir: Path, engine: str = "hf") -> dict[str, Any]:
     """HF transformers' engine in this (spawned) process (module docstring)."""
     from transformers import AutoModelForCausalLM
 
-    from afm_core.launch.plan import hf_config_of
     from afm_core.train.distributed import training_dtype
-    from benchmarks.sft_throughput import hf_train_step, profile_step
+    from benchmarks.sft_throughput import hf_train_step
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.threads:
@@ -202,11 +350,16 @@ def hf(args: argparse.Namespace, data: PackedSequences) -> dict[str, Any]:
         cfg = compose(args, Path(run_dir))
     torch.manual_seed(int(cfg.trainer.seed))
     bf16 = training_dtype(cfg.trainer.precision) == torch.bfloat16
-    weights = torch.bfloat16 if bf16 and args.hf_precision == "bf16" else torch.float32
-    with device:
-        model = AutoModelForCausalLM.from_config(hf_config_of(cfg.model), attn_implementation="sdpa", dtype=weights)
+    weights = torch.bfloat16 if bf16 and (args.hf_precision == "bf16" or engine != "hf") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="sdpa", dtype=weights).to(device)
     autocast = torch.bfloat16 if bf16 and weights == torch.float32 else None
-    step = hf_train_step(model, cfg, data, args.warmup + args.steps + int(args.profile), device, autocast=autocast)
+    steps = args.warmup + args.steps + int(args.profile)
+    if engine == "hf-causal":  # one document of seq_length tokens per sequence: positions 0.. s-1, no block mask
+        n, s = data.input_ids.shape
+        whole = [np.array([0, s], dtype=np.int32)] * n
+        positions = np.broadcast_to(np.arange(s, dtype=np.int32), (n, s)).copy()
+        data = PackedSequences(data.input_ids, data.labels, positions, whole, data.stats)
+    step = hf_train_step(model, cfg, data, steps, device, autocast=autocast, dense_mask=engine != "hf-causal")
     step_s, losses = [], []
     for index in range(args.warmup + args.steps):
         if index == args.warmup and device.type == "cuda":
@@ -217,14 +370,17 @@ def hf(args: argparse.Namespace, data: PackedSequences) -> dict[str, Any]:
             step_s.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else 0
     return {
-        "engine": "hf",
+        "engine": engine,
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "attention": f"HF {model.config._attn_implementation}, 4-D block-causal bool mask",
+        "attention": f"HF {model.config._attn_implementation}, "
+        + ("causal over the whole sequence" if engine == "hf-causal" else "4-D block-causal bool mask"),
         "precision": "bf16 weights" if weights == torch.bfloat16 else ("autocast bf16" if autocast else "fp32"),
         "step_s": step_s,
         "losses": losses,
         "peak_allocated_bytes": peak,
-        "profile": profile_step(step) if args.profile else None,
+        "profile": profile_report(step, args.trace_dir / f"sft_gpu_trace_{engine}.json.gz" if args.trace_dir else None)
+        if args.profile
+        else None,
     }
 
 
@@ -293,11 +449,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per engine first")
     parser.add_argument("--steps", type=int, default=8, help="timed steps per engine")
     parser.add_argument("--recompute", choices=("none", "selective", "full"), default="none")
-    parser.add_argument("--hf-precision", choices=("autocast", "bf16"), default="autocast")
-    parser.add_argument("--engines", nargs="+", choices=("ours", "hf"), default=["ours", "hf"])
+    parser.add_argument(
+        "--hf-precision", choices=("autocast", "bf16"), default="autocast", help="engine hf's weights (hf-bf16: bf16)"
+    )
+    parser.add_argument(
+        "--engines", nargs="+", choices=tuple(ENGINES), default=["ours", "hf"], help="module docstring; in this order"
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (CPU runs)")
     parser.add_argument("--matmul-size", type=int, default=8192, help="square matmul of the measured peak")
-    parser.add_argument("--profile", action="store_true", help="one more step per engine: its top-20 kernels")
+    parser.add_argument("--profile", action="store_true", help="one more step per engine: its top kernels")
+    parser.add_argument("--trace-dir", type=Path, default=None, help="with --profile: write the steps' traces here")
     parser.add_argument("--dry-run", action="store_true", help="tiny-llama, 2 x 512 tokens, 1 step, on CPU")
     parser.add_argument("--write-lengths", action="store_true", help=f"re-derive {LENGTHS_PATH.name} and exit")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
@@ -315,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     from afm_core.train.flops import datasheet_peak_tflops
 
     args = parse_args(argv)
+    failed: dict[str, str] = {}
     if args.write_lengths:
         print(json.dumps(write_lengths(), indent=1))
         return 0
@@ -323,11 +485,25 @@ def main(argv: list[str] | None = None) -> int:
     data = packed_steps(histogram, steps, args.global_batch, args.seq_length, load_preset(args.model).arch.vocab_size)
     print(f"[sft_gpu] {args.model}: {args.global_batch} x {args.seq_length} tokens/step, "
           f"{data.stats.num_examples / len(data):.2f} documents/sequence, {args.warmup} + {args.steps} steps", flush=True)  # fmt: skip
-    # each engine in a process of its own, one after the other (a dry run: side by side, timings are not its point)
-    with ProcessPoolExecutor(len(args.engines) if args.dry_run else 1, mp_context=mp.get_context("spawn")) as pool:
-        futures = {name: pool.submit(ours if name == "ours" else hf, args, data) for name in args.engines}
-        results = {name: future.result() for name, future in futures.items()}
-    first = results.get("ours", {})
+    with tempfile.TemporaryDirectory(prefix="afm-sft-gpu-weights-") as weights:
+        hf_dir = write_initial_weights(args, Path(weights))
+        # each engine in a process of its own, one after the other (a dry run: side by side, timings are not its point)
+        workers = len(args.engines) if args.dry_run else 1
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), max_tasks_per_child=1) as pool:
+            futures = {
+                name: pool.submit(hf if name.startswith("hf") else ours, args, data, hf_dir, name)
+                for name in args.engines
+            }
+            results = {}
+            for name, future in futures.items():
+                try:
+                    results[name] = future.result()
+                except Exception as error:  # one engine's failure must not lose the others' figures
+                    print(f"[sft_gpu] engine {name} failed: {error!r}", flush=True)
+                    failed[name] = repr(error)
+    if not results:
+        return 1
+    first = next((r for name, r in results.items() if name.startswith("ours")), {})
     device = next(iter(results.values()))["device"]  # read in the engines: this process keeps off the GPU
     peaks = {
         "params": first.get("params") or _params(args),
@@ -351,19 +527,70 @@ def main(argv: list[str] | None = None) -> int:
         **peaks,
         "engines": results,
     }
-    if {"ours", "hf"} <= results.keys():
-        report["ratio_ours_over_hf"] = results["hf"]["median_step_s"] / results["ours"]["median_step_s"]
+    precision = first.get("precision", "float32")
+    tolerance = LOSS_TOLERANCE["bf16" if precision == "bfloat16" else "fp32"]
+    if "hf" in results:
+        hf_result = results["hf"]
+        ours_names = [name for name in results if name.startswith("ours")]
+        for base in ("hf", "hf-bf16", "hf-causal"):
+            if base in results:
+                report[f"ratio_over_{base.replace('-', '_')}"] = {
+                    name: results[base]["median_step_s"] / results[name]["median_step_s"] for name in ours_names
+                }
+        if "ours" in results:
+            report["ratio_ours_over_hf"] = report["ratio_over_hf"]["ours"]
+        report["first_step_loss_gap"] = {
+            name: abs(results[name]["losses"][0] - hf_result["losses"][0]) for name in ours_names
+        }
+        report["loss_tolerance"] = tolerance
+    report["failed"] = failed
     print(render(report), flush=True)
-    for result in results.values():
-        if result.get("profile"):
-            print(f"\ntop kernels of one {result['engine']} step\n{result['profile']}", flush=True)
-    if "ratio_ours_over_hf" in report:
-        print(f"ours / HF tokens/s: {report['ratio_ours_over_hf']:.2f}x", flush=True)
+    print(details(report), flush=True)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(args.out, report)
         print(f"wrote {args.out}", flush=True)
-    return 0
+    too_far = {name: gap for name, gap in report.get("first_step_loss_gap", {}).items() if gap > tolerance}
+    if too_far:
+        print(f"[sft_gpu] first-step loss differs from HF's by more than {tolerance}: {too_far}", flush=True)
+    return 1 if failed or too_far else 0
+
+
+def details(report: dict[str, Any]) -> str:
+    """What follows the table: per engine its memory against the plan, the syncs in a step, the profile; then the
+    ratios to HF and the first-step losses."""
+    lines = []
+    for r in report["engines"].values():
+        name = r["engine"]
+        for row in r.get("memory_vs_plan") or []:
+            if row["name"] in ("train peak", "device peak") and row["predicted"]:
+                lines.append(f"{name}: {row['name']} {row['measured'] / GIB:.2f} GiB, plan {row['predicted'] / GIB:.2f}"
+                             f" GiB, ratio {row['ratio']:.3f}")  # fmt: skip
+        if r.get("syncs") is not None:
+            where = ", ".join(f"{s['where']} x{s['count']}" for s in r["syncs"]) or "none"
+            lines.append(f"{name}: host syncs in one step: {where}")
+            error = r.get("forward_backward_syncs")
+            lines.append(f"{name}: forward + backward under set_sync_debug_mode('error'): {error or 'passed'}")
+        if r.get("profile"):
+            prof = r["profile"]
+            lines.append(f"\n{name}: one profiled step: wall {prof['wall_s']:.3f} s, device busy "
+                         f"{prof['device_busy_s']:.3f} s, CPU (ops' self time) {prof['cpu_s']:.3f} s, "
+                         f"{prof['kernels']} kernels")  # fmt: skip
+            for table in ("by_device_time", "by_cpu_time"):
+                if prof.get(table):
+                    lines.append(f"{name}: top ops {table.replace('_', ' ')}\n{prof[table]}")
+    for name, ratio in report.get("ratio_over_hf", {}).items():
+        gap = report["first_step_loss_gap"][name]
+        others = [(label, report.get(f"ratio_over_{key}", {}).get(name)) for key, label in
+                  (("hf_bf16", "HF bf16 weights"), ("hf_causal", "HF causal, no document mask"))]  # fmt: skip
+        lines.append(f"{name} / HF tokens/s: {ratio:.2f}x"
+                     + "".join(f" (/ {label}: {value:.2f}x)" for label, value in others if value)
+                     + f"; first-step loss {report['engines'][name]['losses'][0]:.5f} vs HF "
+                     f"{report['engines']['hf']['losses'][0]:.5f} (|gap| {gap:.2e}, tolerance "
+                     f"{report['loss_tolerance']:g})")  # fmt: skip
+    for name, error in report.get("failed", {}).items():
+        lines.append(f"{name}: FAILED {error}")
+    return "\n".join(lines)
 
 
 def _params(args: argparse.Namespace) -> int:

@@ -236,12 +236,14 @@ def hf_train_step(
     max_steps: int,
     device: torch.device,
     autocast: torch.dtype | None = None,
+    dense_mask: bool = True,
 ) -> StepFn:
     """One optimizer step of the HF causal LM ``model`` (on ``device``) over the next global batch of ``data``
     (:func:`train_stream`, with the dense block-causal mask): the masked token-mean loss over the global batch,
     backward per micro batch, ``clip_grad_norm_``, fused ``torch.optim.AdamW`` with megatron's weight-decay groups
     and LR schedule. ``autocast``: the forward under ``torch.autocast`` in that dtype (HF Trainer's ``bf16=True``:
-    fp32 weights and optimizer, bf16 matrix products)."""
+    fp32 weights and optimizer, bf16 matrix products). ``dense_mask=False``: no block-causal mask, each sequence
+    one causal attention over its packed documents."""
     from afm_core.train.deepspeed_engine import adamw_param_groups, per_token_cross_entropy
     from afm_core.train.loss import masked_token_loss
     from afm_core.train.optim import build_lr_scheduler
@@ -257,7 +259,7 @@ def hf_train_step(
         fused=True,
     )
     scheduler = build_lr_scheduler(optimizer, cfg.optim, max_steps)
-    stream = train_stream(data, t, dense_mask=True)
+    stream = train_stream(data, t, dense_mask=dense_mask)
     num_microbatches = int(t.global_batch_size) // int(t.micro_batch_size)
 
     def step() -> dict[str, float]:
@@ -265,7 +267,7 @@ def hf_train_step(
         num_tokens = int(sum(int(b["loss_mask"].sum()) for b in micro_batches))
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
-        for batch in micro_batches:  # HF reads packed documents from the 4-D mask
+        for batch in micro_batches:  # HF reads packed documents from the 4-D mask (if there is one)
             with torch.autocast(device.type, dtype=autocast or torch.float32, enabled=autocast is not None):
                 per_token = per_token_cross_entropy(model, batch, device)
             micro_loss_sum, _, _ = masked_token_loss(batch["loss_mask"].to(device), per_token)

@@ -1,5 +1,6 @@
-"""benchmarks.sft_gpu: its packed steps drawn from the committed CoA length histogram, and its CPU dry run (both
-engines on tiny-llama, each in a process of its own, the JSON report)."""
+"""benchmarks.sft_gpu: its packed steps drawn from the committed CoA length histogram, and its CPU dry run (our
+engine with the compiled elementwise kernels CUDA runs, and HF's, on tiny-llama, each in a process of its own,
+from the same initial weights; the JSON report)."""
 
 from __future__ import annotations
 
@@ -24,17 +25,31 @@ def test_packed_steps_draw_new_documents_every_step_from_the_histogram():
     assert abs(share - histogram["target_share"]) < 0.02
 
 
-def test_sft_gpu_dry_run_reports_both_engines(tmp_path):
+def test_sft_gpu_dry_run_reports_both_engines_from_the_same_weights(tmp_path):
     from benchmarks import sft_gpu
 
     out = tmp_path / "sft_gpu.json"
-    assert sft_gpu.main(["--dry-run", "--out", str(out)]) == 0
+    argv = [
+        "--dry-run",
+        "--engines",
+        "ours-compiled",
+        "hf",
+        "--profile",
+        "--trace-dir",
+        str(tmp_path),
+        "--out",
+        str(out),
+    ]
+    assert sft_gpu.main(argv) == 0  # 1: an engine failed, or the first-step losses differ beyond the fp32 bound
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and report["versions"]["torch"] and report["matmul_peak_tflops"] > 0
-    ours, hf = report["engines"]["ours"], report["engines"]["hf"]
-    assert ours["attention"] == "cpu"  # the thd kernel SDPAttention chose
+    ours, hf = report["engines"]["ours-compiled"], report["engines"]["hf"]
+    assert ours["attention"] == "cpu" and ours["compiled_elementwise"]  # the thd kernel, torch.compile'd norms
     assert {row["name"] for row in ours["memory_vs_plan"]} >= {"train peak", "device peak"}
     for engine in (ours, hf):
         assert engine["input_tokens_per_s"] > 0 and engine["tflops"] > 0 and engine["mfu_datasheet"] is None
         assert np.isfinite(engine["losses"]).all()
-    assert report["ratio_ours_over_hf"] > 0
+        assert engine["profile"]["cpu_s"] > 0 and "aten::mm" in engine["profile"]["by_cpu_time"]
+        assert (tmp_path / f"sft_gpu_trace_{engine['engine']}.json.gz").stat().st_size > 0
+    assert report["first_step_loss_gap"]["ours-compiled"] <= sft_gpu.LOSS_TOLERANCE["fp32"] == report["loss_tolerance"]
+    assert report["ratio_over_hf"]["ours-compiled"] > 0 and not report["failed"]
