@@ -226,6 +226,7 @@ class RLTrainerConfig:
     val_before_train: bool = False
     test_freq: int = 0
     val_benchmarks: list[str] = field(default_factory=list)
+    remove_padding: bool = True
 
     def __post_init__(self) -> None:
         require(self.test_freq >= 0, "trainer.test_freq", self.test_freq, ">= 0 (0: off)")

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from afm_core.rl.logprobs import batch_to_device, response_logprobs
+from afm_core.rl.logprobs import response_logprobs
 from afm_core.rl.losses import PolicyLossConfig, policy_loss
 
 STATS_KEY = "policy"
@@ -67,16 +67,20 @@ def megatron_policy_loss(
 
 
 def policy_forward_step(
-    config: PolicyLossConfig, *, temperature: float = 1.0
+    config: PolicyLossConfig, *, temperature: float = 1.0, remove_padding: bool = True
 ) -> Callable[[Iterator[dict[str, torch.Tensor]], torch.nn.Module], tuple[torch.Tensor, Any]]:
     """A megatron ``forward_step_func``: next micro batch -> (logits, loss_func) with :func:`megatron_policy_loss`.
 
     The policy computes the logits of the response rows only (``loss_mask=response_mask``: the output layer and
-    the fp32 softmax passes skip the prompt, observation and padding rows, which no loss term reads)."""
+    the fp32 softmax passes skip the prompt, observation and padding rows, which no loss term reads), over the
+    micro batch's trajectories packed without their padding where the model can (``remove_padding``,
+    :func:`afm_core.rl.packed.rollout_forward`)."""
+    from afm_core.rl.packed import rollout_forward
 
     def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
-        batch = batch_to_device(next(data_iterator), next(model.parameters()).device)
-        logits = model(batch["tokens"], batch["position_ids"], None, loss_mask=batch["response_mask"])
+        logits, batch = rollout_forward(
+            model, next(data_iterator), rows_key="response_mask", remove_padding=remove_padding
+        )
         return logits, partial(megatron_policy_loss, batch, config, temperature)
 
     return forward_step

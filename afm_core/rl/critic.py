@@ -78,11 +78,12 @@ def build_value_model(
     return chunks
 
 
-def values_forward_step(clip_range_value: float | None):
-    """A megatron ``forward_step_func`` for the critic: next micro batch -> (values, value-loss func)."""
+def values_forward_step(clip_range_value: float | None, remove_padding: bool = True):
+    """A megatron ``forward_step_func`` for the critic: next micro batch -> (values, value-loss func); the
+    trajectories packed without their padding where the model can (:func:`afm_core.rl.packed.rollout_forward`)."""
     from functools import partial
 
-    from afm_core.rl.logprobs import batch_to_device
+    from afm_core.rl.packed import rollout_forward
 
     def loss_func(batch: dict[str, torch.Tensor], output: torch.Tensor):
         from afm_core.rl.losses import value_loss
@@ -99,8 +100,8 @@ def values_forward_step(clip_range_value: float | None):
         return loss_sum, batch["response_mask"].to(torch.bool).sum().to(torch.int), {STATS_KEY: stats}
 
     def forward_step(data_iterator: Any, model: torch.nn.Module):
-        batch = batch_to_device(next(data_iterator), next(model.parameters()).device)
-        return model(batch["tokens"], batch["position_ids"], None), partial(loss_func, batch)
+        values, batch = rollout_forward(model, next(data_iterator), remove_padding=remove_padding)
+        return values, partial(loss_func, batch)
 
     return forward_step
 
@@ -177,6 +178,7 @@ class Critic:
         t = cfg["trainer"]
         self.cfg, self.layout = cfg, layout
         self.clip_range_value = critic_cfg.get("clip_range_value", 0.5)
+        self.remove_padding = bool(t.get("remove_padding", True))
         self.trainer = MegatronTrainer(
             layout,
             build_value_model(
@@ -213,7 +215,13 @@ class Critic:
         batches = sample_micro_batches([samples[i] for i in mine], mbs, seq_length, pad_id)
         for chunk in self.model:
             chunk.eval()
-        outs = forward_only(self.model, batches, ["values"], lambda output, batch: {"values": output[..., 0].float()})
+        outs = forward_only(
+            self.model,
+            batches,
+            ["values"],
+            lambda output, batch: {"values": output[..., 0].float()},
+            remove_padding=self.remove_padding,
+        )
         for chunk in self.model:
             chunk.train()
         local: dict[int, list[float]] = {}
@@ -253,7 +261,7 @@ class Critic:
         def inputs(share: Sequence[int]) -> dict[str, list[Sequence[float]]]:
             return {"old_values": [old_values[i] for i in share], "returns": [returns[i] for i in share]}
 
-        forward_step = values_forward_step(self.clip_range_value)
+        forward_step = values_forward_step(self.clip_range_value, self.remove_padding)
         done = minibatch_updates(self.trainer, samples, shares, forward_step, inputs, self.cfg, seq_length,
                                  seq_length, pad_id, stats_key=STATS_KEY, what="critic update {step}")  # fmt: skip
         stats, grad_norm, lr, steps = done.stats, done.grad_norm, done.lr, done.steps

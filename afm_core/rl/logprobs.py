@@ -124,6 +124,7 @@ def compute_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    remove_padding: bool = True,
 ) -> list[dict[str, torch.Tensor]]:
     """Per-token logprobs (and entropy) of each micro batch's ``labels`` under the current Megatron weights.
 
@@ -140,6 +141,7 @@ def compute_logprobs(
             one ``[b, s]`` when pipeline-parallel.
         temperature: the rollout's sampling temperature.
         with_entropy: also compute the entropy.
+        remove_padding: as for :func:`forward_only`.
     Returns:
         One dict per micro batch, ``{"logprobs": [b, s] fp32, "entropy": [b, s] fp32 (if asked)}`` on CPU, on
         every rank.
@@ -160,7 +162,9 @@ def compute_logprobs(
         return {"logprobs": logprobs, **({"entropy": entropy} if entropy is not None else {})}
 
     keys = ["logprobs"] + (["entropy"] if with_entropy else [])
-    return forward_only(model_chunks, micro_batches, keys, per_token, rows_key="response_mask")
+    return forward_only(
+        model_chunks, micro_batches, keys, per_token, rows_key="response_mask", remove_padding=remove_padding
+    )
 
 
 @torch.no_grad()
@@ -171,6 +175,7 @@ def forward_only(
     per_token: Callable[[torch.Tensor, dict[str, torch.Tensor]], dict[str, torch.Tensor]],
     *,
     rows_key: str | None = None,
+    remove_padding: bool = True,
 ) -> list[dict[str, torch.Tensor]]:
     """Per-token values ``per_token(model output, micro batch)`` of each micro batch, without gradients.
 
@@ -188,6 +193,8 @@ def forward_only(
         rows_key: a ``[b, s]`` entry of the micro batches passed to the model as ``loss_mask``: the output layer
             then computes those rows only (``afm_core.models.bridge._GPTModel``); ``per_token`` must accept that
             output (:func:`response_logprobs`). None: the full output.
+        remove_padding: the model sees each micro batch's trajectories packed, without their padding, where it
+            can (:func:`afm_core.rl.packed.rollout_forward`); the values come back in the padded layout.
     Returns:
         One dict per micro batch, ``{key: [b, s] fp32}`` on CPU, on every rank (the last pipeline stage
         broadcasts them over the pipeline group).
@@ -210,7 +217,7 @@ def forward_only(
     device = next(model_chunks[0].parameters()).device
     iterators = [iter(micro_batches) for _ in model_chunks]
     outputs = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, device=device, per_token=per_token, rows_key=rows_key),
+        forward_step_func=partial(_forward_step, per_token=per_token, rows_key=rows_key, remove_padding=remove_padding),
         data_iterator=iterators if len(iterators) > 1 else iterators[0],
         model=list(model_chunks),
         num_microbatches=len(micro_batches),
@@ -233,20 +240,12 @@ def forward_only(
     return [{key: stacked[k, m] for k, key in enumerate(keys)} for m in range(len(micro_batches))]
 
 
-def batch_to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    """``batch`` with every tensor moved to ``device`` (non-blocking); other values as they are."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
 def _forward_step(
-    data_iterator: Any, model: torch.nn.Module, *, device: torch.device, per_token: Callable, rows_key: str | None
+    data_iterator: Any, model: torch.nn.Module, *, per_token: Callable, rows_key: str | None, remove_padding: bool
 ):
-    batch = batch_to_device(next(data_iterator), device)
-    rows = batch.get(rows_key) if rows_key else None
-    if rows is None:
-        output = model(batch["tokens"], batch["position_ids"], None)
-    else:
-        output = model(batch["tokens"], batch["position_ids"], None, loss_mask=rows)
+    from afm_core.rl.packed import rollout_forward
+
+    output, batch = rollout_forward(model, next(data_iterator), rows_key=rows_key, remove_padding=remove_padding)
 
     def loss_func(output: torch.Tensor):
         return torch.zeros((), device=output.device), torch.tensor(0, dtype=torch.int), per_token(output, batch)

@@ -212,6 +212,7 @@ def policy_update(
     if kl_coef > 0 and reference is None:
         raise ValueError("algorithm.kl_coef > 0 needs the reference policy's chunks")
     temperature = float(cfg["rollout"]["temperature"])
+    remove_padding = bool(t.get("remove_padding", True))
     if isinstance(advantages, torch.Tensor):
         token_adv = [[float(a_)] * len(s.response_ids) for s, a_ in zip(samples, advantages.tolist())]
     else:
@@ -231,8 +232,12 @@ def policy_update(
     for chunk in trainer.model:
         chunk.eval()
     batches = sample_micro_batches([samples[i] for i in mine], mbs, pad_to, pad_id)
-    outs = compute_logprobs(trainer.model, batches, temperature=temperature, with_entropy=True)
-    refs = compute_logprobs(reference, batches, temperature=temperature) if kl_coef > 0 and reference else []
+    outs = compute_logprobs(
+        trainer.model, batches, temperature=temperature, with_entropy=True, remove_padding=remove_padding
+    )
+    refs = []
+    if kl_coef > 0 and reference:
+        refs = compute_logprobs(reference, batches, temperature=temperature, remove_padding=remove_padding)
     for chunk in trainer.model:
         chunk.train()
     old: dict[int, list[float]] = {}
@@ -271,7 +276,7 @@ def policy_update(
             inputs["ref_log_prob"] = [ref[i] for i in share]
         return inputs
 
-    forward_step = policy_forward_step(loss_cfg, temperature=temperature)
+    forward_step = policy_forward_step(loss_cfg, temperature=temperature, remove_padding=remove_padding)
     done = minibatch_updates(trainer, samples, shares, forward_step, extra, cfg, seq_length, pad_to, pad_id,
                              stats_key=STATS_KEY, what="policy update {step} of this rollout step")  # fmt: skip
     reduced = reduce_stats(done.stats, ps.get_data_parallel_group()) if done.stats else {}
