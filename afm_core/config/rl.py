@@ -227,8 +227,11 @@ class RLTrainerConfig:
     test_freq: int = 0
     val_benchmarks: list[str] = field(default_factory=list)
     remove_padding: bool = True
+    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
+        if self.peak_tflops is not None:
+            require(self.peak_tflops > 0, "trainer.peak_tflops", self.peak_tflops, "a positive TFLOP/s, or null")
         require(self.test_freq >= 0, "trainer.test_freq", self.test_freq, ">= 0 (0: off)")
         for key in ("max_steps", "micro_batch_size", "save_interval", "keep_last"):
             _at_least_one(f"trainer.{key}", getattr(self, key))

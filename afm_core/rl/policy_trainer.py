@@ -90,6 +90,7 @@ class PolicyTrainer:
     def __init__(
         self, cfg: Mapping[str, Any], layout: Any, hf_dir: Path, run_dir: Path, pad_id: int, *, load_weights: bool
     ):
+        from afm_core.models.arch import arch_from_hf_config
         from afm_core.rl.critic import Critic
         from afm_core.rl.policy_model import build_policy_model, build_reference_model
         from afm_core.train.distributed import activation_memory_overrides, training_dtype
@@ -104,6 +105,7 @@ class PolicyTrainer:
             hf_dir, layout, params_dtype=dtype, load_weights=load_weights, **memory
         )
         self.trainer = build_policy_trainer(cfg, layout, chunks, run_dir, max(1, updates))
+        self.arch = arch_from_hf_config(self.hf_config)
         self.critic = self.reference = None
         if a["adv_estimator"] == "gae":  # PPO: a value model with its own optimizer
             self.critic = Critic(cfg, layout, hf_dir, run_dir, updates, params_dtype=dtype, load_weights=load_weights)
@@ -144,7 +146,8 @@ class PolicyTrainer:
         if self.critic is not None:
             old_values, returns = advantages.old_values or [], advantages.returns or []
             critic_out = self.critic.update(samples, old_values, returns, seq_length, self.pad_id)
-        out = policy_update(self.trainer, samples, advantages.values, self.cfg, seq_length, self.pad_id, self.reference)
+        out = policy_update(self.trainer, samples, advantages.values, self.cfg, seq_length, self.pad_id, self.reference,
+                            arch=self.arch)  # fmt: skip
         return {**out, **critic_out}
 
     def save(self, step: int, common: dict[str, Any]) -> Path:
@@ -177,6 +180,8 @@ def policy_update(
     seq_length: int,
     pad_id: int,
     reference: Sequence[torch.nn.Module] | None = None,
+    *,
+    arch: Any = None,
 ) -> dict[str, float]:
     """Old-logprob recompute, then ``ppo_epochs`` x (train batch / mini batch) optimizer steps on this DP rank's
     share of each mini-batch. Every rank gets the same ``samples`` (the gathered train batch, grouped by prompt).
@@ -189,9 +194,11 @@ def policy_update(
         seq_length: the trainer's sequence length (:func:`afm_core.rl.schedule.train_seq_length`).
         reference: the frozen reference policy's chunks when ``algorithm.kl_coef`` > 0 (the low-var KL loss,
             verl ``use_kl_loss`` with ``kl_loss_type=low_var_kl``).
+        arch: the policy's :class:`~afm_core.models.arch.ModelArch`, for the phases' model FLOPs (None: none).
     Returns:
         Reduced loss statistics (clip fraction, entropy, KL, vLLM-vs-trainer logprob gap...), ``logprob_s``,
-        ``train_s``, ``optimizer_steps``, ``grad_norm`` (last), ``lr``.
+        ``train_s``, ``optimizer_steps``, ``grad_norm`` (last), ``lr``; this rank's throughput of the two phases
+        (:func:`phase_throughput`).
     Raises:
         ValueError: the mini-batch or the train batch does not split over DP ranks and micro batches, or
             ``kl_coef`` > 0 without ``reference``.
@@ -280,7 +287,13 @@ def policy_update(
     done = minibatch_updates(trainer, samples, shares, forward_step, extra, cfg, seq_length, pad_to, pad_id,
                              stats_key=STATS_KEY, what="policy update {step} of this rollout step")  # fmt: skip
     reduced = reduce_stats(done.stats, ps.get_data_parallel_group()) if done.stats else {}
+    train_s = time.perf_counter() - start
+    lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in mine]
+    passes = 1 + (1 if refs else 0)  # old logprobs (+ the reference's), forward only
+    throughput = phase_throughput(arch, lengths, layout, int(a["ppo_epochs"]), passes, logprob_s, train_s,
+                                  t.get("peak_tflops"))  # fmt: skip
     return {
+        **throughput,
         **{f"actor/{k}": v for k, v in reduced.items()},
         "logprob_gap_vllm_trainer": recomputed["logprob_gap"],
         "logprob_gap_vllm_trainer_max": recomputed["logprob_gap_max"],
@@ -290,5 +303,49 @@ def policy_update(
         "lr": done.lr,
         "optimizer_steps": done.steps,
         "logprob_s": logprob_s,
-        "train_s": time.perf_counter() - start,
+        "train_s": train_s,
     }
+
+
+def phase_throughput(
+    arch: Any,
+    lengths: Sequence[int],
+    layout: Any,
+    epochs: int,
+    logprob_passes: int,
+    logprob_s: float,
+    train_s: float,
+    peak_tflops: float | None = None,
+) -> dict[str, float | None]:
+    """Tokens/s, model TFLOP/s and MFU of this rank's logprob and train phases, as the SFT job reports its step's
+    (:mod:`afm_core.train.flops`): the real tokens of its trajectories (``lengths``, prompt + response: padding
+    is not model work), ``epochs`` forward + backward passes over them in training, ``logprob_passes`` forward
+    passes (a third of a training pass) to recompute logprobs; per device (over TP x PP ranks); MFU against
+    ``peak_tflops`` (``trainer.peak_tflops``, else the CUDA device's datasheet peak; None on CPU).
+
+    Returns:
+        ``train_tokens_per_s``, ``train_tflops``, ``train_mfu``, ``logprob_tokens_per_s``, ``logprob_tflops``
+        (the FLOP figures None without ``arch``).
+    """
+    from afm_core.train.flops import causal_pairs, datasheet_peak_tflops, mfu, training_flops
+
+    tokens = sum(lengths)
+    out: dict[str, float | None] = {
+        "train_tokens_per_s": epochs * tokens / train_s if train_s > 0 else None,
+        "logprob_tokens_per_s": logprob_passes * tokens / logprob_s if logprob_s > 0 else None,
+        "train_tflops": None,
+        "train_mfu": None,
+        "logprob_tflops": None,
+    }
+    if arch is None:
+        return out
+    if peak_tflops is None and layout.on_gpu:
+        peak_tflops = datasheet_peak_tflops(torch.cuda.get_device_name())
+    flops = training_flops(arch, tokens, causal_pairs(lengths))
+    one_pass = (flops["linear"] + flops["attention"]) / (layout.tp * layout.pp)  # forward + backward, per device
+    if train_s > 0:
+        out["train_tflops"] = epochs * one_pass / train_s / 1e12
+        out["train_mfu"] = mfu(epochs * one_pass, train_s, peak_tflops)
+    if logprob_s > 0:
+        out["logprob_tflops"] = logprob_passes * one_pass / 3 / logprob_s / 1e12
+    return out

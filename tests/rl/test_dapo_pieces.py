@@ -279,3 +279,25 @@ def test_the_rl_jobs_sampler_drops_a_group_of_equal_accuracy_whose_overlong_shap
     assert rl_config("unused")["algorithm"]["filter_groups_metric"] == "acc"
     with pytest.raises(ValueError, match="filter_groups_metric='reward'"):
         dynamic_sampler({**cfg["algorithm"], "filter_groups_metric": "reward"})
+
+
+def test_the_rl_phases_report_tokens_per_s_tflops_and_mfu_of_the_real_tokens():
+    from types import SimpleNamespace
+
+    from afm_core.models.presets import load_preset
+    from afm_core.rl.policy_trainer import phase_throughput
+    from afm_core.train.flops import matmul_params
+
+    arch = load_preset("tiny-llama").arch
+    lengths = [100, 300]  # prompt + response tokens of this rank's two trajectories
+    layout = SimpleNamespace(tp=2, pp=1, on_gpu=False)
+    out = phase_throughput(arch, lengths, layout, epochs=2, logprob_passes=1, logprob_s=0.5, train_s=4.0)
+    attention = 12.0 * arch.num_layers * arch.num_attention_heads * arch.head_dim * (100 * 101 + 300 * 301) // 2
+    one_pass = (6.0 * matmul_params(arch) * 400 + attention) / 2  # forward + backward, per TP rank
+    assert out["train_tokens_per_s"] == 2 * 400 / 4.0 and out["logprob_tokens_per_s"] == 400 / 0.5
+    assert out["train_tflops"] == pytest.approx(2 * one_pass / 4.0 / 1e12)
+    assert out["logprob_tflops"] == pytest.approx(one_pass / 3 / 0.5 / 1e12)
+    assert out["train_mfu"] is None  # no peak on a CPU
+    with_peak = phase_throughput(arch, lengths, layout, 2, 1, 0.5, 4.0, peak_tflops=1e-3)
+    assert with_peak["train_mfu"] == pytest.approx(out["train_tflops"] / 1e-3)
+    assert phase_throughput(None, lengths, layout, 2, 1, 0.5, 4.0)["train_tflops"] is None
