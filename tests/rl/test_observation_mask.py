@@ -16,7 +16,8 @@ from tests.gloo_env import set_rank_env
 TEMPERATURE = 0.8
 
 
-def _grads(chunks, batch, config):
+def _grads(chunks, batch, config, remove_padding=True):
+    """The policy gradient of one micro batch through megatron's schedule (and its loss reports)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from afm_core.rl.actor import policy_forward_step
@@ -25,7 +26,7 @@ def _grads(chunks, batch, config):
         p.grad = None
     b, s = batch["tokens"].shape
     reports = get_forward_backward_func()(
-        forward_step_func=policy_forward_step(config, temperature=TEMPERATURE),
+        forward_step_func=policy_forward_step(config, temperature=TEMPERATURE, remove_padding=remove_padding),
         data_iterator=iter([batch]),
         model=chunks,
         num_microbatches=1,

@@ -9,17 +9,14 @@ import torch.multiprocessing as mp
 
 from afm_core.launch.distributed import free_port
 from tests.gloo_env import set_rank_env
-
-TEMPERATURE = 0.8
+from tests.rl.test_observation_mask import TEMPERATURE, _grads
 
 
 def _worker(rank: int, port: int) -> None:
     set_rank_env(rank, 1, port)
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from omegaconf import OmegaConf
 
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.rl.actor import policy_forward_step
     from afm_core.rl.advantages import broadcast_to_tokens
     from afm_core.rl.batch import rollout_micro_batch
     from afm_core.rl.critic import build_value_model
@@ -66,23 +63,8 @@ def _worker(rank: int, port: int) -> None:
         batch["old_log_prob"] = padded["logprobs"] + 0.3 * torch.randn(padded["logprobs"].shape, generator=g)
         batch["advantages"] = broadcast_to_tokens(torch.tensor([1.0, -1.0, 0.5]), batch["response_mask"])
 
-        def grads(remove_padding: bool) -> list[torch.Tensor]:
-            for p in chunks[0].parameters():
-                p.grad = None
-            get_forward_backward_func()(
-                forward_step_func=policy_forward_step(
-                    PolicyLossConfig(), temperature=TEMPERATURE, remove_padding=remove_padding
-                ),
-                data_iterator=iter([batch]),
-                model=chunks,
-                num_microbatches=1,
-                seq_length=s,
-                micro_batch_size=b,
-                forward_only=False,
-            )
-            return [p.grad.clone() for p in chunks[0].parameters()]
-
-        for want, got in zip(grads(False), grads(True)):
+        config = PolicyLossConfig()
+        for want, got in zip(_grads(chunks, batch, config, False)[0], _grads(chunks, batch, config, True)[0]):
             assert (got - want).norm() <= 1e-5 * want.norm(), (got - want).abs().max()
 
         # the critic's values: the same on every real token; the packed pass leaves the padding 0
