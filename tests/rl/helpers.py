@@ -7,6 +7,7 @@ import json
 import os
 import time
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -119,12 +120,14 @@ def _stop_during_round(round_: int, aborts: list[bool]) -> None:
     RolloutActor.generate, InprocVLLMEngine.generate = actor_generate, held_generate
 
 
-def _rl_rank(rank: int, world: int, port: int, cfg: dict, stop_after, stop_in_round, out: str) -> None:
+def _rl_rank(rank: int, world: int, port: int, cfg: dict, stop_after, stop_in_round, setup, out: str) -> None:
     from afm_core.rl.driver import run_rl
     from afm_core.train.trainer import request_checkpoint
     from tests.gloo_env import set_rank_env
 
     set_rank_env(rank, world, port)
+    if setup is not None:
+        setup()
 
     def after_step(step: int) -> None:  # what the USR2 relay does, at a known step
         if step == stop_after:
@@ -138,10 +141,17 @@ def _rl_rank(rank: int, world: int, port: int, cfg: dict, stop_after, stop_in_ro
         Path(out).write_text(json.dumps({**summary, "aborted_rounds_left_vllm_idle": aborts}))
 
 
-def run_rl_ranks(cfg: dict, world: int = 1, stop_after: int | None = None, stop_in_round: int | None = None) -> dict:
+def run_rl_ranks(
+    cfg: dict,
+    world: int = 1,
+    stop_after: int | None = None,
+    stop_in_round: int | None = None,
+    setup: Callable[[], None] | None = None,
+) -> dict:
     """``run_rl(cfg)`` on ``world`` spawned gloo ranks: a checkpoint-and-stop requested after rollout step
-    ``stop_after``, or a SIGUSR2 during generation round ``stop_in_round`` (:func:`_stop_during_round`); rank 0's
-    summary, with ``aborted_rounds_left_vllm_idle``."""
+    ``stop_after``, or a SIGUSR2 during generation round ``stop_in_round`` (:func:`_stop_during_round`); ``setup``
+    (a module-level function, pickled to the ranks) runs in every rank before the job, e.g. to monkeypatch it; rank
+    0's summary, with ``aborted_rounds_left_vllm_idle``."""
     import torch.multiprocessing as mp
 
     from afm_core.launch.distributed import free_port
@@ -150,7 +160,7 @@ def run_rl_ranks(cfg: dict, world: int = 1, stop_after: int | None = None, stop_
     Path(cfg["run_dir"]).mkdir(parents=True, exist_ok=True)
     mp.start_processes(
         _rl_rank,
-        args=(world, free_port(), cfg, stop_after, stop_in_round, str(out)),
+        args=(world, free_port(), cfg, stop_after, stop_in_round, setup, str(out)),
         nprocs=world,
         join=True,
         start_method="spawn",
