@@ -21,7 +21,7 @@ from afm_core.train.metrics import read_metrics
 from afm_core.utils.paths import repo_root, shared_data_dir
 from tests.slurm.tiny_sft import events_of, wait_finished, wait_until
 
-MAX_STEPS = 6
+MAX_STEPS = 4  # the stage switch at step 4: crossed by the resumed run wherever the stop lands
 SMOKE = [
     "recipe=rl_smoke",
     f"trainer.max_steps={MAX_STEPS}",
