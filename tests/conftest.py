@@ -8,7 +8,7 @@ tests come next (:func:`run_order`).
 
 The tests of a module that share a module-scoped fixture (an RL run, a DeepSpeed run, an engine) form one group
 too: xdist runs a module fixture once per worker that gets one of its tests, so a module split over both workers
-paid for its run twice (two ~100 s setups of tests/rl/test_rl_job_ux.py's resumed run in one full run).
+paid for its run twice (two ~100 s setups of a resumed RL run in one full run).
 """
 
 from __future__ import annotations

@@ -302,6 +302,26 @@ def test_local_timeout_requeues_until_max_num_timeout_then_fails(tmp_path):
     assert steps == list(range(1, len(steps) + 1))  # resumed, never repeated
 
 
+@pytest.mark.parametrize(("returncode", "requeued"), [(-signal.SIGTERM, True), (1, False)])
+def test_a_scontrol_requeue_terminated_by_the_steps_cancellation_counts_as_the_requeue(returncode, requeued):
+    """Slurm answers ``scontrol requeue`` by cancelling the job's step, whose SIGTERM can reach ``scontrol`` before
+    it exits (the two-node Slurm test, under load): the relay then exits as a requeue does (SystemExit: the job
+    records ``requeued``, no error result); a requeue that failed otherwise still raises."""
+    from afm_core.launch.requeue import PreemptionRelay
+
+    def submitits_handler(signum, frame):  # submitit's checkpoint_and_try_requeue, as far as its scontrol call
+        raise subprocess.CalledProcessError(returncode, ["scontrol", "requeue", "66"])
+
+    signum = signal.Signals["SIG" + submitit.JobEnvironment.USR_SIG]
+    previous = signal.signal(signum, submitits_handler)
+    try:
+        relay = PreemptionRelay()
+        with pytest.raises(SystemExit if requeued else subprocess.CalledProcessError):
+            relay.requeue()
+    finally:
+        signal.signal(signum, previous)
+
+
 def test_stopping_a_process_tree_reaches_what_its_root_leaves_behind():
     """What a stopped submitter does to a child (afm_core.launch.teardown): SIGINT; a root that exits at once leaves
     its own child behind (here a background ``sleep``, which ignores SIGINT as a shell's background jobs do): that

@@ -358,18 +358,25 @@ def assert_same_run(resumed: dict, straight: dict) -> None:
 
 
 @pytest.mark.slow
-def test_exact_resume_after_preemption_signal(tmp_path, straight_run):
+def test_exact_resume_after_two_preemption_signals(tmp_path, straight_run):
+    """Stopped at step 3, resumed and stopped again at step 5 (a resume of a resumed run), resumed to the end:
+    the same run as the straight one. On Slurm the requeue path is preempted once per test
+    (tests/slurm/test_slurm_two_nodes.py)."""
     from afm_core.train.checkpoint_dirs import complete_checkpoints
 
     run_dir = tmp_path / "run"
     first = run(tmp_path, "first", world=2, run_dir=run_dir, cfg=cfg_with(**RESUME_CFG), stop_at_step=3)
     assert first["summary"]["stopped_early"] and first["summary"]["step"] == 3
     assert [step for step, _ in complete_checkpoints(run_dir / "checkpoints")] == [2, 3]
-    second = run(tmp_path, "second", world=2, run_dir=run_dir, cfg=cfg_with(**RESUME_CFG))
+    second = run(tmp_path, "second", world=2, run_dir=run_dir, cfg=cfg_with(**RESUME_CFG), stop_at_step=5)
     assert second["summary"]["resumed_from"].endswith("step_00000003")
-    assert second["summary"]["eval_loss_before"] == losses(straight_run, "eval")[0]
-    assert_same_run(second, straight_run)
-    assert [step for step, _ in complete_checkpoints(run_dir / "checkpoints")] == [4, 6]  # keep_last=2
+    assert second["summary"]["stopped_early"] and second["summary"]["step"] == 5
+    assert [step for step, _ in complete_checkpoints(run_dir / "checkpoints")] == [4, 5]  # keep_last=2
+    third = run(tmp_path, "third", world=2, run_dir=run_dir, cfg=cfg_with(**RESUME_CFG))
+    assert third["summary"]["resumed_from"].endswith("step_00000005")
+    assert third["summary"]["eval_loss_before"] == losses(straight_run, "eval")[0]
+    assert_same_run(third, straight_run)
+    assert [step for step, _ in complete_checkpoints(run_dir / "checkpoints")] == [5, 6]
     assert (run_dir / "loss.png").stat().st_size > 0
 
 

@@ -25,6 +25,7 @@ import importlib.util
 import logging
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -93,8 +94,21 @@ class PreemptionRelay:
         return self.submitit_handler.__self__.has_timed_out()
 
     def requeue(self) -> None:
-        """Run submitit's handler: ``checkpoint()``, requeue, exit (or raise ``UncompletedJobError``)."""
-        self.submitit_handler(self.signum, None)
+        """Run submitit's handler: ``checkpoint()``, requeue, exit (or raise ``UncompletedJobError``).
+
+        Slurm answers ``scontrol requeue`` by cancelling the job's running step, which sends SIGTERM to every
+        process of the step, the ``scontrol`` that rank 0 runs included. When that signal reaches ``scontrol``
+        before it exits, submitit's ``check_call`` raises although the job was requeued; this exits as submitit
+        does after a requeue instead (seen under load: the job restarted, but no ``requeued`` event was recorded
+        and the attempt left an error result).
+        """
+        try:
+            self.submitit_handler(self.signum, None)
+        except subprocess.CalledProcessError as err:
+            if list(err.cmd[:2]) != ["scontrol", "requeue"] or err.returncode != -signal.SIGTERM:
+                raise
+            log.warning("scontrol requeue was terminated by the cancellation of the job's step: the job is requeued")
+            sys.exit(-1)  # as submitit's handler after a requeue (JobEnvironment._exit)
 
 
 class RequeueableJob(submitit.helpers.Checkpointable):

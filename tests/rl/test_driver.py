@@ -3,7 +3,14 @@ sandbox and the Megatron trainer; the staged context switching at its configured
 a run stopped by SIGUSR2 while it generates (rollouts aborted in vLLM, the step restarted on resume, the trainer's
 state offloaded around every generation round) logging every rollout step once and ending bit for bit where an
 uninterrupted run does (weights, AdamW state, RNG); a sandbox killed mid-rollout turning into counted error
-observations."""
+observations.
+
+The job tests share one straight run and one stopped-and-resumed run per precision (module fixtures). The fp32
+pair is also what a verl user expects around the RL loop: TensorBoard and MLflow tracking continued across the
+resume, rollout dumps (``trainer.rollout_data_dir``), validation on a 2-problem benchmark with the live weights
+(``trainer.val_before_train``, ``trainer.test_freq``), a plug-in reward and a plug-in ``<code>`` tool given by file
+path, a profiled step, and its mid-run checkpoint exported to HF (``jobs.export``). The random tiny model calls no
+tool, so the plug-in tool is also driven through the same rollout actor by a scripted policy."""
 
 from __future__ import annotations
 
@@ -30,27 +37,97 @@ from afm_core.rl.schedule import parse_schedule, stage_at
 from afm_core.utils.paths import repo_root
 from tests.gloo_env import set_rank_env
 from tests.rl.helpers import needs_shared_data, rl_config, run_rl_ranks
+from tests.test_tracking import mlflow_history, tensorboard_scalars
 
 SCHEDULE = "[{until_step: 2, max_response_len: 32}, {max_response_len: 48}]"
+
+PLUGINS = '''
+from afm_core.tools.base import Tool
+
+
+def tool_bonus(response, *, gold, question, meta, kind):
+    """0.5 for every trajectory, 1.0 for one with a tool observation, whatever the built-in grader would say."""
+    return 1.0 if "<observation>" in response else 0.5
+
+
+def distinct_chars(response, *, gold, question, meta, kind):
+    """The fraction of distinct characters: spread on a random model's text, and never the built-in grader's 0 or 1."""
+    return len(set(response)) / max(1, len(response))
+
+
+class DryRun(Tool):
+    """<code> answered with no sandbox: the observation counts the program's lines, nothing runs."""
+
+    name = "code"
+
+    def parse(self, content):
+        return content.strip()
+
+    async def call(self, args, http, context):
+        return f"dry run: {len(args.splitlines())} line(s), nothing executed"
+'''
+
+
+def plugin_overrides(root: Path, reward: str) -> list[str]:
+    """``reward_fn`` (the function ``reward``) and ``tools.tools.code`` (in place of the sandbox's) from the file
+    ``root/my_plugins.py``."""
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / "my_plugins.py"
+    target.write_text(PLUGINS)
+    return [
+        f"+reward_fn._target_={target}:{reward}",
+        "~tools.tools.code",
+        f"+tools.tools.code._target_={target}:DryRun",
+    ]
 
 
 def _config(run_dir: Path, *overrides: str) -> dict:
     return rl_config(run_dir, f"rollout.context_schedule={SCHEDULE}", *overrides)
 
 
-def _job_config(run_dir: Path, *overrides: str) -> dict:
-    """The smoke job with a reward that varies on a random model's text: non-zero advantages and gradients."""
-    return _config(
-        run_dir, "reward_fn={_target_: tests.rl.helpers.distinct_chars_reward}", "reward.mode=score", *overrides
-    )
+def _user_overrides(run_dir: Path) -> list[str]:
+    """What a verl user sets around the loop: TensorBoard and MLflow, rollout dumps, validation before training,
+    every 2 steps and at the end, a profiled step, and the distinct-characters reward and a dry-run ``<code>`` tool
+    as plug-ins given by file path."""
+    return [
+        "logger=[console,tensorboard,mlflow]",
+        f"trainer.rollout_data_dir={run_dir / 'rollouts'}",
+        "trainer.val_before_train=true",
+        "trainer.test_freq=2",
+        "trainer.val_benchmarks=[gsm8k_test]",
+        "val.limit=2",
+        "val.k=1",
+        "val.max_response_tokens=16",
+        "profile.enabled=true",
+        "profile.steps=[3,3]",
+        *plugin_overrides(run_dir, "distinct_chars"),
+    ]
 
 
-def _run(cfg: dict, stop_after: int | None = None, stop_in_round: int | None = None) -> dict:
-    return run_rl_ranks(cfg, stop_after=stop_after, stop_in_round=stop_in_round)
+def _job_config(run_dir: Path, precision: str, *overrides: str) -> dict:
+    """The smoke job in ``precision`` with a reward that varies on a random model's text (the fraction of distinct
+    characters: non-zero advantages and gradients), keeping its checkpoints (the first attempt's stays readable
+    and exportable). In fp32 also :func:`_user_overrides` (the reward as a file plug-in); in bf16 the reward by
+    module path and the real sandbox."""
+    if precision == "fp32":
+        extra = _user_overrides(run_dir)
+    else:
+        extra = ["reward_fn={_target_: tests.rl.helpers.distinct_chars_reward}"]
+    return _config(run_dir, f"trainer.precision={precision}", "reward.mode=score", "trainer.keep_last=3", *extra,
+                   *overrides)  # fmt: skip
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _run(cfg: dict, stop_in_round: int | None = None) -> dict:
+    """:func:`run_rl_ranks` as a Slurm job id's run (``tracking.json`` names it) with MLflow's default store."""
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("MLFLOW_TRACKING_URI", raising=False)
+        env.setenv("SLURM_JOB_ID", "4242")
+        return run_rl_ranks(cfg, stop_in_round=stop_in_round)
+
+
+def _metrics(run_dir: Path, split: str = "train") -> list[dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if r["split"] == split]
 
 
 def _checkpoint_common(path: str) -> dict:
@@ -92,8 +169,22 @@ def uninterrupted(request, tmp_path_factory):
     megatron's mixed-precision optimizer (the layout of its state differs: tested both ways). ``(run_dir,
     summary, precision)``."""
     run_dir = tmp_path_factory.mktemp(f"rl-{request.param}") / "straight"
-    summary = _run(_job_config(run_dir, f"trainer.precision={request.param}"))
-    return run_dir, summary, request.param
+    return run_dir, _run(_job_config(run_dir, request.param)), request.param
+
+
+@pytest.fixture(scope="module")
+def interrupted(uninterrupted):
+    """The same job stopped by SIGUSR2 while step 2's rollouts are in vLLM, then resumed to the end; it also
+    offloads the trainer's state around every generation round (B4; forced on CPU). ``(run_dir, first attempt's
+    summary, resumed attempt's summary)``."""
+    run_dir = uninterrupted[0].with_name("interrupted")
+    cfg = _job_config(run_dir, uninterrupted[2], "colocation.offload_trainer=true")
+    first = _run(cfg, stop_in_round=2)
+    return run_dir, first, _run(cfg)
+
+
+#: The tests of the fp32 runs alone: what a verl user expects around the loop (:func:`_user_overrides`).
+fp32_runs = pytest.mark.parametrize("uninterrupted", ["fp32"], indirect=True)
 
 
 # -- fast units -------------------------------------------------------------------------------------------
@@ -205,27 +296,28 @@ def test_rl_smoke_runs_every_step_with_the_time_split_and_the_stage_switch_at_it
 @needs_shared_data
 @pytest.mark.slow
 def test_a_run_stopped_while_generating_resumes_the_step_to_the_same_weights_optimizer_state_and_rng(
-    uninterrupted, tmp_path
+    uninterrupted, interrupted, tmp_path
 ):
     """SIGUSR2 while step 2's rollouts are in vLLM: the round is aborted (vLLM left with no request), the state
     from before it saved (step 2's prompts given back), and the resumed run logs every step once and ends with
     the uninterrupted run's weights, AdamW moments and step counter, and RNG states, bit for bit. This run also
     offloads the trainer's state around every generation round (B4; forced on CPU): it comes back exactly."""
     straight_dir, straight, precision = uninterrupted
-    cfg = _job_config(tmp_path / "interrupted", "colocation.offload_trainer=true", f"trainer.precision={precision}")
-    first = _run(cfg, stop_in_round=2)
+    run_dir, first, second = interrupted
     assert first["stopped_early"] and first["step"] == 1 and first["hf_dir"] is None
     assert first["aborted_rounds_left_vllm_idle"] == [True]
     saved = _checkpoint_common(first["checkpoint"])
     assert saved["progress"]["stage"] == 0 and saved["progress"]["rollout_step"] == 1
     assert saved["prompts"]["offset"] == 2 and saved["progress"]["prompts_consumed"] == 2  # step 2's given back
-    second = _run(cfg)
     assert second["resumed_from"] == first["checkpoint"] and second["step"] == 3
-    resumed, expected = _metrics(tmp_path / "interrupted"), _metrics(straight_dir)
+    resumed, expected = _metrics(run_dir), _metrics(straight_dir)
     assert [r["step"] for r in resumed] == [1, 2, 3]
     keys = ("stage", "max_response_len", "data_epoch", "data_offset", "prompts_consumed", "reward_mean", "grad_norm")
     assert [[r[k] for k in keys] for r in resumed] == [[r[k] for k in keys] for r in expected]
-    assert all("reload_s" in r and r["offload_gb"] > 0 for r in resumed)
+    assert all("reload_s" in r for r in resumed)  # the trainer's state came back for every step's training
+    # and left for every step's generation; in the fp32 runs, which validate, it left before step 3 already, for
+    # the validation after step 2 (the engine's turn too), whose record does not log the offload
+    assert [r.get("offload_gb", 0) > 0 for r in resumed] == [True, True, precision == "bf16"]
     assert not any("offload_gb" in r for r in expected)  # CPU default: no offload
     assert second["data_state"] == straight["data_state"] and second["stage"] == straight["stage"] == 1
     final = _checkpoint_common(second["checkpoint"])
@@ -267,6 +359,133 @@ def test_the_final_rl_checkpoint_exports_to_hf_in_its_precision_with_the_megatro
     assert summary["checkpoint"] == straight["checkpoint"] and summary["dtype"] == str(dtype).split(".")[-1]
     assert summary["max_logit_diff"] < PARITY_TOLERANCE[dtype]
     assert {t.dtype for t in weights(tmp_path / "hf").values()} == {dtype}
+
+
+# -- what a verl user expects around the loop (the fp32 runs) ---------------------------------------------------
+def _run_ids(checkpoint: str) -> dict:
+    return _checkpoint_common(checkpoint)["progress"]["run_ids"]
+
+
+@needs_shared_data
+@pytest.mark.slow
+@fp32_runs
+def test_a_resumed_rl_job_continues_its_tracking_runs_with_every_step_once(interrupted, monkeypatch):
+    run_dir, first, second = interrupted
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # the job's default store, RUN_DIR/mlruns
+    ids = _run_ids(first["checkpoint"])
+    assert set(ids) == {"mlflow"} and _run_ids(second["checkpoint"]) == ids  # the resumed job reopened that run
+    assert [s for s, _ in mlflow_history(run_dir, ids["mlflow"], "train/reward_mean")] == [1, 2, 3]
+    assert [s for s, _ in tensorboard_scalars(run_dir, "train/reward_mean")] == [1, 2, 3]
+    tracking = json.loads((run_dir / "tracking.json").read_text())
+    assert tracking["slurm_job_id"] == "4242" and tracking["git_commit"]
+    assert tracking["config"]["trainer"]["test_freq"] == 2 and tracking["run_ids"] == ids
+
+
+@needs_shared_data
+@pytest.mark.slow
+@fp32_runs
+def test_every_rollout_step_is_dumped_as_one_jsonl_file_of_its_graded_trajectories(interrupted):
+    files = sorted((interrupted[0] / "rollouts").iterdir())
+    assert [f.name for f in files] == ["1.jsonl", "2.jsonl", "3.jsonl"]  # step 1 from the first attempt
+    for step, path in enumerate(files, 1):
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(lines) == 4  # 2 prompts x rollout.n=2, all trained (filter_groups off)
+        assert len({line["uid"] for line in lines}) == 2
+        for line in lines:
+            assert line["step"] == step and line["trained"] and line["prompt"] and line["response_tokens"] > 0
+            assert 0 < line["score"] < 1 and line["tool_calls"] == []  # the plug-in reward; no tool called
+            assert line["finish_reason"]
+
+
+@needs_shared_data
+@pytest.mark.slow
+@fp32_runs
+def test_validation_runs_before_training_every_test_freq_steps_and_at_the_end_with_the_plugged_in_reward(
+    interrupted,
+):
+    run_dir = interrupted[0]
+    val = _metrics(run_dir, "val")
+    assert [r["step"] for r in val] == [0, 2, 3]  # val_before_train, test_freq=2, the last step; none repeated
+    for r in val:
+        assert r["gsm8k_test/n"] == 2 and r["gsm8k_test/k"] == 1
+        # the plug-in reward grades validation too: on 2 problems the built-in grader's avg@1 is 0, 0.5 or 1
+        assert r["gsm8k_test/avg@1"] not in (0.0, 0.5, 1.0)
+    assert [s for s, _ in tensorboard_scalars(run_dir, "val/gsm8k_test/avg@1")] == [0, 2, 3]
+
+
+@needs_shared_data
+@pytest.mark.slow
+@fp32_runs
+def test_the_plugged_in_code_tool_replaces_the_sandbox_in_the_rl_jobs_tool_pool(interrupted):
+    run_dir = interrupted[0]
+    for r in _metrics(run_dir):  # the pool's metrics per tool: the plug-in alone answers <code>
+        assert set(r["tool_metrics"]) == {"code"}
+    assert not (run_dir / "logs" / "tool_servers").exists(), "a tool server started (the sandbox is not needed)"
+
+
+@needs_shared_data
+def test_a_policy_that_writes_code_gets_the_plugged_in_tools_observation_graded_by_the_plugged_in_reward(tmp_path):
+    """The rl_smoke job's rollout side (RolloutActor: the one agent loop, the tool pool, the graders, the rollout
+    dump) with the plug-in tool of the runs above, the policy's turns scripted (the random model never writes a
+    tag)."""
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.rl.prompts import load_prompts
+    from afm_core.rl.rollout_dump import dump_rollouts
+    from afm_core.rollout.factory import load_tokenizer
+    from tests.rollout.replay import ReplayEngine
+
+    cfg = rl_config(tmp_path / "run", *plugin_overrides(tmp_path, "tool_bonus"))
+    hf_dir = ensure_hf_checkpoint(cfg["model"])
+    tokenizer = load_tokenizer(hf_dir)
+    task = load_prompts({**cfg["data"], "data_dir": cfg["data_dir"]}, tokenizer)[0]
+    policy = ReplayEngine(tokenizer, ["<think>Compute it.</think>\n<code>\nx = 6 * 7\nprint(x)\n</code>",
+                                      "<think>Done.</think>\n<answer>\\boxed{42}</answer>"], 2048)  # fmt: skip
+    actor = RolloutActor(cfg, hf_dir, tokenizer, {}, 2048, engine=policy)
+    try:
+        (sample,) = actor.generate([("0:0", task)], 1, parse_schedule([], 256)[0], seed=0)
+        assert actor.tool_metrics()["code"]["calls"] == 1
+    finally:
+        actor.close()
+    (line,) = [json.loads(x) for x in dump_rollouts(tmp_path / "rollouts", 1, [sample], [sample], tokenizer).open()]
+    assert line["tool_calls"] == [{"name": "code", "error": None}] and line["finish_reason"] == "answer"
+    observation = "<observation>\ndry run: 2 line(s), nothing executed\n</observation>"
+    assert observation in line["response"]
+    masked = [t for t, m in zip(sample.response_ids, sample.response_mask, strict=True) if m == 0]
+    assert observation in tokenizer.decode(masked)  # the observation's tokens are kept out of the loss
+    assert line["score"] == 1.0 and line["format"] == 1.0 and line["reward"] == 1.0  # built-in math grader: 0
+
+
+@needs_shared_data
+@pytest.mark.slow
+@fp32_runs
+def test_the_mid_run_rl_checkpoint_exports_to_hf_with_the_megatron_models_logits(interrupted, tmp_path, monkeypatch):
+    """``jobs.export``'s body (:func:`export_checkpoint`) run here: a process of its own would spend ~12 s
+    importing Megatron and transformers again; the CLI around it is tested in tests/test_export.py."""
+    from afm_core.models.export import export_checkpoint
+    from tests.test_export import weights
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, os.environ.get(key, ""))  # the export's one-rank world sets them: undone after
+    run_dir, first, _ = interrupted
+    threads = torch.get_num_threads()
+    mid_dir = tmp_path / "hf_step_1"
+    summary = export_checkpoint(run_dir, mid_dir, step=1)
+    torch.set_num_threads(threads)  # and the torch threads
+    assert not torch.distributed.is_initialized()
+    assert summary["checkpoint"] == first["checkpoint"] and summary["max_logit_diff"] < 1e-3
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in mid_dir.iterdir()}
+    mid, last = weights(mid_dir), weights(run_dir / "hf")  # run_dir/hf: the trainer's, after step 3
+    assert mid.keys() == last.keys() and any(not torch.equal(mid[k], last[k]) for k in last), "step 1 == step 3"
+
+
+@needs_shared_data
+@pytest.mark.slow
+@fp32_runs
+def test_the_profiled_rollout_step_leaves_a_torch_profiler_trace(interrupted):
+    traces = list((interrupted[0] / "profile").glob("*.pt.trace.json"))
+    assert len(traces) == 1
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    assert any(e.get("name") == "step 3" for e in events)
 
 
 # -- the policy update ------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from afm_core.train.metrics import read_metrics
 from afm_core.utils.paths import repo_root, shared_data_dir
 from tests.slurm.tiny_sft import events_of, wait_finished, wait_until
 
-MAX_STEPS = 6
+MAX_STEPS = 4  # the stage switch at step 4: crossed by the resumed run wherever the stop lands
 SMOKE = [
     "recipe=rl_smoke",
     f"trainer.max_steps={MAX_STEPS}",
@@ -70,7 +70,9 @@ def last_checkpoint_common(run_dir: Path) -> dict:
 
 
 def test_rl_smoke_preempted_on_slurm_logs_every_step_once_with_the_uninterrupted_data_position(tmp_path):
-    # once, not twice: a resume of a resumed run is covered by the two-node SFT test, on the same requeue path (CI time)
+    # once, not twice: a resume of a resumed run is covered in process (tests/test_train_engine.py::
+    # test_exact_resume_after_two_preemption_signals), two requeues of one job by tests/test_jobs_launch.py::
+    # test_local_preemption_checkpoints_at_a_step_boundary_and_resumes (CI time)
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     submit_rl(straight)
     job_id = submit_rl(interrupted)
