@@ -28,6 +28,15 @@ generation), logprob recompute, train (the mini-batch updates), weight sync, and
     .venv/bin/python -m benchmarks.rl_step --bucket-mb 512 --json runs/bench/rl_step.json
     .venv/bin/python -m benchmarks.rl_step --step                           # rl_smoke: 3 rollout steps
     .venv/bin/python -m benchmarks.rl_step --step --recipe rl_demo --set trainer.max_steps=2 model.hf_path=X
+    .venv/bin/python -m benchmarks.rl_step --phases                         # logprob + train: padded vs packed
+
+``--phases`` times the trainer side of a rollout step without generating: the policy's old-logprob recompute and
+its mini-batch updates (:func:`afm_core.rl.policy_trainer.policy_update`, the driver's own call) on a synthetic
+train batch whose prompt and response lengths are drawn uniformly from ``--prompt-len`` and ``--response-len``
+(trajectories of different lengths: what padding costs), with ``trainer.remove_padding`` false (micro batches
+padded to their longest) and true (packed, :mod:`afm_core.rl.packed`), alternating, after one warm-up of each. It
+prints real tokens/s of each phase (the train batch's prompt + response tokens / seconds) and the padded
+positions' share of the padded micro batches.
 """
 
 from __future__ import annotations
@@ -64,7 +73,79 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--step", action="store_true", help="time whole rollout steps of the RL driver instead")
     parser.add_argument("--recipe", default="rl_smoke", help="--step: the RL recipe (conf/recipe/<name>.yaml)")
     parser.add_argument("--set", nargs="*", default=[], help="--step: more Hydra overrides of conf/rl.yaml")
+    parser.add_argument("--phases", action="store_true", help="time the logprob and train phases, padded vs packed")
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=[100, 300], help="--phases: prompt tokens, range")
+    parser.add_argument("--response-len", type=int, nargs=2, default=[20, 600], help="--phases: response tokens")
     return parser.parse_args()
+
+
+def phase_throughput(args: argparse.Namespace) -> None:
+    """``--phases`` (module docstring): the logprob and train phases of ``recipe`` (default ``rl_smoke``: its train
+    batch, mini batch, micro batch) with ``remove_padding`` false and true."""
+    import random
+    import tempfile
+
+    import torch
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.rl.batch import sample_micro_batches
+    from afm_core.rl.grading import Sample
+    from afm_core.rl.policy_model import build_policy_model
+    from afm_core.rl.policy_trainer import build_policy_trainer, policy_update
+    from afm_core.train.distributed import destroy_distributed, init_distributed
+    from afm_core.utils.paths import repo_root
+
+    one_rank_env()
+    with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
+        cfg = compose(config_name="rl", overrides=[f"recipe={args.recipe}", f"model={args.model}", *args.set])
+    cfg = OmegaConf.to_container(cfg, resolve=False)
+    layout = init_distributed(OmegaConf.create({"tp": 1, "pp": 1}), seed=0, num_threads=args.threads)
+    rng = random.Random(0)
+    n = int(cfg["algorithm"]["train_batch_size"]) * int(cfg["rollout"]["n"])
+    samples = []
+    for i in range(n):
+        prompt = [rng.randrange(1, 1000) for _ in range(rng.randint(*args.prompt_len))]
+        response = [rng.randrange(1, 1000) for _ in range(rng.randint(*args.response_len))]
+        samples.append(Sample(f"g{i // int(cfg['rollout']['n'])}", "t", prompt, response, [1] * len(response),
+                              [0.0] * len(response), 0.0, 1.0, 0.0, "stop"))  # fmt: skip
+    advantages = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    seq_length = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    real = sum(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    mbs = int(cfg["trainer"]["micro_batch_size"])
+    ordered = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.response_ids))  # as policy_update orders them
+    padded = sum(b["tokens"].numel() for b in sample_micro_batches(ordered, mbs, None, 0))
+    try:
+        with tempfile.TemporaryDirectory(prefix="rl_phases-") as run_dir:
+            chunks, _ = build_policy_model(ensure_hf_checkpoint(args.model), layout)
+            trainer = build_policy_trainer(cfg, layout, chunks, Path(run_dir), 2 * (args.repeats + 1) * n)
+            times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+            for round_ in range(args.repeats + 1):  # round 0 warms up
+                for remove in (False, True):
+                    cfg["trainer"]["remove_padding"] = remove
+                    out = policy_update(trainer, samples, advantages, cfg, seq_length, 0)
+                    if round_:
+                        times[remove].append((out["logprob_s"], out["train_s"]))
+    finally:
+        destroy_distributed()
+    load = os.getloadavg()
+    print(f"\nRL trainer phases, {args.model}, {n} trajectories ({real} real tokens; padded micro batches of {mbs}: "
+          f"{padded} positions, {1 - real / padded:.0%} padding), {torch.get_num_threads()} threads, "
+          f"load average {load[0]:.1f} / {load[1]:.1f}; median of {args.repeats}")  # fmt: skip
+    medians = {}
+    for remove, runs in times.items():
+        logprob_s, train_s = (statistics.median(x) for x in zip(*runs))
+        medians[remove] = (logprob_s, train_s)
+        print(f"  remove_padding={str(remove).lower():5}  logprob {logprob_s:6.2f} s ({real / logprob_s:7.0f} tok/s)  "
+              f"train {train_s:6.2f} s ({real / train_s:7.0f} tok/s)")  # fmt: skip
+    speedup = [a / b for a, b in zip(medians[False], medians[True])]
+    print(f"  packed / padded speed: logprob {speedup[0]:.2f}x, train {speedup[1]:.2f}x")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        record = {"model": args.model, "recipe": args.recipe, "trajectories": n, "real_tokens": real,
+                  "padded_positions": padded, "load_avg": load, "runs": {str(k).lower(): v for k, v in times.items()}}  # fmt: skip
+        args.json.write_text(json.dumps(record, indent=2) + "\n")
 
 
 STEP_PARTS = ("generate_s", "logprob_s", "train_s", "weight_sync_s")
@@ -137,6 +218,9 @@ def main() -> None:
     args = _parse()
     if args.step:
         step_split(args)
+        return
+    if args.phases:
+        phase_throughput(args)
         return
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
