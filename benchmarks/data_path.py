@@ -110,11 +110,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from afm_core.config import register_schemas
     from afm_core.data.prepare import ensure_prepared
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.utils.atomic import atomic_write_json
     from afm_core.utils.paths import repo_root
 
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="sft", overrides=["run_dir=unused"])
     with tempfile.TemporaryDirectory(prefix="afm-data-path-") as temp:

@@ -93,7 +93,6 @@ def synthetic_packed(n: int, seq_length: int, docs: int, vocab_size: int, seed: 
 def compose_config(model: str, seq_length: int, recompute: str, micro_batch: int, global_batch: int, steps: int,
                    run_dir: Path) -> Any:  # fmt: skip
     """``conf/sft.yaml`` with the benchmark's model, shapes and recompute setting (precision ``auto``)."""
-    import afm_core.config  # noqa: F401  (registers the typed schema the defaults list names)
     from afm_core.launch.plan import compose
 
     return compose(

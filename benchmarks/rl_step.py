@@ -51,7 +51,7 @@ from pathlib import Path
 
 def one_rank_env() -> None:
     """The env:// variables of a one-rank job in this process (a free port on loopback)."""
-    from afm_core.launch.distributed import free_port
+    from afm_core.utils.ports import free_port
 
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))  # fmt: skip
@@ -89,6 +89,7 @@ def phase_throughput(args: argparse.Namespace) -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from afm_core.config import register_schemas
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.batch import sample_micro_batches
     from afm_core.rl.grading import Sample
@@ -98,6 +99,7 @@ def phase_throughput(args: argparse.Namespace) -> None:
     from afm_core.utils.paths import repo_root
 
     one_rank_env()
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="rl", overrides=[f"recipe={args.recipe}", f"model={args.model}", *args.set])
     cfg = OmegaConf.to_container(cfg, resolve=False)
@@ -158,6 +160,7 @@ def step_split(args: argparse.Namespace) -> None:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from afm_core.config import register_schemas
     from afm_core.rl.driver import run_rl
     from afm_core.train.metrics import read_metrics
     from afm_core.utils.paths import repo_root
@@ -165,6 +168,7 @@ def step_split(args: argparse.Namespace) -> None:
     one_rank_env()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with tempfile.TemporaryDirectory(prefix="rl_step-") as run_dir:
+        register_schemas()
         with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
             cfg = compose(config_name="rl", overrides=[f"recipe={args.recipe}", f"run_dir={run_dir}", *args.set])
         if args.threads is not None:

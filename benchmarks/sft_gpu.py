@@ -82,7 +82,6 @@ def write_lengths(path: Path = LENGTHS_PATH) -> dict[str, Any]:
     and model, observation-masked), as a histogram of ``BIN_TOKENS``-token bins, written to ``path``."""
     from transformers import AutoTokenizer
 
-    import afm_core.config  # noqa: F401  (registers the typed schema the defaults list names)
     from afm_core.data.loader import read_sft_examples
     from afm_core.data.prepare import ensure_prepared
     from afm_core.launch.plan import compose

@@ -135,6 +135,8 @@ def compose_sft_config(args: argparse.Namespace, seq_length: int, run_dir: Path)
     """``conf/sft.yaml`` composed with the benchmark's model, shapes and threads (fp32, no progress bar)."""
     from hydra import compose, initialize_config_dir
 
+    from afm_core.config import register_schemas
+
     overrides = [
         f"model={args.model}",
         f"run_dir={run_dir}",
@@ -146,14 +148,15 @@ def compose_sft_config(args: argparse.Namespace, seq_length: int, run_dir: Path)
         f"trainer.num_threads={'null' if args.threads is None else args.threads}",
         f"parallel.recompute={'null' if args.recompute == 'none' else args.recompute}",
     ]
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         return compose(config_name="sft", overrides=overrides)
 
 
 def join_single_process_group(cfg: Any, num_threads: int | None) -> Any:
     """World size 1 (TP = PP = DP = 1) on a free local port: the process group megatron's step needs."""
-    from afm_core.launch.distributed import free_port
     from afm_core.train.distributed import init_distributed
+    from afm_core.utils.ports import free_port
 
     os.environ.update(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -297,7 +300,7 @@ def engine_worker(conn: Any, engine: str, args: argparse.Namespace, seq_length: 
     """One engine in a process of its own: build it, then run the parent's commands ("step", "profile",
     "stop") and answer each; the last answer carries the process's memory figures."""
     try:
-        from afm_core.train.host_memory import configure_allocator
+        from afm_core.utils.host_memory import configure_allocator
 
         configure_allocator()  # the SFT job's allocator settings, for both engines
         with tempfile.TemporaryDirectory(prefix=f"afm-sft-throughput-{engine}-") as run_dir:

@@ -20,9 +20,11 @@ import hydra
 from hydra import compose
 from omegaconf import DictConfig, OmegaConf
 
-from afm_core.config import ConfigError, check_config
+from afm_core.config import ConfigError, check_config, register_schemas
 from afm_core.config.sft import SFTConfig
 from afm_core.launch.pipeline import PipelineError, StageSpec, run_pipeline
+
+register_schemas()  # the schemas the stages' defaults lists name (`- sft_schema`, `- rl_schema`)
 
 
 def check_stage(spec: StageSpec, overrides: list[str]) -> None:

@@ -23,9 +23,11 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from afm_core.config import ConfigError, check_config
+from afm_core.config import ConfigError, check_config, register_schemas
 from afm_core.config.data import PrepareDataConfig
 from afm_core.data.prepare import PrepareInput, ensure_prepared, export_prepared, read_report
+
+register_schemas()  # `- prepare_data_schema` in conf/prepare_data.yaml's defaults list: before @hydra.main composes
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="prepare_data")

@@ -22,10 +22,13 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from afm_core.config import register_schemas
 from afm_core.config.rl import RLConfig
-from afm_core.launch.distributed import collective_timeout_min, rollout_wait_s
+from afm_core.config.timeouts import collective_timeout_min, rollout_wait_s
 from afm_core.launch.submit import run_training_job
 from afm_core.rl.driver import check_inputs
+
+register_schemas()  # `- rl_schema` in conf/rl.yaml's defaults list: before @hydra.main composes
 
 
 @hydra.main(config_path="../conf", config_name="rl", version_base="1.3")

@@ -23,8 +23,11 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from afm_core.config import register_schemas
 from afm_core.config.sft import SFTConfig
 from afm_core.launch.submit import run_training_job
+
+register_schemas()  # `- sft_schema` in conf/sft.yaml's defaults list: before @hydra.main composes
 
 
 @hydra.main(config_path="../conf", config_name="sft", version_base="1.3")

@@ -10,7 +10,7 @@ from collections import namedtuple
 
 import torch.multiprocessing as mp
 
-from afm_core.launch.distributed import free_port
+from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 from tests.test_train_engine import SyntheticBatches, make_cfg, tiny_provider
 

@@ -7,15 +7,17 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from afm_core.config import check_config
+from afm_core.config import check_config, register_schemas
 from afm_core.config.checks import ConfigError
 from afm_core.config.rl import RLConfig
-from afm_core.launch.distributed import collective_timeout_min, free_port, rollout_wait_s
+from afm_core.config.timeouts import collective_timeout_min, rollout_wait_s
 from afm_core.utils.paths import repo_root
+from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env_for_test
 
 
 def _rl(*overrides: str):
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         return compose(config_name="rl", overrides=["run_dir=/tmp/run", "data.files=[p.parquet]", *overrides])
 

@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from afm_core.config import ConfigError, check_config
+from afm_core.config import ConfigError, check_config, register_schemas
 from afm_core.config.data import PrepareDataConfig
 from afm_core.config.sft import SFTConfig
 from afm_core.utils.paths import repo_root
@@ -20,6 +20,7 @@ SFT_RECIPES = ["none", *sorted(p.stem for p in (repo_root() / "conf" / "recipe")
 
 
 def _compose(*overrides: str, config: str = "sft"):
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         return compose(
             config_name=config, overrides=["run_dir=/tmp/run", *overrides] if config == "sft" else list(overrides)

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from afm_core.launch.distributed import free_port
 from afm_core.models.arch import arch_from_hf_config
 from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 
 LOGITS_ATOL = 1e-4  # fp32, max |Δ| against transformers

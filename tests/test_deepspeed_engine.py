@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from afm_core.launch.distributed import free_port
 from afm_core.utils.paths import repo_root, shared_data_dir
+from afm_core.utils.ports import free_port
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -r requirements/base.txt)")
 
@@ -288,6 +288,8 @@ def test_run_sft_with_engine_deepspeed_trains_on_coa_traces(setup, tmp_path):
     ZeRO-3 training, metrics and the HF export in the run dir."""
     from hydra import compose, initialize_config_dir
 
+    from afm_core.config import register_schemas
+
     overrides = [
         "model=tiny-llama",
         "trainer.engine=deepspeed",
@@ -306,6 +308,7 @@ def test_run_sft_with_engine_deepspeed_trains_on_coa_traces(setup, tmp_path):
         "optim.lr=3e-3",
         "optim.warmup_ratio=0.34",
     ]
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = OmegaConf.to_container(compose(config_name="sft", overrides=overrides), resolve=True)
     mp.start_processes(run_sft_worker, args=(1, free_port(), cfg), nprocs=1, join=True, start_method="spawn")

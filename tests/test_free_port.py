@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from afm_core.launch import distributed
-from afm_core.launch.distributed import LOCAL_PORTS, free_port
+from afm_core.utils import ports as port_picker
+from afm_core.utils.ports import LOCAL_PORTS, free_port
 
 
 def plain_bind_fails(port: int) -> bool:
@@ -37,13 +37,13 @@ def test_the_port_is_outside_the_ephemeral_range_held_from_other_pickers_and_a_t
 
 
 def test_where_the_ephemeral_range_starts_low_the_kernel_picks_and_the_port_is_still_held(monkeypatch):
-    monkeypatch.setattr(distributed, "_ephemeral_low", lambda: LOCAL_PORTS[0])
+    monkeypatch.setattr(port_picker, "_ephemeral_low", lambda: LOCAL_PORTS[0])
     port = free_port()
     assert port > 0 and plain_bind_fails(port)
 
 
 def test_no_free_port_is_an_error_naming_the_range(monkeypatch):
-    monkeypatch.setattr(distributed, "LOCAL_PORTS", (27777, 27777))
+    monkeypatch.setattr(port_picker, "LOCAL_PORTS", (27777, 27777))
     with socket.socket() as busy:
         try:
             busy.bind(("127.0.0.1", 27777))

@@ -2,7 +2,7 @@
 
 import torch
 
-from afm_core.train.host_memory import PAGE_BYTES, populate_for_write, zero_by_release
+from afm_core.utils.host_memory import PAGE_BYTES, populate_for_write, zero_by_release
 
 
 def _resident_pages(tensor: torch.Tensor) -> int:

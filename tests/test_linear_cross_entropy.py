@@ -1,4 +1,4 @@
-"""The chunked output layer + cross entropy (afm_core.train.loss.linear_cross_entropy) against F.cross_entropy."""
+"""The chunked output layer + cross entropy (afm_core.models.cross_entropy.linear_cross_entropy) against F.cross_entropy."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from afm_core.train.loss import linear_cross_entropy
+from afm_core.models.cross_entropy import linear_cross_entropy
 
 CHUNK_BYTES = 4 * 50 * 8  # chunks of 8 rows
 

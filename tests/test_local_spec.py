@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from afm_core.launch.distributed import free_port
+from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 
 S, B, H, FFN = 12, 2, 32, 48

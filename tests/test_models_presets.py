@@ -93,6 +93,9 @@ def test_mismatch_with_hf_config_names_both_fields():
 def test_hydra_composes_the_model_group():
     from hydra import compose, initialize_config_dir
 
+    from afm_core.config import register_schemas
+
+    register_schemas()
     with initialize_config_dir(config_dir=str(presets.repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="sft", overrides=["model=tiny-llama", "model.hf_path=/some/dir"])
     preset = load_preset(cfg.model)

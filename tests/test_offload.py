@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from afm_core.launch.distributed import free_port
+from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env_for_test
 from tests.test_train_engine import SyntheticBatches, make_cfg, tiny_provider
 

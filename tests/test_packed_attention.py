@@ -16,8 +16,8 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from afm_core.launch.distributed import free_port
 from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 
 DOC_LENGTHS = (37, 50, 20)  # three documents, then 21 padding tokens

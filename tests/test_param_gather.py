@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 
-from afm_core.launch.distributed import free_port
+from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 from tests.test_train_engine import SyntheticBatches, make_cfg, tiny_provider
 

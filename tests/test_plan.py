@@ -13,13 +13,13 @@ import torch
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from afm_core.launch.distributed import free_port
 from afm_core.launch.plan import checkpoint_plan, compose, layout_of, make_plan, render
 from afm_core.models.arch import hf_config_from_arch
 from afm_core.models.presets import load_preset
 from afm_core.train.memory import activations, model_state
 from afm_core.utils.hardware import bf16_is_fast
 from afm_core.utils.paths import repo_root
+from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 
 SEQ, MBS = 64, 2

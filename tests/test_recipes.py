@@ -7,6 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from afm_core.config import register_schemas
 from afm_core.launch.plan import make_plan, render
 from afm_core.utils.paths import repo_root
 
@@ -20,6 +21,7 @@ RECIPES = {
 
 
 def _compose(overrides):
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         return compose(config_name="sft", overrides=overrides)
 

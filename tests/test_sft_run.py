@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from afm_core.launch.distributed import free_port
 from afm_core.utils.paths import repo_root, shared_data_dir
+from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 
 pytestmark = pytest.mark.skipif(
@@ -32,8 +32,10 @@ def sft_worker(rank: int, world: int, port: int, overrides: list[str], out: str)
     set_rank_env(rank, world, port)
     from hydra import compose, initialize_config_dir
 
+    from afm_core.config import register_schemas
     from afm_core.train.sft import run_sft
 
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="sft", overrides=overrides)
     summary = run_sft(cfg)

@@ -170,10 +170,11 @@ def test_a_requeued_sft_job_continues_its_wandb_and_tensorboard_runs_and_profile
 def test_the_sft_schema_refuses_a_bad_logger_or_profile_range_naming_the_key(override, message):
     from hydra import compose, initialize_config_dir
 
-    from afm_core.config import ConfigError, check_config
+    from afm_core.config import ConfigError, check_config, register_schemas
     from afm_core.config.sft import SFTConfig
     from afm_core.utils.paths import repo_root
 
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="sft", overrides=["run_dir=/tmp/x", override])
     with pytest.raises(ConfigError, match=message):

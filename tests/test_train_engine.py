@@ -19,8 +19,8 @@ import torch
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from afm_core.launch.distributed import free_port
 from afm_core.utils.paths import repo_root
+from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 
 VOCAB, SEQ, HIDDEN, LAYERS = 128, 32, 32, 4

@@ -20,8 +20,9 @@ from afm_core.train.checkpoint_dirs import (
     stage_checkpoint,
 )
 from afm_core.train.loss import masked_token_loss, reduce_reports
-from afm_core.train.metrics import MetricsLog, plot_losses, read_metrics
+from afm_core.train.metrics import plot_losses, read_metrics
 from afm_core.utils.paths import repo_root
+from afm_core.utils.tracking import MetricsLog
 
 
 def test_masked_token_loss_is_cross_entropy_over_unmasked_positions():

@@ -1,7 +1,8 @@
 """Typed config schemas: dataclasses registered with Hydra's ConfigStore, checked before a job is built or submitted.
 
 Each ``jobs/*.py`` app names its schema first in its primary config's defaults list (``conf/sft.yaml``:
-``- sft_schema``), so Hydra merges every YAML file and command-line override onto the dataclass: a value of the
+``- sft_schema``) and calls :func:`register_schemas` before Hydra composes (importing this package registers
+nothing: no import of ``afm_core`` has a side effect on Hydra's ConfigStore), so Hydra merges every YAML file and command-line override onto the dataclass: a value of the
 wrong type (``trainer.seq_length=abc``) or an unknown key fails at composition, naming the key.
 :func:`check_config` then instantiates the dataclasses, which runs their ``__post_init__`` range and
 cross-field checks (heads and layers divisible by TP/PP/VPP, intervals >= 1, batch sizes), and rejects keys
@@ -12,7 +13,13 @@ added with ``+`` that the schema does not know. The pattern is torchtitan's comp
 Adding an app's schema (eval, RL): write its dataclasses in a module here (fields typed, defaults valid, nested
 groups ``MISSING``, checks in ``__post_init__`` raising :class:`ConfigError` via :func:`require`), add one
 ``store.store(...)`` line to :func:`register_schemas`, put ``- <name>_schema`` first in the app's defaults list,
-and call :func:`check_config` at the top of the app's ``main``.
+call :func:`register_schemas` in the app's module (``jobs/<app>.py``) and :func:`check_config` at the top of its
+``main``. Code that composes an app's config itself (tests, benchmarks, ``jobs.plan``) calls
+:func:`register_schemas` first.
+
+This package sits above ``data`` and ``models`` in the package order (``docs/architecture.md``): a schema's
+checks call the validators of the package that owns the value (a model preset's, a data source's), and nothing
+below ``config`` imports it.
 """
 
 from __future__ import annotations
@@ -29,7 +36,14 @@ __all__ = ["ConfigError", "check_config", "register_schemas", "require"]
 
 
 def register_schemas() -> None:
-    """Register every app schema with Hydra's ConfigStore (idempotent; run on import of this package)."""
+    """Register every app schema with Hydra's ConfigStore under ``<app>_schema`` (idempotent: a second call stores
+    the same nodes again).
+
+    Called by the job entry points (``jobs/sft.py``, ``jobs/rl.py``, ``jobs/prepare_data.py``,
+    ``jobs/pipeline.py``) at import, before ``@hydra.main`` composes, and by whatever composes an app's config
+    with Hydra's compose API (:func:`afm_core.launch.plan.compose`, tests, benchmarks); without it, composing
+    ``conf/sft.yaml`` fails with "Could not find 'sft_schema'".
+    """
     from hydra.core.config_store import ConfigStore
 
     from afm_core.config.data import PrepareDataConfig
@@ -54,6 +68,3 @@ def check_config(cfg: DictConfig, schema: type[T]) -> T:
             message names the key (``trainer.eval_interval``) and the valid values.
     """
     return instantiate(schema, OmegaConf.to_container(cfg, resolve=False))
-
-
-register_schemas()

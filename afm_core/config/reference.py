@@ -100,8 +100,10 @@ def app_tables() -> dict[str, list[tuple[str, str, str, str]]]:
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    from afm_core.config import register_schemas
     from afm_core.config.cluster import CLUSTER_SCHEMAS
 
+    register_schemas()
     tables = {}
     schemas = {name.removesuffix(".yaml"): node for name, node in ConfigStore.instance().repo.items()
                if isinstance(name, str) and name.endswith("_schema.yaml")}  # fmt: skip

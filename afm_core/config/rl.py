@@ -19,15 +19,16 @@ from omegaconf import MISSING
 from afm_core.config.checks import divisors, require
 from afm_core.config.cluster import cluster_schema
 from afm_core.config.sft import ModelConfig, OptimConfig, ParallelConfig, check_plan_options
+from afm_core.config.timeouts import collective_timeout_min, rollout_wait_s
 from afm_core.config.tracking import ProfileConfig, TrackingConfig, check_loggers
-from afm_core.launch.distributed import collective_timeout_min, rollout_wait_s
-from afm_core.rl.colocation import COLOCATION_MODES
-from afm_core.rl.dynamic_sampling import FILTER_METRICS
 
 ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "gae")
 REWARD_MODES = ("score_x_format", "score", "score_minus_format_penalty")
 ENVIRONMENTS = ("real", "simulated")
 TOOL_SERVER_START = ("auto", "always", "never")  # afm_core.tools.job_servers
+COLOCATION_MODES = ("auto", "inprocess", "async")  # colocation.mode: afm_core.rl.colocation
+#: algorithm.filter_groups_metric -> the field of the sample (afm_core.rl.grading.Sample) a kept group varies in
+FILTER_METRICS = {"acc": "score", "score": "reward"}
 
 
 def _positive(key: str, value: Any) -> None:

@@ -5,77 +5,18 @@
 module exports them as ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` (the job's
 first node) and ``MASTER_PORT``, so one node and many nodes run the same code. Those a submitter inherited (a
 notebook or an ``srun`` step that ran torch.distributed, a torchrun worker) stay out of the jobs it submits
-(:func:`without_rendezvous_env`). It also sizes the collective timeout of a job (:func:`collective_timeout_min`)
-from the longest a rank waits for another at a collective.
+(:func:`without_rendezvous_env`). A local job's rendezvous port comes from :func:`afm_core.utils.ports.free_port`.
 """
 
 from __future__ import annotations
 
-import errno
-import math
 import os
-import random
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import submitit
 from submitit.helpers import TorchDistributedEnvironment
-
-LOCAL_PORTS = (25000, 32767)  # above slurm_rendezvous_port's 15000-24999, below Linux's default ephemeral range
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` for a local job's rendezvous (or a local server), free now and kept from other takers
-    until the job binds it.
-
-    Picking a free port and binding it later races: in between, the port can go to an outgoing connection or to
-    another picker (seen as ``TCPStore`` failing with EADDRINUSE on a busy machine). Two measures close it:
-
-    - The port is drawn from :data:`LOCAL_PORTS`, below the kernel's ephemeral range
-      (``/proc/sys/net/ipv4/ip_local_port_range``, Linux default 32768-60999), so no outgoing connection and no
-      ``bind(port=0)`` is handed it, however long the job takes to start (the reason for
-      :func:`slurm_rendezvous_port`'s range too). Where the ephemeral range starts lower, the kernel picks.
-    - It is left in TIME_WAIT (a connection to it whose accepted side closes first), Yelp's
-      ``ephemeral_port_reserve.reserve``: for the next 60 s a bind without ``SO_REUSEADDR`` -- this function's own
-      probe, so a concurrent call -- fails on it, while ``TCPStore``, uvicorn and aiohttp, which set
-      ``SO_REUSEADDR``, bind it.
-
-    Raises:
-        OSError: no free port in 200 draws.
-    """
-    low, high = LOCAL_PORTS
-    high = min(high, _ephemeral_low() - 1)
-    draws = random.SystemRandom()
-    for _ in range(200):
-        port = draws.randint(low, high) if low <= high else 0
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
-            try:
-                listener.bind((host, port))  # no SO_REUSEADDR yet: fails on a port in use or in TIME_WAIT
-            except OSError as err:
-                if err.errno == errno.EADDRINUSE and port:
-                    continue
-                raise
-            # set before the connection so the TIME_WAIT socket it leaves lets SO_REUSEADDR binds through
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.listen(1)
-            port = listener.getsockname()[1]
-            with socket.create_connection((host, port)):
-                accepted, _ = listener.accept()
-                accepted.close()  # the server side closes first: it is the one left in TIME_WAIT
-            return port
-    raise OSError(errno.EADDRINUSE, f"no free TCP port on {host} in {low}-{high} after 200 draws")
-
-
-def _ephemeral_low() -> int:
-    """The first port of the kernel's ephemeral range (Linux; 32768 where it cannot be read)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
 
 #: The rendezvous variables of a process started for torch.distributed: the ``env://`` ones and the rest of a torchrun
 #: worker's (pytorch/pytorch, ``torch/distributed/elastic/agent/server/local_elastic_agent.py``, ``_start_workers``),
@@ -144,24 +85,3 @@ def slurm_rendezvous_port(job_id: int) -> int:
     where a busy node's client sockets made ``TCPStore`` fail with EADDRINUSE. Consecutive job ids, as the tasks
     of an array sharing a node, get different ports."""
     return 15000 + int(job_id) % 10000
-
-
-DEFAULT_COLLECTIVE_TIMEOUT_MIN = 30  # torch.distributed's default for NCCL (and megatron's distributed_timeout_minutes)
-
-
-def collective_timeout_min(longest_wait_s: float | None = None) -> int:
-    """The collective timeout (minutes) for a job whose ranks can wait ``longest_wait_s`` seconds at a collective
-    while another rank works alone (an RL rank whose trajectories finished waits at the gather for the slowest
-    one, up to ``rollout.timeout_s`` per wave of trajectories): twice that plus 10 minutes, never below
-    :data:`DEFAULT_COLLECTIVE_TIMEOUT_MIN`."""
-    if not longest_wait_s:
-        return DEFAULT_COLLECTIVE_TIMEOUT_MIN
-    return max(DEFAULT_COLLECTIVE_TIMEOUT_MIN, math.ceil(2 * longest_wait_s / 60) + 10)
-
-
-def rollout_wait_s(rollout: Any, gen_batch_size: int) -> float:
-    """The longest a rank can spend in one generation call: ``rollout.timeout_s`` per wave of at most
-    ``rollout.concurrency`` trajectories, over the ``gen_batch_size * rollout.n`` trajectories of a generation batch
-    (an upper bound: the batch is split over the engines)."""
-    waves = math.ceil(int(gen_batch_size) * int(rollout["n"]) / max(1, int(rollout["concurrency"])))
-    return float(rollout["timeout_s"]) * max(1, waves)

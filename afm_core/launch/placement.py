@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import time
 from typing import Any
 
@@ -24,6 +23,8 @@ import submitit
 from submitit.slurm.slurm import (
     _parse_node_list,  # what submitit's SlurmJobEnvironment.hostnames uses
 )
+
+from afm_core.utils.hardware import this_node
 
 _TASKS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
@@ -71,11 +72,6 @@ def compress_ranks(ranks: list[int]) -> str:
         else:
             spans.append([rank, rank])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-
-
-def this_node() -> str:
-    """The node this process runs on: Slurm's name for it (``SLURMD_NODENAME``), else the host name."""
-    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def job_placement(world_size: int, master_addr: str, master_port: int) -> dict[str, Any]:

@@ -70,12 +70,15 @@ def stage_table(stage: StageState, acts: Activations) -> dict[str, Any]:
 
 
 def compose(app: str, overrides: Sequence[str]) -> Any:
-    """``conf/<app>.yaml`` composed with Hydra ``overrides`` (``run_dir`` left unresolved)."""
+    """``conf/<app>.yaml`` composed with Hydra ``overrides`` (``run_dir`` left unresolved), the typed schemas
+    registered first (:func:`afm_core.config.register_schemas`)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from afm_core.config import register_schemas
     from afm_core.utils.paths import repo_root
 
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         return hydra_compose(config_name=app, overrides=list(overrides))
 

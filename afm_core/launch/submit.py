@@ -10,12 +10,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from afm_core.launch import sweep
-from afm_core.launch.distributed import free_port, without_rendezvous_env
+from afm_core.launch.distributed import without_rendezvous_env
 from afm_core.launch.executor import make_executor, world_size
 from afm_core.launch.follow import wait_streaming
 from afm_core.launch.records import job_record, write_job_record
 from afm_core.launch.requeue import RequeueableJob
 from afm_core.launch.teardown import stop_children_on_interrupt
+from afm_core.utils.ports import free_port
 
 
 def submit(fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str) -> dict[str, Any] | None:

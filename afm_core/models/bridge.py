@@ -247,7 +247,7 @@ class OutputRows:
             (``row * s + column``; in the ``thd`` format, the ``[1, b * s]`` positions), on the model's device.
         unit_grads: the loss is the plain sum of these positions' per-token losses (gradient exactly 1 on each:
             the SFT token loss with a 0/1 mask and no loss scale), which lets the fused loss skip its check of the
-            upstream gradient (:func:`afm_core.train.loss.linear_cross_entropy`).
+            upstream gradient (:func:`afm_core.models.cross_entropy.linear_cross_entropy`).
     """
 
     index: torch.Tensor
@@ -269,7 +269,7 @@ class _GPTModel(GPTModel):
     With labels, Megatron computes the full ``[s, b, vocab]`` logits, then ``vocab_parallel_cross_entropy``
     (``megatron/core/tensor_parallel/cross_entropy.py``): several passes over them, softmax and logits stored for
     backward, and three all-reduces over the TP group, all work for nothing at TP=1. There the output layer and
-    the loss are :func:`afm_core.train.loss.linear_cross_entropy` instead (chunks of rows, logits never stored).
+    the loss are :func:`afm_core.models.cross_entropy.linear_cross_entropy` instead (chunks of rows, logits never stored).
     With TP > 1, megatron's fused cross entropy configured (GPU), multi-token prediction or inference, the
     parent's ``_postprocess`` runs unchanged.
 
@@ -317,7 +317,7 @@ class _GPTModel(GPTModel):
         ):
             labels = None if labels is None else labels.clamp(min=0)  # megatron's cross entropy: ids in [0, V)
             return super()._postprocess(hidden_states=hidden_states, labels=labels, **kwargs)
-        from afm_core.train.loss import linear_cross_entropy
+        from afm_core.models.cross_entropy import linear_cross_entropy
 
         weight = (
             self.shared_embedding_or_output_weight()

@@ -60,7 +60,7 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from afm_core.train.host_memory import populate_for_write
+from afm_core.utils.host_memory import populate_for_write
 
 
 def _weight_grad(grad_sink: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:

@@ -44,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-COLOCATION_MODES = ("auto", "inprocess", "async")
+from afm_core.config.rl import COLOCATION_MODES
 
 
 @dataclass(frozen=True)

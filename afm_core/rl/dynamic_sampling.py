@@ -32,7 +32,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-FILTER_METRICS = {"acc": "score", "score": "reward"}  # algorithm.filter_groups_metric -> the sample's field
+from afm_core.config.rl import FILTER_METRICS
 
 
 def filter_values(samples: Sequence[Any], metric: str) -> list[float]:

@@ -371,9 +371,9 @@ def start_rollout_actor(
     and tells its node's other ranks where they are: no sandbox is exposed to the network, no tool call leaves
     its node. With ``rollout.environment: simulated`` no tool server starts (a model answers the calls).
     """
-    from afm_core.launch.placement import this_node
     from afm_core.rl.colocation import lockstep_group, select_colocation
     from afm_core.tools.job_servers import needed_servers, tool_servers
+    from afm_core.utils.hardware import this_node
 
     simulated = cfg["rollout"].get("environment", "real") == "simulated"
     names = needed_servers(

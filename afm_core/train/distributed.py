@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from afm_core.launch.distributed import DEFAULT_COLLECTIVE_TIMEOUT_MIN
+from afm_core.config.timeouts import DEFAULT_COLLECTIVE_TIMEOUT_MIN
 from afm_core.utils import hardware
 
 log = logging.getLogger(__name__)

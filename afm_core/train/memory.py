@@ -36,7 +36,7 @@ dropout and flash / fused SDPA attention, which store no ``s x s`` scores), in e
     (``megatron/core/fusions/fused_cross_entropy.py``; measured on an H200 with ``benchmarks/plan_vs_gpu.py``:
     5.8 GiB over the kept layer inputs at 4096 tokens x 151936 vocab, bf16); megatron's unfused
     ``vocab_parallel_cross_entropy`` (CPU, TP > 1) the logits and an fp32 softmax, ``c = e + 4``; on CPU at TP=1
-    the fused, chunked :func:`afm_core.train.loss.linear_cross_entropy` stores no logits (``c = 0``).
+    the fused, chunked :func:`afm_core.models.cross_entropy.linear_cross_entropy` stores no logits (``c = 0``).
 
 Not counted: allocator fragmentation, the CUDA context and NCCL buffers (the plan adds
 :data:`afm_core.launch.plan.GPU_OVERHEAD_BYTES`), communication buckets, and the optimizer step's temporaries
@@ -263,7 +263,7 @@ class Activations:
 def cross_entropy_kind(*, on_gpu: bool, tp: int, transformer_engine: bool) -> str:
     """Which output layer + cross entropy the last stage runs (module docstring): ``"te"`` (transformer-engine's
     ``parallel_cross_entropy``), ``"native"`` (megatron's fused one), ``"unfused"`` (megatron's
-    ``vocab_parallel_cross_entropy``) or ``"chunked"`` (:func:`afm_core.train.loss.linear_cross_entropy`), as
+    ``vocab_parallel_cross_entropy``) or ``"chunked"`` (:func:`afm_core.models.cross_entropy.linear_cross_entropy`), as
     :func:`afm_core.models.bridge.platform_fusions` and ``_GPTModel._postprocess`` choose it."""
     if on_gpu:
         return "te" if transformer_engine else "native"
@@ -300,7 +300,7 @@ def activations(
         recompute: ``None``, ``"selective"`` or ``"full"`` (``parallel.recompute``).
         element_size: bytes per activation element (2 for bf16, 4 for fp32).
         on_gpu: the job runs on GPUs; on CPU the local layer spec, and at TP=1 the fused, chunked output layer +
-            loss (:func:`afm_core.train.loss.linear_cross_entropy`).
+            loss (:func:`afm_core.models.cross_entropy.linear_cross_entropy`).
         transformer_engine: the GPU job has transformer-engine (its layer spec and cross entropy); None: as
             ``on_gpu`` (``requirements/gpu.txt`` installs it). Without it a GPU job runs the local layer spec and
             megatron's native fused cross entropy.

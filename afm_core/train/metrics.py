@@ -4,7 +4,7 @@ Each line holds at least ``step``, ``split`` ("train" | "eval"), ``loss`` (maske
 ``tokens`` (unmasked target tokens in that step) and ``tokens_per_s``; train lines add ``grad_norm``,
 ``input_tokens_per_s`` (all positions), ``tflops`` (model TFLOP/s per device) and ``mfu`` (against the device's
 datasheet bf16 peak, ``trainer.peak_tflops``; null on CPU: :mod:`afm_core.train.flops`), ``elapsed_s``... and
-``time`` (unix seconds when the line was written, added by :class:`MetricsLog`). Lines are
+``time`` (unix seconds when the line was written, added by :class:`afm_core.utils.tracking.MetricsLog`). Lines are
 appended and flushed one by one, so a crash loses at most the line being written.
 On resume, lines past the checkpoint's step are dropped (atomic rewrite), so after any number of restarts
 every ``(step, split)`` appears exactly once.
@@ -12,46 +12,16 @@ every ``(step, split)`` appears exactly once.
 
 from __future__ import annotations
 
-import json
-import math
-import time
 from pathlib import Path
 from typing import Any
 
-from afm_core.utils.atomic import atomic_path, atomic_write_text
+from afm_core.utils.atomic import atomic_path
 from afm_core.utils.jsonlog import read_jsonl_log
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """All complete records of a ``metrics.jsonl`` (see :func:`afm_core.utils.jsonlog.read_jsonl_log`)."""
     return read_jsonl_log(path)
-
-
-class MetricsLog:
-    """Append-only ``metrics.jsonl`` writer that resumes cleanly.
-
-    Args:
-        path: ``RUN_DIR/metrics.jsonl``.
-        resume_step: optimizer steps already done (the loaded checkpoint's step; 0 for a fresh run):
-            existing lines with ``step > resume_step`` are removed, and for a fresh run the file is emptied.
-    """
-
-    def __init__(self, path: str | Path, resume_step: int):
-        self.path = Path(path)
-        kept = [r for r in read_metrics(self.path) if resume_step > 0 and r["step"] <= resume_step]
-        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - appended to until close()
-
-    def write(self, record: dict[str, Any]) -> None:
-        """Append one record (needs ``step`` and ``split``) with ``time`` (unix seconds); non-finite floats are
-        written as null."""
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        clean["time"] = time.time()
-        self._file.write(json.dumps(clean) + "\n")
-        self._file.flush()
-
-    def close(self) -> None:
-        self._file.close()
 
 
 def plot_losses(metrics_path: str | Path, png_path: str | Path) -> None:

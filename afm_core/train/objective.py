@@ -31,7 +31,7 @@ class Objective(Protocol):
 
     name: str
     # the loss is the plain sum of the labelled positions' per-token losses (gradient 1 on each: the fused output
-    # layer then skips its check of that gradient, see afm_core.train.loss.linear_cross_entropy)
+    # layer then skips its check of that gradient, see afm_core.models.cross_entropy.linear_cross_entropy)
     unit_row_grads: bool
 
     def loss_func(self, batch: Mapping[str, Any], loss_mask: torch.Tensor) -> LossFunc:

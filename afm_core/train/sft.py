@@ -153,9 +153,9 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
     """
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.train.distributed import destroy_distributed, init_distributed
-    from afm_core.train.host_memory import configure_allocator
+    from afm_core.utils.host_memory import configure_allocator
 
-    configure_allocator()  # freed activations leave the resident set (afm_core.train.host_memory)
+    configure_allocator()  # freed activations leave the resident set (afm_core.utils.host_memory)
     t = cfg.trainer
     if t.engine not in ENGINES:
         raise ValueError(f"trainer.engine={t.engine!r}: expected one of {ENGINES}")

@@ -59,11 +59,11 @@ from afm_core.train.checkpoint import Checkpointer
 from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
 from afm_core.train.distributed import ParallelLayout
 from afm_core.train.flops import batch_attention_pairs, datasheet_peak_tflops, mfu, training_flops
-from afm_core.train.host_memory import populate_for_write, zero_by_release
 from afm_core.train.metrics import plot_losses, read_metrics
 from afm_core.train.objective import Objective, build_objective
 from afm_core.train.optim import build_optimizer
 from afm_core.utils.atomic import atomic_write_text
+from afm_core.utils.host_memory import populate_for_write, zero_by_release
 from afm_core.utils.profiling import StepProfiler
 from afm_core.utils.tracking import Tracker
 
@@ -188,10 +188,10 @@ class _DistributedDataParallel(DistributedDataParallel):
     (``finalize_model_grads``) and the embedding/layernorm syncs over PP/TP are unaffected.
 
     On CPU, :meth:`zero_grad_buffer` zeroes the fp32 grad buffers with
-    :func:`~afm_core.train.host_memory.zero_by_release` instead of a write pass, so the buffer (4 bytes/param)
-    is not resident during the forward pass, when the activations peak (see :mod:`afm_core.train.host_memory`).
+    :func:`~afm_core.utils.host_memory.zero_by_release` instead of a write pass, so the buffer (4 bytes/param)
+    is not resident during the forward pass, when the activations peak (see :mod:`afm_core.utils.host_memory`).
     The backward hook that adds an autograd gradient into ``main_grad`` first maps that slice of the released
-    buffer writable (:func:`~afm_core.train.host_memory.populate_for_write`), so the add does not fault on every
+    buffer writable (:func:`~afm_core.utils.host_memory.populate_for_write`), so the add does not fault on every
     page twice.
     """
 
@@ -671,7 +671,7 @@ class MegatronTrainer:
         self._release_grad_buffers()
 
     def _release_grad_buffers(self) -> None:
-        """Zero the fp32 grad buffers by page release (:func:`~afm_core.train.host_memory.zero_by_release`): at a
+        """Zero the fp32 grad buffers by page release (:func:`~afm_core.utils.host_memory.zero_by_release`): at a
         step boundary their contents are spent (the next step zeroes them first), so on CPU their pages need not
         stay resident through an eval, a checkpoint write or an export."""
         for chunk in self.model:

@@ -7,12 +7,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from afm_core.tools.pool import ToolPool
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
+
+
+class ToolPoolLike(Protocol):
+    """What :func:`run_with_tools` needs of a tool pool (:class:`afm_core.tools.pool.ToolPool` is one): named here
+    so that utils, the bottom layer, does not import tools."""
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def metrics_snapshot(self) -> dict[str, Any]: ...
 
 
 async def run_until_stopped(
@@ -47,7 +55,7 @@ async def run_until_stopped(
 
 async def run_with_tools(
     work: Callable[[], Awaitable[object]],
-    pool: ToolPool | None,
+    pool: ToolPoolLike | None,
     stop: Callable[[], bool],
     dropped: str,
     close: Sequence[Callable[[], Awaitable[object]]] = (),

@@ -14,6 +14,7 @@ and every job a submission starts (local and Slurm jobs inherit the submitter's 
 from __future__ import annotations
 
 import os
+import socket
 
 #: The environment variable that overrides the CPU's bf16 decision: ``1`` (bf16), ``0`` (fp32), unset (detect).
 CPU_BF16_ENV = "AFM_CPU_BF16"
@@ -61,3 +62,8 @@ def bf16_is_fast(on_gpu: bool | None = None) -> bool:
         return True
     forced = cpu_bf16_forced()
     return cpu_has_native_bf16() if forced is None else forced
+
+
+def this_node() -> str:
+    """The node this process runs on: Slurm's name for it (``SLURMD_NODENAME``), else the host name."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()

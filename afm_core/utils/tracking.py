@@ -3,7 +3,7 @@
 The backends are the field's libraries, as verl's ``trainer.logger`` list picks them (volcengine/verl
 ``verl/utils/tracking.py``):
 
-- ``console``: ``RUN_DIR/metrics.jsonl`` (:class:`afm_core.train.metrics.MetricsLog`) and the job's PNG curves.
+- ``console``: ``RUN_DIR/metrics.jsonl`` (:class:`MetricsLog`) and the job's PNG curves.
   Always on: it is the job's own record, read by ``jobs.status``, the summaries and a resumed run.
 - ``tensorboard``: event files in ``RUN_DIR/tensorboard`` (``torch.utils.tensorboard.SummaryWriter``).
 - ``wandb``: a Weights & Biases run (``wandb.init``) in ``RUN_DIR/wandb``; ``WANDB_MODE=offline`` keeps it on
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -33,7 +34,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from afm_core.utils.atomic import atomic_write_json
+from afm_core.utils.atomic import atomic_write_json, atomic_write_text
 from afm_core.utils.jsonlog import read_jsonl_log
 from afm_core.utils.paths import repo_root
 
@@ -198,6 +199,33 @@ def read_run_ids(run_dir: str | Path) -> dict[str, str]:
     return dict(json.loads(path.read_text()).get("run_ids") or {}) if path.is_file() else {}
 
 
+class MetricsLog:
+    """Append-only ``metrics.jsonl`` writer that resumes cleanly.
+
+    Args:
+        path: ``RUN_DIR/metrics.jsonl``.
+        resume_step: optimizer steps already done (the loaded checkpoint's step; 0 for a fresh run):
+            existing lines with ``step > resume_step`` are removed, and for a fresh run the file is emptied.
+    """
+
+    def __init__(self, path: str | Path, resume_step: int):
+        self.path = Path(path)
+        kept = [r for r in read_jsonl_log(self.path) if resume_step > 0 and r["step"] <= resume_step]
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in kept))
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - appended to until close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record (needs ``step`` and ``split``) with ``time`` (unix seconds); non-finite floats are
+        written as null."""
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        clean["time"] = time.time()
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class Tracker:
     """The job's metrics sink: ``metrics.jsonl`` plus the tracking backends in ``loggers``.
 
@@ -218,8 +246,6 @@ class Tracker:
     def __init__(self, run_dir: str | Path, loggers: list[str] | tuple[str, ...], *, config: Mapping[str, Any],
                  job_type: str, tracking: Mapping[str, Any] | None = None, run_ids: Mapping[str, str] | None = None,
                  resume_step: int = 0, metrics_file: str | None = "metrics.jsonl"):  # fmt: skip
-        from afm_core.train.metrics import MetricsLog
-
         unknown = sorted(set(loggers) - set(BACKENDS))
         if unknown:
             raise ValueError(f"logger={list(loggers)}: unknown {unknown[0]!r}; valid: {', '.join(BACKENDS)}")

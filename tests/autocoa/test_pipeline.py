@@ -93,10 +93,11 @@ def test_the_demo_recipe_composes_every_stage_and_a_bad_override_fails_before_an
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    import afm_core.config  # noqa: F401  (registers the SFT schema)
+    from afm_core.config import register_schemas
     from afm_core.launch.pipeline import cluster_overrides, stage_dir, stage_overrides
     from jobs.pipeline import check_stage
 
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="pipeline", overrides=["recipe=autocoa_demo", f"run_dir={tmp_path}"])
         specs = parse_stages(cfg.stages)

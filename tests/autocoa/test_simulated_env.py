@@ -102,6 +102,7 @@ def test_the_rl_job_switches_environment_by_config(hotpot_question, tmp_path):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from afm_core.config import register_schemas
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.prompts import load_prompts
     from afm_core.rl.rollout_actor import RolloutActor
@@ -115,6 +116,7 @@ def test_the_rl_job_switches_environment_by_config(hotpot_question, tmp_path):
     tokenizer = load_tokenizer(tiny)
     corpus, _ = hotpot_question
     overrides = [f"run_dir={tmp_path}", "engine.cpu_kv_cache_gib=0.25", "data.limit=1", "tools.cache=null"]
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         simulated = compose("rl", [*overrides, "recipe=autocoa_rl_stage1", f"rollout.simulator.model={tiny}"])
         real = compose("rl", [*overrides, "recipe=autocoa_rl_stage2"])

@@ -13,7 +13,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from afm_core.coa.grammar import validate_text
-from afm_core.config import check_config
+from afm_core.config import check_config, register_schemas
 from afm_core.config.sft import SFTConfig
 from afm_core.data.prepare import is_prepared, recorded_config, resolve_out_dir
 from afm_core.data.schema import read_prepared
@@ -37,6 +37,7 @@ SCRIPTS = [  # (benchmark, index) -> script; what each must do to the filters is
 
 
 def _config(run_dir, url, data_dir, *extra):
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="distill", overrides=[
             f"run_dir={run_dir}", f"data_dir={data_dir}", "distill.limit=3", "distill.concurrency=6",
@@ -124,6 +125,7 @@ def test_a_rerun_redoes_nothing_and_sft_finds_the_data_ready(distilled):
     run_dir, report, again, _ = distilled
     assert again["runs"] == 6 and again["seconds_this_job"] == 0.0
     assert again["filters"] == report["filters"]
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         sft = compose(config_name="sft", overrides=["run_dir=/tmp/x", "data=distill", "data.heldout_fraction=0",
                                                     f"data.sources.trajectories.path={run_dir / 'trajectories.jsonl'}",

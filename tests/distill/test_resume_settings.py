@@ -12,6 +12,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from afm_core.config import register_schemas
 from afm_core.distill.runner import RUNS_FILE, check_resume
 from afm_core.eval.samples import SETTINGS_FILE
 from afm_core.utils.paths import repo_root
@@ -20,6 +21,7 @@ CHAT = ["teachers.main.backend=chat", "teachers.main.url=http://127.0.0.1:9/v1",
 
 
 def _config(run_dir, *overrides):
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="distill", overrides=[f"run_dir={run_dir}", *overrides])
     return OmegaConf.to_container(cfg, resolve=True)

@@ -68,8 +68,10 @@ def rl_config(run_dir, *overrides: str, recipe: str = "rl_smoke") -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from afm_core.config import register_schemas
     from afm_core.utils.paths import repo_root
 
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="rl", overrides=[f"recipe={recipe}", f"run_dir={run_dir}", *overrides])
     return OmegaConf.to_container(cfg, resolve=True)
@@ -154,7 +156,7 @@ def run_rl_ranks(
     0's summary, with ``aborted_rounds_left_vllm_idle``."""
     import torch.multiprocessing as mp
 
-    from afm_core.launch.distributed import free_port
+    from afm_core.utils.ports import free_port
 
     out = Path(cfg["run_dir"]) / f"summary-{time.monotonic_ns()}.json"
     Path(cfg["run_dir"]).mkdir(parents=True, exist_ok=True)

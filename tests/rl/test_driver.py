@@ -28,13 +28,14 @@ import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from afm_core.launch.distributed import free_port
+from afm_core.config import register_schemas
 from afm_core.rl.metrics import rollout_metrics
 from afm_core.rl.prompts import PromptStream
 from afm_core.rl.reward_shaping import shaped_reward
 from afm_core.rl.rollout_actor import RolloutActor, node_tool_urls
 from afm_core.rl.schedule import parse_schedule, stage_at
 from afm_core.utils.paths import repo_root
+from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 from tests.rl.helpers import needs_shared_data, rl_config, run_rl_ranks
 from tests.test_tracking import mlflow_history, tensorboard_scalars
@@ -246,6 +247,7 @@ def test_the_paper_rl_recipes_pass_the_submit_checks_and_start_an_engine_within_
     from afm_core.config.rl import RLConfig
     from afm_core.rl.policy_trainer import check_batch_split
 
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="rl", overrides=[f"recipe={recipe}", f"run_dir={tmp_path}", "data.files=[p.parquet]"])
     checked = check_config(cfg, RLConfig)
@@ -346,7 +348,7 @@ def test_the_final_rl_checkpoint_exports_to_hf_in_its_precision_with_the_megatro
 ):
     """``jobs.export``'s body on the RL run's checkpoint: the export keeps the checkpoint's dtype and its logits
     match the Megatron model's within that dtype's tolerance (fp32 1e-3; bf16 one rounding of the logits)."""
-    from afm_core.models.export import PARITY_TOLERANCE, export_checkpoint
+    from afm_core.train.export import PARITY_TOLERANCE, export_checkpoint
     from tests.test_export import weights
 
     run_dir, straight, precision = uninterrupted
@@ -461,7 +463,7 @@ def test_a_policy_that_writes_code_gets_the_plugged_in_tools_observation_graded_
 def test_the_mid_run_rl_checkpoint_exports_to_hf_with_the_megatron_models_logits(interrupted, tmp_path, monkeypatch):
     """``jobs.export``'s body (:func:`export_checkpoint`) run here: a process of its own would spend ~12 s
     importing Megatron and transformers again; the CLI around it is tested in tests/test_export.py."""
-    from afm_core.models.export import export_checkpoint
+    from afm_core.train.export import export_checkpoint
     from tests.test_export import weights
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):

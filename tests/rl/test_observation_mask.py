@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from afm_core.launch.distributed import free_port
+from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 
 TEMPERATURE = 0.8

@@ -10,7 +10,7 @@ import torch
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from afm_core.launch.distributed import free_port
+from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 from tests.test_train_engine import SEQ, VOCAB, make_cfg, tiny_provider
 

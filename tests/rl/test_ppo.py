@@ -21,9 +21,9 @@ import torch
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from afm_core.launch.distributed import free_port
 from afm_core.rl.critic import gae_per_sample
 from afm_core.rl.grading import Sample
+from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env, set_rank_env_for_test
 from tests.rl.helpers import needs_shared_data, rl_config, run_rl_ranks
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.multiprocessing as mp
 
-from afm_core.launch.distributed import free_port
+from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 from tests.rl.test_observation_mask import TEMPERATURE, _grads
 

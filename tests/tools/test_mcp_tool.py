@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from afm_core.launch.distributed import free_port
 from afm_core.tools.registry import build_tool_pool
+from afm_core.utils.ports import free_port
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ import time
 import pytest
 from aiohttp import web
 
-from afm_core.launch.distributed import free_port
 from afm_core.tools import ToolCache, ToolLimits, ToolPool, WikiSearchTool
 from afm_core.tools.base import Tool, ToolError
 from afm_core.tools.wiki_search import REPEATED_SEARCH
+from afm_core.utils.ports import free_port
 from tests.tools.conftest import serve_app
 
 GOOD = {"result": [[{"document": {"id": "1", "title": "T", "contents": '"T"\nbody text'}, "score": 1.0}]]}

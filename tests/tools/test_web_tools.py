@@ -226,7 +226,7 @@ def test_crawl_refuses_loopback_private_and_metadata_addresses(servers, tmp_path
     """SSRF: the sandbox-like local server, the metadata address, a host name resolving to loopback, a mapped
     IPv6 form, and an allowed URL that redirects to loopback all give error observations, and no request
     reaches the local server. Allow-listed servers (the pages server, the redirector) stay reachable."""
-    from afm_core.launch.distributed import free_port
+    from afm_core.utils.ports import free_port
 
     redirector_port = free_port()
     with ServerGroup(log_dir=tmp_path) as group:

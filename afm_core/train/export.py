@@ -94,8 +94,8 @@ def _init_single_process() -> Any:
     """
     from omegaconf import OmegaConf
 
-    from afm_core.launch.distributed import free_port
     from afm_core.train.distributed import init_distributed
+    from afm_core.utils.ports import free_port
 
     os.environ.update(
         RANK="0",
@@ -135,11 +135,12 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
             logits differ from the Megatron model's by more than :data:`PARITY_TOLERANCE` (then removed).
     """
     from megatron.core import dist_checkpointing
+    from transformers import AutoConfig
 
     from afm_core.models.bridge import save_hf_checkpoint
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.rl.policy_model import build_policy_model
     from afm_core.train.distributed import destroy_distributed
+    from afm_core.train.trainer import build_model
 
     path = find_checkpoint(run_dir, step)
     marker = read_marker(path)
@@ -152,7 +153,8 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
         raise ExportError("export_checkpoint runs in a process of its own (it sets up a TP=PP=1 group)")
     layout = _init_single_process()
     try:
-        chunks, hf_config = build_policy_model(base, layout, params_dtype=dtype, load_weights=False)
+        hf_config = AutoConfig.from_pretrained(base, local_files_only=True)
+        chunks = build_model(hf_config, layout, params_dtype=dtype)  # random init: the checkpoint's weights follow
         state = {"model": chunks[0].sharded_state_dict()}
         loaded = dist_checkpointing.load(state, str(path))  # TP/PP shards of any layout merged into TP=PP=1
         chunks[0].load_state_dict(loaded["model"])
