@@ -9,7 +9,7 @@ For each model preset (``conf/model``: the published shape, random weights, noth
 ``parallel.recompute`` setting, at world size 1 (TP = PP = DP = 1), ``conf/sft.yaml`` is composed with the same
 overrides for both sides:
 
-* **predicted**: :func:`afm_core.launch.plan.training_plan` of that config (what ``python -m jobs.plan`` prints:
+* **predicted**: :func:`afm_core.launch.plan_estimates.training_plan` of that config (what ``python -m jobs.plan`` prints:
   model states built on the meta device, activations and logits from :mod:`afm_core.train.memory`'s formula) for
   the stack measured: the layout's ``transformer_engine`` is whether transformer-engine imports here (without it
   the local layer spec and megatron's native fused cross entropy run);
@@ -115,7 +115,8 @@ def predict(cfg: Any, *, on_gpu: bool, transformer_engine: bool) -> dict[str, An
     or not (its layer spec and cross entropy, :func:`afm_core.train.memory.activations`), and the layout used."""
     from omegaconf import OmegaConf
 
-    from afm_core.launch.plan import GPU_OVERHEAD_BYTES, hf_config_of, layout_of, training_plan
+    from afm_core.launch.plan import hf_config_of, layout_of
+    from afm_core.launch.plan_estimates import GPU_OVERHEAD_BYTES, training_plan
 
     plain = OmegaConf.to_container(cfg, resolve=False)
     layout = layout_of(plain, "sft")  # it reads the driver's GPU list, which a VM may not expose: set from torch

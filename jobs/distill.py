@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from afm_core.config import ConfigError, check_config
 from afm_core.config.eval import DistillConfig
-from afm_core.launch import submit
+from afm_core.launch.submit import submit
 
 
 @hydra.main(config_path="../conf", config_name="distill", version_base="1.3")

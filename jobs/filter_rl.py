@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from afm_core.config import ConfigError, check_config
 from afm_core.config.eval import FilterRLConfig
-from afm_core.launch import submit
+from afm_core.launch.submit import submit
 
 
 @hydra.main(config_path="../conf", config_name="filter_rl", version_base="1.3")

@@ -6,7 +6,7 @@
     python -m jobs.plan rl model=qwen2.5-7b-instruct cluster=slurm ... # name the app when no recipe tells
 
 Takes the same overrides as ``jobs.sft`` / ``jobs.rl`` (the app is the first argument ``sft`` / ``rl``, else the
-recipe's kind), prints the table of :func:`afm_core.launch.plan.render` and writes ``plan.json`` (``plan.out=PATH``
+recipe's kind), prints the table of :func:`afm_core.launch.plan_render.render` and writes ``plan.json`` (``plan.out=PATH``
 elsewhere). Exit status 0 when it fits (or is a CPU job), 1 when it does not, 2 for a bad config.
 See :mod:`afm_core.launch.plan`.
 """
@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 
 
 def main(argv: list[str]) -> int:
-    from afm_core.launch.plan import APPS, compose, infer_app, make_plan, render, suggest, write_plan
+    from afm_core.launch.plan import APPS, compose, infer_app, make_plan, suggest
+    from afm_core.launch.plan_render import render, write_plan
 
     app = argv[0] if argv and argv[0] in APPS else None
     overrides = argv[1:] if app else list(argv)

@@ -10,7 +10,7 @@ The composed config is checked against its typed schema (:mod:`afm_core.config.r
 unknown key or a bad value exits with status 2 in seconds, naming the key; so do an absent prompt or validation
 benchmark file, an unknown preset and a plug-in (``reward_fn``, a tool's ``_target_``) that does not import
 (:func:`afm_core.rl.driver.check_inputs`). A ``cluster=slurm`` job is planned
-first (:mod:`afm_core.launch.plan`): one that does not fit its GPUs exits with status 3 before ``sbatch``
+first (:mod:`afm_core.launch.plan_gate`): one that does not fit its GPUs exits with status 3 before ``sbatch``
 (``+plan.force=true`` submits anyway). Each rank runs ``afm_core.rl.driver.run_rl(cfg)``; on SIGUSR2 (Slurm timeout or preemption) it checkpoints at
 the next rollout-step boundary and the job is requeued (afm_core.launch.requeue).
 """

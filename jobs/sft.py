@@ -9,7 +9,7 @@
 
 The composed config is checked against its typed schema (:mod:`afm_core.config`) before anything is built or
 submitted: a bad value exits with status 2 and one line naming the key and the valid values. A ``cluster=slurm``
-job is planned first (:mod:`afm_core.launch.plan`, ``RUN_DIR/plan.json``): one that does not fit its GPUs exits
+job is planned first (:mod:`afm_core.launch.plan_gate`, ``RUN_DIR/plan.json``): one that does not fit its GPUs exits
 with status 3 before ``sbatch``, naming the numbers and the overrides that would fit (``+plan.force=true``
 submits anyway). Each rank runs
 ``afm_core.train.sft.run_sft(cfg)``; on SIGUSR2 (Slurm timeout or preemption) the trainer

@@ -23,7 +23,6 @@ import submitit
 from omegaconf import OmegaConf
 from submitit.core.utils import FailedJobError
 
-from afm_core.launch import submit
 from afm_core.launch.distributed import rendezvous_vars
 from afm_core.launch.executor import ClusterConfigError, make_executor, world_size
 from afm_core.launch.placement import compress_ranks, parse_tasks_per_node, rank_nodes
@@ -34,6 +33,7 @@ from afm_core.launch.records import (
     write_job_record,
 )
 from afm_core.launch.status import collect
+from afm_core.launch.submit import submit
 from afm_core.launch.teardown import stop_process_trees
 from afm_core.utils.paths import repo_root
 from jobs import status as status_cli

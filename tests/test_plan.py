@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +14,8 @@ import torch
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
-from afm_core.launch.plan import checkpoint_plan, compose, layout_of, make_plan, render
+from afm_core.launch.plan import checkpoint_plan, compose, layout_of, make_plan
+from afm_core.launch.plan_render import render
 from afm_core.models.arch import hf_config_from_arch
 from afm_core.models.presets import load_preset
 from afm_core.train.memory import activations, model_state
@@ -249,3 +251,19 @@ def test_the_plan_of_a_cpu_job_has_no_gpu_verdict_and_jobs_plan_writes_plan_json
     dtype = "bf16" if bf16_is_fast(on_gpu=False) else "fp32"  # trainer.precision=auto on this CPU
     assert out.is_file() and f"{dtype} on CPU" in done.stdout and "verdict" not in done.stdout
     assert Path(out).read_text().startswith("{")
+
+
+def test_the_estimates_import_alone_and_size_a_checkpoint_and_its_usr2_lead_from_plain_numbers():
+    """``plan_estimates`` loads no other launch module, no torch and no submitit (nothing that probes a disk or joins
+    a process group), and its checkpoint model is arithmetic on the numbers it is given."""
+    code = "import json, sys, afm_core.launch.plan_estimates; print(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=repo_root(), capture_output=True, text=True, check=True)
+    loaded = {m for m in json.loads(out.stdout) if m.split(".")[0] in ("afm_core", "torch", "submitit")}
+    assert loaded == {"afm_core", "afm_core.launch", "afm_core.launch.plan_estimates"}
+    from afm_core.launch.plan_estimates import checkpoint_estimate
+
+    ckpt = checkpoint_estimate(10**9, bf16=True, nodes=2, signal_lead_s=5, write_gb_s_per_node=1.0, source="given")
+    assert ckpt["bytes"] == 14 * 10**9 and ckpt["write_s"] == 7.0  # 14 B/param (bf16, fp32 master, m, v) over 2 GB/s
+    assert "set cluster.signal_delay_s >= 70" in ckpt["lead_warning"]  # 7 s x 1.5 + 60
+    fp32 = checkpoint_estimate(10**9, bf16=False, nodes=1, signal_lead_s=60, write_gb_s_per_node=1.0, source="given")
+    assert fp32["bytes"] == 12 * 10**9 and fp32["write_s"] == 12.0 and fp32["lead_warning"] is None

@@ -8,7 +8,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from afm_core.config import register_schemas
-from afm_core.launch.plan import make_plan, render
+from afm_core.launch.plan import make_plan
+from afm_core.launch.plan_render import render
 from afm_core.utils.paths import repo_root
 
 RECIPES = {

@@ -99,7 +99,7 @@ def run_training_job(
     """The body of a training app (``jobs.sft``, ``jobs.rl``): check ``cfg`` against its typed ``schema``
     (:func:`afm_core.config.check_config`; a bad value exits with status 2 and one line naming the key, before
     anything is built or submitted), then its inputs (``check_inputs(resolved config)``: data files, plug-ins; a
-    ValueError or FileNotFoundError exits with status 2 and its message), plan a ``cluster=slurm`` job (:mod:`afm_core.launch.plan`: one that does not fit
+    ValueError or FileNotFoundError exits with status 2 and its message), plan a ``cluster=slurm`` job (:mod:`afm_core.launch.plan_gate`: one that does not fit
     its GPUs exits with status 3 before ``sbatch``, naming the numbers and the overrides that would fit;
     ``+plan.force=true`` submits anyway), :func:`submit` ``fn`` with the trainer's checkpoint-and-requeue hook
     (:func:`afm_core.train.trainer.request_checkpoint`), and print rank 0's summary as JSON when waiting."""
@@ -120,7 +120,7 @@ def run_training_job(
         except (ValueError, FileNotFoundError) as err:
             print(f"jobs.{job_name}: {err}", file=sys.stderr)
             raise SystemExit(2) from None
-    from afm_core.launch.plan import PlanRefused, check_before_submit
+    from afm_core.launch.plan_gate import PlanRefused, check_before_submit
 
     try:
         check_before_submit(cfg, job_name)  # cluster=slurm: the plan first; exit 3 when it does not fit

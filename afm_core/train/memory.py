@@ -39,7 +39,7 @@ dropout and flash / fused SDPA attention, which store no ``s x s`` scores), in e
     the fused, chunked :func:`afm_core.models.cross_entropy.linear_cross_entropy` stores no logits (``c = 0``).
 
 Not counted: allocator fragmentation, the CUDA context and NCCL buffers (the plan adds
-:data:`afm_core.launch.plan.GPU_OVERHEAD_BYTES`), communication buckets, and the optimizer step's temporaries
+:data:`afm_core.launch.plan_estimates.GPU_OVERHEAD_BYTES`), communication buckets, and the optimizer step's temporaries
 (with the fused AdamW, one fp32 copy of the largest parameter: below the forward-backward peak).
 """
 

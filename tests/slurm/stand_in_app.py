@@ -5,7 +5,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from afm_core.launch import submit
+from afm_core.launch.submit import submit
 
 
 @hydra.main(config_path="../../conf", config_name="sft", version_base="1.3")

@@ -1,0 +1,297 @@
+"""The pure estimates of ``jobs.plan``: per-rank GPU memory, the colocated vLLM engine, host memory, the weight-sync
+tensors and the checkpoint's size, from plain values (a :class:`Layout`, a transformers config, the composed config
+as a mapping).
+
+Nothing here reads a file, probes a disk or sets up a process group when imported, and only
+:func:`training_plan` does anything beyond arithmetic when called: it builds the model on the meta device in a fake
+process group of the job's world size (:func:`afm_core.train.memory.model_state`), touching no device and no
+network. The activations come from the per-layer formula (:func:`afm_core.train.memory.activations`).
+
+Units: bytes unless a name says GiB (``2**30``) or GB (``1e9``, as disks and GPUs are sold).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from afm_core.train.memory import Activations, StageState
+
+GIB = 1024**3
+# CUDA context, NCCL and cuBLAS workspaces, allocator slack (not modelled). Measured on an H200 at world size 1
+# (benchmarks/plan_vs_gpu.py, Qwen2.5-1.5B/3B at 4096 tokens): 2.84 GiB held outside torch's allocator plus 0.4-0.8
+# GiB reserved above the allocated peak; NCCL communicators of larger worlds add to it.
+GPU_OVERHEAD_BYTES = 4 * GIB
+
+# Nominal GPU size (GB, as sold) -> the bytes torch reports as total memory (H100/A100 80GB: 81559 MiB;
+# H200 141GB: 143771 MiB). Other sizes are taken as GiB.
+GPU_TOTAL_BYTES = {80: 81559 * 2**20, 141: 143771 * 2**20}
+REPORTED_GPUS = (80, 141)
+
+
+def as_gib(value: float) -> float:
+    return round(value / GIB, 2)
+
+
+def gpu_total_bytes(nominal_gb: float) -> int:
+    return GPU_TOTAL_BYTES.get(int(nominal_gb), int(nominal_gb * GIB))
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the plan needs of a composed config, as plain values."""
+
+    app: str
+    world_size: int
+    nodes: int
+    gpus_per_node: int
+    on_gpu: bool
+    tp: int
+    pp: int
+    vpp: int | None
+    cp: int
+    sequence_parallel: bool
+    recompute: str | None
+    distributed_optimizer: bool
+    bf16: bool
+    seq_length: int
+    micro_batch_size: int
+    num_microbatches: int
+    gpu_gb: float
+    # GPU jobs run transformer-engine's layer spec and cross entropy (requirements/gpu.txt); False: a GPU install
+    # without it (megatron's local spec and native fused cross entropy: afm_core.train.memory.activations)
+    transformer_engine: bool = True
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.tp * self.pp * self.cp)
+
+
+def stage_table(stage: StageState, acts: Activations) -> dict[str, Any]:
+    """One row of the plan's per-rank table (bytes and GiB)."""
+    row = {**asdict(stage), "activations_bytes": acts.layers, "logits_bytes": acts.logits}
+    row["train_bytes"] = stage.total + acts.total
+    row["in_flight_micro_batches"] = acts.in_flight
+    row["gib"] = {
+        key: as_gib(value)
+        for key, value in (
+            ("params", stage.param_bytes),
+            ("grads", stage.grad_bytes),
+            ("optimizer", stage.optimizer_bytes),
+            ("activations", acts.layers),
+            ("logits", acts.logits),
+            ("train", row["train_bytes"]),
+        )
+    }
+    return row
+
+
+def training_plan(hf_config: Any, layout: Layout) -> list[dict[str, Any]]:
+    """Per pipeline stage: the model states (built on meta) and the activations of one rank."""
+    import torch
+
+    from afm_core.models.arch import arch_from_hf_config
+    from afm_core.train.memory import activations, model_state
+
+    arch = arch_from_hf_config(hf_config)
+    dtype = torch.bfloat16 if layout.bf16 else torch.float32
+    states = model_state(
+        hf_config,
+        world_size=layout.world_size,
+        tp=layout.tp,
+        pp=layout.pp,
+        vpp=layout.vpp,
+        cp=layout.cp,
+        params_dtype=dtype,
+        distributed_optimizer=layout.distributed_optimizer,
+        on_gpu=layout.on_gpu,
+    )
+    rows = []
+    for stage in states:
+        acts = activations(
+            arch,
+            stage,
+            pp=layout.pp,
+            vpp=layout.vpp,
+            tp=layout.tp,
+            cp=layout.cp,
+            seq_length=layout.seq_length,
+            micro_batch_size=layout.micro_batch_size,
+            num_microbatches=layout.num_microbatches,
+            sequence_parallel=layout.sequence_parallel,
+            recompute=layout.recompute,
+            element_size=2 if layout.bf16 else 4,
+            on_gpu=layout.on_gpu,
+            transformer_engine=layout.transformer_engine,
+        )
+        rows.append(stage_table(stage, acts))
+    return rows
+
+
+def vllm_plan(hf_config: Any, cfg: Mapping[str, Any], max_model_len: int, total_params: int) -> dict[str, Any]:
+    """The colocated engine's bytes per GPU: weights, KV cache per token and the sequences of ``max_model_len``
+    its share of each reported GPU size holds, and what sleeping frees."""
+    from afm_core.models.arch import arch_from_hf_config
+
+    arch = arch_from_hf_config(hf_config)
+    etp = int(cfg["engine"].get("tensor_parallel_size", 1))
+    util = float(cfg["engine"].get("gpu_memory_utilization", 0.85))
+    level = int((cfg.get("colocation") or {}).get("sleep_level", 1))
+    kv_heads = -(-arch.num_query_groups // etp)  # vLLM replicates KV heads when etp > groups
+    kv_per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * 2  # K and V, bf16
+    weights = 2 * total_params // etp
+    per_gpu = {}
+    for gb in REPORTED_GPUS:
+        claimed = int(util * gpu_total_bytes(gb))
+        kv = max(0, claimed - weights)
+        per_gpu[str(gb)] = {
+            "claimed_bytes": claimed,
+            "kv_cache_bytes": kv,
+            "sequences_at_max_model_len": kv // (kv_per_token * max_model_len),
+            "asleep_bytes": 0 if level >= 1 else claimed,
+        }
+    return {
+        "tensor_parallel_size": etp,
+        "gpu_memory_utilization": util,
+        "max_model_len": max_model_len,
+        "weights_bytes": weights,
+        "kv_bytes_per_token": kv_per_token,
+        "sleep_level": level,
+        "sleep_frees": "weights (to host) and KV cache"
+        if level == 1
+        else "weights and KV cache"
+        if level
+        else "nothing",
+        "per_gpu": per_gpu,
+    }
+
+
+def host_plan(cfg: Mapping[str, Any], layout: Layout, trainer_state_bytes: int, engine_weights_bytes: int) -> dict:
+    """Host memory per node that colocation adds on a GPU job (:mod:`afm_core.rl.colocation`): while vLLM generates,
+    each GPU's trainer parameters, gradients and optimizer state wait in host memory (``colocation.offload_trainer``;
+    null: whenever the engine sleeps); while the trainer runs, a level-1 sleeping engine keeps its weights there.
+    ``note`` says when the larger phase exceeds ``cluster.mem`` (Slurm's per-node ``--mem``), else None."""
+    from afm_core.rl.colocation import select_colocation
+
+    colocation = select_colocation(
+        cfg.get("colocation"), cfg["engine"], on_gpu=layout.on_gpu, rank=0, world_size=layout.world_size
+    )
+    gpus = max(1, layout.gpus_per_node) if layout.on_gpu else 0
+    phases = {
+        "generation": gpus * trainer_state_bytes if colocation.offload_trainer else 0,
+        "training": gpus * engine_weights_bytes if colocation.sleeps and colocation.sleep_level == 1 else 0,
+    }
+    peak = max(phases.values())
+    limit = slurm_mem_bytes(cfg["cluster"].get("mem"))
+    note = None
+    if limit is not None and peak > limit:
+        what = "trainer state while vLLM generates" if peak == phases["generation"] else "vLLM weights while training"
+        note = (
+            f"colocation keeps {as_gib(peak)} GiB per node in host memory ({what}) > cluster.mem="
+            f"{cfg['cluster']['mem']}: raise cluster.mem or set colocation.offload_trainer=false"
+        )
+    return {"per_node_bytes": phases, "peak_gib": as_gib(peak), "mem_limit_bytes": limit, "note": note}
+
+
+def slurm_mem_bytes(mem: Any) -> int | None:
+    """Bytes of a Slurm ``--mem`` value (``64G``, ``512000``: MB by default, suffixes K/M/G/T), None when unset or 0
+    (0: all of the node's memory)."""
+    if mem in (None, "", 0, "0"):
+        return None
+    text = str(mem).strip().upper()
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    scale = units.get(text[-1])
+    return int(float(text[:-1] if scale else text) * (scale or 2**20))
+
+
+def weight_sync_plan(hf_config: Any, tp: int, pp: int, vpp: int | None) -> list[dict[str, Any]]:
+    """Every HF tensor once: name, shape, the pipeline stage that owns it and how its TP shards are split (the
+    gather in :func:`afm_core.models.bridge.export_hf_weights`: TP all-gather, then a broadcast from the owning
+    stage over the PP group; TP rank 0 of that stage holds the full tensor first).
+
+    ``tp_split``: 0 (rows: q/k/v, gate/up, embedding and output vocab), 1 (columns: o_proj, down_proj) or None
+    (replicated: norms). Layers go to stages as megatron splits them (``num_layers / (pp * vpp)`` per chunk,
+    chunk ``c`` of stage ``s`` holding block ``c * pp + s``).
+    """
+    from afm_core.models.arch import arch_from_hf_config
+
+    arch = arch_from_hf_config(hf_config)
+    h, f, d = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
+    q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
+    chunks = vpp or 1
+    per_chunk = arch.num_layers // (pp * chunks)
+
+    def stage_of(layer: int) -> int:
+        return (layer // per_chunk) % pp
+
+    rows: list[dict[str, Any]] = [
+        {"name": "model.embed_tokens.weight", "shape": [arch.vocab_size, h], "pp_rank": 0, "tp_split": 0}
+    ]
+    for i in range(arch.num_layers):
+        p, prefix = stage_of(i), f"model.layers.{i}."
+        tensors: list[tuple[str, list[int], int | None]] = [
+            ("input_layernorm.weight", [h], None),
+            ("self_attn.q_proj.weight", [q, h], 0),
+            ("self_attn.k_proj.weight", [kv, h], 0),
+            ("self_attn.v_proj.weight", [kv, h], 0),
+        ]
+        if arch.qkv_bias:
+            tensors += [("self_attn.q_proj.bias", [q], 0), ("self_attn.k_proj.bias", [kv], 0)]
+            tensors += [("self_attn.v_proj.bias", [kv], 0)]
+        tensors += [
+            ("self_attn.o_proj.weight", [h, q], 1),
+            ("post_attention_layernorm.weight", [h], None),
+            ("mlp.gate_proj.weight", [f, h], 0),
+            ("mlp.up_proj.weight", [f, h], 0),
+            ("mlp.down_proj.weight", [h, f], 1),
+        ]
+        rows += [{"name": prefix + n, "shape": s, "pp_rank": p, "tp_split": t} for n, s, t in tensors]
+    rows.append({"name": "model.norm.weight", "shape": [h], "pp_rank": pp - 1, "tp_split": None})
+    if not arch.tied_embeddings:
+        rows.append({"name": "lm_head.weight", "shape": [arch.vocab_size, h], "pp_rank": pp - 1, "tp_split": 0})
+    for row in rows:
+        row["sender"] = f"pp{row['pp_rank']}/tp{'0' if row['tp_split'] is None else f'0..{tp - 1}'}"
+    return rows
+
+
+def numel(shape: Sequence[int]) -> int:
+    out = 1
+    for n in shape:
+        out *= int(n)
+    return out
+
+
+def checkpoint_bytes(total_params: int, bf16: bool) -> int:
+    """The bytes of a checkpoint with optimizer state: the parameters in the training dtype, the fp32 master
+    weights (bf16 only) and AdamW's two fp32 moments: 14 bytes per parameter in bf16, 12 in fp32."""
+    per_param = (2 if bf16 else 4) + 12 - (0 if bf16 else 4)  # params + fp32 master (bf16) + m, v
+    return total_params * per_param
+
+
+def checkpoint_estimate(
+    total_params: int, bf16: bool, nodes: int, signal_lead_s: int, write_gb_s_per_node: float, source: str
+) -> dict[str, Any]:
+    """The checkpoint's size (bytes; GB = 1e9 bytes), its write time (seconds, ``nodes`` writing in parallel at
+    ``write_gb_s_per_node`` each) and ``lead_warning``: a note when the ``--signal=USR2@signal_lead_s`` lead is
+    shorter than the write (a stop then loses the checkpoint), else None. ``source`` says where the speed comes
+    from (:func:`afm_core.launch.plan_probe.write_speed`)."""
+    size = checkpoint_bytes(total_params, bf16)
+    write_s = size / (write_gb_s_per_node * 1e9 * nodes)
+    warning = None
+    if write_s > signal_lead_s:
+        warning = (
+            f"checkpoint write ~{write_s:.0f} s ({size / 1e9:.0f} GB at {write_gb_s_per_node:.3g} GB/s per node, "
+            f"{source}) > --signal=USR2@{signal_lead_s}: set cluster.signal_delay_s >= {int(write_s * 1.5) + 60}"
+        )
+    return {
+        "bytes": size,
+        "gb": round(size / 1e9, 1),
+        "hf_export_gb": round(total_params * 2 / 1e9, 1),
+        "write_gb_s_per_node": write_gb_s_per_node,
+        "write_speed_source": source,
+        "write_s": write_s,
+        "signal_lead_s": signal_lead_s,
+        "lead_warning": warning,
+    }
