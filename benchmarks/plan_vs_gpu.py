@@ -185,8 +185,9 @@ def measure(
     after the measured steps with the :class:`~afm_core.train.trainer.SFTTrainer` and a device sync, its result in
     ``"after"``."""
     from afm_core.models.arch import arch_from_hf_config
+    from afm_core.train.core import build_model
     from afm_core.train.distributed import activation_memory_overrides, training_dtype
-    from afm_core.train.trainer import SFTTrainer, build_model
+    from afm_core.train.trainer import SFTTrainer
     from benchmarks.sft_throughput import join_single_process_group, train_stream
 
     t, p = cfg.trainer, cfg.parallel

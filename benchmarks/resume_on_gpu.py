@@ -9,7 +9,7 @@ against the same run uninterrupted, bitwise.
 At world size 1 (NCCL on GPU), a model preset's published shape with random weights (``conf/model``, nothing
 downloaded) and synthetic packed sequences (:func:`benchmarks.plan_vs_gpu.synthetic_packed`, ``thd``), each phase
 in a process of its own runs the SFT job's own loop, :meth:`SFTTrainer.fit
-<afm_core.train.trainer.SFTLoop.fit>` (``conf/sft.yaml`` with ``trainer.save_interval=--save-at``,
+<afm_core.train.loop.SFTLoop.fit>` (``conf/sft.yaml`` with ``trainer.save_interval=--save-at``,
 ``keep_last=2``: checkpoints by :class:`~afm_core.train.checkpoint.Checkpointer`, megatron ``dist_checkpointing``
 plus the ``COMPLETE`` marker, and the resume path ``SFTTrainer._resume``):
 
@@ -135,8 +135,9 @@ def child(args: argparse.Namespace) -> int:
     from afm_core.launch.plan import hf_config_of
     from afm_core.models.arch import arch_from_hf_config
     from afm_core.train.checkpoint_dirs import read_marker
+    from afm_core.train.core import build_model
     from afm_core.train.distributed import activation_memory_overrides, destroy_distributed, training_dtype
-    from afm_core.train.trainer import SFTTrainer, build_model
+    from afm_core.train.trainer import SFTTrainer
     from benchmarks.plan_vs_gpu import compose_config, synthetic_packed
     from benchmarks.sft_throughput import join_single_process_group
 
@@ -219,7 +220,7 @@ def child(args: argparse.Namespace) -> int:
         trainer.save_checkpoint, trainer._resume = timed_save, timed_resume  # type: ignore[method-assign]
         rec["summary"] = trainer.fit()
         state = final_state(trainer)
-        meta = {"scheduler": trainer.scheduler.state_dict(), "step": trainer.progress.step,
+        meta = {"scheduler": trainer.core.scheduler.state_dict(), "step": trainer.progress.step,
                 "consumed_sequences": trainer.progress.consumed_sequences,
                 "consumed_tokens": trainer.progress.consumed_tokens}  # fmt: skip
         rec["meta"] = meta

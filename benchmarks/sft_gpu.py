@@ -204,7 +204,7 @@ def forward_backward_sync_error(trainer: Any) -> str | None:
     from megatron.core.utils import get_model_config
 
     config = get_model_config(trainer.model[0])
-    schedule, finalize = trainer.forward_backward, config.finalize_model_grads_func
+    schedule, finalize = trainer.core.forward_backward, config.finalize_model_grads_func
 
     def finalize_outside(*args: Any, **kwargs: Any) -> Any:
         torch.cuda.set_sync_debug_mode("default")
@@ -217,14 +217,14 @@ def forward_backward_sync_error(trainer: Any) -> str | None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    trainer.forward_backward, config.finalize_model_grads_func = checked, finalize_outside
+    trainer.core.forward_backward, config.finalize_model_grads_func = checked, finalize_outside
     try:
         trainer.train_step()
     except RuntimeError as error:
         frames = traceback.extract_tb(error.__traceback__)[-4:]
         return f"{error} at " + " <- ".join(f"{f.filename}:{f.lineno}" for f in reversed(frames))
     finally:
-        trainer.forward_backward, config.finalize_model_grads_func = schedule, finalize
+        trainer.core.forward_backward, config.finalize_model_grads_func = schedule, finalize
     return None
 
 

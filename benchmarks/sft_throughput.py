@@ -182,8 +182,9 @@ def megatron_step(
         mcore_config_from_hf,
         transformer_engine_available,
     )
+    from afm_core.train.core import build_model_chunks
     from afm_core.train.distributed import activation_memory_overrides
-    from afm_core.train.trainer import SFTTrainer, build_model_chunks
+    from afm_core.train.trainer import SFTTrainer
 
     layout = join_single_process_group(cfg, threads)
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)

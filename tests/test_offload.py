@@ -21,9 +21,10 @@ def _state(trainer) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_offloaded_training_state_reloads_bit_for_bit_and_training_continues_identically(tmp_path, bf16, monkeypatch):
+    from afm_core.train.core import build_model_chunks
     from afm_core.train.distributed import destroy_distributed, init_distributed
     from afm_core.train.offload import offload_training_state
-    from afm_core.train.trainer import SFTTrainer, build_model_chunks
+    from afm_core.train.trainer import SFTTrainer
 
     set_rank_env_for_test(monkeypatch, free_port())
     cfg = make_cfg(**{"trainer.global_batch_size": 4})

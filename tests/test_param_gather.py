@@ -17,24 +17,25 @@ from tests.test_train_engine import SyntheticBatches, make_cfg, tiny_provider
 def _worker(rank: int, world: int, port: int, run_dir: str, out: dict) -> None:
     set_rank_env(rank, world, port)
     from afm_core.models.bridge import export_hf_weights
+    from afm_core.train import core as core_module
     from afm_core.train import trainer as trainer_module
     from afm_core.train.distributed import destroy_distributed, init_distributed
 
-    gpu_settings = trainer_module.ddp_config
+    gpu_settings = core_module.ddp_config
 
     def overlapped(**kwargs):  # what ddp_config gives a GPU job with DP > 1
         return gpu_settings(**{**kwargs, "on_gpu": True})
 
-    trainer_module.ddp_config = overlapped
+    core_module.ddp_config = overlapped  # what the trainer core wraps the model with
     cfg = make_cfg(
         **{"trainer.global_batch_size": 4, "parallel.distributed_optimizer": True, "optim.warmup_ratio": 0.0}
     )
     layout = init_distributed(cfg.parallel, seed=cfg.trainer.seed, num_threads=1)
     try:
-        chunks = trainer_module.build_model_chunks(tiny_provider(layout), layout)
+        chunks = core_module.build_model_chunks(tiny_provider(layout), layout)
         data = SyntheticBatches(seed=1, dp_rank=layout.dp_rank, mbs=cfg.trainer.micro_batch_size)
         trainer = trainer_module.SFTTrainer(cfg, layout, chunks, data, [], run_dir, max_steps=5)
-        assert trainer.ddp_config.overlap_param_gather and trainer.ddp_config.use_distributed_optimizer
+        assert trainer.core.ddp_config.overlap_param_gather and trainer.core.ddp_config.use_distributed_optimizer
         before = {name: t.clone() for name, t in export_hf_weights(trainer.model)}
         trainer.train_step()
         after = {name: t.clone() for name, t in export_hf_weights(trainer.model)}  # the weight sync's read

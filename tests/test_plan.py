@@ -33,8 +33,9 @@ def measure_worker(rank: int, world: int, port: int, spec: dict, out: dict) -> N
     layer in one forward of a ``[MBS, SEQ]`` micro batch."""
     set_rank_env(rank, world, port)
     from afm_core.models.bridge import build_gpt_model, mcore_config_from_hf
+    from afm_core.train.core import build_model_chunks
     from afm_core.train.distributed import destroy_distributed, init_distributed
-    from afm_core.train.trainer import SFTTrainer, build_model_chunks
+    from afm_core.train.trainer import SFTTrainer
 
     conf = repo_root() / "conf"
     cfg = OmegaConf.create(

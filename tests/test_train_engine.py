@@ -177,19 +177,17 @@ def init_by_global_key(model) -> None:
 def train_worker(rank: int, world: int, port: int, spec: dict) -> None:
     """Train the tiny model per ``spec`` and dump the final weights of this rank under spec['out']."""
     set_rank_env(rank, world, port)
+    from afm_core.train.core import build_model_chunks
     from afm_core.train.distributed import destroy_distributed, init_distributed
-    from afm_core.train.trainer import (
-        SFTTrainer,
-        build_model_chunks,
-        request_checkpoint,
-    )
+    from afm_core.train.preemption import Preemption
+    from afm_core.train.trainer import SFTTrainer
 
     cfg = OmegaConf.create(spec["cfg"])
     layout = init_distributed(cfg.parallel, seed=cfg.trainer.seed, num_threads=1)
     try:
-        on_fetch = None
+        on_fetch, preemption = None, Preemption()  # this rank's: what its SIGUSR2 sets
         if spec.get("stop_at_step"):
-            signal.signal(signal.SIGUSR2, lambda *_: request_checkpoint(stop=True))
+            signal.signal(signal.SIGUSR2, lambda *_: preemption.request(stop=True))
             mb_per_step = cfg.trainer.global_batch_size // (cfg.trainer.micro_batch_size * layout.dp)
             first_of_step = (spec["stop_at_step"] - 1) * mb_per_step
 
@@ -204,7 +202,9 @@ def train_worker(rank: int, world: int, port: int, spec: dict) -> None:
         train = SyntheticBatches(seed=1, dp_rank=layout.dp_rank, mbs=cfg.trainer.micro_batch_size, on_fetch=on_fetch)
         heldout = SyntheticBatches(seed=2, dp_rank=layout.dp_rank, mbs=cfg.trainer.micro_batch_size)
         eval_batches = [heldout.make(i) for i in range(spec.get("eval_micro_batches", 2))]
-        trainer = SFTTrainer(cfg, layout, chunks, train, eval_batches, spec["run_dir"], cfg.trainer.max_steps)
+        trainer = SFTTrainer(
+            cfg, layout, chunks, train, eval_batches, spec["run_dir"], cfg.trainer.max_steps, preemption=preemption
+        )
         summary = trainer.fit()
         out = Path(spec["out"])
         out.mkdir(parents=True, exist_ok=True)
@@ -268,9 +268,10 @@ def loss_worker(rank: int, world: int, port: int, spec: dict) -> None:
     import torch.nn.functional as F
 
     set_rank_env(rank, world, port)
+    from afm_core.train.core import build_model_chunks
     from afm_core.train.distributed import destroy_distributed, init_distributed
     from afm_core.train.loss import reduce_reports
-    from afm_core.train.trainer import SFTTrainer, build_model_chunks
+    from afm_core.train.trainer import SFTTrainer
 
     cfg = OmegaConf.create(spec["cfg"])
     layout = init_distributed(cfg.parallel, seed=cfg.trainer.seed, num_threads=1)

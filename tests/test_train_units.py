@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import math
 import subprocess
@@ -247,18 +248,35 @@ print("ok")
 
 def test_a_preemption_signal_during_the_boundary_all_reduce_is_kept_for_the_next_boundary(monkeypatch):
     """SIGUSR2 can land while the ranks all-reduce the flags; the request must survive to the next boundary."""
-    from afm_core.train import trainer
+    from afm_core.train.preemption import Preemption
+
+    preemption = Preemption()  # a loop's own: nothing process-wide to reset
 
     def all_reduce_while_a_signal_lands(tensor, op=None):
-        trainer.request_checkpoint(stop=True)  # what the signal handler does, mid-collective
+        preemption.request(stop=True)  # what the signal handler does, mid-collective
 
     monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce_while_a_signal_lands)
-    monkeypatch.setattr(trainer, "_checkpoint_requested", False)
-    monkeypatch.setattr(trainer, "_stop_requested", False)
-    assert trainer.boundary_flags(on_gpu=False) == (False, False)  # nothing was requested before this boundary
+    assert preemption.boundary_flags(on_gpu=False) == (False, False)  # nothing was requested before this boundary
+    assert preemption.stop_requested()  # set, and kept: the boundary had read it clear
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None: None)
-    assert trainer.boundary_flags(on_gpu=False) == (True, True)  # ...and the late request is not lost
-    assert trainer.boundary_flags(on_gpu=False) == (False, False)  # consumed once
+    assert preemption.boundary_flags(on_gpu=False) == (True, True)  # ...and the late request is not lost
+    assert preemption.boundary_flags(on_gpu=False) == (False, False)  # consumed once
+    assert not preemption.stop_requested()
+
+
+def test_the_jobs_preemption_hook_reaches_the_jobs_preemption_and_loops_default_to_it(monkeypatch):
+    """``on_preempt`` of jobs.sft / jobs.rl (:func:`request_checkpoint`) sets the job's :class:`Preemption`, the one
+    an SFT loop reads when it is handed none; a loop handed its own never sees the job's."""
+    from afm_core.launch.submit import run_training_job
+    from afm_core.train import preemption
+    from afm_core.train.loop import SFTLoop
+
+    job = preemption.Preemption()
+    monkeypatch.setattr(preemption, "JOB_PREEMPTION", job)  # this test's stand-in for the process's
+    preemption.request_checkpoint()  # what the relay of the job's SIGUSR2 calls
+    assert job.stop_requested() and not preemption.Preemption().stop_requested()
+    assert "afm_core.train.preemption.request_checkpoint" in inspect.getsource(run_training_job)
+    assert inspect.signature(SFTLoop.__init__).parameters["preemption"].default is None
 
 
 def test_training_flops_count_every_matrix_product_and_causal_pairs():

@@ -102,7 +102,7 @@ def run_training_job(
     ValueError or FileNotFoundError exits with status 2 and its message), plan a ``cluster=slurm`` job (:mod:`afm_core.launch.plan_gate`: one that does not fit
     its GPUs exits with status 3 before ``sbatch``, naming the numbers and the overrides that would fit;
     ``+plan.force=true`` submits anyway), :func:`submit` ``fn`` with the trainer's checkpoint-and-requeue hook
-    (:func:`afm_core.train.trainer.request_checkpoint`), and print rank 0's summary as JSON when waiting."""
+    (:func:`afm_core.train.preemption.request_checkpoint`), and print rank 0's summary as JSON when waiting."""
     import json
     import sys
 
@@ -127,7 +127,7 @@ def run_training_job(
     except PlanRefused as err:
         print(f"jobs.{job_name}: not submitted: {err}", file=sys.stderr)
         raise SystemExit(3) from None
-    summary = submit(fn, cfg, on_preempt="afm_core.train.trainer.request_checkpoint", job_name=job_name)
+    summary = submit(fn, cfg, on_preempt="afm_core.train.preemption.request_checkpoint", job_name=job_name)
     if summary is not None:
         print(json.dumps(summary, indent=2, default=str))
     return summary

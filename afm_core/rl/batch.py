@@ -169,7 +169,7 @@ def minibatch_updates(
 ) -> Updates:
     """The one PPO mini-batch loop of the policy and the critic: ``algorithm.ppo_epochs`` x one optimizer step per
     mini-batch (``shares``: this DP rank's sample indices of each, :func:`minibatch_shares`), on
-    :meth:`~afm_core.train.trainer.MegatronTrainer.step` with ``forward_step``'s loss, in micro batches of
+    :meth:`~afm_core.train.core.MegatronTrainer.step` with ``forward_step``'s loss, in micro batches of
     ``trainer.micro_batch_size`` samples.
 
     Args:

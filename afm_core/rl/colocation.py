@@ -167,7 +167,7 @@ class Handover:
 
     Args:
         actor: this rank's :class:`~afm_core.rl.rollout_actor.RolloutActor`.
-        trainers: the :class:`~afm_core.train.trainer.MegatronTrainer` s whose state is offloaded (the policy's;
+        trainers: the :class:`~afm_core.train.core.MegatronTrainer` s whose state is offloaded (the policy's;
             PPO's critic's). The frozen KL reference stays (no gradients or optimizer state; its parameters are
             a bf16 copy of the policy's).
         offload: move the trainers' state off the device during the engine's turn (``Colocation.offload_trainer``).

@@ -3,7 +3,7 @@
 The value model is the policy's own build (:func:`afm_core.rl.policy_model.build_policy_model`: the same
 ``GPTModel`` chunks and HF weights) whose output layer is replaced by a scalar head (``hidden -> 1``, no
 bias; verl ``verl/models/mcore/model_initializer.py`` builds its Megatron critic the same way with
-``LinearForLastLayer``), trained by the one trainer core (:class:`afm_core.train.trainer.MegatronTrainer`:
+``LinearForLastLayer``), trained by the one trainer core (:class:`afm_core.train.core.MegatronTrainer`:
 Megatron DDP, its own AdamW and schedule, per-token loss) with the clipped value loss of
 :func:`afm_core.rl.losses.value_loss`. Per rollout step (verl ``verl/trainer/ppo/ray_trainer.py::fit``):
 
@@ -171,8 +171,8 @@ class Critic:
         params_dtype: torch.dtype,
         load_weights: bool = True,
     ):
+        from afm_core.train.core import MegatronTrainer
         from afm_core.train.distributed import activation_memory_overrides
-        from afm_core.train.trainer import MegatronTrainer
 
         critic_cfg = dict(cfg.get("critic") or {})
         t = cfg["trainer"]

@@ -43,16 +43,24 @@ from omegaconf import DictConfig, OmegaConf
 from afm_core.rl.checkpoint import RLProgress, RLState, StopLead
 from afm_core.rl.metrics import RLMetricsLog, step_record
 from afm_core.rl.schedule import Stage, parse_schedule, stage_at, train_seq_length
+from afm_core.train.preemption import JOB_PREEMPTION, Preemption
 from afm_core.utils.run_config import plain_config
 
 
-def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None] | None = None) -> dict[str, Any]:
+def run_rl(
+    cfg: DictConfig | Mapping[str, Any],
+    after_step: Callable[[int], None] | None = None,
+    preemption: Preemption | None = None,
+) -> dict[str, Any]:
     """DAPO with tool rollouts on this rank (see the module docstring); every rank of the job calls it.
 
     Args:
         cfg: the composed ``conf/rl.yaml``.
         after_step: called with the rollout step number after each step's metrics are written (before the
-            checkpoint decision), e.g. to :func:`afm_core.train.trainer.request_checkpoint`.
+            checkpoint decision), e.g. to ``preemption.request``.
+        preemption: where a checkpoint or a stop is asked for (:class:`~afm_core.train.preemption.Preemption`: read
+            at each step boundary, polled while a round generates or validates); None: the job's
+            (:data:`~afm_core.train.preemption.JOB_PREEMPTION`, what its SIGUSR2 sets).
     Returns:
         ``{"step", "max_steps", "stopped_early", "resumed_from", "checkpoint", "hf_dir", "stage", "data_state",
         "run_dir", ...}`` (identical on every rank); ``hf_dir`` is the policy's HF export ``RUN_DIR/hf``
@@ -70,10 +78,11 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
     from afm_core.rl.rollout_actor import start_rollout_actor
     from afm_core.rollout.factory import load_tokenizer
     from afm_core.train.checkpoint import rng_state, set_rng_state
+    from afm_core.train.checkpoint_dirs import find_resume_checkpoint
     from afm_core.train.distributed import destroy_distributed, init_distributed
-    from afm_core.train.trainer import find_resume_checkpoint
 
     cfg = plain_config(cfg)
+    preemption = JOB_PREEMPTION if preemption is None else preemption
     t, a, r = cfg["trainer"], cfg["algorithm"], cfg["rollout"]
     check_adv_estimator(a["adv_estimator"])
     run_dir = Path(cfg["run_dir"])
@@ -109,7 +118,7 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
         max_model_len = max_prompt_len + max(s.max_response_len for s in stages)
         val_tasks = [task for bench in val_benchmarks for task in bench.tasks]  # their tool servers start too
         rng = rng_state()  # seeded, or the checkpoint's: vLLM's start reseeds this process (set_random_seed)
-        with start_rollout_actor(cfg, layout, hf_dir, tokenizer, tasks + val_tasks, max_model_len) as actor:
+        with start_rollout_actor(cfg, layout, hf_dir, tokenizer, tasks + val_tasks, max_model_len, preemption) as actor:
             set_rng_state(rng)  # an in-process engine samples from it on CPU: a resumed run draws what it would have
             offload = bool(actor.colocation is not None and actor.colocation.offload_trainer)
             bucket = int(cfg["weight_sync"]["bucket_mb"]) * 2**20
@@ -124,7 +133,7 @@ def run_rl(cfg: DictConfig | Mapping[str, Any], after_step: Callable[[int], None
                     flush=True,
                 )
             summary = _loop(cfg, layout, policy, actor, handover, sync0, tasks, state, stages, after_step,
-                            val_benchmarks, tokenizer)  # fmt: skip
+                            val_benchmarks, tokenizer, preemption)  # fmt: skip
             summary["resumed_from"] = str(resume_path) if resume_path else None
             summary["hf_dir"] = None
             if t.get("export_hf", True) and not summary["stopped_early"]:  # the policy, for python -m jobs.eval
@@ -221,13 +230,13 @@ def _loop(
     after_step: Callable[[int], None] | None,
     val_benchmarks: list[Any],
     tokenizer: Any,
+    preemption: Preemption,
 ) -> dict[str, Any]:
-    """The rollout steps from ``state.progress.rollout_step`` to ``trainer.max_steps`` (or a requested stop);
-    ``carry``: the first sync's times, logged with the first step."""
+    """The rollout steps from ``state.progress.rollout_step`` to ``trainer.max_steps`` (or a stop ``preemption``
+    asks for); ``carry``: the first sync's times, logged with the first step."""
     from afm_core.rl.rollout_actor import RolloutAborted
     from afm_core.rl.rollout_dump import dump_rollouts
     from afm_core.train.checkpoint import rng_state, set_rng_state
-    from afm_core.train.trainer import boundary_flags
     from afm_core.utils.profiling import StepProfiler
 
     t, a, r = cfg["trainer"], cfg["algorithm"], cfg["rollout"]
@@ -275,7 +284,7 @@ def _loop(
             sampler.add_samples(batch)
         if aborted:
             profiled.__exit__(None, None, None)
-            boundary_flags(layout.on_gpu)  # the request is served: cleared on every rank
+            preemption.boundary_flags(layout.on_gpu)  # the request is served: cleared on every rank
             handover.to_trainer()
             last_checkpoint = policy.save(progress.rollout_step, state.state_dict())
             if layout.is_rank0:
@@ -311,7 +320,7 @@ def _loop(
             _validate(cfg, actor, handover, val_benchmarks, metrics, step)
         if after_step is not None:
             after_step(progress.rollout_step)
-        want, stop = boundary_flags(layout.on_gpu)  # USR2 / preemption, OR-ed over ranks
+        want, stop = preemption.boundary_flags(layout.on_gpu)  # USR2 / preemption, OR-ed over ranks
         if want or step % int(t["save_interval"]) == 0 or step == max_steps:
             handover.to_trainer()
             start = time.perf_counter()

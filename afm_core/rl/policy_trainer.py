@@ -1,5 +1,5 @@
 """The trainer side of an RL run: the policy on the one trainer core
-(:class:`~afm_core.train.trainer.MegatronTrainer`), the PPO critic (``algorithm.adv_estimator=gae``) and the frozen
+(:class:`~afm_core.train.core.MegatronTrainer`), the PPO critic (``algorithm.adv_estimator=gae``) and the frozen
 reference policy (``algorithm.kl_coef`` > 0), with the two calls of each rollout step::
 
     advantages = policy.advantages(samples, seq_length)      # GRPO / Dr. GRPO over groups, or critic -> GAE
@@ -45,9 +45,9 @@ def check_batch_split(mini_batch: int, train_batch: int, dp: int, micro_batch_si
 def build_policy_trainer(
     cfg: Mapping[str, Any], layout: Any, chunks: list[torch.nn.Module], run_dir: Path, max_optimizer_steps: int
 ) -> Any:
-    """The policy chunks on :class:`~afm_core.train.trainer.MegatronTrainer` (``optim``, ``trainer.grad_clip``,
+    """The policy chunks on :class:`~afm_core.train.core.MegatronTrainer` (``optim``, ``trainer.grad_clip``,
     ``trainer.keep_last``; checkpoints in ``run_dir/checkpoints``)."""
-    from afm_core.train.trainer import MegatronTrainer
+    from afm_core.train.core import MegatronTrainer
 
     t = cfg["trainer"]
     return MegatronTrainer(
@@ -187,7 +187,7 @@ def policy_update(
     share of each mini-batch. Every rank gets the same ``samples`` (the gathered train batch, grouped by prompt).
 
     Args:
-        trainer: the policy's :class:`~afm_core.train.trainer.MegatronTrainer`.
+        trainer: the policy's :class:`~afm_core.train.core.MegatronTrainer`.
         samples: :class:`~afm_core.rl.grading.Sample` s.
         advantages: ``[N]`` one per sample (GRPO: broadcast over its response tokens), or per-token lists as
             long as each response (GAE).

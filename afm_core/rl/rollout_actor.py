@@ -24,12 +24,13 @@ import torch
 from afm_core.rl.grading import Sample, grade_rollout
 from afm_core.rl.schedule import Stage
 from afm_core.train.distributed import gather_objects
+from afm_core.train.preemption import JOB_PREEMPTION, Preemption
 
 STOP_POLL_S = 0.05  # how often a generation round looks for a stop request (SIGUSR2 / preemption)
 
 
 class RolloutAborted(RuntimeError):
-    """A stop was requested (SIGUSR2 / preemption: :func:`afm_core.train.trainer.request_checkpoint`) while a
+    """A stop was requested (SIGUSR2 / preemption: :class:`afm_core.train.preemption.Preemption`) while a
     generation round ran: its requests were aborted in vLLM and its trajectories dropped; the rollout step restarts
     on resume."""
 
@@ -47,6 +48,8 @@ class RolloutActor:
         colocation: this rank's engine layout (:mod:`afm_core.rl.colocation`); None: a vLLM ``AsyncLLM`` of its
             own (``colocation.mode=async``).
         lockstep: the :class:`~afm_core.rollout.vllm_engine.Lockstep` of this rank's vLLM TP group (TP > 1).
+        preemption: where a stop is asked for (:class:`~afm_core.train.preemption.Preemption`), polled while a
+            round generates; None: the job's (:data:`~afm_core.train.preemption.JOB_PREEMPTION`).
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class RolloutActor:
         engine: Any = None,
         colocation: Any = None,
         lockstep: Any = None,
+        preemption: Preemption | None = None,
     ):
         from afm_core.rewards import Graders, LLMJudge, SandboxClient
         from afm_core.rewards.grader import custom_reward
@@ -67,6 +71,7 @@ class RolloutActor:
 
         self.cfg, self.hf_dir, self.tokenizer = cfg, hf_dir, tokenizer
         self.colocation, self.lockstep = colocation, lockstep
+        self.preemption = JOB_PREEMPTION if preemption is None else preemption
         self.asleep = False
         self.runner = asyncio.Runner()
         tools_cfg = reachable_tools_cfg(cfg["tools"], urls)
@@ -221,7 +226,7 @@ class RolloutActor:
         """Run ``work`` (a coroutine on this rank's engine) to its end, then release the followers of a vLLM TP
         group; raises RolloutAborted ("a stop was requested during {during}") when a stop came first."""
         try:
-            result = self.run(_unless_stopped(work, self.engine))
+            result = self.run(_unless_stopped(work, self.engine, self.preemption.stop_requested))
         finally:
             if self.lockstep is not None:
                 self.engine.end_round()  # release the followers
@@ -329,11 +334,9 @@ class RolloutActor:
             self.runner.close()
 
 
-async def _unless_stopped(work: Any, engine: Any) -> Any:
-    """``await work``, or None when a stop is requested first (then ``work`` is cancelled and the engine's aborted
-    requests are settled before returning)."""
-    from afm_core.train.trainer import stop_requested
-
+async def _unless_stopped(work: Any, engine: Any, stop_requested: Callable[[], bool]) -> Any:
+    """``await work``, or None when ``stop_requested()`` turns true first (then ``work`` is cancelled and the
+    engine's aborted requests are settled before returning)."""
     task = asyncio.ensure_future(work)
     while not task.done():
         if stop_requested():
@@ -362,10 +365,16 @@ def node_tool_urls(gathered: Sequence[tuple[str, int, dict[str, str]]], node: st
 
 @contextlib.contextmanager
 def start_rollout_actor(
-    cfg: Mapping[str, Any], layout: Any, hf_dir: Path, tokenizer: Any, tasks: Sequence[Any], max_model_len: int
+    cfg: Mapping[str, Any],
+    layout: Any,
+    hf_dir: Path,
+    tokenizer: Any,
+    tasks: Sequence[Any],
+    max_model_len: int,
+    preemption: Preemption | None = None,
 ) -> Iterator[RolloutActor]:
     """This rank's :class:`RolloutActor` beside its node's tool servers (collective); closed, and the servers
-    stopped, on exit.
+    stopped, on exit. ``preemption``: as for :class:`RolloutActor`.
 
     The first rank of each node starts the servers the tasks need on its loopback (or reads the addresses file)
     and tells its node's other ranks where they are: no sandbox is exposed to the network, no tool call leaves
@@ -387,9 +396,8 @@ def start_rollout_actor(
         colocation = select_colocation(
             cfg.get("colocation"), cfg["engine"], on_gpu=layout.on_gpu, rank=layout.rank, world_size=layout.world_size
         )
-        actor = RolloutActor(
-            cfg, hf_dir, tokenizer, urls, max_model_len, colocation=colocation, lockstep=lockstep_group(colocation)
-        )
+        actor = RolloutActor(cfg, hf_dir, tokenizer, urls, max_model_len, colocation=colocation,
+                             lockstep=lockstep_group(colocation), preemption=preemption)  # fmt: skip
         try:
             yield actor
         finally:

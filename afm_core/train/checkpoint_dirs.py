@@ -200,3 +200,19 @@ def read_marker(path: str | Path) -> dict[str, Any]:
     if not marker.is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
     return json.loads(marker.read_text())
+
+
+def find_resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None) -> Path | None:
+    """The checkpoint a run resumes from: the latest complete one in ``run_dir/checkpoints`` (a requeued or
+    restarted run), else the latest complete one of the ``resume_from`` run dir, else None (a fresh run).
+
+    Raises:
+        FileNotFoundError: ``resume_from`` is set but holds no complete checkpoint.
+    """
+    own = latest_complete_checkpoint(Path(run_dir) / "checkpoints")
+    if own is not None or resume_from is None:
+        return own
+    other = latest_complete_checkpoint(Path(resume_from) / "checkpoints")
+    if other is None:
+        raise FileNotFoundError(f"resume={resume_from}: no complete checkpoint in {Path(resume_from) / 'checkpoints'}")
+    return other

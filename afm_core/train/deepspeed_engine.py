@@ -5,7 +5,7 @@ stage 3, ``overlap_comm: false``, ``stage3_gather_16bit_weights_on_model_save: t
 This engine runs that setup under the Megatron engine's contract, so a run differs only in who shards what:
 
 - the same config keys (``trainer.*``, ``optim.*``), data stream, step loop, evals, ``metrics.jsonl`` records
-  and run summary: :class:`DeepSpeedSFTTrainer` is an :class:`~afm_core.train.trainer.SFTLoop` (the loop of
+  and run summary: :class:`DeepSpeedSFTTrainer` is an :class:`~afm_core.train.loop.SFTLoop` (the loop of
   the Megatron engine's :class:`~afm_core.train.trainer.SFTTrainer`) whose step, eval and checkpoint methods
   drive a ``deepspeed.DeepSpeedEngine`` instead of megatron modules;
 - the same loss: the masked token mean over the global batch (:mod:`afm_core.train.loss`), made exact under
@@ -51,9 +51,9 @@ from afm_core.train.checkpoint_dirs import (
     staging_dir,
 )
 from afm_core.train.distributed import ParallelLayout, set_num_threads, training_dtype
+from afm_core.train.loop import MicroBatchSource, Progress, SFTLoop
 from afm_core.train.loss import masked_token_loss, reduce_reports
 from afm_core.train.optim import build_lr_scheduler
-from afm_core.train.trainer import MicroBatchSource, Progress, SFTLoop
 from afm_core.utils.atomic import atomic_dir, atomic_path
 from afm_core.utils.paths import repo_root
 from afm_core.utils.tracking import flatten
@@ -321,7 +321,7 @@ class DeepSpeedSFTTrainer(SFTLoop):
         model: the HF model from :func:`load_zero_model`.
         ds_config: from :func:`deepspeed_config`, with ``gradient_accumulation_steps`` equal to
             ``global_batch_size / (micro_batch_size * dp)``.
-        train_data, eval_batches, run_dir, max_steps, resume_from: as for :class:`~afm_core.train.trainer.SFTLoop`.
+        train_data, eval_batches, run_dir, max_steps, resume_from: as for :class:`~afm_core.train.loop.SFTLoop`.
     Raises:
         ValueError: the batch sizes do not divide, or ``ds_config`` accumulates another number of micro batches.
     """

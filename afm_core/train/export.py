@@ -139,8 +139,8 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
 
     from afm_core.models.bridge import save_hf_checkpoint
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.train.core import build_model
     from afm_core.train.distributed import destroy_distributed
-    from afm_core.train.trainer import build_model
 
     path = find_checkpoint(run_dir, step)
     marker = read_marker(path)

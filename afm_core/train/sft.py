@@ -101,8 +101,10 @@ def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_s
     from transformers import AutoConfig
 
     from afm_core.models.bridge import load_hf_weights, save_hf_checkpoint
+    from afm_core.train.checkpoint_dirs import find_resume_checkpoint
+    from afm_core.train.core import build_model
     from afm_core.train.distributed import activation_memory_overrides, training_dtype
-    from afm_core.train.trainer import SFTTrainer, build_model, find_resume_checkpoint
+    from afm_core.train.trainer import SFTTrainer
 
     t, p = cfg.trainer, cfg.parallel
     overrides = activation_memory_overrides(p)
@@ -128,7 +130,7 @@ def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_s
     summary = trainer.fit()
     export = None
     if t.export_hf and not summary["stopped_early"]:
-        trainer.release_training_state()  # saved in the last checkpoint; the export needs the weights only
+        trainer.core.release_training_state()  # saved in the last checkpoint; the export needs the weights only
         export = str(save_hf_checkpoint(trainer.model, hf_config, hf_dir, Path(cfg.run_dir) / "hf"))
     return {**summary, "hf_dir": export, "engine": "megatron"}
 
@@ -138,7 +140,7 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
 
     The distributed env variables must be set (see :mod:`afm_core.train.distributed`). Resumes exactly from the
     latest complete checkpoint of ``cfg.run_dir`` (else of ``cfg.resume``); returns early with
-    ``stopped_early: True`` after :func:`afm_core.train.trainer.request_checkpoint`.
+    ``stopped_early: True`` after :func:`afm_core.train.preemption.request_checkpoint`.
 
     Returns:
         The summary (identical on every rank): ``eval_loss_before`` / ``eval_loss_after`` (held-out masked

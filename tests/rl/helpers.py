@@ -83,8 +83,8 @@ def distinct_chars_reward(response: str, **_: object) -> float:
     return len(set(response)) / max(1, len(response))
 
 
-def _stop_during_round(round_: int, aborts: list[bool]) -> None:
-    """In this rank: SIGUSR2 (relayed to ``request_checkpoint`` as ``jobs.rl``'s relay does) while generation
+def _stop_during_round(round_: int, aborts: list[bool], preemption) -> None:
+    """In this rank: SIGUSR2 (relayed to ``preemption.request`` as ``jobs.rl``'s relay does) while generation
     round ``round_`` (1-based, counted over the run) has requests in vLLM; the round cannot end before the stop is
     seen (its first request is held for 4 polls). ``aborts`` gets, per aborted round, whether vLLM was left with
     no request in flight."""
@@ -93,9 +93,8 @@ def _stop_during_round(round_: int, aborts: list[bool]) -> None:
 
     from afm_core.rl.rollout_actor import STOP_POLL_S, RolloutAborted, RolloutActor
     from afm_core.rollout.vllm_engine import InprocVLLMEngine
-    from afm_core.train.trainer import request_checkpoint
 
-    signal.signal(signal.SIGUSR2, lambda signum, frame: request_checkpoint())
+    signal.signal(signal.SIGUSR2, lambda signum, frame: preemption.request())
     rounds, generate, engine_generate = [0], RolloutActor.generate, InprocVLLMEngine.generate
 
     def actor_generate(self, *args, **kwargs):
@@ -124,21 +123,22 @@ def _stop_during_round(round_: int, aborts: list[bool]) -> None:
 
 def _rl_rank(rank: int, world: int, port: int, cfg: dict, stop_after, stop_in_round, setup, out: str) -> None:
     from afm_core.rl.driver import run_rl
-    from afm_core.train.trainer import request_checkpoint
+    from afm_core.train.preemption import Preemption
     from tests.gloo_env import set_rank_env
 
     set_rank_env(rank, world, port)
     if setup is not None:
         setup()
+    preemption = Preemption()  # this rank's, handed to the driver as jobs.rl's relay reaches the job's
 
     def after_step(step: int) -> None:  # what the USR2 relay does, at a known step
         if step == stop_after:
-            request_checkpoint()
+            preemption.request()
 
     aborts: list[bool] = []
     if stop_in_round is not None:
-        _stop_during_round(stop_in_round, aborts)
-    summary = run_rl(cfg, after_step=after_step)
+        _stop_during_round(stop_in_round, aborts, preemption)
+    summary = run_rl(cfg, after_step=after_step, preemption=preemption)
     if rank == 0:
         Path(out).write_text(json.dumps({**summary, "aborted_rounds_left_vllm_idle": aborts}))
 

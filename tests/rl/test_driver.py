@@ -688,21 +688,20 @@ class StuckPolicy:
         pass
 
 
-def test_sigusr2_while_a_round_generates_or_validates_aborts_every_request_of_the_round_at_once(tmp_path, monkeypatch):
-    import afm_core.train.trainer as trainer
+def test_sigusr2_while_a_round_generates_or_validates_aborts_every_request_of_the_round_at_once(tmp_path):
     from afm_core.eval.benchmarks import Benchmark
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.rollout_actor import RolloutAborted
     from afm_core.rollout import AgentTask
     from afm_core.rollout.factory import load_tokenizer
+    from afm_core.train.preemption import Preemption
 
-    monkeypatch.setattr(trainer, "_stop_requested", False)  # restored after the test: the flag this sets
-    monkeypatch.setattr(trainer, "_checkpoint_requested", False)
-    relay = signal.signal(signal.SIGUSR2, lambda signum, frame: trainer.request_checkpoint())  # as jobs.rl's relay
+    preemption = Preemption()  # the actor's own: nothing process-wide is set, nothing to reset
+    relay = signal.signal(signal.SIGUSR2, lambda signum, frame: preemption.request())  # as jobs.rl's relay
     cfg = _config(tmp_path / "run")
     hf_dir = ensure_hf_checkpoint(cfg["model"])
     policy = StuckPolicy()
-    actor = RolloutActor(cfg, hf_dir, load_tokenizer(hf_dir), {}, 4096, engine=policy)
+    actor = RolloutActor(cfg, hf_dir, load_tokenizer(hf_dir), {}, 4096, engine=policy, preemption=preemption)
     task = AgentTask(
         id="t", task="math", prompt="What is 6 x 7?", question="6 x 7", answer="42", meta={"grader": "math"}
     )
@@ -714,10 +713,11 @@ def test_sigusr2_while_a_round_generates_or_validates_aborts_every_request_of_th
             actor.generate([("0:0", task), ("0:1", task)], n=2, stage=parse_schedule([], 64)[0], seed=0)
         sender.join()
         assert policy.cancelled == 4 and policy.settled and time.perf_counter() - start < 10
-        assert trainer.stop_requested()  # still set: the driver clears it when it saves (boundary_flags)
+        assert preemption.stop_requested()  # still set: the driver clears it when it saves (boundary_flags)
 
         # validation during RL (2 problems x k=2, the eval job's loop) is aborted the same way
-        trainer._stop_requested = trainer._checkpoint_requested = False
+        preemption = Preemption()  # the next round's: a fresh object, not a reset flag
+        actor.preemption = preemption
         policy.started.clear()
         policy.cancelled, policy.settled = 0, False
         sender = threading.Thread(target=lambda: policy.started.wait(60) and os.kill(os.getpid(), signal.SIGUSR2))

@@ -45,8 +45,9 @@ def _worker(rank: int, world: int, port: int, spec: dict) -> None:
     from afm_core.rl.actor import policy_forward_step
     from afm_core.rl.logprobs import response_logprobs
     from afm_core.rl.losses import PolicyLossConfig, policy_loss, reduce_stats
+    from afm_core.train.core import build_model_chunks
     from afm_core.train.distributed import destroy_distributed, init_distributed
-    from afm_core.train.trainer import SFTTrainer, build_model_chunks
+    from afm_core.train.trainer import SFTTrainer
 
     cfg = OmegaConf.create(spec["cfg"])
     layout = init_distributed(cfg.parallel, seed=cfg.trainer.seed, num_threads=1)
@@ -80,7 +81,7 @@ def _worker(rank: int, world: int, port: int, spec: dict) -> None:
             module.grad_into_main_grad = True
 
         # production: one optimizer step (no clipping: main_grad keeps the reduced, normalised gradient)
-        reports, _, _ = trainer.step(
+        reports, _, _ = trainer.core.step(
             batches, policy_forward_step(config), seq_length=SEQ, micro_batch_size=2, what="policy update"
         )
         stats = reduce_stats([r["policy"] for r in reports], ps.get_data_parallel_group())
