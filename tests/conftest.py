@@ -9,11 +9,23 @@ tests come next (:func:`run_order`).
 The tests of a module that share a module-scoped fixture (an RL run, a DeepSpeed run, an engine) form one group
 too: xdist runs a module fixture once per worker that gets one of its tests, so a module split over both workers
 paid for its run twice (two ~100 s setups of a resumed RL run in one full run).
+
+Each xdist worker starts the forkserver its tests' ranks fork from (tests/ranks.py) at session start, so that its
+imports overlap with the first tests.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+from tests.ranks import start_forkserver
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        start_forkserver()
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the group marks into node ids

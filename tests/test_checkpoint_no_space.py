@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
+from tests.ranks import start_ranks
 from tests.test_train_engine import SyntheticBatches, make_cfg, tiny_provider
 
 
@@ -47,7 +48,7 @@ def _worker(rank: int, world: int, port: int, run_dir: str, out: dict) -> None:
 def test_no_space_on_rank_0_raises_on_every_rank_at_once(tmp_path):
     out = mp.Manager().dict()
     args = (2, free_port(), str(tmp_path / "run"), out)
-    mp.start_processes(_worker, args=args, nprocs=2, join=True, start_method="spawn")
+    start_ranks(_worker, args=args, nprocs=2)
     for rank in (0, 1):
         code, message, seconds = out[rank]
         assert code == errno.ENOSPC and "no space for checkpoint step_00000002" in message, message

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from afm_core.models.arch import arch_from_hf_config
 from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
+from tests.ranks import start_ranks
 
 LOGITS_ATOL = 1e-4  # fp32, max |Δ| against transformers
 
@@ -105,12 +105,7 @@ def _check_round_trip(hf_dir: Path, tmp_path: Path, *, tp: int, pp: int = 1, inp
     torch.save(reference, tmp_path / "reference_logits.pt")
 
     world_size = tp * pp
-    mp.start_processes(
-        _worker,
-        args=(world_size, tp, pp, free_port(), str(hf_dir), str(tmp_path)),
-        nprocs=world_size,
-        start_method="spawn",
-    )
+    start_ranks(_worker, args=(world_size, tp, pp, free_port(), str(hf_dir), str(tmp_path)), nprocs=world_size)
 
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(world_size)]
     diffs = [r["max_abs_diff"] for r in results if "max_abs_diff" in r]

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
@@ -31,6 +30,7 @@ from afm_core.train.deepspeed_engine import (  # noqa: E402
     deepspeed_config,
 )
 from tests.gloo_env import set_rank_env  # noqa: E402
+from tests.ranks import start_ranks  # noqa: E402
 
 SEQ, MICRO, GLOBAL, STEPS = 256, 1, 2, 4
 GSM8K = shared_data_dir() / "math" / "gsm8k"
@@ -106,7 +106,7 @@ def worker(rank: int, world: int, port: int, spec: dict) -> None:
 
 def run(run_dir: Path, setup: dict, world: int = 1, **overrides) -> dict:
     spec = {"cfg": make_cfg(**overrides), "run_dir": str(run_dir), **setup}
-    mp.start_processes(worker, args=(world, free_port(), spec), nprocs=world, join=True, start_method="spawn")
+    start_ranks(worker, args=(world, free_port(), spec), nprocs=world)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {"summary": json.loads((run_dir / "summary.json").read_text()), "records": records}
 
@@ -311,7 +311,7 @@ def test_run_sft_with_engine_deepspeed_trains_on_coa_traces(setup, tmp_path):
     register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = OmegaConf.to_container(compose(config_name="sft", overrides=overrides), resolve=True)
-    mp.start_processes(run_sft_worker, args=(1, free_port(), cfg), nprocs=1, join=True, start_method="spawn")
+    start_ranks(run_sft_worker, args=(1, free_port(), cfg), nprocs=1)
 
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["engine"] == "deepspeed" and summary["step"] == 3 and not summary["stopped_early"]

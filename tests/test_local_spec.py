@@ -9,11 +9,11 @@ import functools
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
+from tests.ranks import start_ranks
 
 S, B, H, FFN = 12, 2, 32, 48
 
@@ -131,7 +131,7 @@ def _worker(rank: int, port: int, compiled: bool) -> None:
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_fused_norm_linear_and_swiglu_mlp_equal_plain_autograd_and_keep_only_their_inputs(compiled):
-    mp.start_processes(_worker, args=(free_port(), compiled), nprocs=1, join=True, start_method="spawn")
+    start_ranks(_worker, args=(free_port(), compiled), nprocs=1)
 
 
 @pytest.fixture

@@ -13,12 +13,12 @@ from unittest import mock
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
+from tests.ranks import start_ranks
 
 DOC_LENGTHS = (37, 50, 20)  # three documents, then 21 padding tokens
 SEQ = 128
@@ -150,7 +150,7 @@ def test_packed_documents_have_the_losses_they_have_alone(tmp_path, tp):
     from transformers import AutoModelForCausalLM
 
     hf_dir = ensure_hf_checkpoint("tiny-llama")
-    mp.start_processes(_worker, args=(tp, free_port(), str(hf_dir), str(tmp_path)), nprocs=tp, start_method="spawn")
+    start_ranks(_worker, args=(tp, free_port(), str(hf_dir), str(tmp_path)), nprocs=tp)
     hf_model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     sample = _packed_sample(hf_model.config.vocab_size)
     offsets = sample["cu_seqlens"].tolist()

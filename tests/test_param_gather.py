@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
+from tests.ranks import start_ranks
 from tests.test_train_engine import SyntheticBatches, make_cfg, tiny_provider
 
 
@@ -53,7 +54,7 @@ def _worker(rank: int, world: int, port: int, run_dir: str, out: dict) -> None:
 
 def test_every_rank_exports_every_updated_parameter_after_a_distributed_optimizer_step(tmp_path):
     out = mp.Manager().dict()
-    mp.start_processes(_worker, args=(2, free_port(), str(tmp_path), out), nprocs=2, join=True, start_method="spawn")
+    start_ranks(_worker, args=(2, free_port(), str(tmp_path), out), nprocs=2)
     for rank in (0, 1):
         assert out[rank]["ranks_agree"], out[rank]  # no rank sends another rank's stale shard
         assert out[rank]["changed"] == out[rank]["tensors"], out[rank]  # every tensor carries the update

@@ -23,6 +23,7 @@ from afm_core.utils.hardware import bf16_is_fast
 from afm_core.utils.paths import repo_root
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
+from tests.ranks import start_ranks
 
 SEQ, MBS = 64, 2
 
@@ -139,9 +140,7 @@ def test_planned_parameter_gradient_and_optimizer_bytes_equal_the_measured_tenso
         on_gpu=False,
     )
     out = mp.Manager().dict()
-    mp.start_processes(
-        measure_worker, args=(world, free_port(), spec, out), nprocs=world, join=True, start_method="spawn"
-    )
+    start_ranks(measure_worker, args=(world, free_port(), spec, out), nprocs=world)
     for rank in range(world):
         stage = planned[out[(rank, "pp")]]
         assert out[(rank, "bytes")] == (stage.param_bytes, stage.grad_bytes, stage.optimizer_bytes), name

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from afm_core.utils.paths import repo_root, shared_data_dir
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
+from tests.ranks import start_ranks
 
 pytestmark = pytest.mark.skipif(
     not shared_data_dir().is_dir(), reason=f"real data folder {shared_data_dir()} is absent (set AFM_SHARED_DATA)"
@@ -44,9 +44,7 @@ def sft_worker(rank: int, world: int, port: int, overrides: list[str], out: str)
 
 
 def run_sft_spawned(overrides: list[str], out: Path, world: int = 1) -> dict:
-    mp.start_processes(
-        sft_worker, args=(world, free_port(), overrides, str(out)), nprocs=world, join=True, start_method="spawn"
-    )
+    start_ranks(sft_worker, args=(world, free_port(), overrides, str(out)), nprocs=world)
     return json.loads(out.read_text())
 
 

@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 from afm_core.utils.paths import repo_root
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
+from tests.ranks import start_ranks
 
 VOCAB, SEQ, HIDDEN, LAYERS = 128, 32, 32, 4
 
@@ -240,7 +241,7 @@ def _crash_on_save(nth: int) -> None:
 
 
 def spawn(world: int, spec: dict) -> None:
-    mp.start_processes(train_worker, args=(world, free_port(), spec), nprocs=world, join=True, start_method="spawn")
+    start_ranks(train_worker, args=(world, free_port(), spec), nprocs=world)
 
 
 def run(tmp_path: Path, name: str, world: int = 1, run_dir: Path | None = None, **spec) -> dict:
@@ -317,7 +318,7 @@ def loss_worker(rank: int, world: int, port: int, spec: dict) -> None:
 
 def test_loss_and_grads_equal_hand_computed_cross_entropy(tmp_path):
     spec = {"cfg": cfg_with(**{"trainer.global_batch_size": 8}), "run_dir": str(tmp_path / "run")}
-    mp.start_processes(loss_worker, args=(2, free_port(), spec), nprocs=2, join=True, start_method="spawn")
+    start_ranks(loss_worker, args=(2, free_port(), spec), nprocs=2)
 
 
 # ---------------------------------------------------------------------------------------------------------

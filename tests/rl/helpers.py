@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from afm_core.utils.paths import shared_data_dir
+from tests.ranks import start_ranks
 
 needs_shared_data = pytest.mark.skipif(
     not shared_data_dir().is_dir(),
@@ -154,17 +155,10 @@ def run_rl_ranks(
     ``stop_after``, or a SIGUSR2 during generation round ``stop_in_round`` (:func:`_stop_during_round`); ``setup``
     (a module-level function, pickled to the ranks) runs in every rank before the job, e.g. to monkeypatch it; rank
     0's summary, with ``aborted_rounds_left_vllm_idle``."""
-    import torch.multiprocessing as mp
 
     from afm_core.utils.ports import free_port
 
     out = Path(cfg["run_dir"]) / f"summary-{time.monotonic_ns()}.json"
     Path(cfg["run_dir"]).mkdir(parents=True, exist_ok=True)
-    mp.start_processes(
-        _rl_rank,
-        args=(world, free_port(), cfg, stop_after, stop_in_round, setup, str(out)),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
+    start_ranks(_rl_rank, args=(world, free_port(), cfg, stop_after, stop_in_round, setup, str(out)), nprocs=world)
     return json.loads(out.read_text())

@@ -24,7 +24,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -37,6 +36,7 @@ from afm_core.rl.schedule import parse_schedule, stage_at
 from afm_core.utils.paths import repo_root
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
+from tests.ranks import start_ranks
 from tests.rl.helpers import needs_shared_data, rl_config, run_rl_ranks
 from tests.test_tracking import mlflow_history, tensorboard_scalars
 
@@ -553,7 +553,7 @@ def test_a_policy_update_raises_the_logprobs_of_positive_advantage_samples_and_l
         "optim.weight_decay=0.0",
     )
     out = tmp_path / "update.json"
-    mp.start_processes(_update_rank, args=(1, free_port(), cfg, str(out)), nprocs=1, join=True, start_method="spawn")
+    start_ranks(_update_rank, args=(1, free_port(), cfg, str(out)), nprocs=1)
     result = json.loads(out.read_text())
     deltas = [a - b for a, b in zip(result["after"], result["before"])]
     assert deltas[0] > 0 and deltas[2] > 0 and deltas[1] < 0 and deltas[3] < 0, deltas
@@ -574,7 +574,7 @@ def test_a_partial_train_batch_trains_its_last_mini_batch_on_the_remaining_group
     )
     cfg["_samples"] = 6  # 3 groups: mini-batches of 4 and 2 samples
     out = tmp_path / "update.json"
-    mp.start_processes(_update_rank, args=(1, free_port(), cfg, str(out)), nprocs=1, join=True, start_method="spawn")
+    start_ranks(_update_rank, args=(1, free_port(), cfg, str(out)), nprocs=1)
     stats = json.loads(out.read_text())["stats"]
     assert stats["optimizer_steps"] == 2 and stats["actor/tokens"] == 6 * 7
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
+from tests.ranks import start_ranks
 
 TEMPERATURE = 0.8
 
@@ -123,9 +123,9 @@ def _no_dp():
 
 
 def test_observation_tokens_change_nothing_in_the_policy_gradient():
-    mp.start_processes(_worker, args=(1, free_port()), nprocs=1, join=True, start_method="spawn")
+    start_ranks(_worker, args=(1, free_port()), nprocs=1)
 
 
 @pytest.mark.slow
 def test_observation_tokens_change_nothing_in_the_policy_gradient_at_tp2():
-    mp.start_processes(_worker, args=(2, free_port()), nprocs=2, join=True, start_method="spawn")
+    start_ranks(_worker, args=(2, free_port()), nprocs=2)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
+from tests.ranks import start_ranks
 from tests.test_train_engine import SEQ, VOCAB, make_cfg, tiny_provider
 
 
@@ -97,4 +97,4 @@ def _worker(rank: int, world: int, port: int, spec: dict) -> None:
 def test_the_policy_update_divides_by_the_response_tokens_of_all_micro_batches_and_data_parallel_ranks(tmp_path):
     cfg = make_cfg(**{"trainer.grad_clip": 0.0, "trainer.micro_batch_size": 2, "trainer.global_batch_size": 8})
     spec = {"cfg": OmegaConf.to_container(cfg), "run_dir": str(tmp_path / "run")}
-    mp.start_processes(_worker, args=(2, free_port(), spec), nprocs=2, join=True, start_method="spawn")
+    start_ranks(_worker, args=(2, free_port(), spec), nprocs=2)

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from afm_core.rl.critic import gae_per_sample
 from afm_core.rl.grading import Sample
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env, set_rank_env_for_test
+from tests.ranks import start_ranks
 from tests.rl.helpers import needs_shared_data, rl_config, run_rl_ranks
 
 
@@ -132,7 +132,7 @@ def _critic_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
 def test_the_critic_resumes_exactly_from_its_checkpoint(tmp_path):
     cfg = _config(tmp_path / "run", "algorithm.adv_estimator=gae", "algorithm.mini_batch_size=2", "rollout.n=2")
     out = tmp_path / "critic.json"
-    mp.start_processes(_critic_rank, args=(1, free_port(), cfg, str(out)), nprocs=1, join=True, start_method="spawn")
+    start_ranks(_critic_rank, args=(1, free_port(), cfg, str(out)), nprocs=1)
     result = json.loads(out.read_text())
     assert result["head"] == ["p.output_layer.weight"], "a scalar value head replaces the LM head"
     assert result["stats"]["critic/optimizer_steps"] == 1 and result["stats"]["critic/vf_loss"] > 0

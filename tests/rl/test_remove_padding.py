@@ -5,10 +5,10 @@ logprobs and entropies, policy gradients and critic values, while the transforme
 from __future__ import annotations
 
 import torch
-import torch.multiprocessing as mp
 
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
+from tests.ranks import start_ranks
 from tests.rl.test_observation_mask import TEMPERATURE, _grads
 
 
@@ -85,4 +85,4 @@ def _worker(rank: int, port: int) -> None:
 
 
 def test_packed_rl_passes_equal_the_padded_ones_on_the_real_tokens():
-    mp.start_processes(_worker, args=(free_port(),), nprocs=1, join=True, start_method="spawn")
+    start_ranks(_worker, args=(free_port(),), nprocs=1)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
+from tests.ranks import start_ranks
 from tests.rl.helpers import perturb_weights, shutdown_engine, vllm_engine
 
 TEMPERATURE = 0.7
@@ -169,7 +169,7 @@ def _run(
         "bucket_bytes": bucket_bytes,
         "out": str(tmp_path / "result.json"),
     }
-    mp.start_processes(worker, args=(tp, free_port(), spec), nprocs=tp, join=True, start_method="spawn")
+    start_ranks(worker, args=(tp, free_port(), spec), nprocs=tp)
     result = json.loads((tmp_path / "result.json").read_text())
     print(result)
     return result

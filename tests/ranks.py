@@ -1,0 +1,55 @@
+"""Rank processes for tests: ``torch.multiprocessing.start_processes`` forked from a forkserver that has imported
+torch, megatron.core and transformers once.
+
+A ``spawn``-ed rank is a fresh interpreter that imports those itself: ~10 s of CPU on two quiet cores
+(``python -X importtime -c "import megatron.core"``: megatron.core alone ~5 s, most of it torch._inductor, torch._dynamo
+and wandb, which it imports at module level), and the suite starts a few hundred ranks. A forkserver imports them
+once per pytest worker (``multiprocessing.set_forkserver_preload``) and forks each rank from that state, which
+copies nothing until written. The ranks are still fresh processes as far as the code under test goes: the server
+only imported modules (no process group, no parallel state, no tensors), started before any test changes the
+environment (:func:`start_forkserver`, from tests/conftest.py), and each rank takes its caller's current
+environment and working directory before it runs (:func:`_in_callers_env`), as a spawned one would.
+
+Production code launches its ranks through submitit, Slurm or ``torchrun``; this is test plumbing only.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+#: What the forkserver imports before it forks the first rank (third-party only: the code under test is imported
+#: by each rank, from the tree being tested).
+PRELOAD = ("torch", "megatron.core", "transformers")
+
+
+def start_forkserver() -> None:
+    """Start this process's forkserver with :data:`PRELOAD` imported (a no-op if it runs already). Called once per
+    pytest worker at session start, so that the server's imports overlap with the first tests and its environment
+    is the session's, not one a test set."""
+    multiprocessing.set_forkserver_preload(list(PRELOAD))
+    multiprocessing.forkserver.ensure_running()
+
+
+def start_ranks(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 1, join: bool = True) -> Any:
+    """``fn(rank, *args)`` in ``nprocs`` processes forked from the forkserver, as
+    ``torch.multiprocessing.start_processes`` (``join=True``: wait for all, and raise
+    ``torch.multiprocessing.ProcessRaisedException`` with the rank's traceback if one fails; ``join=False``: the
+    ``ProcessContext``). ``fn`` must be importable by name (a module-level function)."""
+    import torch.multiprocessing as mp
+
+    start_forkserver()
+    context_args = (fn, dict(os.environ), os.getcwd(), tuple(args))
+    return mp.start_processes(_in_callers_env, args=context_args, nprocs=nprocs, join=join, start_method="forkserver")
+
+
+def _in_callers_env(rank: int, fn: Callable[..., Any], env: dict[str, str], cwd: str, args: tuple) -> None:
+    """In the rank: the caller's environment and directory at :func:`start_ranks` (a forked rank would otherwise
+    have the forkserver's), then ``fn(rank, *args)``."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    fn(rank, *args)
