@@ -2,7 +2,9 @@
 
 A preset names a loader, a data file (relative to the shared data folder unless absolute), the CoA task
 family, the grader, optional per-benchmark sampling settings and, for GSM8K, ``max_calculator_steps`` (keep the
-problems whose reference uses at most that many calculator steps). A user file (``benchmark_files=[...]``)
+problems whose reference uses at most that many calculator steps). A test-only set (SVAMP, MAWPS) is split by the
+preset into disjoint RL prompts and held-out problems (``split``, ``heldout_size``, ``split_seed``:
+:func:`split_problems`), after repeated questions are dropped. A user file (``benchmark_files=[...]``)
 is read as the AFM/verl RL layout, parquet or JSON lines: ``prompt`` (chat messages), ``data_source``,
 ``ability``, ``reward_model.ground_truth``, ``extra_info``; its grader is chosen from ``data_source`` /
 ``ability`` (:func:`afm_core.rewards.grader_kind`) and its prompt is used as written.
@@ -35,7 +37,9 @@ log = logging.getLogger(__name__)
 
 #: Keys of a preset file; the sampling keys are null to use the run's ``eval.*`` defaults.
 PRESET_KEYS = ("name", "loader", "path", "task", "grader", "k", "temperature", "top_p", "max_response_tokens",
-               "max_tool_calls", "skip", "limit", "max_calculator_steps", "description")  # fmt: skip
+               "max_tool_calls", "skip", "limit", "max_calculator_steps", "split", "heldout_size", "split_seed",
+               "description")  # fmt: skip
+SPLITS = ("heldout", "train")
 SAMPLING_KEYS = ("k", "temperature", "top_p", "max_response_tokens", "max_tool_calls", "limit")
 
 
@@ -91,6 +95,15 @@ def read_preset(name: str) -> dict[str, Any]:
         raise ValueError(
             f"{path}: field 'grader' must be one of {', '.join(GRADER_KINDS)}, got {values.get('grader')!r}"
         )
+    split = values.get("split")
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"{path}: field 'split' must be one of {', '.join(SPLITS)} or null, got {split!r}")
+    size = values.get("heldout_size")
+    if (split is None) != (size is None) or (size is not None and (isinstance(size, bool) or not isinstance(size, int)
+                                                                    or size < 1)):  # fmt: skip
+        raise ValueError(
+            f"{path}: field 'heldout_size' is a positive integer exactly when 'split' is set, got {size!r}"
+        )
     steps = values.get("max_calculator_steps")
     if steps is not None and (values["loader"] != "gsm8k" or isinstance(steps, bool) or not isinstance(steps, int)):
         raise ValueError(f"{path}: field 'max_calculator_steps' is an integer for the gsm8k loader, got {steps!r}")
@@ -134,6 +147,60 @@ def _gsm8k(where: Where, r: Mapping[str, Any], name: str, task: str, grader: str
     return _task(
         name, index, task, user_prompt(task, question), question, gold, grader, calculator_steps=answer.count("<<")
     )  # the reference's <<a*b=c>> annotations
+
+
+def _number(value: Any, where: Where, field_name: str) -> str:
+    """A numeric answer as the grader's gold text: ``145.0`` -> ``"145"``, ``0.25`` -> ``"0.25"``."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise where.error(f"field {field_name!r} is not a number: {value!r}") from None
+    return str(int(number)) if number.is_integer() else repr(number)
+
+
+def _svamp(where: Where, r: Mapping[str, Any], name: str, task: str, grader: str, index: int) -> AgentTask:
+    """SVAMP (Patel et al., 2021, NAACL): ``Body`` + ``Question``, gold ``Answer``; ``Equation`` kept in meta."""
+    question = f"{require(r, 'Body', str, where).strip()} {require(r, 'Question', str, where).strip()}"
+    answer = _number(require(r, "Answer", (int, float, str), where), where, "Answer")
+    return _task(name, r.get("ID", index), task, user_prompt(task, question), question, answer, grader,
+                 equation=str(r.get("Equation", "")), level=str(r.get("Type", "")))  # fmt: skip
+
+
+def _mawps(where: Where, r: Mapping[str, Any], name: str, task: str, grader: str, index: int) -> AgentTask:
+    """MAWPS (Koncel-Kedziorski et al., 2016, NAACL) as math-evaluation-harness ships it: ``input``, ``target``."""
+    question = require(r, "input", str, where).strip()
+    answer = _number(require(r, "target", (int, float, str), where), where, "target")
+    return _task(name, index, task, user_prompt(task, question), question, answer, grader, level=str(r.get("type", "")))
+
+
+def question_key(question: str) -> str:
+    """A question's text for finding repeats: lower case, one space, no space before punctuation (MAWPS's subsets
+    repeat problems with ``"beach ."`` for ``"beach."``)."""
+    return re.sub(r"\s+", " ", re.sub(r"\s+([.,?!;:])", r"\1", question.lower())).strip()
+
+
+def split_problems(tasks: list[AgentTask], split: str, heldout_size: int, seed: int) -> list[AgentTask]:
+    """One side of a fixed-seed split of a test-only set into held-out problems and RL prompts (disjoint).
+
+    Repeated questions (:func:`question_key`) are dropped first, keeping the first; the rest are shuffled with
+    ``random.Random(seed)`` and the first ``heldout_size`` are the held-out side, the others the train side; each
+    side is returned in file order.
+
+    Raises:
+        ValueError: ``heldout_size`` leaves no train problem.
+    """
+    import random
+
+    first: dict[str, AgentTask] = {}
+    for task in tasks:
+        first.setdefault(question_key(task.question), task)
+    unique = list(first.values())
+    if heldout_size >= len(unique):
+        raise ValueError(f"heldout_size {heldout_size} leaves no train problem ({len(unique)} distinct questions)")
+    order = list(range(len(unique)))
+    random.Random(seed).shuffle(order)
+    heldout = set(order[:heldout_size])
+    return [t for i, t in enumerate(unique) if (i in heldout) == (split == "heldout")]
 
 
 def _math_jsonl(where: Where, r: Mapping[str, Any], name: str, task: str, grader: str, index: int) -> AgentTask:
@@ -211,6 +278,8 @@ LOADERS: dict[str, Callable[..., AgentTask]] = {
     "humaneval": _humaneval,
     "mbpp": _mbpp,
     "hotpotqa": _hotpotqa,
+    "svamp": _svamp,
+    "mawps": _mawps,
     "rl_file": _rl_record,
 }
 
@@ -264,6 +333,8 @@ def load_preset(name: str, data_dir: Path | None = None) -> Benchmark:
     tasks = tasks[int(preset.get("skip") or 0) :]  # the file's first records (e.g. another job's training data)
     if preset.get("max_calculator_steps") is not None:
         tasks = within_calculator_steps(tasks, preset["max_calculator_steps"])
+    if preset.get("split") is not None:
+        tasks = split_problems(tasks, preset["split"], preset["heldout_size"], int(preset.get("split_seed") or 0))
     settings = {k: preset[k] for k in SAMPLING_KEYS if preset.get(k) is not None}
     return Benchmark(name, tasks, settings, skipped, source=f"preset {name}: {path}")
 

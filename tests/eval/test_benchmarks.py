@@ -1,5 +1,6 @@
 """Benchmark presets: the GSM8K calculator-step filter (``max_calculator_steps``) that gives the RL
-learning-signal run its held-out set, and a preset that misuses it naming the file and field."""
+learning-signal run its held-out set, the fixed-seed split of the test-only SVAMP and MAWPS into disjoint held-out
+problems and RL prompts, and presets that misuse either naming the file and field."""
 
 from __future__ import annotations
 
@@ -61,3 +62,41 @@ def test_jobs_eval_refuses_a_missing_benchmark_file_before_submitting(tmp_path):
                           timeout=120)  # fmt: skip
     assert done.returncode == 2 and f"jobs.eval: benchmark file {missing} not found (benchmark_files)" in done.stderr
     assert not (tmp_path / "run" / "logs").exists(), "a job was submitted"
+
+
+@pytest.mark.parametrize(("name", "heldout", "distinct"), [("svamp", 300, 1000), ("mawps", 400, 1890)])
+def test_test_only_sets_split_into_disjoint_heldout_and_rl_sides_after_dropping_repeats(
+    data_dir, name, heldout, distinct
+):
+    from afm_core.eval.benchmarks import question_key
+    from afm_core.rewards.math import grade_math
+
+    sides = {split: load_preset(f"{name}_{split}", data_dir).tasks for split in ("heldout", "train")}
+    keys = {split: [question_key(t.question) for t in tasks] for split, tasks in sides.items()}
+    assert len(sides["heldout"]) == heldout and len(sides["heldout"]) + len(sides["train"]) == distinct
+    assert not set(keys["heldout"]) & set(keys["train"]), "a question on both sides"
+    assert all(len(set(k)) == len(k) for k in keys.values()), "a repeated question kept"
+    again = load_preset(f"{name}_heldout", data_dir).tasks
+    assert [t.id for t in again] == [t.id for t in sides["heldout"]], "the split is fixed by its seed"
+    task = sides["heldout"][0]
+    assert task.task == "math" and task.meta["grader"] == "math"
+    assert grade_math(f"<answer>\\boxed{{{task.answer}}}</answer>", task.answer).score == 1.0
+
+
+def test_mawps_repeats_differ_only_in_spacing_and_svamp_joins_body_and_question(data_dir):
+    from afm_core.eval.benchmarks import question_key
+
+    assert question_key("She has 27 seashell left . How many ?") == question_key("she has 27  seashell left. How many?")
+    first = json.loads((data_dir / "math/svamp/test.jsonl").read_text().splitlines()[0])
+    task = next(t for t in load_preset("svamp_train", data_dir).tasks if t.meta["problem_id"] == first["ID"])
+    assert task.question == f"{first['Body']} {first['Question']}" and task.answer == "145"
+    assert task.meta["equation"] == first["Equation"]
+
+
+def test_a_split_without_its_size_names_the_file_and_field(tmp_path, monkeypatch):
+    monkeypatch.setattr(benchmarks, "presets_dir", lambda: tmp_path)
+    (tmp_path / "bad.yaml").write_text(
+        "name: bad\nloader: svamp\npath: x.jsonl\ntask: math\ngrader: math\nsplit: train\n"
+    )
+    with pytest.raises(ValueError, match=r"bad\.yaml: field 'heldout_size'"):
+        load_preset("bad")
