@@ -8,7 +8,8 @@ once per pytest worker (``multiprocessing.set_forkserver_preload``) and forks ea
 copies nothing until written. The ranks are still fresh processes as far as the code under test goes: the server
 only imported modules (no process group, no parallel state, no tensors), started before any test changes the
 environment (:func:`start_forkserver`, from tests/conftest.py), and each rank takes its caller's current
-environment and working directory before it runs (:func:`_in_callers_env`), as a spawned one would.
+environment, working directory, stdout and stderr before it runs (:func:`_in_callers_env`), as a spawned one would:
+its output lands in the test's captured output, not in the forkserver's terminal.
 
 Production code launches its ranks through submitit, Slurm or ``torchrun``; this is test plumbing only.
 """
@@ -42,14 +43,35 @@ def start_ranks(fn: Callable[..., Any], args: Sequence[Any] = (), nprocs: int = 
     import torch.multiprocessing as mp
 
     start_forkserver()
-    context_args = (fn, dict(os.environ), os.getcwd(), tuple(args))
+    context_args = (fn, dict(os.environ), os.getcwd(), _Fd(1), _Fd(2), tuple(args))
     return mp.start_processes(_in_callers_env, args=context_args, nprocs=nprocs, join=join, start_method="forkserver")
 
 
-def _in_callers_env(rank: int, fn: Callable[..., Any], env: dict[str, str], cwd: str, args: tuple) -> None:
-    """In the rank: the caller's environment and directory at :func:`start_ranks` (a forked rank would otherwise
-    have the forkserver's), then ``fn(rank, *args)``."""
+class _Fd:
+    """A file descriptor of the caller that a forkserver child receives as its own: pickled as
+    ``multiprocessing.reduction.DupFd``, which sends it along with the fork request (``popen_forkserver``)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self) -> tuple[Any, tuple[Any]]:
+        import multiprocessing.reduction
+
+        return _received_fd, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+def _received_fd(dup: Any) -> int:
+    return dup.detach()
+
+
+def _in_callers_env(rank: int, fn: Callable[..., Any], env: dict[str, str], cwd: str, stdout: int, stderr: int,
+                    args: tuple) -> None:  # fmt: skip
+    """In the rank: the caller's environment, directory, stdout and stderr at :func:`start_ranks` (a forked rank
+    would otherwise have the forkserver's), then ``fn(rank, *args)``."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
+    for fd, target in ((stdout, 1), (stderr, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
     fn(rank, *args)
