@@ -12,8 +12,6 @@ boundary so that they save and stop together.
 
 from __future__ import annotations
 
-import torch
-
 
 class Preemption:
     """This process's pending requests: checkpoint at the next step boundary, and then stop or not.
@@ -44,6 +42,8 @@ class Preemption:
         A flag is cleared only if it was read as set, before the all-reduce: a signal that lands during the
         collective (or between the read and the clear) stays set for the next boundary instead of being lost.
         """
+        import torch  # here: the job entry points import this module to check a config before the queue
+
         checkpoint, stop = self._checkpoint, self._stop
         if checkpoint:
             self._checkpoint = False
