@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -224,10 +225,18 @@ class RolloutActor:
 
     def _round(self, work: Any, during: str) -> Any:
         """Run ``work`` (a coroutine on this rank's engine) to its end, then release the followers of a vLLM TP
-        group; raises RolloutAborted ("a stop was requested during {during}") when a stop came first."""
+        group; raises RolloutAborted ("a stop was requested during {during}") when a stop came first.
+
+        Python's ``random`` comes back as it was: the trainer seeds and checkpoints it, and I/O code in the round
+        draws from it a number of times that depends on timing, not on the run (aiohttp's connector shuffles its
+        waiting hosts with it, ``BaseConnector._release_waiter``, whenever a released connection has waiters), so
+        a resumed run would end with another state than the uninterrupted one. The round itself needs no draw
+        from it (vLLM samples with torch's generator; the prompt stream has its own)."""
+        python_rng = random.getstate()
         try:
             result = self.run(_unless_stopped(work, self.engine, self.preemption.stop_requested))
         finally:
+            random.setstate(python_rng)
             if self.lockstep is not None:
                 self.engine.end_round()  # release the followers
         if result is None:

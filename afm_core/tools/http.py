@@ -26,6 +26,12 @@ from afm_core.tools.metrics import ToolMetrics
 RETRYABLE = frozenset({"connect", "timeout", "http_5xx", "rate_limited", "bad_json"})
 
 
+#: The backoff jitter's own generator: the process-wide ``random`` is the trainer's, seeded and checkpointed
+#: (``afm_core.train.checkpoint.rng_state``), and how many retries a run meets depends on the machine's load, so a
+#: draw from it would make a resumed run's RNG state differ from the uninterrupted run's.
+_JITTER = random.Random()
+
+
 @dataclass
 class ToolLimits:
     """Per-tool limits (seconds, calls, calls per second).
@@ -122,7 +128,7 @@ class ToolHttp:
                 if e.retry_after_s is not None:
                     delay = min(e.retry_after_s, self.limits.retry_after_max_s)
                 else:
-                    delay = min(self.limits.backoff_max_s, self.limits.backoff_s * 2**attempt) * random.uniform(
+                    delay = min(self.limits.backoff_max_s, self.limits.backoff_s * 2**attempt) * _JITTER.uniform(
                         0.5, 1.0
                     )
                 await asyncio.sleep(delay)

@@ -159,6 +159,54 @@ def test_the_handover_syncs_offloads_the_trainer_before_the_kv_cache_wakes_and_s
 
 # -- the in-process engine ------------------------------------------------------------------------------------
 @pytest.mark.slow
+def test_a_rounds_io_leaves_the_trainers_python_rng_as_it_found_it():
+    """aiohttp's connector draws from python's ``random`` (``BaseConnector._release_waiter`` shuffles the waiting
+    hosts) as often as a released connection has waiters, which depends on timing: a round (generation or
+    validation) gives the trainer's seeded, checkpointed state back as it was, or a resumed run ends with another
+    RNG state than the uninterrupted one."""
+    import random
+
+    import aiohttp
+    from aiohttp import web
+
+    from afm_core.train.preemption import Preemption
+    from tests.tools.conftest import serve_app
+
+    async def requests_to_two_servers_through_one_connection() -> list[str]:
+        async def slow(request: web.Request) -> web.Response:
+            await asyncio.sleep(0.01)
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_get("/", slow)
+        limit_one = aiohttp.TCPConnector(limit=1)  # waiters for two hosts: the shuffle has something to order
+        async with serve_app(app) as one, serve_app(app) as two, aiohttp.ClientSession(connector=limit_one) as session:
+
+            async def get(url: str) -> str:
+                async with session.get(url) as response:
+                    return await response.text()
+
+            return list(await asyncio.gather(*(get(url) for _ in range(3) for url in (one, two))))
+
+    random.seed(0)
+    before = random.getstate()
+    asyncio.run(requests_to_two_servers_through_one_connection())
+    assert random.getstate() != before, "aiohttp no longer draws from random: this test shows nothing"
+
+    class Engine:
+        async def close(self) -> None:
+            pass
+
+    cfg = {"tools": {"tools": {}}, "reward": {"test_timeout_s": 1}, "judge": {}}
+    actor = RolloutActor(cfg, Path("."), None, {}, 64, engine=Engine(), preemption=Preemption())
+    try:
+        random.seed(0)
+        assert actor._round(requests_to_two_servers_through_one_connection(), "a test round") == ["ok"] * 6
+        assert random.getstate() == before
+    finally:
+        actor.close()
+
+
 def test_vllms_kernel_scan_does_not_see_llvmlites_ctypes_proxy_while_an_engine_starts():
     import sys
 

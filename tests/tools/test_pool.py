@@ -81,6 +81,24 @@ def test_faults_give_error_observations_after_the_configured_retries(mode, kind)
     assert m.latency.count == 1
 
 
+def test_retries_leave_the_process_wide_random_state_alone():
+    """The trainer seeds and checkpoints ``random``'s state; a retry's backoff jitter must not draw from it, or a
+    resumed RL run's RNG state depends on how many tool calls were retried (the machine's load)."""
+    import random
+
+    async def main():
+        backend = Backend("http_500")
+        async with serve_app(backend.app()) as url:
+            random.seed(1234)
+            before = random.getstate()
+            observation, _ = await one_call(url, ToolLimits(**FAST_RETRY))
+            return observation, before, random.getstate(), backend.hits
+
+    observation, before, after, hits = asyncio.run(main())
+    assert hits == 3 and "(3 attempts)" in observation  # two backoff waits
+    assert after == before
+
+
 def test_server_down():
     url = f"http://127.0.0.1:{free_port()}"
     observation, pool = asyncio.run(one_call(url, ToolLimits(**FAST_RETRY)))
