@@ -3,8 +3,8 @@
 The chain (:mod:`afm_core.launch.pipeline`) trains a warm start, selects a learnable slice of RL prompts and a
 disjoint held-out slice with ``jobs.filter_rl`` (problems with 0 < pass@k < 1 under the warm start), evaluates the
 warm start on the held-out slice with *another* seed than the one that selected it (selection bias: a slice chosen
-for being sometimes solved regresses toward the mean when sampled again), trains with DAPO on the train slice, and
-evaluates the trained policy with that same fresh seed. :func:`rl_demo_report` reads the stages' outputs and writes
+for being sometimes solved regresses toward the mean when sampled again) and, in the same eval job, on the whole
+held-out set; trains with DAPO on the train slice; and evaluates the trained policy with that same fresh seed. :func:`rl_demo_report` reads the stages' outputs and writes
 what the README reports: the paired avg@k change on the held-out slice with its standard error and z
 (:func:`afm_core.eval.report.compare_scores`), the full held-out set before and after, the RL phase's step times and
 the slope of the trained reward over rollout steps (ordinary least squares, its standard error from the residuals).
@@ -21,7 +21,10 @@ from pathlib import Path
 from typing import Any
 
 #: The stage names the report reads (``conf/recipe/rl_demo_pipeline.yaml``).
-STAGES = ("warm", "heldout_slice", "train_slice", "before_slice", "before_full", "rl", "after_slice", "after_full")
+STAGES = ("warm", "heldout_slice", "train_slice", "before", "rl", "after")
+#: The held-out slice's benchmark name in the before/after eval jobs: the stem of ``jobs.filter_rl``'s
+#: ``rl_data.parquet`` (``benchmark_files``); the job's other benchmark is the whole held-out set.
+SLICE = "rl_data"
 
 
 def ols_slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
@@ -45,10 +48,11 @@ def _points(value: float) -> float:
     return round(100 * value, 2) if math.isfinite(value) else value
 
 
-def _avg_at_k(run_dir: Path) -> tuple[float, int, int]:
-    """avg@k (fraction), problems and k of the one benchmark of an eval run dir's ``metrics.json``."""
+def _avg_at_k(run_dir: Path, slice_: bool) -> tuple[float, int, int]:
+    """avg@k (fraction), problems and k of the held-out slice (``slice_``) or of the other benchmark, the whole
+    held-out set, in an eval run dir's ``metrics.json``."""
     metrics = json.loads((run_dir / "metrics.json").read_text(encoding="utf-8"))
-    (bench,) = [m for m in metrics.values() if isinstance(m, dict)]
+    (bench,) = [m for name, m in metrics.items() if isinstance(m, dict) and (name == SLICE) == slice_]
     key = next(k for k in bench if k.startswith("avg@") and not k.endswith("_se"))
     return float(bench[key]), int(bench.get("n", 0)), int(key.removeprefix("avg@"))
 
@@ -74,14 +78,14 @@ def rl_demo_report(run_dir: Path, stages: Sequence[Mapping[str, Any]]) -> dict[s
     if missing:
         raise KeyError(f"rl_demo_report: the chain has no stage(s) {missing} (expected {', '.join(STAGES)})")
     dirs = {name: Path(by_name[name]["run_dir"]) for name in STAGES}
-    (paired,) = compare_scores(dirs["before_slice"], dirs["after_slice"])
-    _, n_slice, k = _avg_at_k(dirs["before_slice"])
+    (paired,) = [r for r in compare_scores(dirs["before"], dirs["after"]) if r["benchmark"] == SLICE]
+    _, n_slice, k = _avg_at_k(dirs["before"], slice_=True)
     selection = json.loads((dirs["heldout_slice"] / "filter_report.json").read_text(encoding="utf-8"))
     train_selection = json.loads((dirs["train_slice"] / "filter_report.json").read_text(encoding="utf-8"))
     steps = [r for r in read_metrics(dirs["rl"] / "metrics.jsonl") if r.get("split") == "train"]
     reward_key = "reward_mean_generated" if steps and "reward_mean_generated" in steps[0] else "reward_mean"
     slope, slope_se = ols_slope([r["step"] for r in steps], [r[reward_key] for r in steps])
-    before_full, after_full = _avg_at_k(dirs["before_full"])[0], _avg_at_k(dirs["after_full"])[0]
+    before_full, after_full = _avg_at_k(dirs["before"], slice_=False)[0], _avg_at_k(dirs["after"], slice_=False)[0]
     max_rss_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # Linux: KiB
     return {
         "heldout_slice": {
