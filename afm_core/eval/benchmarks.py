@@ -28,6 +28,7 @@ import yaml
 from afm_core.coa.prompts import TASKS, user_prompt
 from afm_core.data.formats import rl_task_from_row
 from afm_core.data.io import DataFormatError, Where, read_jsonl, require
+from afm_core.data.schema import task_id
 from afm_core.rewards.code import BadTestsError, code_tests_from_ground_truth, humaneval_tests, mbpp_tests
 from afm_core.rewards.grader import GRADER_KINDS, grader_kind
 from afm_core.rollout.types import AgentTask
@@ -174,9 +175,10 @@ def _mawps(where: Where, r: Mapping[str, Any], name: str, task: str, grader: str
 
 
 def question_key(question: str) -> str:
-    """A question's text for finding repeats: lower case, one space, no space before punctuation (MAWPS's subsets
-    repeat problems with ``"beach ."`` for ``"beach."``)."""
-    return re.sub(r"\s+", " ", re.sub(r"\s+([.,?!;:])", r"\1", question.lower())).strip()
+    """A question's identity for finding repeats: :func:`~afm_core.data.schema.task_id` (the id the SFT split and
+    the RL prompt filter compare questions by) after dropping the spaces before punctuation that MAWPS's subsets
+    differ by (``"beach ."`` for ``"beach."``)."""
+    return task_id(re.sub(r"\s+([.,?!;:])", r"\1", question))
 
 
 def split_problems(tasks: list[AgentTask], split: str, heldout_size: int, seed: int) -> list[AgentTask]:

@@ -4,8 +4,8 @@ The chain (:mod:`afm_core.launch.pipeline`) trains a warm start, selects a learn
 disjoint held-out slice with ``jobs.filter_rl`` (problems with 0 < pass@k < 1 under the warm start), evaluates the
 warm start on the held-out slice with *another* seed than the one that selected it (selection bias: a slice chosen
 for being sometimes solved regresses toward the mean when sampled again) and, in the same eval job, on the whole
-held-out set; trains with DAPO on the train slice; and evaluates the trained policy with that same fresh seed. :func:`rl_demo_report` reads the stages' outputs and writes
-what the README reports: the paired avg@k change on the held-out slice with its standard error and z
+held-out set; trains with DAPO on the train slice; and evaluates the trained policy with that same fresh seed.
+:func:`rl_demo_report` reads the stages' outputs and writes what the README reports: the paired avg@k change on the held-out slice with its standard error and z
 (:func:`afm_core.eval.report.compare_scores`), the full held-out set before and after, the RL phase's step times and
 the slope of the trained reward over rollout steps (ordinary least squares, its standard error from the residuals).
 """
