@@ -121,6 +121,29 @@ def test_every_backend_logs_the_steps_config_commit_and_job_id_and_a_resumed_run
     assert [r["step"] for r in lines] == [1, 2, 3, 4, 5] and lines[0]["note"] == "text"
 
 
+def test_the_backends_leave_the_trainers_python_rng_as_they_found_it(tmp_path, monkeypatch):
+    """MLflow's file store pads each leading zero of a fresh experiment id's UUID digits with
+    ``random.randint(0, 9)`` (about one experiment in ten): the trainer seeds and checkpoints python's ``random``,
+    so a tracked run would resume to another RNG state than its uninterrupted twin (tests/rl/test_driver.py). Here
+    the UUID has leading zeros every time."""
+    import random
+    import uuid
+
+    from mlflow.tracking import MlflowClient
+
+    zeros = uuid.UUID(int=10**20 + 12345)  # its last 18 decimal digits, mlflow's id: 000000000000012345
+    monkeypatch.setattr(uuid, "uuid4", lambda: zeros)
+    random.seed(0)
+    before = random.getstate()
+    MlflowClient(tracking_uri=(tmp_path / "bare").absolute().as_uri()).create_experiment("afm")
+    assert random.getstate() != before, "MLflow no longer draws from random here: this test shows nothing"
+
+    random.seed(0)
+    tracker = Tracker(tmp_path / "run", ALL, config={}, job_type="rl")
+    log_steps(tracker, [1, 2])
+    assert random.getstate() == before
+
+
 def test_an_unknown_logger_is_refused_naming_the_valid_ones(tmp_path):
     with pytest.raises(ValueError, match="unknown 'tensorbord'; valid: console, tensorboard, wandb, mlflow"):
         Tracker(tmp_path, ["console", "tensorbord"], config={}, job_type="sft")

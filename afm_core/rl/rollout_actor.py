@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from afm_core.rl.grading import Sample, grade_rollout
 from afm_core.rl.schedule import Stage
 from afm_core.train.distributed import gather_objects
 from afm_core.train.preemption import JOB_PREEMPTION, Preemption
+from afm_core.utils.rng import python_random_kept
 
 STOP_POLL_S = 0.05  # how often a generation round looks for a stop request (SIGUSR2 / preemption)
 
@@ -94,7 +94,12 @@ class RolloutActor:
             self.start_engine(max_model_len)
 
     def run(self, coro: Any) -> Any:
-        return self.runner.run(coro)
+        """Run ``coro`` on this actor's event loop; python's ``random`` comes back as it was
+        (:func:`afm_core.utils.rng.python_random_kept`: the aiohttp connections of tool calls draw from it as
+        timing has it, and the loop runs only here). Nothing run here needs a draw from it (vLLM samples with
+        torch's generator; the prompt stream has its own)."""
+        with python_random_kept():
+            return self.runner.run(coro)
 
     def start_engine(self, max_model_len: int) -> None:
         """Start vLLM with context ``max_model_len`` (prompt + the largest stage's response budget: an engine
@@ -225,18 +230,10 @@ class RolloutActor:
 
     def _round(self, work: Any, during: str) -> Any:
         """Run ``work`` (a coroutine on this rank's engine) to its end, then release the followers of a vLLM TP
-        group; raises RolloutAborted ("a stop was requested during {during}") when a stop came first.
-
-        Python's ``random`` comes back as it was: the trainer seeds and checkpoints it, and I/O code in the round
-        draws from it a number of times that depends on timing, not on the run (aiohttp's connector shuffles its
-        waiting hosts with it, ``BaseConnector._release_waiter``, whenever a released connection has waiters), so
-        a resumed run would end with another state than the uninterrupted one. The round itself needs no draw
-        from it (vLLM samples with torch's generator; the prompt stream has its own)."""
-        python_rng = random.getstate()
+        group; raises RolloutAborted ("a stop was requested during {during}") when a stop came first."""
         try:
             result = self.run(_unless_stopped(work, self.engine, self.preemption.stop_requested))
         finally:
-            random.setstate(python_rng)
             if self.lockstep is not None:
                 self.engine.end_round()  # release the followers
         if result is None:

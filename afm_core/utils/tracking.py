@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from afm_core.utils.atomic import atomic_write_json, atomic_write_text
 from afm_core.utils.jsonlog import read_jsonl_log
 from afm_core.utils.paths import repo_root
+from afm_core.utils.rng import python_random_kept
 
 log = logging.getLogger(__name__)
 
@@ -264,19 +265,21 @@ class Tracker:
         project = tracking.get("project") or "afm"
         name = tracking.get("name") or f"{job_type}/{self.run_dir.name}"
         self.backends: dict[str, Backend] = {}
-        for backend in dict.fromkeys(loggers):
-            if backend == "tensorboard":
-                self.backends[backend] = TensorBoardBackend(
-                    self.run_dir, config, self.info, purge_step=resume_step + 1 if resume_step else 0
-                )
-            elif backend == "wandb":
-                self.backends[backend] = WandbBackend(
-                    self.run_dir, project, name, config, self.info, run_ids.get("wandb"), job_type
-                )
-            elif backend == "mlflow":
-                self.backends[backend] = MlflowBackend(
-                    self.run_dir, project, name, config, self.info, run_ids.get("mlflow"), tracking.get("mlflow_uri")
-                )
+        # MLflow (and on retries its REST client) draws from python's random: the trainer's seeded, checkpointed
+        # state is kept (afm_core.utils.rng)
+        with python_random_kept():
+            for backend in dict.fromkeys(loggers):
+                if backend == "tensorboard":
+                    self.backends[backend] = TensorBoardBackend(
+                        self.run_dir, config, self.info, purge_step=resume_step + 1 if resume_step else 0
+                    )
+                elif backend == "wandb":
+                    self.backends[backend] = WandbBackend(
+                        self.run_dir, project, name, config, self.info, run_ids.get("wandb"), job_type
+                    )
+                elif backend == "mlflow":
+                    self.backends[backend] = MlflowBackend(self.run_dir, project, name, config, self.info,
+                                                           run_ids.get("mlflow"), tracking.get("mlflow_uri"))  # fmt: skip
         self.run_ids = {k: b.run_id for k, b in self.backends.items() if b.run_id is not None}
         atomic_write_json(self.run_dir / TRACKING_FILE,
                           {"loggers": list(loggers), "run_ids": self.run_ids, **self.info, "config": config})  # fmt: skip
@@ -290,15 +293,17 @@ class Tracker:
             self.jsonl.write(dict(record))
         step, values = int(record["step"]), scalars(record)
         logged = step <= self.logged.get(str(record.get("split")), -1)
-        for backend in self.backends.values():
-            if values and not (logged and backend.run_id is not None):
-                backend.log(values, step)
+        with python_random_kept():
+            for backend in self.backends.values():
+                if values and not (logged and backend.run_id is not None):
+                    backend.log(values, step)
 
     def close(self) -> None:
         if self.jsonl is not None:
             self.jsonl.close()
-        for backend in self.backends.values():
-            backend.close()
+        with python_random_kept():
+            for backend in self.backends.values():
+                backend.close()
 
 
 def log_results(cfg: Mapping[str, Any], job_type: str, results: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
