@@ -10,13 +10,14 @@ The tests of a module that share a module-scoped fixture (an RL run, a DeepSpeed
 too: xdist runs a module fixture once per worker that gets one of its tests, so a module split over both workers
 paid for its run twice (two ~100 s setups of a resumed RL run in one full run).
 
-Each xdist worker starts the forkserver its tests' ranks fork from (tests/ranks.py) at session start, so that its
-imports overlap with the first tests.
+Each xdist worker runs on its own share of the CPUs (:func:`pin_worker`), and starts the forkserver its tests' ranks
+fork from (tests/ranks.py) at session start, so that its imports overlap with the first tests.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -24,8 +25,28 @@ from tests.ranks import start_forkserver
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        pin_worker(int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
         start_forkserver()
+
+
+def pin_worker(index: int, workers: int) -> None:
+    """Bind xdist worker ``index`` of ``workers`` (and what it starts: ranks, engines, job processes, the local Slurm
+    cluster's daemons and their jobs) to every ``workers``-th CPU this process may use, from ``index`` on.
+
+    Each process sizes its threads to the CPUs it may use (torch's OpenMP pool, ``set_num_threads``, vLLM-CPU's
+    ``VLLM_CPU_OMP_THREADS_BIND``), so two unpinned workers ran twice as many busy threads as there are cores, whose
+    OpenMP barriers spin while the other worker holds the core: a SmolLM2-sized forward and backward run by two
+    processes at once took 2.4x as long with two threads each as with each pinned to its own core (two AVX2 cores).
+    Fewer CPUs than workers: nothing is pinned."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < workers:
+        return
+    share = set(cpus[index::workers])
+    os.sched_setaffinity(0, share)
+    if "torch" in sys.modules:  # its OpenMP pool was sized before: to the CPUs it has now
+        sys.modules["torch"].set_num_threads(len(share))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the group marks into node ids
