@@ -171,6 +171,49 @@ def test_tiny_qwen2_round_trip(tiny_qwen2_dir, tmp_path, tp):
     assert len(set(index["weight_map"].values())) > 1  # sharded at 4 MiB
 
 
+@pytest.fixture(scope="module")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    """A random Qwen3 (transformers' ``Qwen3Config``): QK-norm, no q/k/v bias, ``head_dim`` 32 with hidden 64 and
+    4 heads (q is 128 wide: not hidden / heads), GQA (2 KV heads), untied embeddings; random norm weights (the
+    q/k norms too) so that a dropped or swapped norm shows in the logits. Tokenizer: SmolLM2's (vocab 49152)."""
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=49152,
+        max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(ensure_hf_checkpoint("tiny-llama")).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_tiny_qwen3_round_trip(tiny_qwen3_dir, tmp_path, tp):
+    """Qwen3: HF -> Megatron logits within 1e-4 (fp32), export bitwise (q_norm / k_norm included), at TP 1 and 2."""
+    arch = arch_from_hf_config(__import__("transformers").AutoConfig.from_pretrained(tiny_qwen3_dir))
+    assert arch.family == "qwen3" and arch.qk_layernorm and not arch.qkv_bias and arch.head_dim == 32
+    _check_round_trip(tiny_qwen3_dir, tmp_path, tp=tp, input_ids=_random_ids(49152))
+
+
 @pytest.mark.slow
 def test_tiny_llama_tied_embeddings_across_pipeline_stages(tmp_path):
     """PP=2: the embedding lives on stage 0, the tied output layer on stage 1 (loaded from embed_tokens)."""
@@ -290,3 +333,34 @@ def test_rope_scaling_megatron_cannot_reproduce_is_refused_naming_it():
     other = {**LLAMA3_ROPE, "original_max_position_embeddings": 4096}
     with pytest.raises(NotImplementedError, match="original_max_position_embeddings=4096"):
         hf_rope_scaling(SimpleNamespace(rope_parameters=other))
+
+
+def test_unmapped_math_changing_hf_fields_are_refused_by_name():
+    """An HF attribute that would change the forward pass and is not mapped is refused naming it; an inactive one
+    (a ``sliding_window`` size with sliding disabled) is not."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    arch = arch_from_hf_config(Qwen3Config(**small, head_dim=32, sliding_window=4096, use_sliding_window=False))
+    assert arch.head_dim == 32 and arch.qk_layernorm and not arch.qkv_bias
+    assert arch_from_hf_config(Qwen2Config(**small, sliding_window=4096)).qkv_bias
+    refused = [
+        (Qwen3Config(**small, use_sliding_window=True), "use_sliding_window=True"),
+        (Qwen3Config(**small, attention_bias=True), "attention_bias=True"),
+        (LlamaConfig(**small, mlp_bias=True), "mlp_bias=True"),
+        (LlamaConfig(**small, hidden_act="gelu"), "hidden_act='gelu'"),
+        (Qwen3Config(**small, logit_scale=2.0), r"logit_scale=2.0 is not mapped to Megatron"),
+        (
+            Qwen3Config(**small, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),
+            "rope_type='yarn' is not supported",
+        ),
+        (
+            Qwen3Config(
+                **small, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5}
+            ),
+            r"rope_parameters.partial_rotary_factor=0.5",
+        ),
+    ]
+    for config, message in refused:
+        with pytest.raises(NotImplementedError, match=message):
+            arch_from_hf_config(config)

@@ -30,7 +30,7 @@ def test_every_preset_loads_with_one_key_layout():
         assert tuple(raw) == PRESET_FIELDS, name
         preset = load_preset(name)
         assert preset.name == name and preset.origin == f"conf/model/{name}.yaml"
-        assert (preset.source == "hf_path") == name.startswith("qwen")
+        assert (preset.source == "hf_path") == name.startswith(("qwen", "llama"))
 
 
 def test_published_numbers():

@@ -9,8 +9,8 @@ built), and ``trainer.global_batch_size`` divisible by ``trainer.micro_batch_siz
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field, make_dataclass
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import MISSING
 
@@ -165,34 +165,45 @@ class ParallelConfig:
         return self.tp * self.pp
 
 
-@dataclass
-class ModelConfig:
-    """A ``conf/model`` preset; the value checks are :func:`afm_core.models.presets.load_preset`'s."""
+def _model_post_init(self: Any) -> None:
+    from afm_core.models.presets import PresetError, load_preset
 
-    name: str = MISSING
-    source: str = MISSING
-    hf_path: str | None = None
-    family: str = MISSING
-    num_layers: int = MISSING
-    hidden_size: int = MISSING
-    ffn_hidden_size: int = MISSING
-    num_attention_heads: int = MISSING
-    num_query_groups: int = MISSING
-    vocab_size: int = MISSING
-    max_position_embeddings: int = MISSING
-    rope_theta: float = MISSING
-    norm_epsilon: float = MISSING
-    qkv_bias: bool = MISSING
-    tied_embeddings: bool = MISSING
-    rope_scaling: Any = None
+    try:
+        load_preset(asdict(self))
+    except PresetError as err:
+        raise ConfigError(str(err)) from None
 
-    def __post_init__(self) -> None:
-        from afm_core.models.presets import PresetError, load_preset
 
-        try:
-            load_preset(asdict(self))
-        except PresetError as err:
-            raise ConfigError(str(err)) from None
+def _model_config_schema() -> type:
+    """``ModelConfig``: a ``conf/model`` preset, its keys derived from the one declaration of the architecture
+    (:class:`afm_core.models.arch.ModelArch`: each field with its type; ``rope_scaling`` as ``Any``) after
+    ``name``, ``source`` and ``hf_path``. The value checks are :func:`afm_core.models.presets.load_preset`'s."""
+    from afm_core.models.arch import ARCH_FIELD_TYPES, ARCH_FIELDS
+
+    fields: list[tuple[str, Any, Any]] = [
+        ("name", str, field(default=MISSING)),
+        ("source", str, field(default=MISSING)),
+        ("hf_path", str | None, field(default=None)),
+    ]
+    for name in ARCH_FIELDS:
+        kind = ARCH_FIELD_TYPES[name]
+        if kind in (int, float, bool, str):
+            fields.append((name, kind, field(default=MISSING)))
+        else:  # rope_scaling: a mapping or null
+            fields.append((name, Any, field(default=None)))
+    schema = make_dataclass(
+        "ModelConfig",
+        fields,
+        namespace={"__post_init__": _model_post_init, "__doc__": _model_config_schema.__doc__},
+    )
+    schema.__module__ = __name__
+    return schema
+
+
+if TYPE_CHECKING:
+    ModelConfig = Any
+else:
+    ModelConfig = _model_config_schema()
 
 
 @dataclass

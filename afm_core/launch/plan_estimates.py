@@ -212,8 +212,8 @@ def weight_sync_plan(hf_config: Any, tp: int, pp: int, vpp: int | None) -> list[
     stage over the PP group; TP rank 0 of that stage holds the full tensor first).
 
     ``tp_split``: 0 (rows: q/k/v, gate/up, embedding and output vocab), 1 (columns: o_proj, down_proj) or None
-    (replicated: norms). Layers go to stages as megatron splits them (``num_layers / (pp * vpp)`` per chunk,
-    chunk ``c`` of stage ``s`` holding block ``c * pp + s``).
+    (replicated: norms, Qwen3's q/k norms). Layers go to stages as megatron splits them (``num_layers / (pp * vpp)``
+    per chunk, chunk ``c`` of stage ``s`` holding block ``c * pp + s``).
     """
     from afm_core.models.arch import arch_from_hf_config
 
@@ -240,6 +240,8 @@ def weight_sync_plan(hf_config: Any, tp: int, pp: int, vpp: int | None) -> list[
         if arch.qkv_bias:
             tensors += [("self_attn.q_proj.bias", [q], 0), ("self_attn.k_proj.bias", [kv], 0)]
             tensors += [("self_attn.v_proj.bias", [kv], 0)]
+        if arch.qk_layernorm:  # Qwen3: one RMSNorm gain over head_dim each for q and k
+            tensors += [("self_attn.q_norm.weight", [d], None), ("self_attn.k_norm.weight", [d], None)]
         tensors += [
             ("self_attn.o_proj.weight", [h, q], 1),
             ("post_attention_layernorm.weight", [h], None),

@@ -1,6 +1,9 @@
-"""HF transformers <-> Megatron-core GPTModel for the Llama and Qwen2 families.
+"""HF transformers <-> Megatron-core GPTModel for the Llama, Qwen2 and Qwen3 families.
 
-GQA, q/k/v bias (Qwen2), tied or untied embeddings, RMSNorm, SwiGLU and RoPE (base from the HF config).
+GQA, q/k/v bias (Qwen2), QK-norm (Qwen3: an RMSNorm over each head's q and k before RoPE, megatron's
+``qk_layernorm``; HF ``self_attn.q_norm`` / ``k_norm`` <-> ``self_attention.q_layernorm`` / ``k_layernorm``), a
+``head_dim`` independent of ``hidden_size / num_attention_heads`` (megatron's ``kv_channels``), tied or untied
+embeddings, RMSNorm, SwiGLU and RoPE (base from the HF config).
 The weight name mapping, the q/k/v and gate/up (un)fusing and the TP split/merge are mbridge's
 (``mbridge.core.LLMBridge``, 0.15.1); this module adds what it lacks for our use:
 
@@ -119,14 +122,15 @@ def mcore_config_from_hf(
 ) -> TransformerConfig:
     """The Megatron-core ``TransformerConfig`` of an HF Llama/Qwen2 config.
 
-    Architecture from the HF config (layers, hidden, SwiGLU ffn, heads, query groups, head_dim as
-    ``kv_channels``, RMSNorm epsilon, q/k/v bias, dropouts 0 as in HF). The kernel fusions the platform has are on
+    Architecture from the HF config (:func:`~afm_core.models.arch.arch_from_hf_config`: layers, hidden, SwiGLU
+    ffn, heads, query groups, ``head_dim`` as ``kv_channels``, RMSNorm epsilon (also of the QK-norm), q/k/v bias,
+    ``qk_layernorm``, dropouts 0 as in HF). The kernel fusions the platform has are on
     (:func:`platform_fusions`: none on CPU), ``sequence_parallel=False``, and ``use_cpu_initialization`` when CUDA
     is absent. ``overrides`` set any other ``TransformerConfig`` field (``sequence_parallel``,
     ``virtual_pipeline_model_parallel_size``, ``recompute_granularity``, a fusion...).
 
     Args:
-        hf_config: a transformers ``LlamaConfig`` or ``Qwen2Config``.
+        hf_config: a transformers ``LlamaConfig``, ``Qwen2Config`` or ``Qwen3Config``.
         tp, pp: tensor / pipeline model parallel sizes.
         params_dtype: parameter dtype (``torch.float32`` or ``torch.bfloat16``; also the pipeline p2p dtype).
 
@@ -153,7 +157,7 @@ def mcore_config_from_hf(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=False,
+        qk_layernorm=arch.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
@@ -202,7 +206,7 @@ def build_gpt_model(
     arch = arch_from_hf_config(hf_config)
     return _GPTModel(
         config=transformer_config,
-        transformer_layer_spec=gpt_layer_spec(),
+        transformer_layer_spec=gpt_layer_spec(qk_layernorm=arch.qk_layernorm),
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
@@ -216,22 +220,23 @@ def build_gpt_model(
     )
 
 
-def gpt_layer_spec() -> Any:
-    """The transformer layer spec of our GPT models (RMSNorm, SwiGLU, no qk layernorm).
+def gpt_layer_spec(qk_layernorm: bool = False) -> Any:
+    """The transformer layer spec of our GPT models (RMSNorm, SwiGLU; with ``qk_layernorm`` an RMSNorm over each
+    head's q and k, Qwen3's ``q_norm`` / ``k_norm``).
 
-    ``get_gpt_layer_with_transformer_engine_spec()`` when transformer-engine is importable (GPU: fused attention,
-    ``thd`` packing); else megatron's local spec made lean in activation memory
-    (:func:`afm_core.models.local_spec.local_layer_spec`) with :class:`~afm_core.models.attention.SDPAttention` as
-    ``core_attention`` (both read ``packed_seq_params``).
+    ``get_gpt_layer_with_transformer_engine_spec(qk_layernorm=...)`` when transformer-engine is importable (GPU:
+    fused attention, ``thd`` packing; its QK-norm is transformer-engine's ``RMSNorm``, not run here: no GPU in CI);
+    else megatron's local spec made lean in activation memory (:func:`afm_core.models.local_spec.local_layer_spec`)
+    with :class:`~afm_core.models.attention.SDPAttention` as ``core_attention`` (both read ``packed_seq_params``).
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     if transformer_engine_available():
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     from afm_core.models.attention import SDPAttention
     from afm_core.models.local_spec import local_layer_spec
 
-    return local_layer_spec(SDPAttention)
+    return local_layer_spec(SDPAttention, qk_layernorm=qk_layernorm)
 
 
 @dataclass(frozen=True)
@@ -374,11 +379,13 @@ def _sequence_major(index: torch.Tensor, s: int, b: int) -> torch.Tensor:
 
 
 class _HFBridge(LLMBridge):
-    """mbridge's Llama/Qwen2 mapping on a TransformerConfig built by us, for the TE and the local layer spec
+    """mbridge's Llama/Qwen2/Qwen3 mapping on a TransformerConfig built by us, for the TE and the local layer spec
     (both name the RMSNorm weights ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``).
 
-    mbridge's LLaMABridge and Qwen2Bridge share the same name mappings; they differ in config building
-    (replaced here) and in tied embeddings (handled here for both, on the instance).
+    mbridge's LLaMABridge, Qwen2Bridge and Qwen3Bridge (``mbridge/models/qwen3.py``) share the base
+    ``LLMBridge`` name mappings (which include ``q_layernorm`` / ``k_layernorm`` <-> ``q_norm`` / ``k_norm``, kept
+    whole on every TP rank, and the q/k/v (un)fusing by ``head_dim``); they differ in config building (replaced
+    here) and in tied embeddings (handled here for all, on the instance).
     """
 
     _DIRECT_MAPPING: dict[str, str]  # mbridge's class attribute (typed here: mbridge is not analysed)

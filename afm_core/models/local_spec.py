@@ -27,6 +27,11 @@ Per layer 56 -> 26 MiB at those sizes, with the same matrix products: nothing bu
   through its module attribute ``apply_rotary_pos_emb``, which :func:`local_layer_spec` points here; other cases
   (fused RoPE on GPU, interleaved or multi-latent RoPE, ``mscale``, context parallelism, partial rotary
   dimensions) go to megatron's function unchanged.
+* :class:`HeadRMSNorm`: the QK-norm of Qwen3 (``qk_layernorm``): an RMSNorm over the last dimension (one head's
+  ``head_dim`` values) of ``q`` / ``k`` ``[s, b, heads / p, hn]``, computed as HF's ``Qwen3RMSNorm``
+  (transformers ``models/qwen3/modeling_qwen3.py``): statistics in fp32, the normalised value cast back to the
+  input dtype, then the gain. Megatron's local spec would use ``torch.nn.RMSNorm``, which multiplies the gain
+  before the cast.
 Both compute in the parameters' dtype (fp32 on CPU), with the RMS statistics in fp32 as HF's ``LlamaRMSNorm``.
 
 On CUDA the elementwise parts of the three (the norm and its backward, ``silu(gate) * up`` and its backward, the
@@ -426,6 +431,22 @@ def lean_apply_rotary_pos_emb(
     return _RotaryEmbedding.apply(t, cos, sin)
 
 
+class HeadRMSNorm(torch.nn.Module):
+    """RMSNorm over the last dimension of ``[..., hn]`` with a gain ``weight [hn]`` (module docstring): the
+    ``q_layernorm`` / ``k_layernorm`` of megatron's ``SelfAttention`` (built with ``hidden_size = hn``; the same
+    on every TP rank: megatron's ``finalize_model_grads`` sums its gradient over the TP group)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _compiled(x):
+            return _compile(_rms_norm)(x, self.weight, self.eps)[0]
+        return _rms_norm(x, self.weight, self.eps)[0]
+
+
 class _KnownMLPFilter(logging.Filter):
     """Drops megatron's "Unknown MLP type" warning, which ``TransformerLayer`` logs for every layer whose MLP is not
     exactly megatron's ``MLP`` (``transformer_layer.py``): :class:`SwiGLUMLP` is one, and the default kwargs it
@@ -438,10 +459,10 @@ class _KnownMLPFilter(logging.Filter):
 _TRANSFORMER_LAYER_LOG = logging.getLogger("megatron.core.transformer.transformer_layer")
 
 
-def local_layer_spec(core_attention: type) -> ModuleSpec:
-    """Megatron's local GPT layer spec (RMSNorm, SwiGLU, no qk layernorm) with the norms fused into
-    ``linear_qkv`` / ``linear_fc1`` (:class:`NormColumnParallelLinear`), the SwiGLU into ``linear_fc2``
-    (:class:`SwiGLUMLP`), and ``core_attention`` as the attention kernel. Also points megatron's attention at
+def local_layer_spec(core_attention: type, qk_layernorm: bool = False) -> ModuleSpec:
+    """Megatron's local GPT layer spec (RMSNorm, SwiGLU; with ``qk_layernorm`` the QK-norm :class:`HeadRMSNorm`)
+    with the norms fused into ``linear_qkv`` / ``linear_fc1`` (:class:`NormColumnParallelLinear`), the SwiGLU into
+    ``linear_fc2`` (:class:`SwiGLUMLP`), and ``core_attention`` as the attention kernel. Also points megatron's attention at
     :func:`lean_apply_rotary_pos_emb` (for the whole process: only the local spec is built where transformer-engine
     is absent)."""
     from megatron.core.transformer import attention as megatron_attention
@@ -449,7 +470,7 @@ def local_layer_spec(core_attention: type) -> ModuleSpec:
     if not any(isinstance(f, _KnownMLPFilter) for f in _TRANSFORMER_LAYER_LOG.filters):
         _TRANSFORMER_LAYER_LOG.addFilter(_KnownMLPFilter())
     megatron_attention.apply_rotary_pos_emb = lean_apply_rotary_pos_emb  # type: ignore[assignment]
-    spec = get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(qk_layernorm=qk_layernorm, normalization="RMSNorm")
     layer = spec.submodules
     layer.input_layernorm = IdentityOp
     layer.pre_mlp_layernorm = IdentityOp
@@ -457,6 +478,9 @@ def local_layer_spec(core_attention: type) -> ModuleSpec:
     attention = layer.self_attention.submodules
     attention.linear_qkv = NormColumnParallelLinear
     attention.core_attention = core_attention
+    if qk_layernorm:
+        attention.q_layernorm = HeadRMSNorm
+        attention.k_layernorm = HeadRMSNorm
     fc2 = layer.mlp.submodules.linear_fc2
     layer.mlp = ModuleSpec(
         module=SwiGLUMLP, submodules=MLPSubmodules(linear_fc1=NormColumnParallelLinear, linear_fc2=fc2)

@@ -22,11 +22,13 @@ from typing import Any
 import yaml
 
 from afm_core.models.arch import (
+    ARCH_FIELD_TYPES,
     ARCH_FIELDS,
     FAMILIES,
     HF_FIELD_NAMES,
     ModelArch,
     arch_from_hf_config,
+    check_family_traits,
     hf_rope_scaling,
 )
 from afm_core.utils.paths import repo_root
@@ -34,17 +36,10 @@ from afm_core.utils.paths import repo_root
 SOURCES = ("gguf_package", "random", "hf_path")
 PRESET_FIELDS = ("name", "source", "hf_path", *ARCH_FIELDS)
 
-_INT_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "vocab_size",
-    "max_position_embeddings",
-)
-_FLOAT_FIELDS = ("rope_theta", "norm_epsilon")
-_BOOL_FIELDS = ("qkv_bias", "tied_embeddings")
+# the value checks follow the ModelArch field types (declared once in models/arch.py)
+_INT_FIELDS = tuple(f for f in ARCH_FIELDS if ARCH_FIELD_TYPES[f] is int)
+_FLOAT_FIELDS = tuple(f for f in ARCH_FIELDS if ARCH_FIELD_TYPES[f] is float)
+_BOOL_FIELDS = tuple(f for f in ARCH_FIELDS if ARCH_FIELD_TYPES[f] is bool)
 
 
 class PresetError(ValueError):
@@ -167,11 +162,18 @@ def _validate(values: dict[str, Any], where, origin: str) -> ModelPreset:
         except NotImplementedError as err:
             raise PresetError(f"{where('rope_scaling')}: {err}") from None
     arch = ModelArch(**{f: values[f] for f in ARCH_FIELDS})
-    if arch.hidden_size % arch.num_attention_heads or arch.num_attention_heads % arch.num_query_groups:
+    if arch.num_attention_heads % arch.num_query_groups:
         raise PresetError(
-            f"{where('num_query_groups')}: hidden_size ({arch.hidden_size}) must divide by num_attention_heads "
-            f"({arch.num_attention_heads}), which must divide by num_query_groups ({arch.num_query_groups})"
+            f"{where('num_query_groups')}: num_attention_heads ({arch.num_attention_heads}) must divide by "
+            f"num_query_groups ({arch.num_query_groups})"
         )
+    if arch.head_dim % 2:
+        raise PresetError(f"{where('head_dim')}: expected an even head_dim (RoPE rotates pairs), got {arch.head_dim}")
+    try:
+        check_family_traits(arch)
+    except ValueError as err:
+        field = "qkv_bias" if str(err).startswith("qkv_bias") else "qk_layernorm"
+        raise PresetError(f"{where(field)}: {err}") from None
     return ModelPreset(
         name=values["name"], source=values["source"], hf_path=values["hf_path"], arch=arch, origin=origin
     )
