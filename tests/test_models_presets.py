@@ -20,6 +20,9 @@ EXPECTED = {
     "qwen2.5-32b-instruct",
     "qwen2.5-coder-7b-instruct",
     "qwen2.5-coder-32b-instruct",
+    "tiny-qwen3",
+    *(f"qwen3-{size}" for size in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")),
+    *(f"llama-{v}-instruct" for v in ("3.1-8b", "3.2-1b", "3.2-3b", "3.3-70b")),
 }
 
 
@@ -53,6 +56,24 @@ def test_published_numbers():
     assert q32.vocab_size == 152064 and not q32.tied_embeddings and q32.qkv_bias and q32.rope_theta == 1e6
     assert load_preset("qwen2.5-0.5b-instruct").arch.tied_embeddings
     assert load_preset("qwen2.5-coder-7b-instruct").arch == load_preset("qwen2.5-7b-instruct").arch
+    q3 = load_preset("qwen3-32b").arch  # head_dim 128 with 64 heads: not hidden / heads (80)
+    assert (q3.family, q3.num_layers, q3.hidden_size, q3.ffn_hidden_size, q3.num_attention_heads) == (
+        "qwen3",
+        64,
+        5120,
+        25600,
+        64,
+    )
+    assert (q3.head_dim, q3.num_query_groups, q3.qk_layernorm, q3.qkv_bias, q3.tied_embeddings) == (
+        128,
+        8,
+        True,
+        False,
+        False,
+    )
+    assert load_preset("qwen3-0.6b").arch.tied_embeddings and load_preset("qwen3-0.6b").arch.head_dim == 128
+    l32 = load_preset("llama-3.2-1b-instruct").arch
+    assert (l32.head_dim, l32.vocab_size, l32.rope_scaling["factor"], l32.tied_embeddings) == (64, 128256, 32.0, True)
 
 
 def test_preset_round_trips_through_an_hf_config():

@@ -166,6 +166,25 @@ def test_qwen25_32b_totals_32_76b_parameters_and_its_sft_recipe_fits_80gb_gpus()
     assert plan["fits"] is True and plan["gpus"]["80"]["fits"], render(plan)
 
 
+def test_qwen3_32b_totals_32_76b_parameters_its_sft_recipe_fits_80gb_gpus_and_every_hf_tensor_is_synced():
+    """Qwen3-32B (head_dim 128 with 64 heads: q is 8192 wide at hidden 5120; q/k norms): the published 32.8B."""
+    from transformers import AutoModelForCausalLM
+
+    plan = make_plan(plain("sft", "recipe=afm_web_sft_qwen3_32b"), "sft")
+    assert abs(plan["total_params"] / 32.76e9 - 1) < 0.005, plan["total_params"]
+    stage_params = sum(row["params"] for row in plan["stages"]) * plan["layout"]["tp"]
+    assert abs(stage_params / plan["total_params"] - 1) < 1e-3  # the meta-built shards (q/k norms too) add up
+    assert plan["fits"] is True and plan["gpus"]["80"]["fits"], render(plan)
+    rl = make_plan(plain("rl", "recipe=afm_code_rl_qwen3_32b"), "rl")
+    planned = {row["name"]: tuple(row["shape"]) for row in rl["weight_sync"]}
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_config_from_arch(load_preset("qwen3-32b").arch))
+    assert planned == {name: tuple(t.shape) for name, t in hf.state_dict().items()}
+    assert planned["model.layers.0.self_attn.q_proj.weight"] == (8192, 5120)
+    assert planned["model.layers.0.self_attn.q_norm.weight"] == (128,)
+    assert rl["fits"] is True, render(rl)
+
+
 def test_the_weight_sync_plan_names_every_hf_tensor_of_qwen25_32b_once_with_its_shape():
     from transformers import AutoModelForCausalLM
 

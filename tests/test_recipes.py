@@ -18,6 +18,8 @@ RECIPES = {
     "afm_code_sft_7b": ("qwen2.5-coder-7b-instruct", 3e-5, 32, 32768, 0.0, 2),
     "afm_code_sft_32b": ("qwen2.5-coder-32b-instruct", 1.4e-5, 64, 32768, 0.0, 2),
     "afm_mhqa_sft_3b": ("qwen2.5-3b-instruct", 1e-5, 128, 5120, 0.03, 4),
+    "afm_web_sft_qwen3_32b": ("qwen3-32b", 1.4e-5, 128, 32768, 0.1, 4),
+    "afm_mhqa_sft_llama3_8b": ("llama-3.1-8b-instruct", 1e-5, 128, 5120, 0.03, 4),
 }
 
 
