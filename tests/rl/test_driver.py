@@ -745,3 +745,23 @@ def test_a_step_whose_training_and_checkpoint_outlast_the_signal_lead_is_warned_
     out = capsys.readouterr().out
     assert out.count("warning") == 1 and "step 2" in out and "cluster.signal_delay_s=120" in out
     assert "set it to at least 295" in out  # 157 x 1.5 + 60
+
+
+@needs_shared_data
+@pytest.mark.slow
+def test_one_rl_step_on_tiny_qwen3_with_the_engine_serving_the_trainers_weights(tmp_path):
+    """``recipe=rl_smoke`` for one rollout step on the tiny random Qwen3 (QK-norm, head_dim 32 at hidden 96), fp32:
+    generation in vLLM, a DAPO update of the Megatron model, the weight sync back into vLLM."""
+    run_dir = tmp_path / "run"
+    cfg = rl_config(
+        run_dir,
+        "model=tiny-qwen3",
+        "trainer.max_steps=1",
+        "trainer.precision=fp32",
+        "reward.mode=score",
+        *plugin_overrides(run_dir, "distinct_chars"),
+    )
+    summary = run_rl_ranks(cfg)
+    assert summary["step"] == 1 and not summary["stopped_early"]
+    (record,) = _metrics(run_dir)
+    assert record["optimizer_steps"] == 2 and record["logprob_gap_vllm_trainer"] <= LOGPROB_GAP["fp32"]

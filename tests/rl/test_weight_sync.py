@@ -206,3 +206,11 @@ def test_weight_sync_reaches_an_async_engine_in_another_process_as_bytes(tmp_pat
     result = _run(tmp_path, tp=1, worker=_async_worker)
     assert result["transport"] == "bytes"
     _check(result, ("bytes",))
+
+
+@pytest.mark.slow
+def test_after_a_weight_sync_vllm_logprobs_match_the_trainer_on_tiny_qwen3(tmp_path):
+    """Qwen3 (QK-norm, head_dim 32 at hidden 96: q wider than the hidden size): vLLM's Qwen3 model loads the
+    synced q_norm / k_norm and fused q/k/v of the trainer."""
+    result = _run(tmp_path, tp=1, model="tiny-qwen3")
+    _check(result, ("tensors",))
