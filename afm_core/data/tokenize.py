@@ -24,6 +24,10 @@ IGNORE_INDEX = -100
 
 _END_OF_TURN_PROBE = "\x00AFM-END-OF-TURN-PROBE\x00"
 
+ENABLE_THINKING = True
+"""The chat templates' ``enable_thinking`` (Qwen3): on, so CoA's ``<think>`` blocks are the model's thinking and no
+empty think block is inserted before them (:func:`encode_prompt`)."""
+
 
 @dataclass(frozen=True)
 class TokenizedExample:
@@ -69,6 +73,26 @@ def end_of_turn_token(tokenizer: PreTrainedTokenizerBase) -> str:
     raise ValueError(f"{type(tokenizer).__name__}: chat template closes no turn with a special token and no eos_token")
 
 
+def end_of_turn_ids(tokenizer: PreTrainedTokenizerBase, generation_eos: int | list[int] | None = None) -> set[int]:
+    """Every token id that ends a model turn: the chat template's end-of-turn token (:func:`end_of_turn_token`;
+    Qwen ``<|im_end|>`` 151645, Llama 3 ``<|eot_id|>``), ``<|im_end|>`` where the vocabulary has it, the tokenizer's
+    eos (Qwen ``<|endoftext|>`` 151643, Llama 3 base ``<|end_of_text|>``) and the ``eos_token_id`` of the
+    model's ``generation_config.json`` (an int or, for Llama 3.x, a list: vLLM stops at each of them).
+
+    Tokenizers without a pad token (Llama 3.x) need none of this: batches pad with id 0 under a zero loss mask
+    (``data/loader.py``, ``rl/batch.py``).
+    """
+    ids: set[int] = set()
+    if getattr(tokenizer, "chat_template", None):
+        ids.add(tokenizer.convert_tokens_to_ids(end_of_turn_token(tokenizer)))
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if im_end != getattr(tokenizer, "unk_token_id", None):
+        ids.add(im_end)
+    extra = [generation_eos] if isinstance(generation_eos, int) else list(generation_eos or [])
+    ids.update([tokenizer.eos_token_id, *extra])
+    return {i for i in ids if isinstance(i, int) and i >= 0}
+
+
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, system: str | None = None) -> list[int]:
     """The ids of the chat-template prompt up to the assistant turn: what the model continues from.
 
@@ -76,11 +100,20 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, system: str |
     on its own with no added special tokens (the template writes them). ``system=None`` leaves the system
     turn to the template (SmolLM2 and Qwen2.5 insert a default one). Used by SFT and by every rollout, so
     the model meets the same prompt ids in both.
+
+    Qwen3 (hybrid thinking, transformers ``models/qwen3``; its chat template reads ``enable_thinking``): the prompt
+    is rendered with ``enable_thinking=True`` (:data:`ENABLE_THINKING`, also the template's default), so it ends
+    at ``<|im_start|>assistant\n`` with no empty ``<think>\n\n</think>`` block; a CoA response's own
+    ``<think>`` role blocks are then Qwen3's thinking, tokenized as its ``<think>`` / ``</think>`` tokens (151667 /
+    151668: added tokens that are not "special", so :func:`encode_text` keeps them whole) and trained like any
+    model text. Templates without the variable ignore it.
     """
     messages = [{"role": "user", "content": prompt}]
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
-    prompt_text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, enable_thinking=ENABLE_THINKING
+    )
     return tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
 
 

@@ -35,7 +35,7 @@ from afm_core.coa.grammar import validate_text
 from afm_core.coa.parse import ToolCall
 from afm_core.coa.prompts import TASK_TOOLS, TASKS
 from afm_core.coa.render import render_observation
-from afm_core.data.tokenize import encode_prompt, encode_text
+from afm_core.data.tokenize import encode_prompt, encode_text, end_of_turn_ids
 from afm_core.rollout.engine import EngineError, GenerationEngine, SamplingConfig
 from afm_core.rollout.types import AgentTask, FinishReason, Rollout, ToolCallRecord
 
@@ -158,8 +158,7 @@ class AgentLoop:
         self.tools = tools
         self.config = config
         self.sampling = sampling
-        eos = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
-        self._end_of_turn_ids = {i for i in eos if isinstance(i, int) and i >= 0}
+        self._end_of_turn_ids = end_of_turn_ids(tokenizer)
 
     def tool_names(self, task: AgentTask) -> tuple[str, ...]:
         return self.config.tools if self.config.tools is not None else TASK_TOOLS.get(task.task, TOOL_TAGS)

@@ -214,3 +214,10 @@ def test_after_a_weight_sync_vllm_logprobs_match_the_trainer_on_tiny_qwen3(tmp_p
     synced q_norm / k_norm and fused q/k/v of the trainer."""
     result = _run(tmp_path, tp=1, model="tiny-qwen3")
     _check(result, ("tensors",))
+
+
+@pytest.mark.slow
+def test_after_a_weight_sync_vllm_logprobs_match_the_trainer_on_tiny_llama3(tmp_path):
+    """Llama 3.x (``llama3`` RoPE scaling, which vLLM and megatron-core each apply to the frequencies)."""
+    result = _run(tmp_path, tp=1, model="tiny-llama3")
+    _check(result, ("tensors",))
