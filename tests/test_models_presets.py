@@ -126,3 +126,42 @@ def test_hydra_composes_the_model_group():
         cfg = compose(config_name="sft", overrides=["model=tiny-llama", "model.num_layers=0"])
     with pytest.raises(PresetError, match=r"field 'model.num_layers': expected a positive integer"):
         load_preset(cfg.model)
+
+
+def test_each_architecture_field_is_declared_once_and_everything_else_derives_from_it():
+    """ModelArch's declaration (HF name, megatron-core name, meaning) yields the HF names, the TransformerConfig
+    fields and GPTModel arguments, the preset keys and the Hydra ``model`` schema."""
+    import dataclasses
+
+    from megatron.core.transformer import TransformerConfig
+
+    from afm_core.config.sft import ModelConfig
+    from afm_core.models.arch import (
+        ARCH_FIELDS,
+        HF_FIELD_NAMES,
+        MCORE_CONFIG_FIELDS,
+        MCORE_MODEL_ARGS,
+        mcore_config_fields,
+        mcore_model_args,
+    )
+
+    assert tuple(f.name for f in dataclasses.fields(ModelConfig)) == PRESET_FIELDS
+    assert tuple(HF_FIELD_NAMES) == ARCH_FIELDS
+    assert set(MCORE_CONFIG_FIELDS) | set(MCORE_MODEL_ARGS) == set(ARCH_FIELDS) - {"family"}
+    assert set(MCORE_CONFIG_FIELDS.values()) <= {f.name for f in dataclasses.fields(TransformerConfig)}
+    q3 = load_preset("qwen3-32b").arch
+    assert mcore_config_fields(q3) == {
+        "num_layers": 64,
+        "hidden_size": 5120,
+        "ffn_hidden_size": 25600,
+        "num_attention_heads": 64,
+        "num_query_groups": 8,
+        "kv_channels": 128,
+        "layernorm_epsilon": 1e-6,
+        "add_qkv_bias": False,
+        "qk_layernorm": True,
+    }
+    args = mcore_model_args(load_preset("llama-3.1-8b-instruct").arch)
+    assert (args["vocab_size"], args["max_sequence_length"], args["rotary_base"]) == (128256, 131072, 500000.0)
+    assert args["rope_scaling"] is True and args["rope_scaling_factor"] == 8.0
+    assert not args["share_embeddings_and_output_weights"]

@@ -58,39 +58,55 @@ FAMILY_SPECS: dict[str, FamilySpec] = {
 }
 
 
-def _meta(hf: str, doc: str) -> dict[str, str]:
-    """A :class:`ModelArch` field's metadata: the HF config attribute it maps to and its meaning."""
-    return {"hf": hf, "doc": doc}
+def _meta(hf: str, mcore: str | None, doc: str) -> dict[str, Any]:
+    """A :class:`ModelArch` field's metadata: the HF config attribute it maps to, the megatron-core name
+    (a ``TransformerConfig`` field, or ``GPTModel.<argument>``; None: not passed on) and its meaning."""
+    return {"hf": hf, "mcore": mcore, "doc": doc}
 
 
 @dataclass(frozen=True)
 class ModelArch:
     """A dense decoder of one of :data:`FAMILIES`. Sizes in elements; ``vocab_size`` is the padded vocabulary of
     the HF config (the embedding's row count, e.g. 151936 for Qwen2.5-0.5B while its tokenizer has 151665
-    tokens). Each field's ``metadata``: ``hf`` (the HF config attribute) and ``doc``."""
+    tokens). Each field's ``metadata``: ``hf`` (the HF config attribute), ``mcore`` (megatron-core's name) and
+    ``doc``."""
 
-    family: str = field(metadata=_meta("model_type", "llama | qwen2 | qwen3 (the HF model_type)"))
-    num_layers: int = field(metadata=_meta("num_hidden_layers", "decoder layers"))
-    hidden_size: int = field(metadata=_meta("hidden_size", "residual stream width"))
-    ffn_hidden_size: int = field(metadata=_meta("intermediate_size", "SwiGLU inner size"))
-    num_attention_heads: int = field(metadata=_meta("num_attention_heads", "query heads"))
-    num_query_groups: int = field(metadata=_meta("num_key_value_heads", "key/value heads (GQA)"))
-    head_dim: int = field(metadata=_meta("head_dim", "per-head size (Qwen3: 128 at every width; else hidden / heads)"))
-    vocab_size: int = field(metadata=_meta("vocab_size", "padded vocabulary: rows of the embedding matrix"))
-    max_position_embeddings: int = field(metadata=_meta("max_position_embeddings", "tokens"))
-    rope_theta: float = field(metadata=_meta("rope_parameters.rope_theta", "RoPE base"))
-    norm_epsilon: float = field(metadata=_meta("rms_norm_eps", "RMSNorm epsilon"))
-    qkv_bias: bool = field(metadata=_meta("attention_bias", "bias on the q/k/v projections (fixed by the family)"))
+    family: str = field(metadata=_meta("model_type", None, "llama | qwen2 | qwen3 (the HF model_type)"))
+    num_layers: int = field(metadata=_meta("num_hidden_layers", "num_layers", "decoder layers"))
+    hidden_size: int = field(metadata=_meta("hidden_size", "hidden_size", "residual stream width"))
+    ffn_hidden_size: int = field(metadata=_meta("intermediate_size", "ffn_hidden_size", "SwiGLU inner size"))
+    num_attention_heads: int = field(metadata=_meta("num_attention_heads", "num_attention_heads", "query heads"))
+    num_query_groups: int = field(metadata=_meta("num_key_value_heads", "num_query_groups", "key/value heads (GQA)"))
+    head_dim: int = field(
+        metadata=_meta("head_dim", "kv_channels", "per-head size (Qwen3: 128 at every width; else hidden / heads)")
+    )
+    vocab_size: int = field(
+        metadata=_meta("vocab_size", "GPTModel.vocab_size", "padded vocabulary: rows of the embedding matrix")
+    )
+    max_position_embeddings: int = field(
+        metadata=_meta("max_position_embeddings", "GPTModel.max_sequence_length", "tokens")
+    )
+    rope_theta: float = field(metadata=_meta("rope_parameters.rope_theta", "GPTModel.rotary_base", "RoPE base"))
+    norm_epsilon: float = field(metadata=_meta("rms_norm_eps", "layernorm_epsilon", "RMSNorm epsilon"))
+    qkv_bias: bool = field(
+        metadata=_meta("attention_bias", "add_qkv_bias", "bias on the q/k/v projections (fixed by the family)")
+    )
     qk_layernorm: bool = field(
-        metadata=_meta("(family)", "RMSNorm on each head's q and k before RoPE (fixed by the family)")
+        metadata=_meta("(family)", "qk_layernorm", "RMSNorm on each head's q and k before RoPE (fixed by the family)")
     )
     tied_embeddings: bool = field(
-        metadata=_meta("tie_word_embeddings", "output layer shares the input embedding matrix")
+        metadata=_meta(
+            "tie_word_embeddings",
+            "GPTModel.share_embeddings_and_output_weights",
+            "output layer shares the input embedding matrix",
+        )
     )
     rope_scaling: dict[str, Any] | None = field(
         default=None,
         metadata=_meta(
-            "rope_parameters", "HF rope_parameters beyond rope_theta, e.g. {rope_type: llama3, factor: 8.0}"
+            "rope_parameters",
+            "GPTModel.rope_scaling",
+            "HF rope_parameters beyond rope_theta, e.g. {rope_type: llama3, factor: 8.0}",
         ),
     )
 
@@ -104,6 +120,34 @@ ARCH_FIELD_TYPES: dict[str, Any] = typing.get_type_hints(ModelArch)
 # ModelArch field -> the HF config attribute it is read from (for error messages).
 HF_FIELD_NAMES: dict[str, str] = {f.name: f.metadata["hf"] for f in dataclasses.fields(ModelArch)}
 ARCH_FIELD_DOCS: dict[str, str] = {f.name: f.metadata["doc"] for f in dataclasses.fields(ModelArch)}
+# ModelArch field -> megatron-core TransformerConfig field / GPTModel argument
+MCORE_CONFIG_FIELDS: dict[str, str] = {
+    f.name: f.metadata["mcore"]
+    for f in dataclasses.fields(ModelArch)
+    if f.metadata["mcore"] and not f.metadata["mcore"].startswith("GPTModel.")
+}
+MCORE_MODEL_ARGS: dict[str, str] = {
+    f.name: f.metadata["mcore"].removeprefix("GPTModel.")
+    for f in dataclasses.fields(ModelArch)
+    if f.metadata["mcore"] and f.metadata["mcore"].startswith("GPTModel.")
+}
+
+
+def mcore_config_fields(arch: ModelArch) -> dict[str, Any]:
+    """The megatron-core ``TransformerConfig`` fields ``arch`` sets (``kv_channels`` = ``head_dim``,
+    ``add_qkv_bias``, ``qk_layernorm``, ``layernorm_epsilon``...), by the declaration's ``mcore`` names."""
+    return {mcore: getattr(arch, name) for name, mcore in MCORE_CONFIG_FIELDS.items()}
+
+
+def mcore_model_args(arch: ModelArch) -> dict[str, Any]:
+    """The megatron-core ``GPTModel`` arguments ``arch`` sets: vocabulary, ``max_sequence_length``, tied output
+    layer, RoPE base, and the ``llama3`` RoPE scaling as ``rope_scaling`` (a bool) + ``rope_scaling_factor``
+    (megatron-core's ``RotaryEmbedding``; :func:`hf_rope_scaling` refuses every other type)."""
+    args = {mcore: getattr(arch, name) for name, mcore in MCORE_MODEL_ARGS.items()}
+    args["rope_scaling"] = arch.rope_scaling is not None
+    args["rope_scaling_factor"] = (arch.rope_scaling or {}).get("factor", 8.0)
+    return args
+
 
 # megatron-core's llama3 RoPE scaling (RotaryEmbedding._apply_scaling) has these fixed; the factor is a parameter.
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

@@ -44,7 +44,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_model_config
 
-from afm_core.models.arch import ModelArch, arch_from_hf_config
+from afm_core.models.arch import ModelArch, arch_from_hf_config, mcore_config_fields, mcore_model_args
 from afm_core.utils.atomic import atomic_dir
 
 log = logging.getLogger(__name__)
@@ -145,19 +145,11 @@ def mcore_config_from_hf(
     check_model_parallel_sizes(arch, tp)
     on_cpu = not torch.cuda.is_available()
     fields: dict[str, Any] = dict(
-        num_layers=arch.num_layers,
-        hidden_size=arch.hidden_size,
-        ffn_hidden_size=arch.ffn_hidden_size,
-        num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_query_groups,
-        kv_channels=arch.head_dim,
+        **mcore_config_fields(arch),  # the architecture, by the ModelArch declaration (models/arch.py)
         normalization="RMSNorm",
-        layernorm_epsilon=arch.norm_epsilon,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=arch.qkv_bias,
-        qk_layernorm=arch.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0)),
         init_method_std=float(getattr(hf_config, "initializer_range", 0.02)),
@@ -207,16 +199,11 @@ def build_gpt_model(
     return _GPTModel(
         config=transformer_config,
         transformer_layer_spec=gpt_layer_spec(qk_layernorm=arch.qk_layernorm),
-        vocab_size=arch.vocab_size,
-        max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=arch.tied_embeddings,
         position_embedding_type="rope",
-        rotary_base=arch.rope_theta,
-        rope_scaling=arch.rope_scaling is not None,  # llama3 (arch_from_hf_config rejects the other types)
-        rope_scaling_factor=(arch.rope_scaling or {}).get("factor", 8.0),
         vp_stage=vp_stage,
+        **mcore_model_args(arch),  # vocabulary, positions, tied output layer, RoPE base and llama3 scaling
     )
 
 
