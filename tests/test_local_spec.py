@@ -177,3 +177,29 @@ def test_lean_rope_equals_megatrons_and_keeps_one_cos_sin_for_all_layers(compile
             torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6, msg=name)
             (grad,) = torch.autograd.grad(out, x, upstream)
             torch.testing.assert_close(grad, want_grad, rtol=1e-6, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_rms_norm_is_qwen3s_qk_norm_bit_for_bit(dtype):
+    """The local spec's QK-norm equals transformers' ``Qwen3RMSNorm`` (fp32 statistics, cast, then the gain) on
+    ``[s, b, heads, head_dim]``, forward and backward, in fp32 and bf16."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from afm_core.models.local_spec import HeadRMSNorm
+
+    torch.manual_seed(0)
+    ours = HeadRMSNorm(SimpleNamespace(params_dtype=dtype), 32, eps=1e-6)
+    theirs = Qwen3RMSNorm(32, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        ours.weight.normal_(1.0, 0.3)
+        theirs.weight.copy_(ours.weight)
+    x = torch.randn(5, 2, 4, 32, dtype=dtype) * 3
+    a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, ref = ours(a), theirs(b)
+    assert torch.equal(out, ref)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ref.backward(grad)
+    assert torch.equal(a.grad, b.grad) and torch.equal(ours.weight.grad, theirs.weight.grad)
