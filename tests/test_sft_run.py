@@ -143,3 +143,34 @@ def test_a_two_layer_qwen3_at_published_width_trains_one_sft_step(tmp_path, prec
     assert summary["step"] == 1 and not summary["stopped_early"]
     (record,) = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["split"] == "train"]
     assert math.isfinite(record["loss"]) and record["loss"] > 0 and record["grad_norm"] > 0
+
+
+@pytest.mark.slow
+def test_tiny_qwen3_sft_step_at_tp2_updates_the_weights_as_at_tp1(tmp_path):
+    """Qwen3's q/k norms are whole on every TP rank while each rank sees its own heads: their gradients must be
+    summed over the TP group (megatron's ``finalize_model_grads``), else the TP ranks' copies drift apart and
+    differ from TP=1. One AdamW step (no warmup: an update of ~lr per weight) gives the same exported weights at
+    TP=1 and TP=2."""
+    from safetensors.torch import load_file
+
+    weights = {}
+    for tp in (1, 2):
+        run_dir = tmp_path / f"tp{tp}"
+        overrides = [
+            "model=tiny-qwen3",
+            f"parallel.tp={tp}",
+            f"run_dir={run_dir}",
+            "trainer.precision=fp32",
+            "trainer.max_steps=1",
+            "trainer.global_batch_size=2",
+            "trainer.eval_sequences=1",
+            "trainer.progress=false",
+            "trainer.num_threads=1",
+            "optim.warmup_ratio=0.0",
+        ]
+        summary = run_sft_spawned(overrides, tmp_path / f"tp{tp}.json", world=tp)
+        weights[tp] = load_file(Path(summary["hf_dir"]) / "model.safetensors")
+    assert sorted(weights[1]) == sorted(weights[2])
+    gaps = {name: (weights[1][name] - weights[2][name]).abs().max().item() for name in weights[1]}
+    assert max(gaps.values()) < 1e-5, sorted(gaps.items(), key=lambda kv: -kv[1])[:4]
+    assert "model.layers.0.self_attn.q_norm.weight" in gaps
