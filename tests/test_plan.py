@@ -121,6 +121,7 @@ LAYOUTS = {
     "tiny-llama pp2": ("tiny-llama", {"pp": 2}, 2, False),
     "tiny-llama dp2 bf16": ("tiny-llama", {}, 2, True),
     "smollm2 pp2 bf16": ("smollm2-135m", {"pp": 2}, 2, True),
+    "tiny-qwen3 tp2": ("tiny-qwen3", {"tp": 2}, 2, False),  # q wider than hidden, QK-norm
 }
 
 

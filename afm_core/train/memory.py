@@ -22,6 +22,8 @@ dropout and flash / fused SDPA attention, which store no ``s x s`` scores), in e
     RMSNorm inputs and outputs (the outputs are the inputs of the fused QKV and FC1 matmuls);
   * ``(2h + 2 g d + 3f) / tp``: q, k, v after RoPE (``h + 2 g d``), the attention output (``h``, also the input
     of the output projection), the FC1 output (``2f``, SwiGLU's input) and the SwiGLU output (``f``, FC2's input);
+    the ``h`` of q and of the attention output is the query width ``n_q d`` (Qwen3: 8192 at hidden 5120 for 32B),
+    plus the QK-norm's inputs (``n_q d + g d``) where the family has it;
   * with full recomputation (Sec. 4.1) a layer keeps only its input (``h``, divided by ``tp`` with sequence
     parallelism) and one layer's full set is live while it is recomputed; selective recomputation drops the
     attention scores, which flash attention never stores, so it is counted as none;
@@ -236,13 +238,17 @@ def layer_activation_elements(
     transformer-engine: there measured within 4% with :func:`activations`, ``benchmarks/plan_vs_gpu.py``), whose fused norm keeps
     only the norm input (``2h`` per layer, never sequence parallel), whose attention keeps q and k after RoPE
     next to the fused QKV output and a copy of its output for the projection (``4h + 3 g d``), and whose MLP
-    keeps the FC1 output only (``2f``).
+    keeps the FC1 output only (``2f``). The attention terms are of the query width ``q = n_q d`` (``h`` but for
+    Qwen3, whose ``head_dim`` is independent of ``h``); with QK-norm (Qwen3) its inputs ``q + g d`` are kept too
+    (transformer-engine's norm), twice on the local spec (the input and the normalised value).
     """
     h, f, gd = arch.hidden_size, arch.ffn_hidden_size, arch.num_query_groups * arch.head_dim
+    q = arch.num_attention_heads * arch.head_dim  # the query / attention-output width (h unless Qwen3-like)
+    qk = q + gd if arch.qk_layernorm else 0  # the QK-norm's inputs (Qwen3)
     if not transformer_engine:
-        return {"full": 2 * h + (4 * h + 3 * gd + 2 * f) / tp, "input": h}
+        return {"full": 2 * h + (4 * q + 3 * gd + 2 * f + 2 * qk) / tp, "input": h}
     replicated = 4 * h / (tp if sequence_parallel else 1)
-    sharded = (2 * h + 2 * gd + 3 * f) / tp
+    sharded = (2 * q + 2 * gd + 3 * f + qk) / tp
     return {"full": replicated + sharded, "input": h / (tp if sequence_parallel else 1)}
 
 
