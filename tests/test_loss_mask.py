@@ -251,8 +251,9 @@ def test_unclosed_observation_is_masked_to_the_end(tokenizer):
 QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
                  "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
                  "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]  # fmt: skip
-QWEN3_ADDED = ["<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
-               "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"]  # fmt: skip
+QWEN3_ADDED = ["<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
+               "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>",
+               "</think>"]  # fmt: skip
 # ChatML with Qwen3's thinking switch at the generation prompt (written for this test, not Qwen3's full template: the
 # switch is the part that decides the prompt ids): enable_thinking=false closes an empty think block.
 QWEN3_STYLE_TEMPLATE = (

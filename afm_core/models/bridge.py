@@ -120,7 +120,7 @@ def platform_fusions() -> dict[str, Any]:
 def mcore_config_from_hf(
     hf_config: Any, *, tp: int = 1, pp: int = 1, params_dtype: torch.dtype = torch.float32, **overrides: Any
 ) -> TransformerConfig:
-    """The Megatron-core ``TransformerConfig`` of an HF Llama/Qwen2 config.
+    """The Megatron-core ``TransformerConfig`` of an HF Llama/Qwen2/Qwen3 config.
 
     Architecture from the HF config (:func:`~afm_core.models.arch.arch_from_hf_config`: layers, hidden, SwiGLU
     ffn, heads, query groups, ``head_dim`` as ``kv_channels``, RMSNorm epsilon (also of the QK-norm), q/k/v bias,

@@ -462,9 +462,9 @@ _TRANSFORMER_LAYER_LOG = logging.getLogger("megatron.core.transformer.transforme
 def local_layer_spec(core_attention: type, qk_layernorm: bool = False) -> ModuleSpec:
     """Megatron's local GPT layer spec (RMSNorm, SwiGLU; with ``qk_layernorm`` the QK-norm :class:`HeadRMSNorm`)
     with the norms fused into ``linear_qkv`` / ``linear_fc1`` (:class:`NormColumnParallelLinear`), the SwiGLU into
-    ``linear_fc2`` (:class:`SwiGLUMLP`), and ``core_attention`` as the attention kernel. Also points megatron's attention at
-    :func:`lean_apply_rotary_pos_emb` (for the whole process: only the local spec is built where transformer-engine
-    is absent)."""
+    ``linear_fc2`` (:class:`SwiGLUMLP`), and ``core_attention`` as the attention kernel. Also points megatron's
+    attention at :func:`lean_apply_rotary_pos_emb` (for the whole process: only the local spec is built where
+    transformer-engine is absent)."""
     from megatron.core.transformer import attention as megatron_attention
 
     if not any(isinstance(f, _KnownMLPFilter) for f in _TRANSFORMER_LAYER_LOG.filters):

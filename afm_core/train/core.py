@@ -123,7 +123,7 @@ def build_model_chunks(model_provider: Any, layout: ParallelLayout) -> list[torc
 def build_model(
     hf_config: Any, layout: ParallelLayout, *, params_dtype: torch.dtype, **config_overrides: Any
 ) -> list[torch.nn.Module]:
-    """This rank's randomly initialised ``GPTModel`` chunks shaped like ``hf_config`` (a transformers Llama/Qwen2
+    """This rank's randomly initialised ``GPTModel`` chunks shaped like ``hf_config`` (a transformers Llama/Qwen2/Qwen3
     config), on ``layout.device``: :func:`afm_core.models.bridge.mcore_config_from_hf` with this rank's TP/PP/VPP
     and ``config_overrides`` (recompute, sequence parallel...), then :func:`build_model_chunks`. Every floating
     parameter is in ``params_dtype``: megatron's norms (the final layernorm among them) are built in fp32 whatever

@@ -1,4 +1,4 @@
-"""Per-GPU memory of Megatron-core training of a dense decoder (Llama / Qwen2 family): the one estimator behind
+"""Per-GPU memory of Megatron-core training of a dense decoder (Llama / Qwen2 / Qwen3): the one estimator behind
 ``python -m jobs.plan`` (:mod:`afm_core.launch.plan`).
 
 Model states are not estimated, they are built: :func:`model_state` constructs each pipeline stage's
