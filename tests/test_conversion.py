@@ -387,11 +387,14 @@ def test_unmapped_math_changing_hf_fields_are_refused_by_name():
     arch = arch_from_hf_config(Qwen3Config(**small, head_dim=32, sliding_window=4096, use_sliding_window=False))
     assert arch.head_dim == 32 and arch.qk_layernorm and not arch.qkv_bias
     assert arch_from_hf_config(Qwen2Config(**small, sliding_window=4096)).qkv_bias
+    smollm2_markers = dict(is_llama_config=True, rope_interleaved=False)  # SmolLM2's published config.json has them
+    assert arch_from_hf_config(LlamaConfig(**small, **smollm2_markers)).family == "llama"
     refused = [
         (Qwen3Config(**small, use_sliding_window=True), "use_sliding_window=True"),
         (Qwen3Config(**small, attention_bias=True), "attention_bias=True"),
         (LlamaConfig(**small, mlp_bias=True), "mlp_bias=True"),
         (LlamaConfig(**small, hidden_act="gelu"), "hidden_act='gelu'"),
+        (LlamaConfig(**small, rope_interleaved=True), "rope_interleaved=True: interleaved RoPE"),
         (Qwen3Config(**small, logit_scale=2.0), r"logit_scale=2.0 is not mapped to Megatron"),
         (
             Qwen3Config(**small, rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),

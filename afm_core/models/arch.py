@@ -179,6 +179,8 @@ NEUTRAL_HF_FIELDS = frozenset(
         "rope_theta",  # 4.x spelling, read through rope_parameters
         "rope_scaling",  # likewise
         "tokenizer_class",
+        "is_llama_config",  # SmolLM2's config.json: a marker for other loaders
+        "transformers.js_config",  # SmolLM2's config.json: settings of transformers.js
     }
 )
 
@@ -190,6 +192,8 @@ def _inactive_checks(family: str) -> dict[str, tuple[Callable[[Any], bool], str]
         "hidden_act": (lambda v: v == "silu", "only SwiGLU (silu) is supported"),
         "mlp_bias": (lambda v: not v, "bias on the MLP projections is not supported"),
         "use_sliding_window": (lambda v: not v, "sliding-window attention is not supported"),
+        "rope_interleaved": (lambda v: not v, "interleaved RoPE is not supported (HF rotates halves)"),
+        "use_mrope": (lambda v: not v, "multimodal RoPE is not supported"),
         "layer_types": (
             lambda v: v is None or all(t == "full_attention" for t in v),
             "layers other than full_attention (sliding windows) are not supported",
