@@ -749,13 +749,15 @@ def test_a_step_whose_training_and_checkpoint_outlast_the_signal_lead_is_warned_
 
 @needs_shared_data
 @pytest.mark.slow
-def test_one_rl_step_on_tiny_qwen3_with_the_engine_serving_the_trainers_weights(tmp_path):
-    """``recipe=rl_smoke`` for one rollout step on the tiny random Qwen3 (QK-norm, head_dim 32 at hidden 96), fp32:
-    generation in vLLM, a DAPO update of the Megatron model, the weight sync back into vLLM."""
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-llama3"])
+def test_one_rl_step_on_another_family_with_the_engine_serving_the_trainers_weights(tmp_path, model):
+    """``recipe=rl_smoke`` for one rollout step on the tiny random Qwen3 (QK-norm, head_dim 32 at hidden 96) and
+    Llama 3.x (llama3 RoPE scaling), fp32: generation in vLLM, a DAPO update of the Megatron model, the weight sync
+    back into vLLM."""
     run_dir = tmp_path / "run"
     cfg = rl_config(
         run_dir,
-        "model=tiny-qwen3",
+        f"model={model}",
         "trainer.max_steps=1",
         "trainer.precision=fp32",
         "reward.mode=score",
