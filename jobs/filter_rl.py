@@ -6,7 +6,7 @@
     python -m jobs.filter_rl hydra.run.dir=runs/filter_rl/X              # continue X: finished samples are kept
 
 The run dir holds ``candidates.parquet``, ``samples.jsonl`` (the resume log), the eval's ``metrics.json`` /
-``report.md``, ``filter_report.json`` and ``rl_data.parquet`` (afm_core.rl.filter).
+``report.md``, ``filter_report.json`` and ``rl_data.parquet`` (afm_core.eval.filter_rl).
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
         print(f"jobs.filter_rl: bad config: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     summary = submit(
-        "afm_core.rl.filter.run_filter", cfg, on_preempt="afm_core.eval.runner.request_stop", job_name="filter_rl"
+        "afm_core.eval.filter_rl.run_filter", cfg, on_preempt="afm_core.eval.runner.request_stop", job_name="filter_rl"
     )
     if summary is not None:
         if summary.get("report"):
-            from afm_core.rl.filter import report_table
+            from afm_core.eval.filter_rl import report_table
 
             print(report_table(summary["report"]))
         print(json.dumps({k: v for k, v in summary.items() if k != "report"}, indent=2, default=str))

@@ -1,7 +1,9 @@
 """Agentic RL (DAPO / GRPO / PPO): :func:`afm_core.rl.driver.run_rl` over named parts, one module each.
 
-- :mod:`afm_core.rl.driver`: the loop only (sample prompts -> generate -> grade -> advantages -> train -> sync
-  weights -> log / save);
+- :mod:`afm_core.rl.driver`: the loop only (fill a train batch -> advantages -> train -> log -> validate -> save);
+- :mod:`afm_core.rl.train_batch`: generation rounds until the train batch is full; a stop aborts the round and
+  puts the run's state back;
+- :mod:`afm_core.rl.validation`: the validation benchmarks, when to validate, the run on engine 0;
 - :mod:`afm_core.rl.schedule`: the staged context length (response budget, trainer sequence length);
 - :mod:`afm_core.rl.prompts`: the RL tasks and the resumable, epoch-shuffled prompt stream;
 - :mod:`afm_core.rl.rollout_actor`: this rank's vLLM engine, tool pool and graders, beside its node's tool servers;
@@ -20,6 +22,5 @@
 - :mod:`afm_core.rl.weight_sync`: Megatron -> vLLM weight sync through a vLLM worker extension;
 - :mod:`afm_core.rl.colocation`: where each rank's engine runs (in-process TP groups, or ``AsyncLLM``);
 - :mod:`afm_core.rl.metrics`: the metrics.jsonl record of a rollout step, ``rl.png``;
-- :mod:`afm_core.rl.checkpoint`: the run's resumable state beside the models;
-- :mod:`afm_core.rl.filter`: the pass-rate filter of RL prompts (``jobs.filter_rl``).
+- :mod:`afm_core.rl.checkpoint`: the run's resumable state beside the models; when to save (and the stop lead).
 """

@@ -10,7 +10,9 @@ appears once. A stop requested while a generation round runs aborts the round an
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 
@@ -25,6 +27,23 @@ class RLProgress:
     samples_trained: int = 0
     train_time_s: float = 0.0
     run_ids: dict[str, str] = field(default_factory=dict)  # tracking backends' runs (W&B, MLflow), continued on resume
+
+    def enter_stage(self, stage: Any, *, verbose: bool) -> None:
+        """The next rollout step runs in ``stage`` (:class:`~afm_core.rl.schedule.Stage`); a new stage is printed
+        when ``verbose``."""
+        if stage.index != self.stage:
+            if verbose:
+                print(f"[rl] rollout step {self.rollout_step + 1}: stage {stage.index}, max_response_len "
+                      f"{stage.max_response_len}", flush=True)  # fmt: skip
+            self.stage = stage.index
+
+    def step_done(self, samples_trained: int, optimizer_steps: int, seconds: float) -> None:
+        """Count one rollout step: ``samples_trained`` samples in ``optimizer_steps`` optimizer steps, ``seconds``
+        of wall time."""
+        self.rollout_step += 1
+        self.optimizer_steps += optimizer_steps
+        self.samples_trained += samples_trained
+        self.train_time_s += seconds
 
 
 @dataclass
@@ -72,3 +91,54 @@ class StopLead:
                   f"{self.lead_s}: set it to at least {int(needed * 1.5) + 60} (the job may be killed before its "
                   "checkpoint is complete)", flush=True)  # fmt: skip
         self.worst_s = max(self.worst_s, needed)
+
+
+class Checkpointer:
+    """When the run saves, and the save: at every ``save_interval``-th rollout step, at the last (``max_steps``)
+    and when ``preemption`` asks (USR2 / preemption, read at the step boundary; a stop also ends the run), each
+    with its :class:`StopLead` check; and the state from before a generation round a stop aborted.
+
+    Args:
+        policy: the :class:`~afm_core.rl.policy_trainer.PolicyTrainer` (``save(step, common)``).
+        handover: the :class:`~afm_core.rl.colocation.Handover` (a save is the trainer's turn).
+        state: the run's :class:`RLState`, saved as the checkpoint's ``common``.
+        preemption: the job's :class:`~afm_core.train.preemption.Preemption`.
+        save_interval, max_steps: ``trainer.save_interval``, ``trainer.max_steps`` (rollout steps).
+        lead_s: ``cluster.signal_delay_s`` (0: not checked).
+        on_gpu: the ranks' device (the flags' reduction runs there).
+        verbose: this rank prints (rank 0).
+    """
+
+    def __init__(self, policy: Any, handover: Any, state: RLState, preemption: Any, *, save_interval: int,
+                 max_steps: int, lead_s: int, on_gpu: bool, verbose: bool):  # fmt: skip
+        self.policy, self.handover, self.state, self.preemption = policy, handover, state, preemption
+        self.save_interval, self.max_steps, self.on_gpu, self.verbose = save_interval, max_steps, on_gpu, verbose
+        self.lead = StopLead(lead_s, enabled=verbose)
+        self.last: Path | None = None  # the last checkpoint written
+        self.trainer_turn = time.perf_counter()
+
+    def trainer_turn_starts(self) -> None:
+        """The trainer's turn began: from here a stop waits for the step boundary and its checkpoint."""
+        self.trainer_turn = time.perf_counter()
+
+    def at_step_end(self, step: int) -> bool:
+        """After rollout step ``step`` (collective): save when due or asked; True when a stop was asked and steps
+        are left (the run ends here)."""
+        want, stop = self.preemption.boundary_flags(self.on_gpu)  # USR2 / preemption, OR-ed over ranks
+        if want or step % self.save_interval == 0 or step == self.max_steps:
+            self.handover.to_trainer()
+            start = time.perf_counter()
+            self.last = self.policy.save(step, self.state.state_dict())
+            self.lead.observe(step, start - self.trainer_turn, time.perf_counter() - start)
+        return stop and step < self.max_steps
+
+    def save_aborted_round(self) -> None:
+        """A stop aborted a generation round (``state`` is as before it): serve the request and save, so the
+        rollout step restarts at that round on resume."""
+        self.preemption.boundary_flags(self.on_gpu)  # the request is served: cleared on every rank
+        self.handover.to_trainer()
+        step = self.state.progress.rollout_step
+        self.last = self.policy.save(step, self.state.state_dict())
+        if self.verbose:
+            print(f"[rl] stop requested during rollout step {step + 1}'s generation: aborted, checkpoint "
+                  f"{self.last} restarts it", flush=True)  # fmt: skip

@@ -4,28 +4,23 @@ Reads like slime's ``train.py`` (THUDM/slime) and verl's DAPO ``fit`` (``recipe/
 line is a call on a named part::
 
     resume (models, optimizers, rollout step, stage, prompt position, dynamic sampler, RNG)  rl/checkpoint.py
-    start the engine; the RNG it reseeded put back                                          rl/rollout_actor.py
-    sync the trainer's weights into this rank's vLLM engine                                rl/rollout_actor.py
+    start the engine; the RNG it reseeded put back; sync the trainer's weights into it      rl/rollout_actor.py
     open the tracker (metrics.jsonl + logger backends, the resumed runs continued)         rl/metrics.py
-    validate before training (trainer.val_before_train)                                    eval/runner.py
+    validation.before_training()                       # trainer.val_before_train          rl/validation.py
     for each rollout step (profile.steps traced):
         stage = stage_at(stages, step)                 # response budget, trainer seq length   rl/schedule.py
-        while the train batch is not full:             # DAPO dynamic sampling                 rl/dynamic_sampling.py
-            prompts = stream.take(gen_batch_size)      # resumable, epoch-shuffled             rl/prompts.py
-            handover.to_engine()                       # wake, sync the trained weights        rl/colocation.py,
-                                                       # (Megatron -> vLLM), offload trainer   rl/weight_sync.py
-            samples = actor.generate_gathered(...)     # agent loop + grade + reward shaping  rl/rollout_actor.py,
-                                                       #                                       rl/grading.py
-            sampler.add_samples(samples)               # groups whose accuracy is all equal are dropped
+        batch = fill_train_batch(...)                  # rounds of prompts -> engine -> graded rl/train_batch.py
+                                                       # samples until DAPO's sampler is full; a stop aborts the
+                                                       # round and puts the state back (None)
         handover.to_trainer()                          # GPU: the engine sleeps, the trainer's state comes back
         advantages = policy.advantages(samples)        # GRPO over groups, or critic -> GAE    rl/policy_trainer.py
         policy.train(samples, advantages)              # critic, old logprobs, mini-batches    rl/policy_trainer.py
-        dump_rollouts(...)                             # trainer.rollout_data_dir/<step>.jsonl  rl/rollout_dump.py
         metrics.write(step_record(...))                # metrics.jsonl, rl.png, the backends    rl/metrics.py
-        validate every trainer.test_freq steps and at the last, with the live weights        eval/runner.py
-        checkpoint at the interval or when asked (USR2 / preemption)                           rl/checkpoint.py
-    a stop asked for during generation aborts the round (vLLM abort) and saves the state from before it: the step
-    restarts on resume                                                                       rl/rollout_actor.py
+        dump_rollouts(...)                             # trainer.rollout_data_dir/<step>.jsonl  rl/rollout_dump.py
+        validation.after_step(step)                    # every trainer.test_freq steps, last   rl/validation.py
+        checkpoints.at_step_end(step)                  # at the interval or when asked; a stop rl/checkpoint.py
+                                                       # ends the run
+    the engine's turns (rl/colocation.py Handover) sync the trained weights, Megatron -> vLLM (rl/weight_sync.py)
 
 The rollout contract between the two sides is :class:`afm_core.rl.grading.Sample`.
 """
@@ -40,9 +35,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from afm_core.rl.checkpoint import RLProgress, RLState, StopLead
+from afm_core.rl.checkpoint import Checkpointer, RLProgress, RLState
 from afm_core.rl.metrics import RLMetricsLog, step_record
 from afm_core.rl.schedule import Stage, parse_schedule, stage_at, train_seq_length
+from afm_core.rl.train_batch import fill_train_batch
+from afm_core.rl.validation import Validation, naming, validation_benchmarks
 from afm_core.train.preemption import JOB_PREEMPTION, Preemption
 from afm_core.utils.run_config import plain_config
 
@@ -163,58 +160,7 @@ def check_inputs(cfg: Mapping[str, Any]) -> None:
         load_sources(data.get("presets"), data.get("files"), cfg.get("data_dir"), unique=False,
                      empty="name at least one source of RL prompts")  # fmt: skip
     except (ValueError, FileNotFoundError) as err:
-        raise _naming(f"data.presets={data.get('presets')} / data.files={data.get('files')}", err) from None
-
-
-def validation_benchmarks(cfg: Mapping[str, Any]) -> list[Any]:
-    """The benchmarks validated during training (``trainer.val_benchmarks`` presets + ``val.benchmark_files``, each
-    cut to its ``limit``); [] when neither ``trainer.val_before_train`` nor ``trainer.test_freq`` asks for one.
-
-    Raises:
-        ValueError: validation asked for with no benchmark named, an unknown preset (the message names the keys).
-        FileNotFoundError: a benchmark file or a preset's data file is absent (the message names the keys).
-    """
-    from afm_core.eval.runner import load_benchmarks
-
-    t, val = cfg["trainer"], dict(cfg.get("val") or {})
-    if not (t.get("val_before_train") or int(t.get("test_freq") or 0) > 0):
-        return []
-    presets, files = list(t.get("val_benchmarks") or []), list(val.get("benchmark_files") or [])
-    if not presets and not files:
-        raise ValueError("trainer.val_before_train / trainer.test_freq: set trainer.val_benchmarks=[gsm8k_test,...] "
-                         "and/or val.benchmark_files=[my.jsonl]")  # fmt: skip
-    try:
-        return load_benchmarks({"benchmarks": presets, "benchmark_files": files, "data_dir": cfg.get("data_dir"),
-                                "eval": val})  # fmt: skip
-    except (ValueError, FileNotFoundError) as err:
-        raise _naming(f"trainer.val_benchmarks={presets} / val.benchmark_files={files}", err) from None
-
-
-def _naming(keys: str, err: Exception) -> Exception:
-    """``err`` (a ValueError or FileNotFoundError of the task loader) as the same kind of error, led by ``keys``."""
-    return (FileNotFoundError if isinstance(err, FileNotFoundError) else ValueError)(f"{keys}: {err}")
-
-
-def _validate(
-    cfg: Mapping[str, Any], actor: Any, handover: Any, benchmarks: list[Any], metrics: RLMetricsLog, step: int
-) -> None:
-    """Validate the live weights on engine 0 (its TP followers mirror it; the other ranks go on to the next
-    collective) and log the ``split: val`` record at ``step`` (rank 0). Every rank calls it: the engine's turn
-    (the weight sync) is collective. A stop requested meanwhile (USR2, preemption) aborts it: no record for this
-    step, and the job goes on to its checkpoint."""
-    from afm_core.rl.rollout_actor import RolloutAborted
-
-    handover.to_engine()
-    if actor.engines[1] != 0:
-        return
-    start = time.perf_counter()
-    try:
-        results = actor.validate(benchmarks, cfg["val"])
-    except RolloutAborted:
-        if metrics.log is not None:
-            print(f"[rl] stop requested during rollout step {step}'s validation: aborted, not logged", flush=True)
-        return
-    metrics.write_validation(step, results, time.perf_counter() - start)
+        raise naming(f"data.presets={data.get('presets')} / data.files={data.get('files')}", err) from None
 
 
 def _loop(
@@ -234,99 +180,58 @@ def _loop(
 ) -> dict[str, Any]:
     """The rollout steps from ``state.progress.rollout_step`` to ``trainer.max_steps`` (or a stop ``preemption``
     asks for); ``carry``: the first sync's times, logged with the first step."""
-    from afm_core.rl.rollout_actor import RolloutAborted
     from afm_core.rl.rollout_dump import dump_rollouts
-    from afm_core.train.checkpoint import rng_state, set_rng_state
     from afm_core.utils.profiling import StepProfiler
 
     t, a, r = cfg["trainer"], cfg["algorithm"], cfg["rollout"]
-    progress, stream, sampler = state.progress, state.stream, state.sampler
+    progress, stream = state.progress, state.stream
     run_dir, max_steps, n, gen_bs = Path(cfg["run_dir"]), int(t["max_steps"]), int(r["n"]), int(a["gen_batch_size"])
-    max_prompt_len, test_freq = int(cfg["data"]["max_prompt_len"]), int(t.get("test_freq") or 0)
+    max_prompt_len = int(cfg["data"]["max_prompt_len"])
     metrics = RLMetricsLog(cfg, progress, enabled=layout.is_rank0)
     profiler = StepProfiler(cfg.get("profile"), run_dir, layout.rank, layout.on_gpu)
-    if val_benchmarks and t.get("val_before_train") and progress.rollout_step == 0:
-        _validate(cfg, actor, handover, val_benchmarks, metrics, 0)
-    last_checkpoint, stopped_early = None, False
-    lead = StopLead(int(cfg["cluster"].get("signal_delay_s") or 0), enabled=layout.is_rank0)
+    validation = Validation(val_benchmarks, cfg["val"], before_train=bool(t.get("val_before_train")),
+                            test_freq=int(t.get("test_freq") or 0), max_steps=max_steps, actor=actor,
+                            handover=handover, metrics=metrics)  # fmt: skip
+    checkpoints = Checkpointer(policy, handover, state, preemption, save_interval=int(t["save_interval"]),
+                               max_steps=max_steps, lead_s=int(cfg["cluster"].get("signal_delay_s") or 0),
+                               on_gpu=layout.on_gpu, verbose=layout.is_rank0)  # fmt: skip
+    validation.before_training(progress.rollout_step)
+    stopped_early = False
     while progress.rollout_step < max_steps:
         step_start = time.perf_counter()
-        profiled = profiler.step(progress.rollout_step + 1)  # a no-op outside profile.steps
-        profiled.__enter__()
-        stage = stage_at(stages, progress.rollout_step)
         times, carry = {"generate_s": 0.0, "tools_s": 0.0, "weight_sync_s": 0.0, **carry}, {}
-        if stage.index != progress.stage:
-            if layout.is_rank0:
-                print(
-                    f"[rl] rollout step {progress.rollout_step + 1}: stage {stage.index}, max_response_len "
-                    f"{stage.max_response_len}",
-                    flush=True,
-                )
-            progress.stage = stage.index
-        generated: list[Any] = []
-        aborted = False
-        while not sampler.ready:  # sample prompts -> generate -> grade, until the train batch is full
-            before = state.state_dict(), rng_state()  # a stop during this round restarts it from here on resume
-            prompts = stream.take(gen_bs)
-            progress.prompts_consumed += len(prompts)
-            times.update(handover.to_engine())  # the engine's turn: the last update's weights synced
-            start = time.perf_counter()
-            try:
-                batch = actor.generate_gathered(prompts, tasks, n, stage, seed=int(t["seed"]))
-            except RolloutAborted:  # on every rank alike
-                state.load_state_dict(before[0])
-                set_rng_state(before[1])  # the round's sampling drew from it (vLLM-CPU: no per-request seeds)
-                aborted = True
-                break
-            times["generate_s"] += time.perf_counter() - start
-            times["tools_s"] += sum(s.tool_seconds for s in batch)  # summed over calls (they overlap)
-            generated += batch
-            sampler.add_samples(batch)
-        if aborted:
-            profiled.__exit__(None, None, None)
-            preemption.boundary_flags(layout.on_gpu)  # the request is served: cleared on every rank
-            handover.to_trainer()
-            last_checkpoint = policy.save(progress.rollout_step, state.state_dict())
-            if layout.is_rank0:
-                print(f"[rl] stop requested during rollout step {progress.rollout_step + 1}'s generation: aborted, "
-                      f"checkpoint {last_checkpoint} restarts it", flush=True)  # fmt: skip
+        with profiler.step(progress.rollout_step + 1):  # a no-op outside profile.steps
+            stage = stage_at(stages, progress.rollout_step)
+            progress.enter_stage(stage, verbose=layout.is_rank0)
+            batch = fill_train_batch(actor, handover, state, tasks, stage, n=n, gen_batch_size=gen_bs,
+                                     seed=int(t["seed"]), times=times)  # fmt: skip
+            if batch is not None:
+                times.update(handover.to_trainer())  # GPU: the engine sleeps, the trainer's state comes back
+                checkpoints.trainer_turn_starts()
+                seq_length, train = 0, {}
+                if batch.samples:  # empty only with allow_partial when no group had reward spread
+                    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in batch.samples]
+                    seq_length = train_seq_length(stage, max_prompt_len, lengths, layout.pp)
+                    advantages = policy.advantages(batch.samples, seq_length)
+                    times.update(advantages.times)
+                    train = policy.train(batch.samples, advantages, seq_length)
+                    handover.trained()  # synced into the engine at its next turn
+        if batch is None:  # a stop aborted a round: the state from before it is saved
+            checkpoints.save_aborted_round()
             stopped_early = True
             break
-        samples, sampling = sampler.take()
-        times.update(handover.to_trainer())  # GPU: the engine sleeps, the trainer's state comes back
-        trainer_turn = time.perf_counter()  # from here a stop waits for the step boundary and its checkpoint
-        seq_length, train = 0, {}
-        if samples:  # empty only with allow_partial when no group had reward spread: nothing to learn from
-            lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
-            seq_length = train_seq_length(stage, max_prompt_len, lengths, layout.pp)
-            advantages = policy.advantages(samples, seq_length)
-            times.update(advantages.times)
-            train = policy.train(samples, advantages, seq_length)
-            handover.trained()  # synced into the engine at its next turn
-        profiled.__exit__(None, None, None)
-        progress.rollout_step += 1
-        progress.optimizer_steps += int(train.get("optimizer_steps", 0))
-        progress.samples_trained += len(samples)
         times["step_s"] = time.perf_counter() - step_start
-        progress.train_time_s += times["step_s"]
+        progress.step_done(len(batch.samples), int(train.get("optimizer_steps", 0)), times["step_s"])
         tool_metrics = actor.tool_metrics() if layout.is_rank0 else None
-        record = step_record(progress, stage, seq_length, max_prompt_len, samples, generated, sampling.as_dict(),
-                             train, times, stream, tool_metrics, r.get("environment", "real"))  # fmt: skip
-        metrics.write(record)
+        metrics.write(step_record(progress, stage, seq_length, max_prompt_len, batch.samples, batch.generated,
+                                  batch.sampling.as_dict(), train, times, stream, tool_metrics,
+                                  r.get("environment", "real")))  # fmt: skip
         if t.get("rollout_data_dir") and layout.is_rank0:
-            dump_rollouts(t["rollout_data_dir"], progress.rollout_step, generated, samples, tokenizer)
-        step = progress.rollout_step
-        if val_benchmarks and test_freq > 0 and (step % test_freq == 0 or step == max_steps):
-            _validate(cfg, actor, handover, val_benchmarks, metrics, step)
+            dump_rollouts(t["rollout_data_dir"], progress.rollout_step, batch.generated, batch.samples, tokenizer)
+        validation.after_step(progress.rollout_step)
         if after_step is not None:
             after_step(progress.rollout_step)
-        want, stop = preemption.boundary_flags(layout.on_gpu)  # USR2 / preemption, OR-ed over ranks
-        if want or step % int(t["save_interval"]) == 0 or step == max_steps:
-            handover.to_trainer()
-            start = time.perf_counter()
-            last_checkpoint = policy.save(step, state.state_dict())
-            lead.observe(step, start - trainer_turn, time.perf_counter() - start)
-        if stop and step < max_steps:
+        if checkpoints.at_step_end(progress.rollout_step):
             stopped_early = True
             break
     profiler.stop()
@@ -335,7 +240,7 @@ def _loop(
         "step": progress.rollout_step,
         "max_steps": max_steps,
         "stopped_early": stopped_early,
-        "checkpoint": str(last_checkpoint) if last_checkpoint else None,
+        "checkpoint": str(checkpoints.last) if checkpoints.last else None,
         "stage": progress.stage,
         "optimizer_steps": progress.optimizer_steps,
         "data_state": stream.state_dict(),

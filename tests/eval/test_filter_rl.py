@@ -1,4 +1,4 @@
-"""RL data filtering by pass rate (afm_core.rl.filter, ``python -m jobs.filter_rl``):
+"""RL data filtering by pass rate (afm_core.eval.filter_rl, ``python -m jobs.filter_rl``):
 
 - the keep/drop rule against hand-computed pass rates: the web preset (N=32, keep r_q <= 0.3) and the code
   preset (8 samples, drop the all-correct);
@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from afm_core.data.schema import PREPARED_SCHEMA, task_id, write_prepared
-from afm_core.rl.filter import decide, histogram, pass_rates, report_table, select_candidates, sft_question_ids
+from afm_core.eval.filter_rl import decide, histogram, pass_rates, report_table, select_candidates, sft_question_ids
 from afm_core.utils.paths import repo_root, shared_data_dir
 
 WEB = {"max_pass_rate": 0.3, "min_pass_rate": None, "drop_all_correct": False}

@@ -1,0 +1,90 @@
+"""Validation during RL: which benchmarks (``trainer.val_benchmarks`` presets + ``val.benchmark_files``), when
+(``trainer.val_before_train``; every ``trainer.test_freq`` rollout steps and at the last) and the run itself on
+engine 0 with the live weights, logged as a ``split: val`` record (verl's ``test_freq`` / ``val_before_train``,
+``verl/trainer/ppo/ray_trainer.py`` ``fit``; slime's ``eval_interval``, ``train.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+
+def validation_benchmarks(cfg: Mapping[str, Any]) -> list[Any]:
+    """The benchmarks validated during training (``trainer.val_benchmarks`` presets + ``val.benchmark_files``, each
+    cut to its ``limit``); [] when neither ``trainer.val_before_train`` nor ``trainer.test_freq`` asks for one.
+
+    Raises:
+        ValueError: validation asked for with no benchmark named, an unknown preset (the message names the keys).
+        FileNotFoundError: a benchmark file or a preset's data file is absent (the message names the keys).
+    """
+    from afm_core.eval.runner import load_benchmarks
+
+    t, val = cfg["trainer"], dict(cfg.get("val") or {})
+    if not (t.get("val_before_train") or int(t.get("test_freq") or 0) > 0):
+        return []
+    presets, files = list(t.get("val_benchmarks") or []), list(val.get("benchmark_files") or [])
+    if not presets and not files:
+        raise ValueError("trainer.val_before_train / trainer.test_freq: set trainer.val_benchmarks=[gsm8k_test,...] "
+                         "and/or val.benchmark_files=[my.jsonl]")  # fmt: skip
+    try:
+        return load_benchmarks({"benchmarks": presets, "benchmark_files": files, "data_dir": cfg.get("data_dir"),
+                                "eval": val})  # fmt: skip
+    except (ValueError, FileNotFoundError) as err:
+        raise naming(f"trainer.val_benchmarks={presets} / val.benchmark_files={files}", err) from None
+
+
+def naming(keys: str, err: Exception) -> Exception:
+    """``err`` (a ValueError or FileNotFoundError of the task loader) as the same kind of error, led by ``keys``."""
+    return (FileNotFoundError if isinstance(err, FileNotFoundError) else ValueError)(f"{keys}: {err}")
+
+
+class Validation:
+    """When and how the run validates: before training (``before_train``, at rollout step 0 only: not again on a
+    resume) and after every ``test_freq``-th rollout step and the last (``max_steps``); nothing when
+    ``benchmarks`` is empty.
+
+    Args:
+        benchmarks: :func:`validation_benchmarks`.
+        eval_cfg: the ``val`` group (``afm_core.eval.runner.validate``'s eval settings).
+        actor: this rank's :class:`~afm_core.rl.rollout_actor.RolloutActor`.
+        handover: the :class:`~afm_core.rl.colocation.Handover` (the engine's turn syncs the trained weights).
+        metrics: the :class:`~afm_core.rl.metrics.RLMetricsLog` the record goes to.
+    """
+
+    def __init__(self, benchmarks: list[Any], eval_cfg: Mapping[str, Any], *, before_train: bool, test_freq: int,
+                 max_steps: int, actor: Any, handover: Any, metrics: Any):  # fmt: skip
+        self.benchmarks, self.eval_cfg, self.before_train = benchmarks, eval_cfg, before_train
+        self.test_freq, self.max_steps = test_freq, max_steps
+        self.actor, self.handover, self.metrics = actor, handover, metrics
+
+    def before_training(self, step: int) -> None:
+        """Validate the starting weights when asked (``trainer.val_before_train``) and ``step`` (the rollout
+        steps done) is 0."""
+        if self.benchmarks and self.before_train and step == 0:
+            self.run(0)
+
+    def after_step(self, step: int) -> None:
+        """Validate after rollout step ``step`` when it is a ``test_freq``-th one or the last."""
+        if self.benchmarks and self.test_freq > 0 and (step % self.test_freq == 0 or step == self.max_steps):
+            self.run(step)
+
+    def run(self, step: int) -> None:
+        """Validate the live weights on engine 0 (its TP followers mirror it; the other ranks go on to the next
+        collective) and log the ``split: val`` record at ``step`` (rank 0). Every rank calls it: the engine's turn
+        (the weight sync) is collective. A stop requested meanwhile (USR2, preemption) aborts it: no record for
+        this step, and the job goes on to its checkpoint."""
+        from afm_core.rl.rollout_actor import RolloutAborted
+
+        self.handover.to_engine()
+        if self.actor.engines[1] != 0:
+            return
+        start = time.perf_counter()
+        try:
+            results = self.actor.validate(self.benchmarks, self.eval_cfg)
+        except RolloutAborted:
+            if self.metrics.log is not None:
+                print(f"[rl] stop requested during rollout step {step}'s validation: aborted, not logged", flush=True)
+            return
+        self.metrics.write_validation(step, results, time.perf_counter() - start)
