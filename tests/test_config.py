@@ -136,7 +136,10 @@ def test_prepare_data_rejects_a_bad_value_naming_the_key(overrides, message):
             ("parallel.pp=7: must divide model.num_layers=30 (smollm2-135m); valid: [1, 2, 3, 5, 6, 10, 15, 30]"),
         ),
         ("trainer.eval_every=5", "Key 'eval_every' not in 'TrainerConfig'\n    full_key: trainer.eval_every"),
-        ("+trainer.eval_every=5", "trainer.eval_every: Key 'eval_every' not in 'TrainerConfig'; valid keys: engine"),
+        (
+            "+trainer.eval_every=5",
+            "trainer.eval_every: Key 'eval_every' not in 'TrainerConfig'; valid keys: seed, micro_batch_size",
+        ),
     ],
 )
 def test_jobs_sft_rejects_a_bad_override_before_importing_torch_or_submitting(tmp_path, override, message):

@@ -21,6 +21,7 @@ from afm_core.config.cluster import cluster_schema
 from afm_core.config.sft import ModelConfig, OptimConfig, ParallelConfig, check_plan_options
 from afm_core.config.timeouts import collective_timeout_min, rollout_wait_s
 from afm_core.config.tracking import ProfileConfig, TrackingConfig, check_loggers
+from afm_core.config.trainer import TrainerBaseConfig
 
 ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "gae")
 REWARD_MODES = ("score_x_format", "score", "score_minus_format_penalty")
@@ -213,33 +214,24 @@ class CriticConfig:
 
 
 @dataclass
-class RLTrainerConfig:
-    seed: int = 1234
-    max_steps: int = 20
+class RLTrainerConfig(TrainerBaseConfig):
+    """RL's ``trainer``: the shared fields (:class:`~afm_core.config.trainer.TrainerBaseConfig`, RL's defaults
+    for the micro batch and the checkpoints) and these."""
+
     micro_batch_size: int = 2
-    precision: str = "auto"
-    grad_clip: float = 1.0
     save_interval: int = 10
     keep_last: int = 2
-    export_hf: bool = True
-    num_threads: int | None = None
+    max_steps: int = 20
     rollout_data_dir: str | None = None
     val_before_train: bool = False
     test_freq: int = 0
     val_benchmarks: list[str] = field(default_factory=list)
     remove_padding: bool = True
-    peak_tflops: float | None = None
 
     def __post_init__(self) -> None:
-        if self.peak_tflops is not None:
-            require(self.peak_tflops > 0, "trainer.peak_tflops", self.peak_tflops, "a positive TFLOP/s, or null")
+        super().__post_init__()
         require(self.test_freq >= 0, "trainer.test_freq", self.test_freq, ">= 0 (0: off)")
-        for key in ("max_steps", "micro_batch_size", "save_interval", "keep_last"):
-            _at_least_one(f"trainer.{key}", getattr(self, key))
-        require(self.precision in ("auto", "fp32", "bf16"), "trainer.precision", self.precision, "auto, fp32 or bf16")
-        require(self.grad_clip >= 0, "trainer.grad_clip", self.grad_clip, ">= 0")
-        if self.num_threads is not None:
-            _at_least_one("trainer.num_threads", self.num_threads)
+        _at_least_one("trainer.max_steps", self.max_steps)
 
 
 @dataclass

@@ -18,10 +18,10 @@ from afm_core.config.checks import ConfigError, divisors, require
 from afm_core.config.cluster import cluster_schema
 from afm_core.config.data import DataConfig
 from afm_core.config.tracking import ProfileConfig, TrackingConfig, check_loggers
+from afm_core.config.trainer import TrainerBaseConfig
 
 ENGINES = ("megatron", "deepspeed")
 OBJECTIVES = ("sft", "contrastive")  # afm_core.train.objective
-PRECISIONS = ("auto", "fp32", "bf16")
 LR_SCHEDULES = ("cosine", "constant")
 RECOMPUTE = (None, "selective", "full")
 
@@ -38,43 +38,28 @@ def _at_least(key: str, value: Any, low: float) -> None:
 
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(TrainerBaseConfig):
+    """SFT's ``trainer``: the shared fields (:class:`~afm_core.config.trainer.TrainerBaseConfig`) and these."""
+
     engine: str = "megatron"
     objective: str = "sft"
     deepspeed_config: str | None = None
-    seed: int = 1234
     max_steps: int | None = None
     epochs: float | None = None
     seq_length: int = 1024
-    micro_batch_size: int = 1
     global_batch_size: int = 1
-    precision: str = "auto"
-    grad_clip: float = 1.0
     log_interval: int = 1
     eval_interval: int = 1
     eval_sequences: int = 1
-    save_interval: int = 1
-    keep_last: int = 1
-    export_hf: bool = True
-    num_threads: int | None = None
     progress: bool = True
-    peak_tflops: float | None = None
     compile: bool | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require(self.engine in ENGINES, "trainer.engine", self.engine, f"one of {', '.join(ENGINES)}")
         require(self.objective in OBJECTIVES, "trainer.objective", self.objective, f"one of {', '.join(OBJECTIVES)}")
-        require(self.precision in PRECISIONS, "trainer.precision", self.precision, f"one of {', '.join(PRECISIONS)}")
         require(self.seq_length > 0, "trainer.seq_length", self.seq_length, "a positive integer (tokens)")
-        for key in (
-            "micro_batch_size",
-            "global_batch_size",
-            "log_interval",
-            "eval_interval",
-            "eval_sequences",
-            "save_interval",
-            "keep_last",
-        ):
+        for key in ("global_batch_size", "log_interval", "eval_interval", "eval_sequences"):
             _at_least(f"trainer.{key}", getattr(self, key), 1)
         require(
             self.global_batch_size % self.micro_batch_size == 0,
@@ -92,11 +77,6 @@ class TrainerConfig:
             _at_least("trainer.max_steps", self.max_steps, 1)
         if self.epochs is not None:
             require(self.epochs > 0, "trainer.epochs", self.epochs, "a positive number, or null")
-        _at_least("trainer.grad_clip", self.grad_clip, 0.0)
-        if self.num_threads is not None:
-            _at_least("trainer.num_threads", self.num_threads, 1)
-        if self.peak_tflops is not None:
-            require(self.peak_tflops > 0, "trainer.peak_tflops", self.peak_tflops, "a positive TFLOP/s, or null")
 
 
 @dataclass

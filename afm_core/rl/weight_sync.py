@@ -337,14 +337,16 @@ def sync_weights(
         RuntimeError: the engine lacks the extension, or some engine parameter got no new weight.
     """
     protocol = _sync_protocol(None if llm is None else engine_in_process(llm), model_chunks, bucket_bytes, transport)
-    result = None
-    while True:
-        try:
-            method, args = protocol.send(result)
-        except StopIteration as done:
-            return done.value
-        with _explain_missing_extension(method):
-            result = llm.reset_prefix_cache() if method == _RESET else llm.collective_rpc(method, args=args)
+
+    async def call(method: str, args: tuple[Any, ...]) -> Any:  # blocking: the coroutine never suspends
+        return llm.reset_prefix_cache() if method == _RESET else llm.collective_rpc(method, args=args)
+
+    run = _drive(protocol, call)
+    try:
+        run.send(None)
+    except StopIteration as done:
+        return done.value
+    raise RuntimeError("sync_weights: the blocking engine's call suspended")  # unreachable: call never awaits
 
 
 async def sync_weights_async(
@@ -360,6 +362,17 @@ async def sync_weights_async(
     protocol = _sync_protocol(
         None if engine is None else engine_in_process(engine), model_chunks, bucket_bytes, transport
     )
+
+    async def call(method: str, args: tuple[Any, ...]) -> Any:
+        return await (engine.reset_prefix_cache() if method == _RESET else engine.collective_rpc(method, args=args))
+
+    return await _drive(protocol, call)
+
+
+async def _drive(protocol: Generator[tuple[str, tuple[Any, ...]], Any, WeightSyncStats], call: Any) -> WeightSyncStats:
+    """Run the sync ``protocol`` (:func:`_sync_protocol`) to its stats: each ``(method, args)`` it yields goes to
+    ``call`` (a coroutine function; the engine's reply is sent back in). One loop for the blocking and the
+    coroutine engines: :func:`sync_weights` drives it with a ``call`` that never suspends."""
     result = None
     while True:
         try:
@@ -367,9 +380,7 @@ async def sync_weights_async(
         except StopIteration as done:
             return done.value
         with _explain_missing_extension(method):
-            result = await (
-                engine.reset_prefix_cache() if method == _RESET else engine.collective_rpc(method, args=args)
-            )
+            result = await call(method, args)
 
 
 @contextmanager

@@ -152,6 +152,26 @@ def seed_everything(seed: int, pp_rank: int) -> None:
     model_parallel_cuda_manual_seed(stage_seed)
 
 
+def model_parallel_groups(tp: int, pp: int, *, cp: int = 1, vpp: int | None = None, **options: Any) -> Any:
+    """Megatron's TP / PP / CP / DP groups over the initialised default process group
+    (``megatron.core.parallel_state.initialize_model_parallel``; ``options``: its other keywords, e.g.
+    ``distributed_timeout_minutes``, ``create_gloo_process_groups``). Returns megatron's ``parallel_state``.
+
+    Raises:
+        RuntimeError: the world size is not divisible by ``tp * pp * cp`` (megatron's check).
+    """
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        **options,
+    )
+    return ps
+
+
 def init_distributed(
     parallel: Any, *, seed: int, num_threads: int | None = None, timeout_min: int | None = None
 ) -> ParallelLayout:
@@ -201,13 +221,7 @@ def init_distributed(
             world_size=world_size,
             timeout=timedelta(minutes=timeout_min),
         )
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        context_parallel_size=cp,
-        distributed_timeout_minutes=timeout_min,
-    )
+    model_parallel_groups(tp, pp, cp=cp, vpp=vpp, distributed_timeout_minutes=timeout_min)
     layout = ParallelLayout(
         rank=rank,
         world_size=world_size,

@@ -88,18 +88,13 @@ def fake_world(world_size: int, rank: int, *, tp: int, pp: int, cp: int = 1, vpp
     from megatron.core import parallel_state as ps
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from afm_core.train.distributed import model_parallel_groups
+
     if dist.is_initialized():
         raise RuntimeError("fake_world: torch.distributed is already initialised in this process")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            context_parallel_size=cp,
-            virtual_pipeline_model_parallel_size=vpp,
-            create_gloo_process_groups=False,
-        )
-        yield ps
+        yield model_parallel_groups(tp, pp, cp=cp, vpp=vpp, create_gloo_process_groups=False)
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
