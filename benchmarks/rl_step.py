@@ -90,6 +90,7 @@ def phase_throughput(args: argparse.Namespace) -> None:
     from omegaconf import OmegaConf
 
     from afm_core.config import register_schemas
+    from afm_core.config.rl import rl_config
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.batch import sample_micro_batches
     from afm_core.rl.grading import Sample
@@ -121,12 +122,13 @@ def phase_throughput(args: argparse.Namespace) -> None:
     try:
         with tempfile.TemporaryDirectory(prefix="rl_phases-") as run_dir:
             chunks, _ = build_policy_model(ensure_hf_checkpoint(args.model), layout)
-            trainer = build_policy_trainer(cfg, layout, chunks, Path(run_dir), 2 * (args.repeats + 1) * n)
+            policy = rl_config({**cfg, "run_dir": run_dir}).policy
+            trainer = build_policy_trainer(policy, layout, chunks, Path(run_dir), 2 * (args.repeats + 1) * n)
             times: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
             for round_ in range(args.repeats + 1):  # round 0 warms up
                 for remove in (False, True):
-                    cfg["trainer"]["remove_padding"] = remove
-                    out = policy_update(trainer, samples, advantages, cfg, seq_length, 0)
+                    policy.trainer.remove_padding = remove
+                    out = policy_update(trainer, samples, advantages, policy, seq_length, 0)
                     if round_:
                         times[remove].append((out["logprob_s"], out["train_s"]))
     finally:

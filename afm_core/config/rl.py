@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from afm_core.config.checks import divisors, require
+from afm_core.config.checks import divisors, instantiate, require
 from afm_core.config.cluster import cluster_schema
 from afm_core.config.sft import ModelConfig, OptimConfig, ParallelConfig, check_plan_options
 from afm_core.config.timeouts import collective_timeout_min, rollout_wait_s
@@ -302,6 +302,70 @@ def check_engine(engine: dict[str, Any]) -> None:
 
 
 @dataclass
+class CheckpointConfig:
+    """The RL run's checkpoints, as :class:`afm_core.rl.checkpoint.Checkpointer` and the resume read them
+    (:attr:`RLConfig.checkpoint`, from ``run_dir``, ``resume``, ``trainer.*`` and ``cluster.signal_delay_s``)."""
+
+    run_dir: str
+    resume: str | None
+    save_interval: int  # rollout steps between checkpoints (and always at the last)
+    keep_last: int
+    export_hf: bool  # the policy as HF files in RUN_DIR/hf when the run completes
+    signal_delay_s: int  # the lead of Slurm's USR2 (0: not checked)
+
+
+@dataclass
+class ValidationConfig:
+    """Validation during RL (:attr:`RLConfig.validation`, from ``trainer.val_*``, ``trainer.test_freq``, ``val``
+    and ``data_dir``), as :mod:`afm_core.rl.validation` reads it; ``eval``: ``val`` itself, the eval job's
+    ``eval.*`` settings (:func:`afm_core.eval.runner.validate`)."""
+
+    before_train: bool
+    test_freq: int  # rollout steps between validations, and the last (0: off)
+    presets: list[str]
+    benchmark_files: list[str]
+    eval: dict[str, Any]
+    data_dir: str | None
+
+    @property
+    def asked(self) -> bool:
+        """Validation is asked for (before training or every ``test_freq`` steps)."""
+        return self.before_train or self.test_freq > 0
+
+
+@dataclass
+class PolicyConfig:
+    """The trainer side of the run (:attr:`RLConfig.policy`): what :mod:`afm_core.rl.policy_trainer`,
+    :mod:`afm_core.rl.critic` and :mod:`afm_core.rl.batch` read."""
+
+    algorithm: AlgorithmConfig
+    trainer: RLTrainerConfig
+    optim: OptimConfig
+    parallel: ParallelConfig
+    critic: CriticConfig
+    n: int  # rollout.n: samples per prompt (a mini-batch is algorithm.mini_batch_size x n samples)
+    temperature: float  # rollout.temperature: the engine's logprobs are after it, so are the trainer's
+
+
+@dataclass
+class ActorConfig:
+    """The rollout side of the run (:attr:`RLConfig.actor`): what :mod:`afm_core.rl.rollout_actor` reads; ``engine``,
+    ``tools`` and ``tool_servers`` go on to the engine factory and the tool layer as their mappings."""
+
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    colocation: ColocationConfig = field(default_factory=ColocationConfig)
+    engine: dict[str, Any] = field(default_factory=dict)
+    tools: dict[str, Any] = field(default_factory=dict)
+    tool_servers: ToolServersConfig = field(default_factory=ToolServersConfig)
+    reward_fn: Any = None  # a plug-in ({_target_: ...}) or None
+    precision: str = "auto"  # trainer.precision: the engine computes in the trainer's dtype
+    run_dir: str = "."
+    data_dir: str | None = None
+
+
+@dataclass
 class RLConfig:
     """``conf/rl.yaml`` as composed."""
 
@@ -371,3 +435,46 @@ class RLConfig:
             require(r.n >= 1, "rollout.n", r.n, ">= 1")
         elif a.filter_groups or a.adv_estimator in ("grpo", "drgrpo"):
             require(r.n >= 2, "rollout.n", r.n, "GRPO compares samples of a group: >= 2")
+
+    @property
+    def checkpoint(self) -> CheckpointConfig:
+        """The checkpoint settings (:class:`CheckpointConfig`)."""
+        t = self.trainer
+        return CheckpointConfig(self.run_dir, self.resume, t.save_interval, t.keep_last, t.export_hf,
+                                int(getattr(self.cluster, "signal_delay_s", 0) or 0))  # fmt: skip
+
+    @property
+    def policy(self) -> PolicyConfig:
+        """The trainer side's settings (:class:`PolicyConfig`)."""
+        r = self.rollout
+        return PolicyConfig(self.algorithm, self.trainer, self.optim, self.parallel, self.critic, r.n, r.temperature)
+
+    @property
+    def actor(self) -> ActorConfig:
+        """The rollout side's settings (:class:`ActorConfig`)."""
+        return ActorConfig(self.rollout, self.reward, self.judge, self.colocation, dict(self.engine),
+                           dict(self.tools or {}), self.tool_servers, self.reward_fn, self.trainer.precision,
+                           self.run_dir, self.data_dir)  # fmt: skip
+
+    @property
+    def validation(self) -> ValidationConfig:
+        """The validation settings (:class:`ValidationConfig`)."""
+        t, val = self.trainer, dict(self.val)
+        return ValidationConfig(t.val_before_train, t.test_freq, list(t.val_benchmarks),
+                                list(val.get("benchmark_files") or []), val, self.data_dir)  # fmt: skip
+
+
+def rl_config(cfg: Any) -> RLConfig:
+    """The composed ``conf/rl.yaml`` as the job function receives it (Hydra's ``DictConfig``, or plain dicts and
+    lists) as a checked :class:`RLConfig` (interpolations resolved); an :class:`RLConfig` as is.
+
+    Raises:
+        ConfigError: as :func:`afm_core.config.check_config`.
+    """
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, RLConfig):
+        return cfg
+    return instantiate(
+        RLConfig, OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    )

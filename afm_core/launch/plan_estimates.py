@@ -173,10 +173,15 @@ def host_plan(cfg: Mapping[str, Any], layout: Layout, trainer_state_bytes: int, 
     each GPU's trainer parameters, gradients and optimizer state wait in host memory (``colocation.offload_trainer``;
     null: whenever the engine sleeps); while the trainer runs, a level-1 sleeping engine keeps its weights there.
     ``note`` says when the larger phase exceeds ``cluster.mem`` (Slurm's per-node ``--mem``), else None."""
+    from afm_core.config.rl import ColocationConfig
     from afm_core.rl.colocation import select_colocation
 
     colocation = select_colocation(
-        cfg.get("colocation"), cfg["engine"], on_gpu=layout.on_gpu, rank=0, world_size=layout.world_size
+        ColocationConfig(**dict(cfg.get("colocation") or {})),
+        int(cfg["engine"].get("tensor_parallel_size") or 1),
+        on_gpu=layout.on_gpu,
+        rank=0,
+        world_size=layout.world_size,
     )
     gpus = max(1, layout.gpus_per_node) if layout.on_gpu else 0
     phases = {

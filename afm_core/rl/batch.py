@@ -14,9 +14,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from afm_core.config.rl import PolicyConfig
 
 MICRO_BATCH_KEYS = ("tokens", "labels", "position_ids", "response_mask")
 
@@ -159,7 +162,7 @@ def minibatch_updates(
     shares: Sequence[Sequence[int]],
     forward_step: Callable,
     extra: Callable[[Sequence[int]], Mapping[str, Sequence[Sequence[float]]]],
-    cfg: Mapping[str, Any],
+    policy: PolicyConfig,
     seq_length: int,
     pad_to: int | None,
     pad_id: int,
@@ -174,6 +177,7 @@ def minibatch_updates(
 
     Args:
         extra: a share's per-response-token inputs of the loss (old logprobs, advantages, returns...).
+        policy: the trainer side's settings (``algorithm.ppo_epochs``, ``trainer.micro_batch_size``).
         seq_length: the activation length megatron's schedule is given; pad_to: the micro batches' padded
             length (None: each to its own longest, without pipeline stages).
         stats_key: the loss reports' key whose stats are collected; what: names the update in errors
@@ -181,7 +185,7 @@ def minibatch_updates(
     Raises:
         FloatingPointError: non-finite gradients.
     """
-    epochs, micro_batch_size = int(cfg["algorithm"]["ppo_epochs"]), int(cfg["trainer"]["micro_batch_size"])
+    epochs, micro_batch_size = policy.algorithm.ppo_epochs, policy.trainer.micro_batch_size
     done = Updates()
     for _ in range(epochs):
         for share in shares:

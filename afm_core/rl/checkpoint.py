@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from afm_core.config.rl import CheckpointConfig
+
 
 @dataclass
 class RLProgress:
@@ -103,17 +105,18 @@ class Checkpointer:
         handover: the :class:`~afm_core.rl.colocation.Handover` (a save is the trainer's turn).
         state: the run's :class:`RLState`, saved as the checkpoint's ``common``.
         preemption: the job's :class:`~afm_core.train.preemption.Preemption`.
-        save_interval, max_steps: ``trainer.save_interval``, ``trainer.max_steps`` (rollout steps).
-        lead_s: ``cluster.signal_delay_s`` (0: not checked).
+        checkpoint: the settings (``save_interval``; ``signal_delay_s``, the lead :class:`StopLead` checks).
+        max_steps: ``trainer.max_steps`` (rollout steps).
         on_gpu: the ranks' device (the flags' reduction runs there).
         verbose: this rank prints (rank 0).
     """
 
-    def __init__(self, policy: Any, handover: Any, state: RLState, preemption: Any, *, save_interval: int,
-                 max_steps: int, lead_s: int, on_gpu: bool, verbose: bool):  # fmt: skip
+    def __init__(self, policy: Any, handover: Any, state: RLState, preemption: Any, checkpoint: CheckpointConfig,
+                 *, max_steps: int, on_gpu: bool, verbose: bool):  # fmt: skip
         self.policy, self.handover, self.state, self.preemption = policy, handover, state, preemption
-        self.save_interval, self.max_steps, self.on_gpu, self.verbose = save_interval, max_steps, on_gpu, verbose
-        self.lead = StopLead(lead_s, enabled=verbose)
+        self.save_interval, self.max_steps, self.on_gpu = checkpoint.save_interval, max_steps, on_gpu
+        self.verbose = verbose
+        self.lead = StopLead(checkpoint.signal_delay_s, enabled=verbose)
         self.last: Path | None = None  # the last checkpoint written
         self.trainer_turn = time.perf_counter()
 

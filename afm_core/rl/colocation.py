@@ -40,11 +40,11 @@ Written but untested here: the GPU half (NCCL, CUDA tensors by reference, sleep/
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from afm_core.config.rl import COLOCATION_MODES
+from afm_core.config.rl import ColocationConfig
 
 
 @dataclass(frozen=True)
@@ -105,24 +105,21 @@ class Colocation:
 
 
 def select_colocation(
-    cfg: Mapping[str, Any] | None, engine_cfg: Mapping[str, Any], *, on_gpu: bool, rank: int, world_size: int
+    colocation: ColocationConfig, engine_tp: int, *, on_gpu: bool, rank: int, world_size: int
 ) -> Colocation:
-    """This rank's :class:`Colocation` from ``colocation`` and ``engine`` (see the module docstring).
+    """This rank's :class:`Colocation` from ``colocation`` and ``engine.tensor_parallel_size`` (``engine_tp``; see
+    the module docstring).
 
     ``colocation.offload_trainer``: null (default) offloads the trainer's state whenever the engine sleeps (GPU);
     true / false force it (true on CPU runs the same calls, for the tests).
 
     Raises:
-        ValueError: an unknown mode, ``engine.tensor_parallel_size`` not dividing the world, ``async`` with
-            vLLM TP > 1 or on GPU (names the field).
+        ValueError: ``engine.tensor_parallel_size`` not dividing the world, ``async`` with vLLM TP > 1 or on GPU
+            (names the field). The mode and the sleep level are checked by the schema
+            (:class:`~afm_core.config.rl.ColocationConfig`).
     """
-    cfg = dict(cfg or {})
-    mode = str(cfg.get("mode", "auto"))
-    if mode not in COLOCATION_MODES:
-        raise ValueError(f"colocation.mode={mode!r}: expected one of {', '.join(COLOCATION_MODES)}")
-    if mode == "auto":
-        mode = "inprocess"
-    tp = int(engine_cfg.get("tensor_parallel_size") or 1)
+    mode = "inprocess" if colocation.mode == "auto" else colocation.mode
+    tp = engine_tp
     if tp < 1 or world_size % tp:
         raise ValueError(
             f"engine.tensor_parallel_size={tp}: must divide the job's {world_size} ranks (each run of {tp} "
@@ -133,12 +130,9 @@ def select_colocation(
             "colocation.mode=async runs one AsyncLLM per rank at vLLM TP=1 on CPU; use colocation.mode=inprocess "
             f"(engine.tensor_parallel_size={tp}, {'GPU' if on_gpu else 'CPU'})"
         )
-    sleep_level = int(cfg.get("sleep_level", 1))
-    if sleep_level not in (0, 1, 2):
-        raise ValueError(f"colocation.sleep_level={sleep_level}: expected 0 (never sleep), 1 or 2 (vLLM levels)")
-    colocation = Colocation(mode, on_gpu, tp, sleep_level, rank, world_size)
-    offload = cfg.get("offload_trainer")
-    return replace(colocation, offload_trainer=colocation.sleeps if offload is None else bool(offload))
+    placed = Colocation(mode, on_gpu, tp, colocation.sleep_level, rank, world_size)
+    offload = colocation.offload_trainer
+    return replace(placed, offload_trainer=placed.sleeps if offload is None else bool(offload))
 
 
 def lockstep_group(colocation: Colocation) -> Any:

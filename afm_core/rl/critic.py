@@ -24,11 +24,14 @@ two leaves the critic of the actor's previous checkpoint in place.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from afm_core.config.rl import PolicyConfig
 
 STATS_KEY = "critic"
 
@@ -150,8 +153,8 @@ class Critic:
     """The value model of a PPO run and its optimizer (``algorithm.adv_estimator=gae``).
 
     Args:
-        cfg: the RL config (``critic``: ``optim`` overrides of ``optim``, ``clip_range_value``, ``grad_clip``;
-            ``trainer``, ``parallel``, ``algorithm``, ``rollout``).
+        policy: the trainer side's settings (``critic``: ``optim`` overrides of ``optim``, ``clip_range_value``,
+            ``grad_clip``; ``trainer``, ``parallel``, ``algorithm``, ``rollout.n``).
         layout: this rank's parallel layout.
         hf_dir: the policy's HF checkpoint (the critic starts from its weights).
         run_dir: the RL run dir (checkpoints under ``checkpoints/critic``).
@@ -162,7 +165,7 @@ class Critic:
 
     def __init__(
         self,
-        cfg: Mapping[str, Any],
+        policy: PolicyConfig,
         layout: Any,
         hf_dir: Any,
         run_dir: Path,
@@ -174,11 +177,10 @@ class Critic:
         from afm_core.train.core import MegatronTrainer
         from afm_core.train.distributed import activation_memory_overrides
 
-        critic_cfg = dict(cfg.get("critic") or {})
-        t = cfg["trainer"]
-        self.cfg, self.layout = cfg, layout
-        self.clip_range_value = critic_cfg.get("clip_range_value", 0.5)
-        self.remove_padding = bool(t.get("remove_padding", True))
+        critic, t = policy.critic, policy.trainer
+        self.config, self.layout = policy, layout
+        self.clip_range_value = critic.clip_range_value
+        self.remove_padding = t.remove_padding
         self.trainer = MegatronTrainer(
             layout,
             build_value_model(
@@ -186,14 +188,16 @@ class Critic:
                 layout,
                 params_dtype=params_dtype,
                 load_weights=load_weights,
-                **activation_memory_overrides(cfg["parallel"]),  # recompute / sequence parallel, as the policy's
+                **activation_memory_overrides(
+                    asdict(policy.parallel)
+                ),  # recompute / sequence parallel, as the policy's
             ),
-            optim={**cfg["optim"], **(critic_cfg.get("optim") or {})},
+            optim={**asdict(policy.optim), **asdict(critic.optim)},
             max_steps=max(1, max_optimizer_steps),
-            grad_clip=float(critic_cfg.get("grad_clip", t["grad_clip"])),
-            distributed_optimizer=bool(cfg["parallel"]["distributed_optimizer"]),
+            grad_clip=critic.grad_clip,
+            distributed_optimizer=policy.parallel.distributed_optimizer,
             checkpoint_dir=critic_checkpoints(run_dir),
-            keep_last=int(t["keep_last"]) + 1,  # see the module docstring
+            keep_last=t.keep_last + 1,  # see the module docstring
         )
 
     @property
@@ -209,7 +213,7 @@ class Critic:
         from afm_core.rl.logprobs import forward_only
         from afm_core.train.distributed import gather_objects
 
-        mbs = int(self.cfg["trainer"]["micro_batch_size"])
+        mbs = self.config.trainer.micro_batch_size
         dp, dp_rank = self.layout.dp, self.layout.dp_rank
         mine = list(range(len(samples)))[dp_rank::dp]
         batches = sample_micro_batches([samples[i] for i in mine], mbs, seq_length, pad_id)
@@ -254,15 +258,14 @@ class Critic:
         from afm_core.rl.losses import reduce_stats
 
         start = time.perf_counter()
-        a = self.cfg["algorithm"]
-        mini = int(a["mini_batch_size"]) * int(self.cfg["rollout"]["n"])
+        mini = self.config.algorithm.mini_batch_size * self.config.n
         shares = minibatch_shares(len(samples), mini, self.layout.dp, self.layout.dp_rank)
 
         def inputs(share: Sequence[int]) -> dict[str, list[Sequence[float]]]:
             return {"old_values": [old_values[i] for i in share], "returns": [returns[i] for i in share]}
 
         forward_step = values_forward_step(self.clip_range_value, self.remove_padding)
-        done = minibatch_updates(self.trainer, samples, shares, forward_step, inputs, self.cfg, seq_length,
+        done = minibatch_updates(self.trainer, samples, shares, forward_step, inputs, self.config, seq_length,
                                  seq_length, pad_id, stats_key=STATS_KEY, what="critic update {step}")  # fmt: skip
         stats, grad_norm, lr, steps = done.stats, done.grad_norm, done.lr, done.steps
         reduced = reduce_stats(stats, ps.get_data_parallel_group()) if stats else {}

@@ -28,31 +28,32 @@ The rollout contract between the two sides is :class:`afm_core.rl.grading.Sample
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from afm_core.config.rl import RLConfig, rl_config
 from afm_core.rl.checkpoint import Checkpointer, RLProgress, RLState
 from afm_core.rl.metrics import RLMetricsLog, step_record
 from afm_core.rl.schedule import Stage, parse_schedule, stage_at, train_seq_length
 from afm_core.rl.train_batch import fill_train_batch
 from afm_core.rl.validation import Validation, naming, validation_benchmarks
 from afm_core.train.preemption import JOB_PREEMPTION, Preemption
-from afm_core.utils.run_config import plain_config
 
 
 def run_rl(
-    cfg: DictConfig | Mapping[str, Any],
+    cfg: RLConfig | DictConfig | dict[str, Any],
     after_step: Callable[[int], None] | None = None,
     preemption: Preemption | None = None,
 ) -> dict[str, Any]:
     """DAPO with tool rollouts on this rank (see the module docstring); every rank of the job calls it.
 
     Args:
-        cfg: the composed ``conf/rl.yaml``.
+        cfg: the composed ``conf/rl.yaml`` (as ``jobs.rl`` submits it, or typed): checked into an
+            :class:`~afm_core.config.rl.RLConfig` here, and each part gets the typed sub-config it reads.
         after_step: called with the rollout step number after each step's metrics are written (before the
             checkpoint decision), e.g. to ``preemption.request``.
         preemption: where a checkpoint or a stop is asked for (:class:`~afm_core.train.preemption.Preemption`: read
@@ -78,32 +79,27 @@ def run_rl(
     from afm_core.train.checkpoint_dirs import find_resume_checkpoint
     from afm_core.train.distributed import destroy_distributed, init_distributed
 
-    cfg = plain_config(cfg)
+    config = rl_config(cfg)
     preemption = JOB_PREEMPTION if preemption is None else preemption
-    t, a, r = cfg["trainer"], cfg["algorithm"], cfg["rollout"]
-    check_adv_estimator(a["adv_estimator"])
-    run_dir = Path(cfg["run_dir"])
-    stages = parse_schedule(r.get("context_schedule"), int(r["max_response_len"]))
-    max_steps, n, train_bs = int(t["max_steps"]), int(r["n"]), int(a["train_batch_size"])
-    max_prompt_len = int(cfg["data"]["max_prompt_len"])
+    t, a, r, ckpt = config.trainer, config.algorithm, config.rollout, config.checkpoint
+    check_adv_estimator(a.adv_estimator)
+    run_dir = Path(ckpt.run_dir)
+    stages = parse_schedule([asdict(s) for s in r.context_schedule], r.max_response_len)
 
-    hf_dir = ensure_hf_checkpoint(cfg["model"])
+    hf_dir = ensure_hf_checkpoint(asdict(config.model))
     tokenizer = load_tokenizer(hf_dir)
-    tasks = load_prompts({**cfg["data"], "data_dir": cfg.get("data_dir")}, tokenizer)
-    val_benchmarks = validation_benchmarks(cfg)
+    tasks = load_prompts(config.data, config.data_dir, tokenizer)
+    val_benchmarks = validation_benchmarks(config.validation)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    layout = init_distributed(OmegaConf.create(cfg["parallel"]), seed=int(t["seed"]), num_threads=t.get("num_threads"))
+    layout = init_distributed(OmegaConf.create(asdict(config.parallel)), seed=t.seed, num_threads=t.num_threads)
     try:
         # before any model or engine starts, not after the first rollout step's generation
-        check_batch_split(int(a["mini_batch_size"]) * n, train_bs * n, layout.dp, int(t["micro_batch_size"]))
-        resume_path = find_resume_checkpoint(run_dir, cfg.get("resume"))
-        policy = PolicyTrainer(cfg, layout, hf_dir, run_dir, pad_id, load_weights=resume_path is None)
-        state = RLState(
-            RLProgress(),
-            PromptStream(len(tasks), int(t["seed"])),
-            dynamic_sampler(a),  # groups kept on algorithm.filter_groups_metric (accuracy by default)
-        )
+        check_batch_split(a.mini_batch_size * r.n, a.train_batch_size * r.n, layout.dp, t.micro_batch_size)
+        resume_path = find_resume_checkpoint(run_dir, ckpt.resume)
+        policy = PolicyTrainer(config.policy, layout, hf_dir, run_dir, pad_id, load_weights=resume_path is None)
+        # groups kept on algorithm.filter_groups_metric (accuracy by default)
+        state = RLState(RLProgress(), PromptStream(len(tasks), t.seed), dynamic_sampler(asdict(a)))
         if resume_path is not None:
             state.load_state_dict(policy.load(resume_path))
             if layout.is_rank0:
@@ -112,28 +108,30 @@ def run_rl(
                     f"{state.progress.stage}, prompts {state.stream.state_dict()}",
                     flush=True,
                 )
-        max_model_len = max_prompt_len + max(s.max_response_len for s in stages)
+        max_model_len = config.data.max_prompt_len + max(s.max_response_len for s in stages)
         val_tasks = [task for bench in val_benchmarks for task in bench.tasks]  # their tool servers start too
         rng = rng_state()  # seeded, or the checkpoint's: vLLM's start reseeds this process (set_random_seed)
-        with start_rollout_actor(cfg, layout, hf_dir, tokenizer, tasks + val_tasks, max_model_len, preemption) as actor:
+        with start_rollout_actor(config.actor, layout, hf_dir, tokenizer, tasks + val_tasks, max_model_len,
+                                 preemption) as actor:  # fmt: skip
             set_rng_state(rng)  # an in-process engine samples from it on CPU: a resumed run draws what it would have
             offload = bool(actor.colocation is not None and actor.colocation.offload_trainer)
-            bucket = int(cfg["weight_sync"]["bucket_mb"]) * 2**20
-            handover = Handover(actor, policy.trainers, offload=offload, bucket_bytes=bucket)
+            handover = Handover(
+                actor, policy.trainers, offload=offload, bucket_bytes=config.weight_sync.bucket_mb * 2**20
+            )
             sync0 = handover.to_engine()  # the trainer's weights into the engine (they differ after a resume)
             if layout.is_rank0:
                 print(
-                    f"[rl] {cfg['model']['name']}: world {layout.world_size} (tp={layout.tp} pp={layout.pp} "
-                    f"dp={layout.dp}), {len(tasks)} prompts, {max_steps} rollout steps x {train_bs} prompts x "
-                    f"n={n}; stages {[asdict(s) for s in stages]}; first sync {sync0['weight_sync_s']:.2f} s; "
-                    f"trainer offloaded while generating: {offload}; run dir {run_dir}",
+                    f"[rl] {config.model.name}: world {layout.world_size} (tp={layout.tp} pp={layout.pp} "
+                    f"dp={layout.dp}), {len(tasks)} prompts, {t.max_steps} rollout steps x {a.train_batch_size} "
+                    f"prompts x n={r.n}; stages {[asdict(s) for s in stages]}; first sync "
+                    f"{sync0['weight_sync_s']:.2f} s; trainer offloaded while generating: {offload}; run dir {run_dir}",
                     flush=True,
                 )
-            summary = _loop(cfg, layout, policy, actor, handover, sync0, tasks, state, stages, after_step,
+            summary = _loop(config, layout, policy, actor, handover, sync0, tasks, state, stages, after_step,
                             val_benchmarks, tokenizer, preemption)  # fmt: skip
             summary["resumed_from"] = str(resume_path) if resume_path else None
             summary["hf_dir"] = None
-            if t.get("export_hf", True) and not summary["stopped_early"]:  # the policy, for python -m jobs.eval
+            if ckpt.export_hf and not summary["stopped_early"]:  # the policy, for python -m jobs.eval
                 handover.to_trainer()
                 summary["hf_dir"] = str(policy.export_hf(hf_dir, run_dir / "hf"))
         return summary
@@ -141,10 +139,11 @@ def run_rl(
         destroy_distributed()
 
 
-def check_inputs(cfg: Mapping[str, Any]) -> None:
+def check_inputs(cfg: Any) -> None:
     """What :func:`run_rl` reads besides the model, checked where ``jobs.rl`` is submitted (before the queue, no
     model or engine built): the plug-ins (``reward_fn``, plug-in tools: imported, not built), the validation
-    benchmarks and the RL prompt sources (``data.presets`` / ``data.files``).
+    benchmarks and the RL prompt sources (``data.presets`` / ``data.files``). ``cfg``: the composed config, as
+    :func:`run_rl` takes it.
 
     Raises:
         ValueError: naming the key: an unknown preset, a plug-in that does not import, no prompt source.
@@ -153,18 +152,19 @@ def check_inputs(cfg: Mapping[str, Any]) -> None:
     from afm_core.eval.benchmarks import load_sources
     from afm_core.utils.plugins import check_plugins
 
-    check_plugins(cfg)
-    validation_benchmarks(cfg)
-    data = cfg["data"]
+    config = rl_config(cfg)
+    check_plugins({"reward_fn": config.reward_fn, "tools": config.tools})
+    validation_benchmarks(config.validation)
+    data = config.data
     try:
-        load_sources(data.get("presets"), data.get("files"), cfg.get("data_dir"), unique=False,
+        load_sources(data.presets, data.files, config.data_dir, unique=False,
                      empty="name at least one source of RL prompts")  # fmt: skip
     except (ValueError, FileNotFoundError) as err:
-        raise naming(f"data.presets={data.get('presets')} / data.files={data.get('files')}", err) from None
+        raise naming(f"data.presets={data.presets} / data.files={data.files}", err) from None
 
 
 def _loop(
-    cfg: Mapping[str, Any],
+    config: RLConfig,
     layout: Any,
     policy: Any,
     actor: Any,
@@ -183,17 +183,14 @@ def _loop(
     from afm_core.rl.rollout_dump import dump_rollouts
     from afm_core.utils.profiling import StepProfiler
 
-    t, a, r = cfg["trainer"], cfg["algorithm"], cfg["rollout"]
+    t, a, r = config.trainer, config.algorithm, config.rollout
     progress, stream = state.progress, state.stream
-    run_dir, max_steps, n, gen_bs = Path(cfg["run_dir"]), int(t["max_steps"]), int(r["n"]), int(a["gen_batch_size"])
-    max_prompt_len = int(cfg["data"]["max_prompt_len"])
-    metrics = RLMetricsLog(cfg, progress, enabled=layout.is_rank0)
-    profiler = StepProfiler(cfg.get("profile"), run_dir, layout.rank, layout.on_gpu)
-    validation = Validation(val_benchmarks, cfg["val"], before_train=bool(t.get("val_before_train")),
-                            test_freq=int(t.get("test_freq") or 0), max_steps=max_steps, actor=actor,
-                            handover=handover, metrics=metrics)  # fmt: skip
-    checkpoints = Checkpointer(policy, handover, state, preemption, save_interval=int(t["save_interval"]),
-                               max_steps=max_steps, lead_s=int(cfg["cluster"].get("signal_delay_s") or 0),
+    run_dir, max_steps, max_prompt_len = Path(config.run_dir), t.max_steps, config.data.max_prompt_len
+    metrics = RLMetricsLog(config, progress, enabled=layout.is_rank0)
+    profiler = StepProfiler(asdict(config.profile), run_dir, layout.rank, layout.on_gpu)
+    validation = Validation(val_benchmarks, config.validation, max_steps=max_steps, actor=actor, handover=handover,
+                            metrics=metrics)  # fmt: skip
+    checkpoints = Checkpointer(policy, handover, state, preemption, config.checkpoint, max_steps=max_steps,
                                on_gpu=layout.on_gpu, verbose=layout.is_rank0)  # fmt: skip
     validation.before_training(progress.rollout_step)
     stopped_early = False
@@ -203,8 +200,8 @@ def _loop(
         with profiler.step(progress.rollout_step + 1):  # a no-op outside profile.steps
             stage = stage_at(stages, progress.rollout_step)
             progress.enter_stage(stage, verbose=layout.is_rank0)
-            batch = fill_train_batch(actor, handover, state, tasks, stage, n=n, gen_batch_size=gen_bs,
-                                     seed=int(t["seed"]), times=times)  # fmt: skip
+            batch = fill_train_batch(actor, handover, state, tasks, stage, n=r.n, gen_batch_size=a.gen_batch_size,
+                                     seed=t.seed, times=times)  # fmt: skip
             if batch is not None:
                 times.update(handover.to_trainer())  # GPU: the engine sleeps, the trainer's state comes back
                 checkpoints.trainer_turn_starts()
@@ -225,9 +222,9 @@ def _loop(
         tool_metrics = actor.tool_metrics() if layout.is_rank0 else None
         metrics.write(step_record(progress, stage, seq_length, max_prompt_len, batch.samples, batch.generated,
                                   batch.sampling.as_dict(), train, times, stream, tool_metrics,
-                                  r.get("environment", "real")))  # fmt: skip
-        if t.get("rollout_data_dir") and layout.is_rank0:
-            dump_rollouts(t["rollout_data_dir"], progress.rollout_step, batch.generated, batch.samples, tokenizer)
+                                  r.environment))  # fmt: skip
+        if t.rollout_data_dir and layout.is_rank0:
+            dump_rollouts(t.rollout_data_dir, progress.rollout_step, batch.generated, batch.samples, tokenizer)
         validation.after_step(progress.rollout_step)
         if after_step is not None:
             after_step(progress.rollout_step)

@@ -11,7 +11,7 @@ as there).
 The driver feeds every generation batch of one rollout step into a :class:`DynamicSampler` and takes the train
 batch when it is full::
 
-    sampler = dynamic_sampler(cfg["algorithm"])  # train_batch_size groups, filter_groups_metric=acc, ...
+    sampler = dynamic_sampler(algorithm)  # the algorithm group: train_batch_size groups, filter_groups_metric=acc, ...
     while not sampler.ready:
         batch = generate(next(prompts))          # all n graded samples of each prompt
         sampler.add_samples(batch)               # by uid, on the metric; raises DynamicSamplingExhausted

@@ -10,11 +10,13 @@ and ``format``) and ``finish_reason`` (the rollout's status: ``answer``, ``eos``
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from afm_core.rl.reward_shaping import shaped_reward
+
+if TYPE_CHECKING:
+    from afm_core.config.rl import RewardConfig
 
 
 @dataclass
@@ -37,7 +39,7 @@ class Sample:
     tool_seconds: float = 0.0
 
 
-async def grade_rollout(graders: Any, rollout: Any, uid: str, reward_cfg: Mapping[str, Any], max_len: int) -> Sample:
+async def grade_rollout(graders: Any, rollout: Any, uid: str, reward: RewardConfig, max_len: int) -> Sample:
     """Grade one :class:`~afm_core.rollout.Rollout` of group ``uid`` (score from its task's grader, format from
     the CoA validator, reward shaped over the stage's ``max_len`` response tokens)."""
     from afm_core.rewards import grade_format
@@ -47,7 +49,7 @@ async def grade_rollout(graders: Any, rollout: Any, uid: str, reward_cfg: Mappin
         task.meta["grader"], rollout.response_text, gold=task.answer, question=task.question, meta=task.meta
     )
     fmt = grade_format(rollout.response_text).score
-    reward = shaped_reward(grade.score, fmt, len(rollout.response_ids), reward_cfg, max_len)
+    shaped = shaped_reward(grade.score, fmt, len(rollout.response_ids), asdict(reward), max_len)
     return Sample(
         uid=uid,
         task_id=task.id,
@@ -57,7 +59,7 @@ async def grade_rollout(graders: Any, rollout: Any, uid: str, reward_cfg: Mappin
         logprobs=list(rollout.logprobs),
         score=float(grade.score),
         format=float(fmt),
-        reward=reward,
+        reward=shaped,
         finish_reason=rollout.finish_reason.value,
         tool_calls=[(c.name, c.error) for c in rollout.tool_calls],
         seconds=rollout.seconds,

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from afm_core.config.rl import RLConfig
 
 
 def rollout_metrics(samples: Sequence[Any], all_generated: Sequence[Any]) -> dict[str, Any]:
@@ -94,16 +97,16 @@ class RLMetricsLog:
     resumed checkpoint's ``progress.run_ids`` holds), ``rl.png`` and the console line; a no-op on the other ranks.
     Every rank's ``progress.run_ids`` is set to rank 0's (collective), so the next checkpoint carries them."""
 
-    def __init__(self, cfg: Mapping[str, Any], progress: Any, enabled: bool):
+    def __init__(self, config: RLConfig, progress: Any, enabled: bool):
         import torch
 
         from afm_core.utils.tracking import Tracker
 
-        self.run_dir, self.max_steps = Path(cfg["run_dir"]), int(cfg["trainer"]["max_steps"])
+        self.run_dir, self.max_steps = Path(config.run_dir), config.trainer.max_steps
         self.log: Tracker | None = None
-        if enabled:
-            self.log = Tracker(self.run_dir, list(cfg.get("logger") or ["console"]), config=cfg, job_type="rl",
-                               tracking=cfg.get("tracking"), run_ids=progress.run_ids,
+        if enabled:  # the run's whole config is its hyperparameters in the backends
+            self.log = Tracker(self.run_dir, list(config.logger or ["console"]), config=asdict(config), job_type="rl",
+                               tracking=asdict(config.tracking), run_ids=progress.run_ids,
                                resume_step=progress.rollout_step)  # fmt: skip
         shared = [self.log.run_ids if self.log is not None else {}]
         torch.distributed.broadcast_object_list(shared, src=0)

@@ -12,12 +12,14 @@ logprobs recomputed, then ``ppo_epochs`` x mini-batches of DAPO optimizer steps 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from afm_core.config.rl import PolicyConfig
 
 ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "gae")
 
@@ -43,22 +45,21 @@ def check_batch_split(mini_batch: int, train_batch: int, dp: int, micro_batch_si
 
 
 def build_policy_trainer(
-    cfg: Mapping[str, Any], layout: Any, chunks: list[torch.nn.Module], run_dir: Path, max_optimizer_steps: int
+    policy: PolicyConfig, layout: Any, chunks: list[torch.nn.Module], run_dir: Path, max_optimizer_steps: int
 ) -> Any:
     """The policy chunks on :class:`~afm_core.train.core.MegatronTrainer` (``optim``, ``trainer.grad_clip``,
     ``trainer.keep_last``; checkpoints in ``run_dir/checkpoints``)."""
     from afm_core.train.core import MegatronTrainer
 
-    t = cfg["trainer"]
     return MegatronTrainer(
         layout,
         chunks,
-        optim=cfg["optim"],
+        optim=asdict(policy.optim),
         max_steps=max_optimizer_steps,
-        grad_clip=float(t["grad_clip"]),
-        distributed_optimizer=bool(cfg["parallel"]["distributed_optimizer"]),
+        grad_clip=policy.trainer.grad_clip,
+        distributed_optimizer=policy.parallel.distributed_optimizer,
         checkpoint_dir=Path(run_dir) / "checkpoints",
-        keep_last=int(t["keep_last"]),
+        keep_last=policy.trainer.keep_last,
     )
 
 
@@ -77,7 +78,8 @@ class PolicyTrainer:
     """The policy, its critic (PPO) and its reference (KL) on this rank.
 
     Args:
-        cfg: the RL config (``algorithm``, ``trainer``, ``optim``, ``parallel``, ``rollout``, ``critic``).
+        policy: the trainer side's settings (``algorithm``, ``trainer``, ``optim``, ``parallel``, ``critic``,
+            ``rollout.n`` and ``rollout.temperature``).
         layout: this rank's parallel layout.
         hf_dir: the initial policy's HF checkpoint.
         run_dir: the run dir (``checkpoints/``, ``checkpoints/critic/``).
@@ -88,28 +90,30 @@ class PolicyTrainer:
     """
 
     def __init__(
-        self, cfg: Mapping[str, Any], layout: Any, hf_dir: Path, run_dir: Path, pad_id: int, *, load_weights: bool
+        self, policy: PolicyConfig, layout: Any, hf_dir: Path, run_dir: Path, pad_id: int, *, load_weights: bool
     ):
         from afm_core.models.arch import arch_from_hf_config
         from afm_core.rl.critic import Critic
         from afm_core.rl.policy_model import build_policy_model, build_reference_model
         from afm_core.train.distributed import activation_memory_overrides, training_dtype
 
-        a, t = cfg["algorithm"], cfg["trainer"]
-        check_adv_estimator(a["adv_estimator"])
-        self.cfg, self.layout, self.pad_id = cfg, layout, pad_id
-        updates = int(t["max_steps"]) * int(a["ppo_epochs"]) * (int(a["train_batch_size"]) // int(a["mini_batch_size"]))
-        dtype = training_dtype(t["precision"])
-        memory = activation_memory_overrides(cfg["parallel"])  # recompute / sequence parallel, as SFT builds its model
+        a, t = policy.algorithm, policy.trainer
+        check_adv_estimator(a.adv_estimator)
+        self.config, self.layout, self.pad_id = policy, layout, pad_id
+        updates = t.max_steps * a.ppo_epochs * (a.train_batch_size // a.mini_batch_size)
+        dtype = training_dtype(t.precision)
+        memory = activation_memory_overrides(asdict(policy.parallel))  # recompute / sequence parallel, as SFT's
         chunks, self.hf_config = build_policy_model(
             hf_dir, layout, params_dtype=dtype, load_weights=load_weights, **memory
         )
-        self.trainer = build_policy_trainer(cfg, layout, chunks, run_dir, max(1, updates))
+        self.trainer = build_policy_trainer(policy, layout, chunks, run_dir, max(1, updates))
         self.arch = arch_from_hf_config(self.hf_config)
         self.critic = self.reference = None
-        if a["adv_estimator"] == "gae":  # PPO: a value model with its own optimizer
-            self.critic = Critic(cfg, layout, hf_dir, run_dir, updates, params_dtype=dtype, load_weights=load_weights)
-        if float(a.get("kl_coef") or 0.0) > 0:  # the low-var KL loss needs the frozen initial policy
+        if a.adv_estimator == "gae":  # PPO: a value model with its own optimizer
+            self.critic = Critic(
+                policy, layout, hf_dir, run_dir, updates, params_dtype=dtype, load_weights=load_weights
+            )
+        if a.kl_coef > 0:  # the low-var KL loss needs the frozen initial policy
             self.reference = build_reference_model(hf_dir, layout, params_dtype=dtype, **memory)
 
     @property
@@ -127,17 +131,13 @@ class PolicyTrainer:
         from afm_core.rl.advantages import grpo_advantages
         from afm_core.rl.critic import gae_per_sample
 
-        a = self.cfg["algorithm"]
+        a = self.config.algorithm
         if self.critic is None:
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-            return Advantages(
-                grpo_advantages(rewards, [s.uid for s in samples], norm_by_std=a["adv_estimator"] == "grpo")
-            )
+            return Advantages(grpo_advantages(rewards, [s.uid for s in samples], norm_by_std=a.adv_estimator == "grpo"))
         start = time.perf_counter()
         old_values = self.critic.values(samples, seq_length, self.pad_id)
-        advantages, returns = gae_per_sample(
-            samples, old_values, gamma=float(a.get("gamma", 1.0)), lam=float(a.get("lam", 1.0))
-        )
+        advantages, returns = gae_per_sample(samples, old_values, gamma=a.gamma, lam=a.lam)
         return Advantages(advantages, old_values, returns, {"values_s": time.perf_counter() - start})
 
     def train(self, samples: Sequence[Any], advantages: Advantages, seq_length: int) -> dict[str, Any]:
@@ -146,8 +146,8 @@ class PolicyTrainer:
         if self.critic is not None:
             old_values, returns = advantages.old_values or [], advantages.returns or []
             critic_out = self.critic.update(samples, old_values, returns, seq_length, self.pad_id)
-        out = policy_update(self.trainer, samples, advantages.values, self.cfg, seq_length, self.pad_id, self.reference,
-                            arch=self.arch)  # fmt: skip
+        out = policy_update(self.trainer, samples, advantages.values, self.config, seq_length, self.pad_id,
+                            self.reference, arch=self.arch)  # fmt: skip
         return {**out, **critic_out}
 
     def save(self, step: int, common: dict[str, Any]) -> Path:
@@ -176,7 +176,7 @@ def policy_update(
     trainer: Any,
     samples: Sequence[Any],
     advantages: torch.Tensor | Sequence[Sequence[float]],
-    cfg: Mapping[str, Any],
+    policy: PolicyConfig,
     seq_length: int,
     pad_id: int,
     reference: Sequence[torch.nn.Module] | None = None,
@@ -210,16 +210,15 @@ def policy_update(
     from afm_core.rl.logprobs import compute_logprobs
     from afm_core.rl.losses import PolicyLossConfig, logprob_gap_stats, reduce_stats
 
-    a, t = cfg["algorithm"], cfg["trainer"]
+    a, t = policy.algorithm, policy.trainer
     layout = trainer.layout
-    dp, dp_rank, mbs = layout.dp, layout.dp_rank, int(t["micro_batch_size"])
-    mini = int(a["mini_batch_size"]) * int(cfg["rollout"]["n"])
+    dp, dp_rank, mbs = layout.dp, layout.dp_rank, t.micro_batch_size
+    mini = a.mini_batch_size * policy.n
     check_batch_split(mini, len(samples), dp, mbs)
-    kl_coef = float(a.get("kl_coef") or 0.0)
+    kl_coef = a.kl_coef
     if kl_coef > 0 and reference is None:
         raise ValueError("algorithm.kl_coef > 0 needs the reference policy's chunks")
-    temperature = float(cfg["rollout"]["temperature"])
-    remove_padding = bool(t.get("remove_padding", True))
+    temperature, remove_padding = policy.temperature, t.remove_padding
     if isinstance(advantages, torch.Tensor):
         token_adv = [[float(a_)] * len(s.response_ids) for s, a_ in zip(samples, advantages.tolist())]
     else:
@@ -268,14 +267,7 @@ def policy_update(
 
     # mini-batch updates
     start = time.perf_counter()
-    loss_cfg = PolicyLossConfig(
-        clip_ratio_low=float(a["clip_ratio_low"]),
-        clip_ratio_high=float(a["clip_ratio_high"]),
-        clip_ratio_c=a.get("clip_ratio_c"),
-        kl_coef=kl_coef,
-        tis_cap=a.get("tis_cap"),
-        entropy_coeff=float(a.get("entropy_coeff", 0.0)),
-    )
+    loss_cfg = PolicyLossConfig(**{f.name: getattr(a, f.name) for f in fields(PolicyLossConfig)})  # algorithm.*
 
     def extra(share: Sequence[int]) -> dict[str, list[list[float]]]:
         inputs = {"old_log_prob": [old[i] for i in share], "advantages": [token_adv[i] for i in share]}
@@ -284,14 +276,14 @@ def policy_update(
         return inputs
 
     forward_step = policy_forward_step(loss_cfg, temperature=temperature, remove_padding=remove_padding)
-    done = minibatch_updates(trainer, samples, shares, forward_step, extra, cfg, seq_length, pad_to, pad_id,
+    done = minibatch_updates(trainer, samples, shares, forward_step, extra, policy, seq_length, pad_to, pad_id,
                              stats_key=STATS_KEY, what="policy update {step} of this rollout step")  # fmt: skip
     reduced = reduce_stats(done.stats, ps.get_data_parallel_group()) if done.stats else {}
     train_s = time.perf_counter() - start
     lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in mine]
     passes = 1 + (1 if refs else 0)  # old logprobs (+ the reference's), forward only
-    throughput = phase_throughput(arch, lengths, layout, int(a["ppo_epochs"]), passes, logprob_s, train_s,
-                                  t.get("peak_tflops"))  # fmt: skip
+    throughput = phase_throughput(arch, lengths, layout, a.ppo_epochs, passes, logprob_s, train_s,
+                                  t.peak_tflops)  # fmt: skip
     return {
         **throughput,
         **{f"actor/{k}": v for k, v in reduced.items()},

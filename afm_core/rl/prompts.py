@@ -6,7 +6,10 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from afm_core.config.rl import RLDataConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +62,12 @@ class PromptStream:
         self.epoch, self.offset, self._order = int(state["epoch"]), int(state["offset"]), None
 
 
-def load_prompts(data_cfg: Mapping[str, Any], tokenizer: Any) -> list[Any]:
+def load_prompts(data: RLDataConfig, data_dir: str | None, tokenizer: Any) -> list[Any]:
     """The RL tasks: eval presets (``data.presets``) and AFM/verl RL files (``data.files``) read by
     :func:`afm_core.eval.benchmarks.load_sources`, kept to GSM8K references with at most
     ``data.max_calculator_steps`` calculator annotations (when set), cut to ``data.skip`` / ``data.limit`` and
-    stripped of prompts longer than ``data.max_prompt_len`` tokens.
+    stripped of prompts longer than ``data.max_prompt_len`` tokens; preset data paths resolve in ``data_dir``
+    (None: ``$AFM_SHARED_DATA``).
 
     Raises:
         ValueError: no data configured, or nothing left after the length filter.
@@ -72,20 +76,19 @@ def load_prompts(data_cfg: Mapping[str, Any], tokenizer: Any) -> list[Any]:
     from afm_core.eval.benchmarks import load_sources
 
     benches = load_sources(
-        data_cfg.get("presets"),
-        data_cfg.get("files"),
-        data_cfg.get("data_dir"),
+        data.presets,
+        data.files,
+        data_dir,
         empty="data.presets / data.files: name at least one source of RL prompts",
         unique=False,
     )
-    tasks = [t for b in benches for t in b.tasks][int(data_cfg.get("skip") or 0) :]
-    steps = data_cfg.get("max_calculator_steps")
+    tasks = [t for b in benches for t in b.tasks][data.skip :]
+    steps = data.max_calculator_steps
     if steps is not None:  # GSM8K: references with at most this many calculator annotations
-        tasks = [t for t in tasks if t.meta.get("calculator_steps", 0) <= int(steps)]
-    limit = data_cfg.get("limit")
-    if limit is not None:
-        tasks = tasks[: int(limit)]
-    max_len = int(data_cfg["max_prompt_len"])
+        tasks = [t for t in tasks if t.meta.get("calculator_steps", 0) <= steps]
+    if data.limit is not None:
+        tasks = tasks[: data.limit]
+    max_len = data.max_prompt_len
     kept = [t for t in tasks if len(encode_prompt(tokenizer, t.prompt, t.system)) <= max_len]
     if len(kept) < len(tasks):
         log.warning(

@@ -16,11 +16,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from afm_core.config.rl import ActorConfig
 from afm_core.rl.grading import Sample, grade_rollout
 from afm_core.rl.schedule import Stage
 from afm_core.train.distributed import gather_objects
@@ -40,7 +42,7 @@ class RolloutActor:
     """This rank's vLLM engine, tool pool and graders on one long-lived event loop.
 
     Args:
-        cfg: the RL config (``engine``, ``tools``, ``rollout``, ``judge``).
+        config: the rollout side's settings (``rollout``, ``reward``, ``judge``, ``engine``, ``tools``, ...).
         hf_dir: the policy's HF checkpoint (the engine's initial weights; the trainer syncs its own after).
         tokenizer: the policy's tokenizer.
         urls: ``{server: url}`` of the tool servers.
@@ -55,7 +57,7 @@ class RolloutActor:
 
     def __init__(
         self,
-        cfg: Mapping[str, Any],
+        config: ActorConfig,
         hf_dir: Path,
         tokenizer: Any,
         urls: Mapping[str, str],
@@ -70,20 +72,20 @@ class RolloutActor:
         from afm_core.tools.job_servers import reachable_tools_cfg
         from afm_core.tools.registry import build_tool_pool
 
-        self.cfg, self.hf_dir, self.tokenizer = cfg, hf_dir, tokenizer
+        self.config, self.hf_dir, self.tokenizer = config, hf_dir, tokenizer
         self.colocation, self.lockstep = colocation, lockstep
         self.preemption = JOB_PREEMPTION if preemption is None else preemption
         self.asleep = False
         self.runner = asyncio.Runner()
-        tools_cfg = reachable_tools_cfg(cfg["tools"], urls)
-        self.pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
-        judge = cfg.get("judge") or {}
+        reachable = reachable_tools_cfg(config.tools, urls)
+        self.pool = build_tool_pool(reachable, addresses=dict(urls)) if reachable["tools"] else None
+        judge = config.judge
         self.graders = Graders(
-            custom=custom_reward(cfg.get("reward_fn")),  # a plug-in reward (docs/plugins.md) grades every task
-            sandbox=SandboxClient(urls["sandbox"], timeout_s=float(cfg["reward"]["test_timeout_s"]))
+            custom=custom_reward(config.reward_fn),  # a plug-in reward (docs/plugins.md) grades every task
+            sandbox=SandboxClient(urls["sandbox"], timeout_s=config.reward.test_timeout_s)
             if "sandbox" in urls
             else None,
-            judge=LLMJudge(judge["url"], judge["model"], judge.get("api_key_env")) if judge.get("url") else None,
+            judge=LLMJudge(judge.url, judge.model, judge.api_key_env) if judge.url else None,
         )
         self.engine = engine
         self.simulator_engine: Any = None  # rollout.simulator.model: a second engine that writes the observations
@@ -107,21 +109,21 @@ class RolloutActor:
         from afm_core.rl.weight_sync import EXTENSION
         from afm_core.rollout.factory import build_engine
 
-        engine_cfg = {
-            **self.cfg["engine"],
+        engine_args = {
+            **self.config.engine,
             **(self.colocation.engine_overrides() if self.colocation is not None else {}),
             "max_model_len": int(max_model_len),
             "worker_extension_cls": EXTENSION,
         }
         from afm_core.train.distributed import training_dtype
 
-        if engine_cfg.get("dtype", "auto") == "auto":
+        if engine_args.get("dtype", "auto") == "auto":
             # the engine computes in the trainer's dtype on every machine (the policy warns about an emulated bf16):
             # in fp32 their logprobs agree to ~1e-5 (TIS, tests); in bf16 each rounds its own way (~1e-3)
-            trainer_dtype = training_dtype(self.cfg["trainer"]["precision"], warn=False)
-            engine_cfg["dtype"] = str(trainer_dtype).removeprefix("torch.")
+            trainer_dtype = training_dtype(self.config.precision, warn=False)
+            engine_args["dtype"] = str(trainer_dtype).removeprefix("torch.")
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-        self.engine = self.run(build_engine(engine_cfg, self.hf_dir, self.tokenizer))
+        self.engine = self.run(build_engine(engine_args, self.hf_dir, self.tokenizer))
         set_num_threads(threads)  # vLLM may patch torch's thread setter; the trainer keeps its threads
         if self.lockstep is not None:
             self.engine.lockstep = self.lockstep
@@ -150,28 +152,28 @@ class RolloutActor:
             return []
         from afm_core.rollout.agent_loop import sample_seed
 
-        r = self.cfg["rollout"]
+        r = self.config.rollout
         agent = AgentConfig(
-            max_turns=int(r["max_turns"]),
-            max_tool_calls=int(r["max_tool_calls"]),
+            max_turns=r.max_turns,
+            max_tool_calls=r.max_tool_calls,
             max_response_tokens=stage.max_response_len,
-            timeout_s=r.get("timeout_s"),
+            timeout_s=r.timeout_s,
         )
         sampling = SamplingConfig(
-            temperature=float(r["temperature"]),
-            top_p=float(r["top_p"]),
-            top_k=int(r.get("top_k", -1)),
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
             max_tokens=stage.max_response_len,
         )
         loop = AgentLoop(self.engine, self.tokenizer, self.tool_runner(), agent, sampling)
-        reward_cfg = self.cfg["reward"]
+        reward_cfg = self.config.reward
 
         async def one(uid: str, task: Any, sample: int) -> Sample:
             rollout = await loop.run(task, sample, seed=sample_seed(uid, sample, seed))
             return await grade_rollout(self.graders, rollout, uid, reward_cfg, stage.max_response_len)
 
         async def all_() -> list[Sample]:
-            slots = asyncio.Semaphore(int(r.get("concurrency", 64)))
+            slots = asyncio.Semaphore(r.concurrency)
 
             async def bounded(uid: str, task: Any, sample: int) -> Sample:
                 async with slots:
@@ -302,22 +304,22 @@ class RolloutActor:
         from afm_core.rollout.simulated_tools import build_tool_runner
 
         if self._tool_runner is None:
-            r = self.cfg["rollout"]
-            simulator = dict(r.get("simulator") or {})
+            r = self.config.rollout
+            simulator = asdict(r.simulator)
             engine, tokenizer, policy_tokenizer = self.engine, self.tokenizer, None
-            if r.get("environment", "real") == "simulated" and simulator.get("model"):
-                engine_cfg = {**self.cfg["engine"], "max_model_len": self.engine.max_model_len}
-                self.simulator_engine = self.run(build_engine(engine_cfg, simulator["model"]))
+            if r.environment == "simulated" and simulator.get("model"):
+                engine_args = {**self.config.engine, "max_model_len": self.engine.max_model_len}
+                self.simulator_engine = self.run(build_engine(engine_args, simulator["model"]))
                 engine, tokenizer = self.simulator_engine, load_tokenizer(simulator["model"])
                 policy_tokenizer = self.tokenizer
             self._tool_runner = build_tool_runner(
-                r.get("environment", "real"),
+                r.environment,
                 pool=self.pool,
                 engine=engine,
                 tokenizer=tokenizer,
                 simulator=simulator,
                 policy_tokenizer=policy_tokenizer,
-                temperature=float(r["temperature"]),
+                temperature=r.temperature,
             )
         return self._tool_runner
 
@@ -371,7 +373,7 @@ def node_tool_urls(gathered: Sequence[tuple[str, int, dict[str, str]]], node: st
 
 @contextlib.contextmanager
 def start_rollout_actor(
-    cfg: Mapping[str, Any],
+    config: ActorConfig,
     layout: Any,
     hf_dir: Path,
     tokenizer: Any,
@@ -390,19 +392,24 @@ def start_rollout_actor(
     from afm_core.tools.job_servers import needed_servers, tool_servers
     from afm_core.utils.hardware import this_node
 
-    simulated = cfg["rollout"].get("environment", "real") == "simulated"
+    simulated = config.rollout.environment == "simulated"
     names = needed_servers(
-        () if simulated else {task.task for task in tasks}, {task.meta.get("grader") for task in tasks}, cfg["tools"]
+        () if simulated else {task.task for task in tasks}, {task.meta.get("grader") for task in tasks}, config.tools
     )
-    node, log_dir = this_node(), Path(cfg["run_dir"]) / "logs" / "tool_servers"
+    node, log_dir = this_node(), Path(config.run_dir) / "logs" / "tool_servers"
     if len(set(gather_objects(node))) > 1:  # a job across nodes: one log folder per node
         log_dir /= node
-    with tool_servers(cfg, names if layout.local_rank == 0 else [], log_dir) as local_urls:
+    servers = {"tool_servers": asdict(config.tool_servers), "tools": config.tools, "data_dir": config.data_dir}
+    with tool_servers(servers, names if layout.local_rank == 0 else [], log_dir) as local_urls:
         urls = node_tool_urls(gather_objects((node, layout.local_rank, local_urls())), node)
         colocation = select_colocation(
-            cfg.get("colocation"), cfg["engine"], on_gpu=layout.on_gpu, rank=layout.rank, world_size=layout.world_size
+            config.colocation,
+            int(config.engine.get("tensor_parallel_size") or 1),
+            on_gpu=layout.on_gpu,
+            rank=layout.rank,
+            world_size=layout.world_size,
         )
-        actor = RolloutActor(cfg, hf_dir, tokenizer, urls, max_model_len, colocation=colocation,
+        actor = RolloutActor(config, hf_dir, tokenizer, urls, max_model_len, colocation=colocation,
                              lockstep=lockstep_group(colocation), preemption=preemption)  # fmt: skip
         try:
             yield actor

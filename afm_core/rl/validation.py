@@ -7,11 +7,12 @@ engine 0 with the live weights, logged as a ``split: val`` record (verl's ``test
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 from typing import Any
 
+from afm_core.config.rl import ValidationConfig
 
-def validation_benchmarks(cfg: Mapping[str, Any]) -> list[Any]:
+
+def validation_benchmarks(validation: ValidationConfig) -> list[Any]:
     """The benchmarks validated during training (``trainer.val_benchmarks`` presets + ``val.benchmark_files``, each
     cut to its ``limit``); [] when neither ``trainer.val_before_train`` nor ``trainer.test_freq`` asks for one.
 
@@ -21,18 +22,17 @@ def validation_benchmarks(cfg: Mapping[str, Any]) -> list[Any]:
     """
     from afm_core.eval.runner import load_benchmarks
 
-    t, val = cfg["trainer"], dict(cfg.get("val") or {})
-    if not (t.get("val_before_train") or int(t.get("test_freq") or 0) > 0):
+    v = validation
+    if not v.asked:
         return []
-    presets, files = list(t.get("val_benchmarks") or []), list(val.get("benchmark_files") or [])
-    if not presets and not files:
+    if not v.presets and not v.benchmark_files:
         raise ValueError("trainer.val_before_train / trainer.test_freq: set trainer.val_benchmarks=[gsm8k_test,...] "
                          "and/or val.benchmark_files=[my.jsonl]")  # fmt: skip
     try:
-        return load_benchmarks({"benchmarks": presets, "benchmark_files": files, "data_dir": cfg.get("data_dir"),
-                                "eval": val})  # fmt: skip
+        return load_benchmarks({"benchmarks": v.presets, "benchmark_files": v.benchmark_files,
+                                "data_dir": v.data_dir, "eval": v.eval})  # fmt: skip
     except (ValueError, FileNotFoundError) as err:
-        raise naming(f"trainer.val_benchmarks={presets} / val.benchmark_files={files}", err) from None
+        raise naming(f"trainer.val_benchmarks={v.presets} / val.benchmark_files={v.benchmark_files}", err) from None
 
 
 def naming(keys: str, err: Exception) -> Exception:
@@ -41,22 +41,22 @@ def naming(keys: str, err: Exception) -> Exception:
 
 
 class Validation:
-    """When and how the run validates: before training (``before_train``, at rollout step 0 only: not again on a
-    resume) and after every ``test_freq``-th rollout step and the last (``max_steps``); nothing when
-    ``benchmarks`` is empty.
+    """When and how the run validates: before training (``validation.before_train``, at rollout step 0 only: not
+    again on a resume) and after every ``validation.test_freq``-th rollout step and the last (``max_steps``);
+    nothing when ``benchmarks`` is empty.
 
     Args:
         benchmarks: :func:`validation_benchmarks`.
-        eval_cfg: the ``val`` group (``afm_core.eval.runner.validate``'s eval settings).
+        validation: the settings (``val`` holds ``afm_core.eval.runner.validate``'s eval settings).
         actor: this rank's :class:`~afm_core.rl.rollout_actor.RolloutActor`.
         handover: the :class:`~afm_core.rl.colocation.Handover` (the engine's turn syncs the trained weights).
         metrics: the :class:`~afm_core.rl.metrics.RLMetricsLog` the record goes to.
     """
 
-    def __init__(self, benchmarks: list[Any], eval_cfg: Mapping[str, Any], *, before_train: bool, test_freq: int,
-                 max_steps: int, actor: Any, handover: Any, metrics: Any):  # fmt: skip
-        self.benchmarks, self.eval_cfg, self.before_train = benchmarks, eval_cfg, before_train
-        self.test_freq, self.max_steps = test_freq, max_steps
+    def __init__(self, benchmarks: list[Any], validation: ValidationConfig, *, max_steps: int, actor: Any,
+                 handover: Any, metrics: Any):  # fmt: skip
+        self.benchmarks, self.eval_cfg = benchmarks, validation.eval
+        self.before_train, self.test_freq, self.max_steps = validation.before_train, validation.test_freq, max_steps
         self.actor, self.handover, self.metrics = actor, handover, metrics
 
     def before_training(self, step: int) -> None:

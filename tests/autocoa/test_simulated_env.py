@@ -100,9 +100,9 @@ def test_the_rl_job_switches_environment_by_config(hotpot_question, tmp_path):
     environment (here with a second model, rollout.simulator.model, as the simulator: the scripted policy cannot
     write observations itself), recipe autocoa_rl_stage2 the real wiki_search; nothing else changes."""
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     from afm_core.config import register_schemas
+    from afm_core.config.rl import rl_config
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.prompts import load_prompts
     from afm_core.rl.rollout_actor import RolloutActor
@@ -115,14 +115,21 @@ def test_the_rl_job_switches_environment_by_config(hotpot_question, tmp_path):
     tiny = ensure_hf_checkpoint("tiny-llama")
     tokenizer = load_tokenizer(tiny)
     corpus, _ = hotpot_question
-    overrides = [f"run_dir={tmp_path}", "engine.cpu_kv_cache_gib=0.25", "data.limit=1", "tools.cache=null"]
+    overrides = [
+        f"run_dir={tmp_path}",
+        "engine.cpu_kv_cache_gib=0.25",
+        "data.limit=1",
+        "tools.cache=null",
+        "rollout.max_response_len=4096",
+    ]  # the recipes' 8192 + data.max_prompt_len is more than smollm2's 8192 positions (the schema refuses it)
     register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         simulated = compose("rl", [*overrides, "recipe=autocoa_rl_stage1", f"rollout.simulator.model={tiny}"])
         real = compose("rl", [*overrides, "recipe=autocoa_rl_stage2"])
     assert (simulated.rollout.environment, real.rollout.environment) == ("simulated", "real")
-    simulated, real = OmegaConf.to_container(simulated, resolve=True), OmegaConf.to_container(real, resolve=True)
-    task = load_prompts({**real["data"], "data_dir": None}, tokenizer)[0]
+    simulated, real = rl_config(simulated).actor, rl_config(real)
+    task = load_prompts(real.data, None, tokenizer)[0]
+    real = real.actor
     segments, _ = _policy_segments(task.question)
     stage = Stage(0, 256, None)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from afm_core.config.rl import ActorConfig, ColocationConfig, RewardConfig
 from afm_core.rl.colocation import select_colocation
 from afm_core.rl.rollout_actor import RolloutActor
 from tests.rl.helpers import needs_shared_data, rl_config, run_rl_ranks
@@ -33,7 +34,7 @@ def _config(run_dir: Path, *overrides: str) -> dict:
 
 # -- the layout ---------------------------------------------------------------------------------------------
 def test_the_engine_runs_in_the_training_ranks_and_sleeps_only_on_gpu():
-    cpu = select_colocation({"mode": "auto"}, {"tensor_parallel_size": 2}, on_gpu=False, rank=3, world_size=4)
+    cpu = select_colocation(ColocationConfig(mode="auto"), 2, on_gpu=False, rank=3, world_size=4)
     assert (cpu.mode, cpu.groups, cpu.group, cpu.leader, cpu.is_leader, cpu.sleeps) == (
         "inprocess", 2, 1, 2, False, False,
     )  # fmt: skip
@@ -43,10 +44,10 @@ def test_the_engine_runs_in_the_training_ranks_and_sleeps_only_on_gpu():
         "tensor_parallel_size": 2,
         "enable_sleep_mode": False,
     }
-    gpu = select_colocation({"mode": "auto", "sleep_level": 1}, {}, on_gpu=True, rank=0, world_size=8)
+    gpu = select_colocation(ColocationConfig(mode="auto", sleep_level=1), 1, on_gpu=True, rank=0, world_size=8)
     assert gpu.sleeps and gpu.engine_overrides()["enable_sleep_mode"] and gpu.groups == 8
-    assert not select_colocation({"sleep_level": 0}, {}, on_gpu=True, rank=0, world_size=1).sleeps
-    legacy = select_colocation({"mode": "async"}, {}, on_gpu=False, rank=1, world_size=2)
+    assert not select_colocation(ColocationConfig(sleep_level=0), 1, on_gpu=True, rank=0, world_size=1).sleeps
+    legacy = select_colocation(ColocationConfig(mode="async"), 1, on_gpu=False, rank=1, world_size=2)
     assert legacy.engine_overrides()["in_process"] is False and (legacy.groups, legacy.group) == (2, 1)
 
 
@@ -60,8 +61,9 @@ def test_the_engine_runs_in_the_training_ranks_and_sleeps_only_on_gpu():
     ],
 )
 def test_a_bad_colocation_names_the_field(cfg, engine, on_gpu, message):
-    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
-        select_colocation(cfg, engine, on_gpu=on_gpu, rank=0, world_size=4)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):  # mode and sleep level: by the schema
+        select_colocation(ColocationConfig(**cfg), engine.get("tensor_parallel_size", 1), on_gpu=on_gpu, rank=0,
+                          world_size=4)  # fmt: skip
 
 
 def test_sleep_mode_is_refused_on_cpu_before_vllm_starts():
@@ -126,8 +128,9 @@ def test_the_handover_syncs_offloads_the_trainer_before_the_kv_cache_wakes_and_s
 
     monkeypatch.setattr(offload, "offload_training_state", offload_training_state)
     trainer = type("Trainer", (), {"model": [], "sync_params": lambda self: None})()
-    colocation = select_colocation({"offload_trainer": offload_trainer}, {}, on_gpu=on_gpu, rank=0, world_size=1)
-    cfg = {"tools": {"tools": {}}, "reward": {"test_timeout_s": 1}, "judge": {}}
+    colocation = select_colocation(ColocationConfig(offload_trainer=offload_trainer), 1, on_gpu=on_gpu, rank=0,
+                                   world_size=1)  # fmt: skip
+    cfg = ActorConfig(tools={"tools": {}}, reward=RewardConfig(test_timeout_s=1))
     actor = RolloutActor(cfg, Path("."), None, {}, 64, engine=engine, colocation=colocation)
     handover = Handover(actor, [trainer], offload=colocation.offload_trainer, bucket_bytes=2**20)
     try:
@@ -197,7 +200,7 @@ def test_a_rounds_io_leaves_the_trainers_python_rng_as_it_found_it():
         async def close(self) -> None:
             pass
 
-    cfg = {"tools": {"tools": {}}, "reward": {"test_timeout_s": 1}, "judge": {}}
+    cfg = ActorConfig(tools={"tools": {}}, reward=RewardConfig(test_timeout_s=1))
     actor = RolloutActor(cfg, Path("."), None, {}, 64, engine=Engine(), preemption=Preemption())
     try:
         random.seed(0)

@@ -28,6 +28,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from afm_core.config import register_schemas
+from afm_core.config.rl import rl_config as as_rl_config
 from afm_core.rl.metrics import rollout_metrics
 from afm_core.rl.prompts import PromptStream
 from afm_core.rl.reward_shaping import shaped_reward
@@ -439,10 +440,11 @@ def test_a_policy_that_writes_code_gets_the_plugged_in_tools_observation_graded_
     cfg = rl_config(tmp_path / "run", *plugin_overrides(tmp_path, "tool_bonus"))
     hf_dir = ensure_hf_checkpoint(cfg["model"])
     tokenizer = load_tokenizer(hf_dir)
-    task = load_prompts({**cfg["data"], "data_dir": cfg["data_dir"]}, tokenizer)[0]
+    config = as_rl_config(cfg)
+    task = load_prompts(config.data, config.data_dir, tokenizer)[0]
     policy = ReplayEngine(tokenizer, ["<think>Compute it.</think>\n<code>\nx = 6 * 7\nprint(x)\n</code>",
                                       "<think>Done.</think>\n<answer>\\boxed{42}</answer>"], 2048)  # fmt: skip
-    actor = RolloutActor(cfg, hf_dir, tokenizer, {}, 2048, engine=policy)
+    actor = RolloutActor(config.actor, hf_dir, tokenizer, {}, 2048, engine=policy)
     try:
         (sample,) = actor.generate([("0:0", task)], 1, parse_schedule([], 256)[0], seed=0)
         assert actor.tool_metrics()["code"]["calls"] == 1
@@ -504,7 +506,8 @@ def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
     layout = init_distributed(OmegaConf.create(cfg["parallel"]), seed=1, num_threads=1)
     try:
         chunks, _ = build_policy_model(ensure_hf_checkpoint(cfg["model"]), layout)
-        trainer = build_policy_trainer(cfg, layout, chunks, Path(cfg["run_dir"]), 10)
+        policy = as_rl_config({k: v for k, v in cfg.items() if k != "_samples"}).policy
+        trainer = build_policy_trainer(policy, layout, chunks, Path(cfg["run_dir"]), 10)
         g = torch.Generator().manual_seed(0)
         samples = []
         for i in range(cfg.get("_samples", 4)):  # groups of two; observation tokens (mask 0) mid-response
@@ -533,7 +536,7 @@ def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
             return [float(v[m.bool()].mean()) for v, m in zip(response_values(res["logprobs"], batch), masks)]
 
         before = mean_logprobs()
-        stats = policy_update(trainer, samples, advantages, cfg, 16, 0)
+        stats = policy_update(trainer, samples, advantages, policy, 16, 0)
         after = mean_logprobs()
         Path(out).write_text(json.dumps({"before": before, "after": after, "stats": stats}))
     finally:
@@ -636,7 +639,7 @@ def test_a_sandbox_killed_mid_rollout_gives_counted_error_observations_not_a_cra
     with ServerGroup(log_dir=tmp_path / "servers") as group:
         group.launch("sandbox", ["--max-concurrency", "4"])
         urls = group.wait()
-        actor = RolloutActor(cfg, hf_dir, tokenizer, urls, 4096, engine=policy)
+        actor = RolloutActor(as_rl_config(cfg).actor, hf_dir, tokenizer, urls, 4096, engine=policy)
         (sandbox,) = group.processes()
 
         def kill_when_calls_run():
@@ -701,7 +704,9 @@ def test_sigusr2_while_a_round_generates_or_validates_aborts_every_request_of_th
     cfg = _config(tmp_path / "run")
     hf_dir = ensure_hf_checkpoint(cfg["model"])
     policy = StuckPolicy()
-    actor = RolloutActor(cfg, hf_dir, load_tokenizer(hf_dir), {}, 4096, engine=policy, preemption=preemption)
+    actor = RolloutActor(
+        as_rl_config(cfg).actor, hf_dir, load_tokenizer(hf_dir), {}, 4096, engine=policy, preemption=preemption
+    )
     task = AgentTask(
         id="t", task="math", prompt="What is 6 x 7?", question="6 x 7", answer="42", meta={"grader": "math"}
     )

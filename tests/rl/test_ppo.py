@@ -73,6 +73,7 @@ def test_gae_gives_a_trajectory_without_model_tokens_zero_advantage():
 # -- the critic's state ---------------------------------------------------------------------------------------
 def _critic_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
     set_rank_env(rank, world, port)
+    from afm_core.config.rl import rl_config as as_rl_config
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.critic import Critic
     from afm_core.train.distributed import destroy_distributed, init_distributed
@@ -96,7 +97,7 @@ def _critic_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
                         tensors[f"o.{i}.{key}"] = value.clone()
             return tensors
 
-        first = Critic(cfg, layout, hf_dir, run_dir, 10, params_dtype=torch.float32)
+        first = Critic(as_rl_config(cfg).policy, layout, hf_dir, run_dir, 10, params_dtype=torch.float32)
         stats = update(first)
         checkpoint = run_dir / "checkpoints" / "step_00000001"
         first.save(1)
@@ -104,7 +105,9 @@ def _critic_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
         update(first)  # the uninterrupted critic goes on
         straight = state(first)
 
-        fresh = Critic(cfg, layout, hf_dir, run_dir, 10, params_dtype=torch.float32, load_weights=False)
+        fresh = Critic(
+            as_rl_config(cfg).policy, layout, hf_dir, run_dir, 10, params_dtype=torch.float32, load_weights=False
+        )
         fresh.load(checkpoint)
         loaded = state(fresh)
         same_state = loaded.keys() == saved.keys() and all(torch.equal(loaded[k], saved[k]) for k in saved)
@@ -178,6 +181,7 @@ def test_the_mhqa_ppo_recipe_passes_the_submit_check_as_gae_with_one_sample_per_
 def test_the_policy_its_critic_and_its_reference_are_built_with_the_jobs_recompute_setting(tmp_path, monkeypatch):
     """RL applies ``parallel.recompute`` / ``parallel.sequence_parallel`` as SFT does (it built its models without
     them: at 32B and 32k tokens the activations did not fit). One rank, tiny-llama, all three models."""
+    from afm_core.config.rl import rl_config as as_rl_config
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.policy_trainer import PolicyTrainer
     from afm_core.train.distributed import destroy_distributed, init_distributed
@@ -187,7 +191,7 @@ def test_the_policy_its_critic_and_its_reference_are_built_with_the_jobs_recompu
     layout = init_distributed(OmegaConf.create(cfg["parallel"]), seed=1, num_threads=1)
     try:
         hf_dir = ensure_hf_checkpoint(cfg["model"])
-        policy = PolicyTrainer(cfg, layout, hf_dir, tmp_path / "run", 0, load_weights=False)
+        policy = PolicyTrainer(as_rl_config(cfg).policy, layout, hf_dir, tmp_path / "run", 0, load_weights=False)
         assert policy.critic is not None and policy.reference is not None
         for name, chunks in (
             ("policy", policy.model),
@@ -200,6 +204,6 @@ def test_the_policy_its_critic_and_its_reference_are_built_with_the_jobs_recompu
             ), name  # fmt: skip
         cfg["parallel"]["sequence_parallel"] = True  # transformer-engine only: refused, not silently ignored
         with pytest.raises(ValueError, match=r"parallel\.sequence_parallel needs transformer-engine"):
-            PolicyTrainer(cfg, layout, hf_dir, tmp_path / "run", 0, load_weights=False)
+            PolicyTrainer(as_rl_config(cfg).policy, layout, hf_dir, tmp_path / "run", 0, load_weights=False)
     finally:
         destroy_distributed()
