@@ -18,6 +18,7 @@ from omegaconf import MISSING
 
 from afm_core.config.checks import divisors, instantiate, require
 from afm_core.config.cluster import cluster_schema
+from afm_core.config.sampling import SamplingConfig
 from afm_core.config.sft import ModelConfig, OptimConfig, ParallelConfig, check_plan_options
 from afm_core.config.timeouts import collective_timeout_min, rollout_wait_s
 from afm_core.config.tracking import ProfileConfig, TrackingConfig, check_loggers
@@ -302,6 +303,16 @@ def check_engine(engine: dict[str, Any]) -> None:
 
 
 @dataclass
+class ValConfig(SamplingConfig):
+    """``val``: validation's settings, the eval job's ``eval.*`` (:class:`~afm_core.config.sampling.SamplingConfig`,
+    verl's ``val_kwargs``: greedy, one sample), and the benchmark files validated besides ``trainer.val_benchmarks``."""
+
+    k: int = 1
+    temperature: float = 0.0
+    benchmark_files: list[str] = field(default_factory=list)
+
+
+@dataclass
 class CheckpointConfig:
     """The RL run's checkpoints, as :class:`afm_core.rl.checkpoint.Checkpointer` and the resume read them
     (:attr:`RLConfig.checkpoint`, from ``run_dir``, ``resume``, ``trainer.*`` and ``cluster.signal_delay_s``)."""
@@ -317,14 +328,13 @@ class CheckpointConfig:
 @dataclass
 class ValidationConfig:
     """Validation during RL (:attr:`RLConfig.validation`, from ``trainer.val_*``, ``trainer.test_freq``, ``val``
-    and ``data_dir``), as :mod:`afm_core.rl.validation` reads it; ``eval``: ``val`` itself, the eval job's
-    ``eval.*`` settings (:func:`afm_core.eval.runner.validate`)."""
+    and ``data_dir``), as :mod:`afm_core.rl.validation` reads it; ``eval``: ``val`` itself (:class:`ValConfig`)."""
 
     before_train: bool
     test_freq: int  # rollout steps between validations, and the last (0: off)
     presets: list[str]
     benchmark_files: list[str]
-    eval: dict[str, Any]
+    eval: ValConfig
     data_dir: str | None
 
     @property
@@ -389,7 +399,7 @@ class RLConfig:
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     tool_servers: ToolServersConfig = field(default_factory=ToolServersConfig)
     plan: dict[str, Any] = field(default_factory=dict)
-    val: dict[str, Any] = field(default_factory=dict)  # validation's eval.* settings (afm_core.eval.runner.validate)
+    val: ValConfig = field(default_factory=ValConfig)
     logger: list[str] = field(default_factory=lambda: ["console"])
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
@@ -459,9 +469,9 @@ class RLConfig:
     @property
     def validation(self) -> ValidationConfig:
         """The validation settings (:class:`ValidationConfig`)."""
-        t, val = self.trainer, dict(self.val)
+        t = self.trainer
         return ValidationConfig(t.val_before_train, t.test_freq, list(t.val_benchmarks),
-                                list(val.get("benchmark_files") or []), val, self.data_dir)  # fmt: skip
+                                list(self.val.benchmark_files), self.val, self.data_dir)  # fmt: skip
 
 
 def rl_config(cfg: Any) -> RLConfig:

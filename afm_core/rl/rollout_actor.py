@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from afm_core.config.rl import ActorConfig
+from afm_core.config.rl import ActorConfig, ValConfig
 from afm_core.rl.grading import Sample, grade_rollout
 from afm_core.rl.schedule import Stage
 from afm_core.train.distributed import gather_objects
@@ -212,7 +212,7 @@ class RolloutActor:
             return self.colocation.groups, self.colocation.group
         return torch.distributed.get_world_size(), torch.distributed.get_rank()
 
-    def validate(self, benchmarks: Sequence[Any], eval_cfg: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    def validate(self, benchmarks: Sequence[Any], settings: ValConfig) -> dict[str, dict[str, Any]]:
         """``benchmarks`` x ``k`` on this rank's engine with the weights it holds now (the trainer's, after a
         sync; nothing reloaded) through :func:`afm_core.eval.runner.validate`: the eval job's agent loop, tools
         and graders; returns ``{benchmark: metrics}`` (``avg@k``, ``pass@k``, ... as in ``metrics.json``). Not
@@ -227,7 +227,8 @@ class RolloutActor:
         if self.follower:
             self.engine.follow()
             return {}
-        work = validate(self.engine, self.tokenizer, self.tool_runner(), self.graders, list(benchmarks), eval_cfg)
+        work = validate(self.engine, self.tokenizer, self.tool_runner(), self.graders, list(benchmarks),
+                        asdict(settings))  # fmt: skip
         return dict(self._round(work, "validation: its requests were aborted"))
 
     def _round(self, work: Any, during: str) -> Any:

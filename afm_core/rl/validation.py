@@ -7,6 +7,7 @@ engine 0 with the live weights, logged as a ``split: val`` record (verl's ``test
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from typing import Any
 
 from afm_core.config.rl import ValidationConfig
@@ -30,7 +31,7 @@ def validation_benchmarks(validation: ValidationConfig) -> list[Any]:
                          "and/or val.benchmark_files=[my.jsonl]")  # fmt: skip
     try:
         return load_benchmarks({"benchmarks": v.presets, "benchmark_files": v.benchmark_files,
-                                "data_dir": v.data_dir, "eval": v.eval})  # fmt: skip
+                                "data_dir": v.data_dir, "eval": asdict(v.eval)})  # fmt: skip
     except (ValueError, FileNotFoundError) as err:
         raise naming(f"trainer.val_benchmarks={v.presets} / val.benchmark_files={v.benchmark_files}", err) from None
 

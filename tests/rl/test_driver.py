@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -732,7 +733,7 @@ def test_sigusr2_while_a_round_generates_or_validates_aborts_every_request_of_th
                              meta={"grader": "math", "benchmark": "val"})  # fmt: skip
         val = Benchmark("val", [val_task, val_task], {"k": 2})
         with pytest.raises(RolloutAborted, match="during validation"):
-            actor.validate([val], {**cfg["val"], "k": 2, "max_response_tokens": 64})
+            actor.validate([val], replace(as_rl_config(cfg).val, k=2, max_response_tokens=64))
         assert policy.cancelled == 4 and policy.settled and time.perf_counter() - start < 10
     finally:
         sender.join()
