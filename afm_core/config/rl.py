@@ -260,6 +260,11 @@ class JudgeConfig:
     model: str | None = None
     api_key_env: str | None = None
 
+    def __post_init__(self) -> None:
+        require(
+            self.url is None or bool(self.model), "judge.model", self.model, "the judge's model name (judge.url is set)"
+        )
+
 
 @dataclass
 class ToolServersConfig:

@@ -85,7 +85,7 @@ class RolloutActor:
             sandbox=SandboxClient(urls["sandbox"], timeout_s=config.reward.test_timeout_s)
             if "sandbox" in urls
             else None,
-            judge=LLMJudge(judge.url, judge.model, judge.api_key_env) if judge.url else None,
+            judge=LLMJudge(judge.url, judge.model, judge.api_key_env) if judge.url and judge.model else None,
         )
         self.engine = engine
         self.simulator_engine: Any = None  # rollout.simulator.model: a second engine that writes the observations
