@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -125,18 +126,41 @@ def _check_round_trip(hf_dir: Path, tmp_path: Path, *, tp: int, pp: int = 1, inp
     assert torch.equal(out, expected)
 
 
+#: The shared size of the tiny random HF models below: 2 layers, hidden 64, SwiGLU 128.
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+
+
+def _seeded(config: Any) -> Any:
+    """``config``, after ``torch.manual_seed(0)``: the model built from it next gets the same random weights."""
+    torch.manual_seed(0)
+    return config
+
+
+def _save_tiny(path: Path, model: Any, bias_std: float | None = None, norm_std: float | None = None) -> Path:
+    """Save a random HF ``model`` with SmolLM2's tokenizer (vocab 49152) to ``path``; biases drawn from
+    N(0, ``bias_std``) and norm weights from N(1, ``norm_std``) when given, so that a swapped or dropped tensor
+    shows in the logits."""
+    from transformers import AutoTokenizer
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if bias_std is not None and name.endswith("bias"):
+                param.normal_(0.0, bias_std)
+            elif norm_std is not None and "norm" in name:
+                param.normal_(1.0, norm_std)
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(ensure_hf_checkpoint("tiny-llama")).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     """A random Qwen2 with q/k/v bias, untied embeddings, GQA (4 heads, 2 KV heads); random biases and norm
     weights so that a swapped or dropped tensor shows in the logits. Tokenizer: SmolLM2's (vocab 49152)."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-qwen2")
-    torch.manual_seed(0)
     config = Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        **TINY,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=49152,
@@ -148,16 +172,9 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
         eos_token_id=2,
         pad_token_id=2,
     )
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.normal_(0.0, 0.5)
-            elif "norm" in name:
-                param.normal_(1.0, 0.2)
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(ensure_hf_checkpoint("tiny-llama")).save_pretrained(path)
-    return path
+    return _save_tiny(
+        tmp_path_factory.mktemp("tiny-qwen2"), Qwen2ForCausalLM(_seeded(config)), bias_std=0.5, norm_std=0.2
+    )
 
 
 def _random_ids(vocab: int, n: int = 16) -> torch.Tensor:
@@ -176,14 +193,10 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
     """A random Qwen3 (transformers' ``Qwen3Config``): QK-norm, no q/k/v bias, ``head_dim`` 32 with hidden 64 and
     4 heads (q is 128 wide: not hidden / heads), GQA (2 KV heads), untied embeddings; random norm weights (the
     q/k norms too) so that a dropped or swapped norm shows in the logits. Tokenizer: SmolLM2's (vocab 49152)."""
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-qwen3")
-    torch.manual_seed(0)
     config = Qwen3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        **TINY,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
@@ -196,14 +209,7 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
         eos_token_id=2,
         pad_token_id=2,
     )
-    model = Qwen3ForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.3)
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(ensure_hf_checkpoint("tiny-llama")).save_pretrained(path)
-    return path
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen3"), Qwen3ForCausalLM(_seeded(config)), norm_std=0.3)
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -273,13 +279,10 @@ LLAMA3_ROPE = {
 
 
 def _tiny_llama3(path: Path, rope: dict) -> Path:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        **TINY,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=32,
@@ -293,9 +296,7 @@ def _tiny_llama3(path: Path, rope: dict) -> Path:
         eos_token_id=2,
         pad_token_id=2,
     )
-    LlamaForCausalLM(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(ensure_hf_checkpoint("tiny-llama")).save_pretrained(path)
-    return path
+    return _save_tiny(path, LlamaForCausalLM(_seeded(config)))
 
 
 def test_llama31_rope_scaling_converts_and_matches_hf_logits(tmp_path):
@@ -324,14 +325,10 @@ def tiny_llama3_dir(tmp_path_factory) -> Path:
     """A random Llama 3.x (transformers' ``LlamaConfig``): ``llama3`` RoPE scaling, GQA (4 heads, 2 KV heads),
     ``head_dim`` 32 at hidden 64 (not hidden / heads), tied embeddings (as Llama 3.2 1B/3B), random norm weights,
     several eos ids and no pad token (Llama 3's ``generation_config``)."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-llama3")
-    torch.manual_seed(0)
     config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        **TINY,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
@@ -344,14 +341,7 @@ def tiny_llama3_dir(tmp_path_factory) -> Path:
         eos_token_id=[2, 0],
         pad_token_id=None,
     )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(1.0, 0.3)
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(ensure_hf_checkpoint("tiny-llama")).save_pretrained(path)
-    return path
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama3"), LlamaForCausalLM(_seeded(config)), norm_std=0.3)
 
 
 @pytest.mark.parametrize("tp", [1, pytest.param(2, marks=pytest.mark.slow)])
