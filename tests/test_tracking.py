@@ -133,6 +133,7 @@ def test_the_backends_leave_the_trainers_python_rng_as_they_found_it(tmp_path, m
 
     zeros = uuid.UUID(int=10**20 + 12345)  # its last 18 decimal digits, mlflow's id: 000000000000012345
     monkeypatch.setattr(uuid, "uuid4", lambda: zeros)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow 3's file store is opt-in (as MlflowBackend sets)
     random.seed(0)
     before = random.getstate()
     MlflowClient(tracking_uri=(tmp_path / "bare").absolute().as_uri()).create_experiment("afm")
