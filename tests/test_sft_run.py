@@ -174,3 +174,38 @@ def test_tiny_qwen3_sft_step_at_tp2_updates_the_weights_as_at_tp1(tmp_path):
     gaps = {name: (weights[1][name] - weights[2][name]).abs().max().item() for name in weights[1]}
     assert max(gaps.values()) < 1e-5, sorted(gaps.items(), key=lambda kv: -kv[1])[:4]
     assert "model.layers.0.self_attn.q_norm.weight" in gaps
+
+
+@pytest.mark.slow
+def test_tiny_llama3_trains_one_sft_step_and_exports_its_llama3_rope_scaling(tmp_path):
+    """Llama 3.x (``llama3`` RoPE scaling, rope_theta 5e5, GQA) through the real SFT job: one step changes the
+    weights, and the exported HF checkpoint keeps the scaling (a Llama 3.1 checkpoint exported without it would
+    compute other rotary frequencies in transformers and vLLM)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.train.metrics import read_metrics
+
+    overrides = [
+        "model=tiny-llama3",
+        f"run_dir={tmp_path / 'run'}",
+        "trainer.precision=fp32",
+        "trainer.max_steps=1",
+        "trainer.global_batch_size=2",
+        "trainer.eval_sequences=1",
+        "trainer.progress=false",
+        "trainer.num_threads=1",
+    ]
+    summary = run_sft_spawned(overrides, tmp_path / "summary.json")
+    assert summary["step"] == 1 and not summary["stopped_early"]
+    (record,) = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["split"] == "train"]
+    assert math.isfinite(record["loss"]) and record["grad_norm"] > 0
+    exported = AutoConfig.from_pretrained(summary["hf_dir"])
+    rope = exported.rope_parameters  # transformers 5: rope_theta and the scaling in one dict
+    assert exported.model_type == "llama" and rope["rope_theta"] == 500000.0
+    assert rope["rope_type"] == "llama3" and rope["factor"] == 8.0
+    start = load_file(ensure_hf_checkpoint("tiny-llama3") / "model.safetensors")
+    trained = load_file(Path(summary["hf_dir"]) / "model.safetensors")
+    assert trained.keys() == start.keys()
+    assert not torch.equal(trained["model.layers.0.mlp.down_proj.weight"], start["model.layers.0.mlp.down_proj.weight"])
