@@ -382,6 +382,37 @@ class VLLMEngine:
             gc.collect()
 
 
+def unlink_cpu_shm_files() -> list[str]:
+    """Remove the names of this process's vLLM-CPU shared-memory segments (the TP and PP groups' all-reduce
+    buffers) once the engine is built; returns the names removed.
+
+    vLLM-CPU's ``_CPUSHMDistributed`` (``vllm/distributed/device_communicators/cpu_communicator.py``) has each rank
+    of a TP/PP group create ``/dev/shm/<VLLM_DIST_IDENT>-<group>-[<ranks>]-cpushm_<rank>`` with ``O_EXCL`` and the
+    others map it; the name is never removed when the process ends. Under ``external_launcher`` the identifier is
+    the same for every job (``"//"``, from the ``env://`` init method), so the files one run leaves behind make
+    the next TP > 1 engine on the node fail with ``create shm in SHMManager failed. errno: 17`` (seen: a second
+    suite run on one machine). Every rank has mapped every segment once the engine exists (vLLM joins them
+    between two barriers), so the names can go: the mappings stay valid, and nothing is left on the node.
+    """
+    try:
+        from _posixshmem import shm_unlink
+
+        from vllm.distributed import parallel_state
+        from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+    except ImportError:  # not a CPU build of vLLM
+        return []
+    removed = []
+    for group in (parallel_state._TP, parallel_state._PP):
+        communicator = getattr(group, "device_communicator", None)
+        shm = getattr(communicator, "dist_module", None)
+        if isinstance(shm, _CPUSHMDistributed):
+            name = "/" + f"{shm.group_name}_{shm.communicator.rank}".lstrip("/")
+            with contextlib.suppress(FileNotFoundError):
+                shm_unlink(name)
+                removed.append(name)
+    return removed
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The engine core in this process
 # ----------------------------------------------------------------------------------------------------------
@@ -449,7 +480,9 @@ class InprocVLLMEngine(VLLMEngine):
 
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         with modules_hidden_from_vllms_kernel_scan():
-            return cls(cfg, LLM(**engine_args(cfg)))
+            llm = LLM(**engine_args(cfg))
+        unlink_cpu_shm_files()
+        return cls(cfg, llm)
 
     # -- generation ------------------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str) -> Generation:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -277,6 +278,9 @@ def test_rl_smoke_with_one_vllm_tp2_engine_sharded_over_two_trainer_ranks(tmp_pa
     for r in records:
         assert r["gen_batches"] >= 1 and r["optimizer_steps"] == 2
         assert r["logprob_gap_vllm_trainer"] <= 1e-3, "the TP-sharded engine serves the trainer's weights"
+    # vLLM-CPU's TP all-reduce segments are named alike for every external-launcher engine: none may outlive the
+    # run, or the next TP=2 engine on this machine fails to create its own (errno 17, EEXIST)
+    assert not [name for name in os.listdir("/dev/shm") if name.endswith(("-[0-1]-cpushm_0", "-[0-1]-cpushm_1"))]
 
 
 @needs_shared_data
