@@ -84,7 +84,7 @@ def run_rl(
     t, a, r, ckpt = config.trainer, config.algorithm, config.rollout, config.checkpoint
     check_adv_estimator(a.adv_estimator)
     run_dir = Path(ckpt.run_dir)
-    stages = parse_schedule([asdict(s) for s in r.context_schedule], r.max_response_len)
+    stages = parse_schedule(r.context_schedule, r.max_response_len)
 
     hf_dir = ensure_hf_checkpoint(asdict(config.model))
     tokenizer = load_tokenizer(hf_dir)
@@ -99,7 +99,7 @@ def run_rl(
         resume_path = find_resume_checkpoint(run_dir, ckpt.resume)
         policy = PolicyTrainer(config.policy, layout, hf_dir, run_dir, pad_id, load_weights=resume_path is None)
         # groups kept on algorithm.filter_groups_metric (accuracy by default)
-        state = RLState(RLProgress(), PromptStream(len(tasks), t.seed), dynamic_sampler(asdict(a)))
+        state = RLState(RLProgress(), PromptStream(len(tasks), t.seed), dynamic_sampler(a))
         if resume_path is not None:
             state.load_state_dict(policy.load(resume_path))
             if layout.is_rank0:
@@ -221,7 +221,7 @@ def _loop(
         progress.step_done(len(batch.samples), int(train.get("optimizer_steps", 0)), times["step_s"])
         tool_metrics = actor.tool_metrics() if layout.is_rank0 else None
         metrics.write(step_record(progress, stage, seq_length, max_prompt_len, batch.samples, batch.generated,
-                                  batch.sampling.as_dict(), train, times, stream, tool_metrics,
+                                  batch.sampling, train, times, stream, tool_metrics,
                                   r.environment))  # fmt: skip
         if t.rollout_data_dir and layout.is_rank0:
             dump_rollouts(t.rollout_data_dir, progress.rollout_step, batch.generated, batch.samples, tokenizer)

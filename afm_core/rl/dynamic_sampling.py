@@ -28,11 +28,11 @@ picklable), so a checkpoint taken mid-step resumes the accumulation exactly.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from afm_core.config.rl import FILTER_METRICS
+from afm_core.config.rl import FILTER_METRICS, AlgorithmConfig
 
 
 def filter_values(samples: Sequence[Any], metric: str) -> list[float]:
@@ -241,13 +241,17 @@ class DynamicSampler:
         self.seen = set(state["seen"])
 
 
-def dynamic_sampler(algorithm: Mapping[str, Any]) -> DynamicSampler:
-    """The RL job's sampler from its ``algorithm`` settings (``train_batch_size``, ``max_num_gen_batches``,
-    ``filter_groups``, ``filter_groups_metric``, ``allow_partial``)."""
+def dynamic_sampler(algorithm: AlgorithmConfig) -> DynamicSampler:
+    """The RL job's sampler from its ``algorithm`` group (:class:`~afm_core.config.rl.AlgorithmConfig`:
+    ``train_batch_size``, ``max_num_gen_batches``, ``filter_groups``, ``filter_groups_metric``, ``allow_partial``).
+
+    Raises:
+        ValueError: an unknown ``filter_groups_metric`` (:func:`filter_values`).
+    """
     return DynamicSampler(
-        int(algorithm["train_batch_size"]),
-        int(algorithm["max_num_gen_batches"]),
-        filter_groups=bool(algorithm["filter_groups"]),
-        allow_partial=bool(algorithm.get("allow_partial", False)),
-        metric=str(algorithm.get("filter_groups_metric", "acc")),
+        algorithm.train_batch_size,
+        algorithm.max_num_gen_batches,
+        filter_groups=algorithm.filter_groups,
+        allow_partial=algorithm.allow_partial,
+        metric=algorithm.filter_groups_metric,
     )

@@ -10,7 +10,7 @@ and ``format``) and ``finish_reason`` (the rollout's status: ``answer``, ``eos``
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from afm_core.rl.reward_shaping import shaped_reward
@@ -49,7 +49,7 @@ async def grade_rollout(graders: Any, rollout: Any, uid: str, reward: RewardConf
         task.meta["grader"], rollout.response_text, gold=task.answer, question=task.question, meta=task.meta
     )
     fmt = grade_format(rollout.response_text).score
-    shaped = shaped_reward(grade.score, fmt, len(rollout.response_ids), asdict(reward), max_len)
+    shaped = shaped_reward(grade.score, fmt, len(rollout.response_ids), reward, max_len)
     return Sample(
         uid=uid,
         task_id=task.id,

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from afm_core.config.rl import RLConfig
+from afm_core.rl.dynamic_sampling import DynamicSamplingStats
 
 
 def rollout_metrics(samples: Sequence[Any], all_generated: Sequence[Any]) -> dict[str, Any]:
@@ -49,7 +50,7 @@ def step_record(
     max_prompt_len: int,
     samples: Sequence[Any],
     generated: Sequence[Any],
-    sampling: Mapping[str, Any],
+    sampling: DynamicSamplingStats,
     train: Mapping[str, Any],
     times: Mapping[str, float],
     stream: Any,
@@ -57,8 +58,9 @@ def step_record(
     environment: str,
 ) -> dict[str, Any]:
     """The metrics.jsonl record of the rollout step ``progress.rollout_step`` (``split: train``): stage and
-    lengths, :func:`rollout_metrics`, the dynamic sampler's stats (``sampling``), the trainer's (``train``), the
-    time split (seconds), the data position and the tool servers' metrics."""
+    lengths, :func:`rollout_metrics`, the dynamic sampler's stats (``sampling``, flattened by
+    :meth:`~afm_core.rl.dynamic_sampling.DynamicSamplingStats.as_dict`), the trainer's (``train``), the time split
+    (seconds), the data position and the tool servers' metrics."""
     return {
         "step": progress.rollout_step,
         "split": "train",
@@ -67,7 +69,7 @@ def step_record(
         "seq_length": seq_length,
         "stage_seq_length": max_prompt_len + stage.max_response_len,
         **rollout_metrics(samples, generated),
-        **sampling,
+        **sampling.as_dict(),
         **train,
         **times,
         "elapsed_s": progress.train_time_s,

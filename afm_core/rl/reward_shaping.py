@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 
-REWARD_MODES = ("score_x_format", "score", "score_minus_format_penalty")
+from afm_core.config.rl import REWARD_MODES, RewardConfig
 
 
-def shaped_reward(score: float, fmt: float, length: int, reward_cfg: Mapping[str, Any], max_len: int) -> float:
+def shaped_reward(score: float, fmt: float, length: int, reward_cfg: RewardConfig, max_len: int) -> float:
     """The trajectory reward: ``score x format`` (``reward.mode: score_x_format``, the default), ``score``, or
     ``score - reward.format_penalty`` when the format is invalid (``score_minus_format_penalty``: AutoCoA's exact
     match plus a format penalty, arXiv 2503.06580 §3.3.1), plus DAPO's overlong penalty
@@ -18,22 +15,21 @@ def shaped_reward(score: float, fmt: float, length: int, reward_cfg: Mapping[str
 
     Args:
         score: the grader's score in [0, 1]; fmt: the CoA format score (0 or 1); length: response tokens
-            (model + observation); max_len: the stage's response budget in tokens.
+            (model + observation); max_len: the stage's response budget in tokens; reward_cfg: the ``reward``
+            group (:class:`~afm_core.config.rl.RewardConfig`).
     Raises:
         ValueError: an unknown ``reward.mode``.
     """
-    mode = reward_cfg.get("mode", "score_x_format")
+    mode = reward_cfg.mode
     if mode not in REWARD_MODES:
         raise ValueError(f"reward.mode={mode!r}: expected one of {', '.join(REWARD_MODES)}")
     reward = score * fmt if mode == "score_x_format" else score
     if mode == "score_minus_format_penalty":
-        reward -= float(reward_cfg.get("format_penalty", 1.0)) * (1.0 - fmt)
-    buffer = int(reward_cfg.get("overlong_buffer_len") or 0)
+        reward -= reward_cfg.format_penalty * (1.0 - fmt)
+    buffer = reward_cfg.overlong_buffer_len
     if buffer > 0:
         buffer = min(buffer, max_len)
-        penalty = overlong_penalty(
-            torch.tensor([length]), max_len, buffer, factor=float(reward_cfg.get("overlong_penalty_factor", 1.0))
-        )
+        penalty = overlong_penalty(torch.tensor([length]), max_len, buffer, factor=reward_cfg.overlong_penalty_factor)
         reward += float(penalty[0])
     return reward
 

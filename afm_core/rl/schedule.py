@@ -8,9 +8,10 @@ it (:func:`train_seq_length`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from afm_core.config.rl import ContextStage
 
 
 @dataclass(frozen=True)
@@ -23,30 +24,30 @@ class Stage:
     until_step: int | None
 
 
-def parse_schedule(schedule: Sequence[Mapping[str, Any]] | None, default_len: int) -> list[Stage]:
-    """``[{until_step: 40, max_response_len: 16384}, {max_response_len: 32768}]`` -> stages.
+def parse_schedule(schedule: Sequence[ContextStage] | None, default_len: int) -> list[Stage]:
+    """``rollout.context_schedule`` (:class:`~afm_core.config.rl.ContextStage` s, e.g. ``until_step=40,
+    max_response_len=16384`` then ``max_response_len=32768``) -> stages; none: one stage of ``default_len`` tokens
+    (``rollout.max_response_len``). :class:`~afm_core.config.rl.RolloutConfig` checks the same at submit.
 
     Raises:
-        ValueError: a stage without ``max_response_len``, ``until_step`` not increasing, or a stage other than
-            the last without ``until_step`` (names the stage: ``rollout.context_schedule[i]``).
+        ValueError: a stage without a positive ``max_response_len``, ``until_step`` not increasing, or a stage
+            other than the last without ``until_step`` (names the stage: ``rollout.context_schedule[i]``).
     """
     if not schedule:
         return [Stage(0, int(default_len), None)]
     stages, last = [], 0
     for i, entry in enumerate(schedule):
         where = f"rollout.context_schedule[{i}]"
-        unknown = set(entry) - {"until_step", "max_response_len"}
-        if unknown:
-            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)}; expected until_step, max_response_len")
-        if entry.get("max_response_len") is None or int(entry["max_response_len"]) < 1:
+        length = entry.max_response_len
+        if not isinstance(length, int) or length < 1:  # omegaconf's MISSING ("???") when a stage has none
             raise ValueError(f"{where}.max_response_len: a positive token count is required")
-        until = entry.get("until_step")
+        until = entry.until_step
         if until is None and i != len(schedule) - 1:
             raise ValueError(f"{where}.until_step: only the last stage may omit it")
-        if until is not None and int(until) <= last:
+        if until is not None and until <= last:
             raise ValueError(f"{where}.until_step={until}: must be above the previous stage's ({last})")
-        last = int(until) if until is not None else last
-        stages.append(Stage(i, int(entry["max_response_len"]), None if until is None else int(until)))
+        last = until if until is not None else last
+        stages.append(Stage(i, length, until))
     return stages
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from afm_core.rl.checkpoint import RLState
+from afm_core.rl.dynamic_sampling import DynamicSamplingStats
 from afm_core.rl.schedule import Stage
 
 
@@ -25,7 +26,7 @@ class TrainBatch:
 
     samples: list[Any]
     generated: list[Any]
-    sampling: Any
+    sampling: DynamicSamplingStats
     times: dict[str, float]
 
 

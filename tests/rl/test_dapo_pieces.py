@@ -255,13 +255,17 @@ def test_the_rl_jobs_sampler_drops_a_group_of_equal_accuracy_whose_overlong_shap
     """The sampler the driver builds from ``conf/rl.yaml`` (``filter_groups_metric: acc``, verl's default) and feeds
     graded samples: it filtered on the shaped reward, so with the overlong penalty a group all right (or all
     wrong) passed on length alone; ``score`` keeps that behaviour on request."""
+    from dataclasses import replace
+
+    from afm_core.config.rl import AlgorithmConfig, RewardConfig
     from afm_core.rl.dynamic_sampling import dynamic_sampler
     from afm_core.rl.grading import Sample
     from afm_core.rl.reward_shaping import shaped_reward
     from tests.rl.helpers import rl_config
 
     cfg = rl_config("unused", recipe="afm_code_rl_32b")  # DAPO with the overlong penalty (buffer 4,096 tokens)
-    reward_cfg, max_len = cfg["reward"], 16384
+    reward_cfg, max_len = RewardConfig(**cfg["reward"]), 16384
+    algorithm = AlgorithmConfig(**cfg["algorithm"])
 
     def sample(uid: str, score: float, length: int) -> Sample:
         reward = shaped_reward(score, 1.0, length, reward_cfg, max_len)
@@ -272,13 +276,15 @@ def test_the_rl_jobs_sampler_drops_a_group_of_equal_accuracy_whose_overlong_shap
     assert batch[0].reward == 1.0 and batch[1].reward == 0.5
     kept = {}
     for metric in ("acc", "score"):
-        sampler = dynamic_sampler({**cfg["algorithm"], "train_batch_size": 2, "filter_groups_metric": metric})
+        sampler = dynamic_sampler(
+            replace(algorithm, train_batch_size=2, mini_batch_size=2, filter_groups_metric=metric)
+        )
         assert sampler.filter_groups and sampler.metric == metric
         kept[metric] = sampler.add_samples(batch)
     assert kept == {"acc": 1, "score": 2}  # only group b has something to learn
     assert rl_config("unused")["algorithm"]["filter_groups_metric"] == "acc"
     with pytest.raises(ValueError, match="filter_groups_metric='reward'"):
-        dynamic_sampler({**cfg["algorithm"], "filter_groups_metric": "reward"})
+        dynamic_sampler(replace(algorithm, filter_groups_metric="reward"))
 
 
 def test_the_rl_phases_report_tokens_per_s_tflops_and_mfu_of_the_real_tokens():

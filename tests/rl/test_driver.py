@@ -29,6 +29,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from afm_core.config import register_schemas
+from afm_core.config.checks import ConfigError, instantiate
+from afm_core.config.rl import ContextStage, RewardConfig, RolloutConfig
 from afm_core.config.rl import rl_config as as_rl_config
 from afm_core.rl.metrics import rollout_metrics
 from afm_core.rl.prompts import PromptStream
@@ -192,7 +194,7 @@ fp32_runs = pytest.mark.parametrize("uninterrupted", ["fp32"], indirect=True)
 
 # -- fast units -------------------------------------------------------------------------------------------
 def test_the_context_schedule_picks_the_stage_of_each_rollout_step():
-    stages = parse_schedule([{"until_step": 40, "max_response_len": 16384}, {"max_response_len": 32768}], 4096)
+    stages = parse_schedule([ContextStage(16384, until_step=40), ContextStage(32768)], 4096)
     assert [stage_at(stages, s).max_response_len for s in (0, 39, 40, 500)] == [16384, 16384, 32768, 32768]
     assert parse_schedule([], 4096)[0].max_response_len == 4096
 
@@ -203,12 +205,18 @@ def test_the_context_schedule_picks_the_stage_of_each_rollout_step():
         ([{"until_step": 4}], "context_schedule[0].max_response_len"),
         ([{"max_response_len": 8}, {"max_response_len": 16}], "context_schedule[0].until_step"),
         ([{"until_step": 4, "max_response_len": 8}, {"until_step": 4, "max_response_len": 16}], "[1].until_step"),
-        ([{"until": 4, "max_response_len": 8}], "context_schedule[0]: unknown"),
+        ([{"until": 4, "max_response_len": 8}], "Key 'until' not in 'ContextStage'"),
     ],
 )
 def test_a_bad_context_schedule_names_the_stage_and_field(schedule, field):
-    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
-        parse_schedule(schedule, 4096)
+    """Refused at submit (the ``rollout`` group's schema), and by ``parse_schedule`` itself for the typed stages
+    that can be built (an unknown key cannot)."""
+    match = field.replace("[", r"\[").replace("]", r"\]")
+    with pytest.raises(ConfigError, match=match):
+        instantiate(RolloutConfig, {"context_schedule": schedule}, "rollout.")
+    if all(set(entry) <= {"until_step", "max_response_len"} for entry in schedule):
+        with pytest.raises(ValueError, match=match):
+            parse_schedule([ContextStage(**entry) for entry in schedule], 4096)
 
 
 def test_the_prompt_stream_resumes_at_its_saved_position_across_epochs():
@@ -234,7 +242,7 @@ def test_each_rank_uses_the_tool_servers_of_its_own_nodes_first_rank():
 
 
 def test_the_reward_is_score_times_format_with_the_overlong_penalty():
-    cfg = {"mode": "score_x_format", "overlong_buffer_len": 4, "overlong_penalty_factor": 1.0}
+    cfg = RewardConfig(mode="score_x_format", overlong_buffer_len=4, overlong_penalty_factor=1.0)
     assert shaped_reward(1.0, 0.0, 10, cfg, 16) == 0.0
     assert shaped_reward(1.0, 1.0, 10, cfg, 16) == 1.0
     assert shaped_reward(1.0, 1.0, 14, cfg, 16) == pytest.approx(0.5)  # 2 tokens into the 4-token buffer
@@ -254,7 +262,7 @@ def test_the_paper_rl_recipes_pass_the_submit_checks_and_start_an_engine_within_
         cfg = compose(config_name="rl", overrides=[f"recipe={recipe}", f"run_dir={tmp_path}", "data.files=[p.parquet]"])
     checked = check_config(cfg, RLConfig)
     a, r = cfg.algorithm, cfg.rollout
-    stages = parse_schedule(OmegaConf.to_container(r.context_schedule), r.max_response_len)
+    stages = parse_schedule(checked.rollout.context_schedule, r.max_response_len)
     max_model_len = cfg.data.max_prompt_len + max(s.max_response_len for s in stages)  # run_rl's engine context
     assert max_model_len <= cfg.model.max_position_embeddings  # vLLM refuses a longer one at start (B1)
     dp = checked.cluster.data_parallel(checked.parallel.model_parallel)
