@@ -192,6 +192,9 @@ def test_every_shipped_rl_recipe_passes_the_rl_schema(recipe):
         ("algorithm.filter_groups_metric=reward", "algorithm.filter_groups_metric='reward': acc"),
         ("algorithm.mini_batch_size=3", "algorithm.mini_batch_size=3: must divide algorithm.train_batch_size=2"),
         ("rollout.context_schedule=[{max_response_len:8},{max_response_len:9}]", "only the last stage has none"),
+        ("engine.gpu_memory_utilization=1.5", "engine.gpu_memory_utilization=1.5: in (0, 1]"),
+        ("+engine.nonsense_key=1", "engine.nonsense_key: Key 'nonsense_key' not in 'VLLMEngineConfig'; valid keys:"),
+        ("tools.tools.code=3", "tools.tools.code=3: a mapping, or null (off)"),
         (
             "data.max_prompt_len=2040",  # B1: vLLM would refuse max_model_len 2088 > 2048 at start, after the queue
             "data.max_prompt_len + the largest stage's max_response_len = 2040 + 48 = 2088 tokens (vLLM "

@@ -86,7 +86,8 @@ def _comments_for(app: str, cfg: Any) -> dict[str, str]:
     conf = repo_root() / "conf"
     comments = yaml_comments(conf / f"{app}.yaml")
     for group in ("model", "data", "parallel", "cluster", "engine", "tools"):
-        chosen = cfg.get(group, {}).get("name") if isinstance(cfg.get(group), dict) else None
+        values = cfg.get(group)  # the group's file: by its name (cluster, model), or the engine's backend
+        chosen = (values.get("name") or values.get("backend")) if isinstance(values, dict) else None
         for path in [conf / group / f"{chosen}.yaml", conf / group / "default.yaml"]:
             if path.is_file():
                 comments = {**yaml_comments(path, f"{group}."), **comments}

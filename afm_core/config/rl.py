@@ -12,17 +12,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import MISSING
 
 from afm_core.config.checks import divisors, instantiate, require
-from afm_core.config.cluster import cluster_schema
+from afm_core.config.cluster import ClusterConfig, cluster_schema
+from afm_core.config.engine import VLLMEngineConfig
 from afm_core.config.sampling import SamplingConfig
 from afm_core.config.sft import ModelConfig, OptimConfig, ParallelConfig, check_plan_options
 from afm_core.config.timeouts import collective_timeout_min, rollout_wait_s
+from afm_core.config.tools import ToolsConfig
 from afm_core.config.tracking import ProfileConfig, TrackingConfig, check_loggers
 from afm_core.config.trainer import TrainerBaseConfig
+
+if TYPE_CHECKING:
+    ClusterField = ClusterConfig
+else:  # OmegaConf has no union of structured configs: the group is checked by its name (cluster_schema)
+    ClusterField = Any
 
 ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "gae")
 REWARD_MODES = ("score_x_format", "score", "score_minus_format_penalty")
@@ -299,14 +306,6 @@ def check_context_length(model: Any, max_prompt_len: int, longest_response: int)
     )
 
 
-def check_engine(engine: dict[str, Any]) -> None:
-    """The ``engine`` group (``conf/engine/{vllm,remote}.yaml``): the sizes the RL job reads."""
-    _at_least_one("engine.tensor_parallel_size", engine.get("tensor_parallel_size", 1))
-    util = engine.get("gpu_memory_utilization", 0.85)
-    require(0 < util <= 1, "engine.gpu_memory_utilization", util, "in (0, 1]")
-    _at_least_one("engine.max_model_len", engine.get("max_model_len", 1))
-
-
 @dataclass
 class ValConfig(SamplingConfig):
     """``val``: validation's settings, the eval job's ``eval.*`` (:class:`~afm_core.config.sampling.SamplingConfig`,
@@ -365,14 +364,15 @@ class PolicyConfig:
 @dataclass
 class ActorConfig:
     """The rollout side of the run (:attr:`RLConfig.actor`): what :mod:`afm_core.rl.rollout_actor` reads; ``engine``,
-    ``tools`` and ``tool_servers`` go on to the engine factory and the tool layer as their mappings."""
+    ``tools`` and ``tool_servers`` go on to the engine factory and the tool layer (below ``config``) as plain
+    mappings (``dataclasses.asdict``)."""
 
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     colocation: ColocationConfig = field(default_factory=ColocationConfig)
-    engine: dict[str, Any] = field(default_factory=dict)
-    tools: dict[str, Any] = field(default_factory=dict)
+    engine: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     tool_servers: ToolServersConfig = field(default_factory=ToolServersConfig)
     reward_fn: Any = None  # a plug-in ({_target_: ...}) or None
     precision: str = "auto"  # trainer.precision: the engine computes in the trainer's dtype
@@ -382,16 +382,19 @@ class ActorConfig:
 
 @dataclass
 class RLConfig:
-    """``conf/rl.yaml`` as composed."""
+    """``conf/rl.yaml`` as composed. Every group is typed; ``cluster`` is checked against the schema its ``name``
+    picks (:func:`~afm_core.config.cluster.cluster_schema`: ``Any`` to OmegaConf, a
+    :data:`~afm_core.config.cluster.ClusterConfig` once checked); ``plan`` holds the submit-only ``+plan.force``
+    (:func:`~afm_core.config.sft.check_plan_options`: a ``dict`` so that ``+`` can add it, as SFT's)."""
 
     run_dir: str = MISSING
     resume: str | None = None
     data_dir: str | None = None
     model: ModelConfig = MISSING
-    engine: dict[str, Any] = field(default_factory=dict)
-    tools: Any = None
+    engine: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
     parallel: ParallelConfig = MISSING
-    cluster: Any = MISSING
+    cluster: ClusterField = MISSING
     data: RLDataConfig = field(default_factory=RLDataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
@@ -413,7 +416,6 @@ class RLConfig:
     def __post_init__(self) -> None:
         check_loggers(self.logger)
         check_plan_options(self.plan)
-        check_engine(self.engine)
         d = self.data
         require(bool(d.presets or d.files), "data.files", d.files, "RL prompts: name data.presets or data.files")
         check_context_length(self.model, d.max_prompt_len, self.rollout.longest_response)
@@ -456,7 +458,7 @@ class RLConfig:
         """The checkpoint settings (:class:`CheckpointConfig`)."""
         t = self.trainer
         return CheckpointConfig(self.run_dir, self.resume, t.save_interval, t.keep_last, t.export_hf,
-                                int(getattr(self.cluster, "signal_delay_s", 0) or 0))  # fmt: skip
+                                self.cluster.signal_delay_s)  # fmt: skip
 
     @property
     def policy(self) -> PolicyConfig:
@@ -467,8 +469,8 @@ class RLConfig:
     @property
     def actor(self) -> ActorConfig:
         """The rollout side's settings (:class:`ActorConfig`)."""
-        return ActorConfig(self.rollout, self.reward, self.judge, self.colocation, dict(self.engine),
-                           dict(self.tools or {}), self.tool_servers, self.reward_fn, self.trainer.precision,
+        return ActorConfig(self.rollout, self.reward, self.judge, self.colocation, self.engine, self.tools,
+                           self.tool_servers, self.reward_fn, self.trainer.precision,
                            self.run_dir, self.data_dir)  # fmt: skip
 
     @property

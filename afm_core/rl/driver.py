@@ -153,7 +153,7 @@ def check_inputs(cfg: Any) -> None:
     from afm_core.utils.plugins import check_plugins
 
     config = rl_config(cfg)
-    check_plugins({"reward_fn": config.reward_fn, "tools": config.tools})
+    check_plugins({"reward_fn": config.reward_fn, "tools": asdict(config.tools)})
     validation_benchmarks(config.validation)
     data = config.data
     try:

@@ -77,7 +77,7 @@ class RolloutActor:
         self.preemption = JOB_PREEMPTION if preemption is None else preemption
         self.asleep = False
         self.runner = asyncio.Runner()
-        reachable = reachable_tools_cfg(config.tools, urls)
+        reachable = reachable_tools_cfg(asdict(config.tools), urls)
         self.pool = build_tool_pool(reachable, addresses=dict(urls)) if reachable["tools"] else None
         judge = config.judge
         self.graders = Graders(
@@ -110,7 +110,7 @@ class RolloutActor:
         from afm_core.rollout.factory import build_engine
 
         engine_args = {
-            **self.config.engine,
+            **asdict(self.config.engine),
             **(self.colocation.engine_overrides() if self.colocation is not None else {}),
             "max_model_len": int(max_model_len),
             "worker_extension_cls": EXTENSION,
@@ -309,7 +309,7 @@ class RolloutActor:
             simulator = asdict(r.simulator)
             engine, tokenizer, policy_tokenizer = self.engine, self.tokenizer, None
             if r.environment == "simulated" and simulator.get("model"):
-                engine_args = {**self.config.engine, "max_model_len": self.engine.max_model_len}
+                engine_args = {**asdict(self.config.engine), "max_model_len": self.engine.max_model_len}
                 self.simulator_engine = self.run(build_engine(engine_args, simulator["model"]))
                 engine, tokenizer = self.simulator_engine, load_tokenizer(simulator["model"])
                 policy_tokenizer = self.tokenizer
@@ -395,17 +395,19 @@ def start_rollout_actor(
 
     simulated = config.rollout.environment == "simulated"
     names = needed_servers(
-        () if simulated else {task.task for task in tasks}, {task.meta.get("grader") for task in tasks}, config.tools
+        () if simulated else {task.task for task in tasks},
+        {task.meta.get("grader") for task in tasks},
+        asdict(config.tools),
     )
     node, log_dir = this_node(), Path(config.run_dir) / "logs" / "tool_servers"
     if len(set(gather_objects(node))) > 1:  # a job across nodes: one log folder per node
         log_dir /= node
-    servers = {"tool_servers": asdict(config.tool_servers), "tools": config.tools, "data_dir": config.data_dir}
+    servers = {"tool_servers": asdict(config.tool_servers), "tools": asdict(config.tools), "data_dir": config.data_dir}
     with tool_servers(servers, names if layout.local_rank == 0 else [], log_dir) as local_urls:
         urls = node_tool_urls(gather_objects((node, layout.local_rank, local_urls())), node)
         colocation = select_colocation(
             config.colocation,
-            int(config.engine.get("tensor_parallel_size") or 1),
+            config.engine.tensor_parallel_size,
             on_gpu=layout.on_gpu,
             rank=layout.rank,
             world_size=layout.world_size,

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from afm_core.config.rl import ActorConfig, ColocationConfig, RewardConfig
+from afm_core.config.tools import ToolsConfig
 from afm_core.rl.colocation import select_colocation
 from afm_core.rl.rollout_actor import RolloutActor
 from tests.rl.helpers import needs_shared_data, rl_config, run_rl_ranks
@@ -131,7 +132,7 @@ def test_the_handover_syncs_offloads_the_trainer_before_the_kv_cache_wakes_and_s
     trainer = type("Trainer", (), {"model": [], "sync_params": lambda self: None})()
     colocation = select_colocation(ColocationConfig(offload_trainer=offload_trainer), 1, on_gpu=on_gpu, rank=0,
                                    world_size=1)  # fmt: skip
-    cfg = ActorConfig(tools={"tools": {}}, reward=RewardConfig(test_timeout_s=1))
+    cfg = ActorConfig(tools=ToolsConfig(tools={}), reward=RewardConfig(test_timeout_s=1))
     actor = RolloutActor(cfg, Path("."), None, {}, 64, engine=engine, colocation=colocation)
     handover = Handover(actor, [trainer], offload=colocation.offload_trainer, bucket_bytes=2**20)
     try:
@@ -201,7 +202,7 @@ def test_a_rounds_io_leaves_the_trainers_python_rng_as_it_found_it():
         async def close(self) -> None:
             pass
 
-    cfg = ActorConfig(tools={"tools": {}}, reward=RewardConfig(test_timeout_s=1))
+    cfg = ActorConfig(tools=ToolsConfig(tools={}), reward=RewardConfig(test_timeout_s=1))
     actor = RolloutActor(cfg, Path("."), None, {}, 64, engine=Engine(), preemption=Preemption())
     try:
         random.seed(0)

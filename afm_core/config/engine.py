@@ -1,0 +1,54 @@
+"""The schema of the RL job's ``engine`` group (``conf/engine/vllm.yaml``, the recipes' ``engine:`` overrides): the
+vLLM engine each rank of ``jobs.rl`` runs beside its trainer (:class:`afm_core.rollout.vllm_engine.VLLMConfig`
+less what the colocation imposes at run time: ``in_process``, ``distributed_executor_backend``,
+``enable_sleep_mode``, ``afm_core.rl.colocation.Colocation.engine_overrides``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from afm_core.config.checks import require
+
+
+def _at_least_one(key: str, value: Any) -> None:
+    require(isinstance(value, int) and value >= 1, key, value, "an integer >= 1")
+
+
+@dataclass
+class VLLMEngineConfig:
+    """``engine`` (``backend: vllm``): the fields of ``conf/engine/vllm.yaml`` (their meanings there and on
+    :class:`~afm_core.rollout.vllm_engine.VLLMConfig`); ``max_model_len`` in tokens, ``cpu_kv_cache_gib`` in GiB,
+    ``gpu_memory_utilization`` a fraction of the GPU's memory.
+
+    Raises:
+        ConfigError: ``backend`` other than ``vllm`` (the RL engine runs in the job: the trainer's weights are
+            synced into it), ``tensor_parallel_size`` or ``max_model_len`` < 1, ``gpu_memory_utilization`` not in
+            ``(0, 1]``.
+    """
+
+    backend: str = "vllm"
+    dtype: str = "auto"
+    max_model_len: int = 4096
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.85
+    cpu_kv_cache_gib: float = 1.0
+    max_num_seqs: int = 128
+    enable_prefix_caching: bool = True
+    enforce_eager: bool | None = None
+    cpu_threads: int | None = None
+    seed: int = 0
+    logprobs_mode: str = "processed_logprobs"
+    worker_extension_cls: str | None = None
+
+    def __post_init__(self) -> None:
+        require(
+            self.backend == "vllm",
+            "engine.backend",
+            self.backend,
+            "vllm: the RL job's engine runs in its ranks, the trainer's weights synced into it",
+        )
+        _at_least_one("engine.tensor_parallel_size", self.tensor_parallel_size)
+        util = self.gpu_memory_utilization
+        require(0 < util <= 1, "engine.gpu_memory_utilization", util, "in (0, 1]")
+        _at_least_one("engine.max_model_len", self.max_model_len)
