@@ -139,7 +139,7 @@ def run_rl(
         destroy_distributed()
 
 
-def check_inputs(cfg: Any) -> None:
+def check_inputs(cfg: RLConfig | DictConfig | dict[str, Any]) -> None:
     """What :func:`run_rl` reads besides the model, checked where ``jobs.rl`` is submitted (before the queue, no
     model or engine built): the plug-ins (``reward_fn``, plug-in tools: imported, not built), the validation
     benchmarks and the RL prompt sources (``data.presets`` / ``data.files``). ``cfg``: the composed config, as

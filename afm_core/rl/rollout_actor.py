@@ -117,7 +117,7 @@ class RolloutActor:
         }
         from afm_core.train.distributed import training_dtype
 
-        if engine_args.get("dtype", "auto") == "auto":
+        if self.config.engine.dtype == "auto":  # the colocation's overrides leave the dtype
             # the engine computes in the trainer's dtype on every machine (the policy warns about an emulated bf16):
             # in fp32 their logprobs agree to ~1e-5 (TIS, tests); in bf16 each rounds its own way (~1e-3)
             trainer_dtype = training_dtype(self.config.precision, warn=False)
@@ -306,19 +306,18 @@ class RolloutActor:
 
         if self._tool_runner is None:
             r = self.config.rollout
-            simulator = asdict(r.simulator)
             engine, tokenizer, policy_tokenizer = self.engine, self.tokenizer, None
-            if r.environment == "simulated" and simulator.get("model"):
+            if r.environment == "simulated" and r.simulator.model:
                 engine_args = {**asdict(self.config.engine), "max_model_len": self.engine.max_model_len}
-                self.simulator_engine = self.run(build_engine(engine_args, simulator["model"]))
-                engine, tokenizer = self.simulator_engine, load_tokenizer(simulator["model"])
+                self.simulator_engine = self.run(build_engine(engine_args, r.simulator.model))
+                engine, tokenizer = self.simulator_engine, load_tokenizer(r.simulator.model)
                 policy_tokenizer = self.tokenizer
             self._tool_runner = build_tool_runner(
                 r.environment,
                 pool=self.pool,
                 engine=engine,
                 tokenizer=tokenizer,
-                simulator=simulator,
+                simulator=asdict(r.simulator),  # the rollout layer's mapping
                 policy_tokenizer=policy_tokenizer,
                 temperature=r.temperature,
             )
