@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from afm_core.config.checks import require
+from afm_core.rollout.vllm_engine import VLLMSettings
 
 
 def _at_least_one(key: str, value: Any) -> None:
@@ -16,10 +17,9 @@ def _at_least_one(key: str, value: Any) -> None:
 
 
 @dataclass
-class VLLMEngineConfig:
-    """``engine`` (``backend: vllm``): the fields of ``conf/engine/vllm.yaml`` (their meanings there and on
-    :class:`~afm_core.rollout.vllm_engine.VLLMConfig`); ``max_model_len`` in tokens, ``cpu_kv_cache_gib`` in GiB,
-    ``gpu_memory_utilization`` a fraction of the GPU's memory.
+class VLLMEngineConfig(VLLMSettings):
+    """``engine`` of the RL job (``backend: vllm``): the engine's settings
+    (:class:`afm_core.rollout.vllm_engine.VLLMSettings`, declared there once) and the backend, which must be vLLM.
 
     Raises:
         ConfigError: ``backend`` other than ``vllm`` (the RL engine runs in the job: the trainer's weights are
@@ -28,18 +28,6 @@ class VLLMEngineConfig:
     """
 
     backend: str = "vllm"
-    dtype: str = "auto"
-    max_model_len: int = 4096
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.85
-    cpu_kv_cache_gib: float = 1.0
-    max_num_seqs: int = 128
-    enable_prefix_caching: bool = True
-    enforce_eager: bool | None = None
-    cpu_threads: int | None = None
-    seed: int = 0
-    logprobs_mode: str = "processed_logprobs"
-    worker_extension_cls: str | None = None
 
     def __post_init__(self) -> None:
         require(

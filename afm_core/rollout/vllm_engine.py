@@ -62,12 +62,13 @@ from afm_core.utils.paths import cache_dir
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class VLLMConfig:
-    """Engine settings (``conf/engine/vllm.yaml``).
+@dataclass
+class VLLMSettings:
+    """The vLLM engine's own settings, the fields of ``conf/engine/vllm.yaml``: declared once for the engine's
+    run-time config (:class:`VLLMConfig`, which adds the model and how this process holds the engine) and the RL
+    job's schema (:class:`afm_core.config.engine.VLLMEngineConfig`, which checks the values at submit).
 
     Attributes:
-        model: an HF checkpoint directory (config.json, safetensors, tokenizer).
         dtype: ``auto`` (bf16 on GPU and on CPUs with native bf16 matmuls, else fp32), ``float32``,
             ``bfloat16``, ``float16``.
         max_model_len: context length in tokens (prompt + response).
@@ -86,16 +87,8 @@ class VLLMConfig:
         logprobs_mode: ``processed_logprobs`` (after temperature/top-p, comparable with a trainer that
             applies the same temperature) or ``raw_logprobs``.
         worker_extension_cls: dotted path of a worker extension class (weight sync for RL), or None.
-        in_process: run the engine core in this process (:class:`InprocVLLMEngine`) instead of ``AsyncLLM``'s
-            child process.
-        distributed_executor_backend: vLLM's executor; ``external_launcher`` (in-process only) makes the engine
-            one SPMD member of the caller's ``torch.distributed`` world (its TP shards live in the caller's
-            ranks); None: vLLM's default.
-        enable_sleep_mode: allow :meth:`InprocVLLMEngine.sleep` / ``wake_up`` (CUDA only: vLLM refuses it on
-            CPU).
     """
 
-    model: str
     dtype: str = "auto"
     max_model_len: int = 4096
     tensor_parallel_size: int = 1
@@ -108,6 +101,28 @@ class VLLMConfig:
     seed: int = 0
     logprobs_mode: str = "processed_logprobs"
     worker_extension_cls: str | None = None
+
+
+@dataclass(kw_only=True)
+class VLLMConfig(VLLMSettings):
+    """Engine settings: the vLLM engine's own (:class:`VLLMSettings`, the fields of ``conf/engine/vllm.yaml``) and
+    how this process holds it.
+
+    Attributes:
+        model: an HF checkpoint directory (config.json, safetensors, tokenizer).
+        in_process: run the engine core in this process (:class:`InprocVLLMEngine`) instead of ``AsyncLLM``'s
+            child process.
+        distributed_executor_backend: vLLM's executor; ``external_launcher`` (in-process only) makes the engine
+            one SPMD member of the caller's ``torch.distributed`` world (its TP shards live in the caller's
+            ranks); None: vLLM's default.
+        enable_sleep_mode: allow :meth:`InprocVLLMEngine.sleep` / ``wake_up`` (CUDA only: vLLM refuses it on
+            CPU).
+
+    Raises:
+        ValueError: ``external_launcher`` without ``in_process``.
+    """
+
+    model: str
     in_process: bool = False
     distributed_executor_backend: str | None = None
     enable_sleep_mode: bool = False
