@@ -18,6 +18,11 @@ def require(ok: bool, key: str, value: Any, valid: str) -> None:
         raise ConfigError(f"{key}={value!r}: {valid}")
 
 
+def at_least_one(key: str, value: Any) -> None:
+    """Raise ``ConfigError`` unless ``value`` is an integer >= 1 (a count, a size, a step number)."""
+    require(isinstance(value, int) and value >= 1, key, value, "an integer >= 1")
+
+
 def divisors(n: int) -> list[int]:
     """The positive divisors of ``n``, ascending (the valid TP/PP sizes for ``n`` heads or layers)."""
     return [d for d in range(1, n + 1) if n % d == 0]

@@ -6,14 +6,9 @@ less what the colocation imposes at run time: ``in_process``, ``distributed_exec
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from afm_core.config.checks import require
+from afm_core.config.checks import at_least_one, require
 from afm_core.rollout.vllm_engine import VLLMSettings
-
-
-def _at_least_one(key: str, value: Any) -> None:
-    require(isinstance(value, int) and value >= 1, key, value, "an integer >= 1")
 
 
 @dataclass
@@ -36,7 +31,7 @@ class VLLMEngineConfig(VLLMSettings):
             self.backend,
             "vllm: the RL job's engine runs in its ranks, the trainer's weights synced into it",
         )
-        _at_least_one("engine.tensor_parallel_size", self.tensor_parallel_size)
+        at_least_one("engine.tensor_parallel_size", self.tensor_parallel_size)
         util = self.gpu_memory_utilization
         require(0 < util <= 1, "engine.gpu_memory_utilization", util, "in (0, 1]")
-        _at_least_one("engine.max_model_len", self.max_model_len)
+        at_least_one("engine.max_model_len", self.max_model_len)

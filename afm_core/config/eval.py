@@ -11,11 +11,11 @@ from typing import Any
 
 from omegaconf import MISSING
 
-from afm_core.config.checks import require
+from afm_core.config.checks import at_least_one, require
 from afm_core.config.cluster import cluster_schema
 from afm_core.config.data import DataConfig
 from afm_core.config.rl import JudgeConfig, ToolServersConfig
-from afm_core.config.sampling import SamplingConfig, _at_least_one
+from afm_core.config.sampling import SamplingConfig
 from afm_core.config.sft import ModelConfig
 from afm_core.config.tracking import TrackingConfig, check_loggers
 
@@ -76,7 +76,7 @@ class FilterConfig:
         low, high = self.min_pass_rate, self.max_pass_rate
         require(low is None or high is None or low <= high, "filter.min_pass_rate", low, f"<= max_pass_rate={high}")
         if self.sample_size is not None:
-            _at_least_one("filter.sample_size", self.sample_size)
+            at_least_one("filter.sample_size", self.sample_size)
 
 
 @dataclass
@@ -95,9 +95,9 @@ class DistillRunConfig:
 
     def __post_init__(self) -> None:
         if self.limit is not None:
-            _at_least_one("distill.limit", self.limit)
-        _at_least_one("distill.samples", self.samples)
-        _at_least_one("distill.concurrency", self.concurrency)
+            at_least_one("distill.limit", self.limit)
+        at_least_one("distill.samples", self.samples)
+        at_least_one("distill.concurrency", self.concurrency)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import MISSING
 
-from afm_core.config.checks import divisors, instantiate, require
+from afm_core.config.checks import at_least_one, divisors, instantiate, require
 from afm_core.config.cluster import ClusterConfig, cluster_schema
 from afm_core.config.engine import VLLMEngineConfig
 from afm_core.config.sampling import SamplingConfig
@@ -44,10 +44,6 @@ def _positive(key: str, value: Any) -> None:
     require(value is not None and value > 0, key, value, "a positive number")
 
 
-def _at_least_one(key: str, value: Any) -> None:
-    require(isinstance(value, int) and value >= 1, key, value, "an integer >= 1")
-
-
 @dataclass
 class RLDataConfig:
     presets: list[str] = field(default_factory=list)
@@ -60,8 +56,8 @@ class RLDataConfig:
     def __post_init__(self) -> None:
         require(self.skip >= 0, "data.skip", self.skip, "an integer >= 0")
         if self.limit is not None:
-            _at_least_one("data.limit", self.limit)
-        _at_least_one("data.max_prompt_len", self.max_prompt_len)
+            at_least_one("data.limit", self.limit)
+        at_least_one("data.max_prompt_len", self.max_prompt_len)
 
 
 @dataclass
@@ -71,7 +67,7 @@ class SimulatorConfig:
     temperature: float | None = None
 
     def __post_init__(self) -> None:
-        _at_least_one("rollout.simulator.max_tokens", self.max_tokens)
+        at_least_one("rollout.simulator.max_tokens", self.max_tokens)
         if self.temperature is not None:
             require(self.temperature >= 0, "rollout.simulator.temperature", self.temperature, ">= 0, or null")
 
@@ -99,7 +95,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         for key in ("n", "max_response_len", "max_turns", "concurrency"):
-            _at_least_one(f"rollout.{key}", getattr(self, key))
+            at_least_one(f"rollout.{key}", getattr(self, key))
         require(self.max_tool_calls >= 0, "rollout.max_tool_calls", self.max_tool_calls, "an integer >= 0")
         require(self.temperature >= 0, "rollout.temperature", self.temperature, ">= 0")
         require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
@@ -109,7 +105,7 @@ class RolloutConfig:
         last = None
         for i, stage in enumerate(self.context_schedule):
             key = f"rollout.context_schedule[{i}]"
-            _at_least_one(f"{key}.max_response_len", stage.max_response_len)
+            at_least_one(f"{key}.max_response_len", stage.max_response_len)
             if stage.until_step is not None:
                 require(last is None or stage.until_step > last, f"{key}.until_step", stage.until_step, "increasing")
                 last = stage.until_step
@@ -172,7 +168,7 @@ class AlgorithmConfig:
             f"one of {', '.join(ADVANTAGE_ESTIMATORS)}",
         )
         for key in ("train_batch_size", "gen_batch_size", "mini_batch_size", "ppo_epochs"):
-            _at_least_one(a + key, getattr(self, key))
+            at_least_one(a + key, getattr(self, key))
         require(
             self.train_batch_size % self.mini_batch_size == 0,
             a + "mini_batch_size",
@@ -239,7 +235,7 @@ class RLTrainerConfig(TrainerBaseConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(self.test_freq >= 0, "trainer.test_freq", self.test_freq, ">= 0 (0: off)")
-        _at_least_one("trainer.max_steps", self.max_steps)
+        at_least_one("trainer.max_steps", self.max_steps)
 
 
 @dataclass
@@ -247,7 +243,7 @@ class WeightSyncConfig:
     bucket_mb: int = 512
 
     def __post_init__(self) -> None:
-        _at_least_one("weight_sync.bucket_mb", self.bucket_mb)
+        at_least_one("weight_sync.bucket_mb", self.bucket_mb)
 
 
 @dataclass

@@ -6,11 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from afm_core.config.checks import require
-
-
-def _at_least_one(key: str, value: Any) -> None:
-    require(isinstance(value, int) and value >= 1, key, value, "an integer >= 1")
+from afm_core.config.checks import at_least_one, require
 
 
 @dataclass
@@ -32,9 +28,9 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         for key in ("k", "max_response_tokens", "max_turns", "concurrency"):
-            _at_least_one(f"eval.{key}", getattr(self, key))
+            at_least_one(f"eval.{key}", getattr(self, key))
         if self.limit is not None:
-            _at_least_one("eval.limit", self.limit)
+            at_least_one("eval.limit", self.limit)
         require(self.max_tool_calls >= 0, "eval.max_tool_calls", self.max_tool_calls, "an integer >= 0")
         require(self.temperature >= 0, "eval.temperature", self.temperature, ">= 0")
         require(0 < self.top_p <= 1, "eval.top_p", self.top_p, "in (0, 1]")

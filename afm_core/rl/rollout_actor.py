@@ -392,16 +392,14 @@ def start_rollout_actor(
     from afm_core.tools.job_servers import needed_servers, tool_servers
     from afm_core.utils.hardware import this_node
 
-    simulated = config.rollout.environment == "simulated"
+    simulated, tools = config.rollout.environment == "simulated", asdict(config.tools)  # the tool layer's mapping
     names = needed_servers(
-        () if simulated else {task.task for task in tasks},
-        {task.meta.get("grader") for task in tasks},
-        asdict(config.tools),
+        () if simulated else {task.task for task in tasks}, {task.meta.get("grader") for task in tasks}, tools
     )
     node, log_dir = this_node(), Path(config.run_dir) / "logs" / "tool_servers"
     if len(set(gather_objects(node))) > 1:  # a job across nodes: one log folder per node
         log_dir /= node
-    servers = {"tool_servers": asdict(config.tool_servers), "tools": asdict(config.tools), "data_dir": config.data_dir}
+    servers = {"tool_servers": asdict(config.tool_servers), "tools": tools, "data_dir": config.data_dir}
     with tool_servers(servers, names if layout.local_rank == 0 else [], log_dir) as local_urls:
         urls = node_tool_urls(gather_objects((node, layout.local_rank, local_urls())), node)
         colocation = select_colocation(
