@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(
     not shared_data_dir().is_dir(), reason=f"real data folder {shared_data_dir()} is absent (set AFM_SHARED_DATA)"
 )
 
+ONE_STEP = ["trainer.max_steps=1", "trainer.eval_sequences=1", "trainer.progress=false"]  # the one-step tests
 OVERRIDES = [
     "model=tiny-llama",
     "trainer.global_batch_size=2",
@@ -131,13 +132,11 @@ def test_a_two_layer_qwen3_at_published_width_trains_one_sft_step(tmp_path, prec
         "model.vocab_size=49152",
         f"run_dir={tmp_path / 'run'}",
         f"trainer.precision={precision}",
-        "trainer.max_steps=1",
         "trainer.global_batch_size=1",
         "trainer.seq_length=512",  # bf16 matmuls are slow on CPUs without AVX512-BF16
-        "trainer.eval_sequences=1",
         "trainer.export_hf=false",
-        "trainer.progress=false",
         "trainer.num_threads=2",
+        *ONE_STEP,
     ]
     summary = run_sft_spawned(overrides, tmp_path / "summary.json")
     assert summary["step"] == 1 and not summary["stopped_early"]
@@ -161,12 +160,10 @@ def test_tiny_qwen3_sft_step_at_tp2_updates_the_weights_as_at_tp1(tmp_path):
             f"parallel.tp={tp}",
             f"run_dir={run_dir}",
             "trainer.precision=fp32",
-            "trainer.max_steps=1",
             "trainer.global_batch_size=2",
-            "trainer.eval_sequences=1",
-            "trainer.progress=false",
             "trainer.num_threads=1",
             "optim.warmup_ratio=0.0",
+            *ONE_STEP,
         ]
         summary = run_sft_spawned(overrides, tmp_path / f"tp{tp}.json", world=tp)
         weights[tp] = load_file(Path(summary["hf_dir"]) / "model.safetensors")
@@ -191,11 +188,9 @@ def test_tiny_llama3_trains_one_sft_step_and_exports_its_llama3_rope_scaling(tmp
         "model=tiny-llama3",
         f"run_dir={tmp_path / 'run'}",
         "trainer.precision=fp32",
-        "trainer.max_steps=1",
         "trainer.global_batch_size=2",
-        "trainer.eval_sequences=1",
-        "trainer.progress=false",
         "trainer.num_threads=1",
+        *ONE_STEP,
     ]
     summary = run_sft_spawned(overrides, tmp_path / "summary.json")
     assert summary["step"] == 1 and not summary["stopped_early"]
