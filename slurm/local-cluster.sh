@@ -17,7 +17,8 @@
 # over-subscribing the real cores through SlurmdParameters=config_overrides) so a few small jobs run at once.
 # Settings: slurm.conf(5), https://slurm.schedmd.com/slurm.conf.html. Must run as root (it installs packages and
 # starts daemons under their own users). State (job ids, spool, logs, PID files) persists in $AFM_SLURM_STATE
-# (default /var/lib/afm-slurm) across stop/start, so job ids keep growing and sacct history stays consistent.
+# (default /var/lib/afm-slurm) across stop/start, so job ids keep growing and sacct history stays consistent; the
+# jobs a stopped (or killed) controller left queued or running are cancelled when start brings one up again.
 set -euo pipefail
 
 STATE=${AFM_SLURM_STATE:-/var/lib/afm-slurm}
@@ -46,23 +47,27 @@ pid_file() {  # pid_file NAME [NODE]  (slurmd: one per node)
 }
 
 # The PID of our running daemon NAME (on NODE for slurmd), or nothing. The process name is checked so a reused PID
-# is never taken.
+# is never taken, and the state so a killed daemon not yet reaped (a zombie) does not count as running.
 our_pid() {
-  local f pid
+  local f pid stat
   f=$(pid_file "$1" "${2:-}")
   [ -s "$f" ] || return 0
   pid=$(tr -dc '0-9' <"$f")
-  [ -n "$pid" ] && [ -r "/proc/$pid/comm" ] && [ "$(cat "/proc/$pid/comm")" = "$1" ] && echo "$pid"
+  [ -n "$pid" ] && [ -r "/proc/$pid/comm" ] && [ "$(cat "/proc/$pid/comm")" = "$1" ] || return 0
+  read -r _ _ stat _ 2>/dev/null <"/proc/$pid/stat" && [ "$stat" != Z ] && echo "$pid"
   return 0
 }
 
-wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
-  local secs=$1 what=$2; shift 2
-  for _ in $(seq $((secs * 5))); do
-    "$@" >/dev/null 2>&1 && return 0
+# wait_for SECONDS DESCRIPTION COMMAND...: until COMMAND succeeds, up to a deadline (a slow COMMAND, as sinfo
+# retrying a controller that is gone, does not stretch it).
+wait_for() {
+  local secs=$1 what=$2 deadline
+  shift 2
+  deadline=$((SECONDS + secs))
+  until "$@" >/dev/null 2>&1; do
+    [ "$SECONDS" -lt "$deadline" ] || die "timed out after ${secs}s waiting for $what (logs: $STATE/log, $STATE/run/*/)"
     sleep 0.2
   done
-  die "timed out after ${secs}s waiting for $what (logs: $STATE/log, $STATE/run/*/)"
 }
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
@@ -246,8 +251,28 @@ start_mariadbd() {
               GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';"
 }
 
+# A slurmctld started on the saved state recovers the jobs its predecessor had queued or running. Their processes
+# did not outlive that controller's cluster (stopped, or killed with the machine's session), yet the recovered jobs
+# keep their nodes allocated and later jobs pend behind them for as long as their time limits. So they are cancelled
+# (sacct records them CANCELLED) before the nodes count as up.
+cancel_recovered_jobs() {
+  local jobs
+  jobs=$(squeue -h -o %F | sort -un | tr '\n' ' ')
+  [ -n "$jobs" ] || return 0
+  log "cancelling job(s) left from the previous controller: $jobs"
+  # shellcheck disable=SC2086  # one argument per job id
+  scancel $jobs
+  wait_for 60 "the recovered jobs to end" bash -c '[ -z "$(squeue -h -o %i)" ]'
+}
+
+registered() {  # registered NODE EPOCH: NODE's slurmd, started at or after EPOCH, has registered with slurmctld
+  local t
+  t=$(scontrol -o show node "$1" 2>/dev/null | grep -o 'SlurmdStartTime=[^ ]*' | cut -d= -f2)
+  [ -n "$t" ] && [ "$t" != None ] && [ "$(date -d "$t" +%s)" -ge "$2" ]
+}
+
 start_slurm_daemons() {  # start_slurm_daemons NODE...
-  local n
+  local n since recovered=""
   if [ -z "$(our_pid slurmdbd)" ]; then
     /usr/sbin/slurmdbd
     wait_for 30 "slurmdbd on port 6819" port_open 6819
@@ -256,14 +281,28 @@ start_slurm_daemons() {  # start_slurm_daemons NODE...
     scontrol ping 2>/dev/null | grep -q UP && die "a slurmctld not started by this script answers; leaving it alone"
     /usr/sbin/slurmctld -i
     wait_for 30 "slurmctld" bash -c 'scontrol ping | grep -q UP'
+    recovered=1
   fi
+  since=$(date +%s)
   for n in "$@"; do
     mkdir -p "$STATE/spool/$n"
-    [ -n "$(our_pid slurmd "$n")" ] || /usr/sbin/slurmd -N "$n"
+    [ -n "$(our_pid slurmd "$n")" ] && continue
+    /usr/sbin/slurmd -N "$n"
+    # Until it registers, the controller's node state is the saved one, and what it sends the node is retried
+    # only minutes later.
+    wait_for 60 "slurmd on $n to register" registered "$n" "$since"
   done
   for n in "$@"; do
-    wait_for 60 "node $n to be idle" bash -c "sinfo -h -n $n -o %t | grep -qE '^(idle|mix|alloc)'"
+    wait_for 60 "node $n to be up" bash -c "sinfo -h -n $n -o %t | grep -qE '^(idle|mix|alloc)'"
   done
+  if [ -n "$recovered" ]; then
+    cancel_recovered_jobs
+    # A node whose slurmd restarted under a recovered job mostly turns idle at once; measured, it sometimes stays
+    # allocated 1-2 minutes (until slurmctld's next exchange with it clears the job).
+    for n in "$@"; do
+      wait_for 300 "node $n to be idle" bash -c "sinfo -h -n $n -o %t | grep -qE '^idle'"
+    done
+  fi
 }
 
 cmd_start() {  # cmd_start N

@@ -77,9 +77,9 @@ def test_rl_smoke_preempted_on_slurm_logs_every_step_once_with_the_uninterrupted
     submit_rl(straight)
     job_id = submit_rl(interrupted)
 
-    wait_until(lambda: bool(steps(interrupted)), "a first rollout step", timeout_s=900)
+    wait_until(lambda: bool(steps(interrupted)), "a first rollout step", timeout_s=900, run_dir=interrupted)
     subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-    wait_until(lambda: len(events_of(interrupted, "requeued")) == 1, "the requeue", 900)
+    wait_until(lambda: len(events_of(interrupted, "requeued")) == 1, "the requeue", 900, run_dir=interrupted)
     row = wait_finished(interrupted, timeout_s=1200)
     wait_finished(straight, timeout_s=1200)
 

@@ -23,11 +23,10 @@ from tests.slurm.tiny_sft import (
     TINY,
     events_of,
     jobs_sft,
-    last_step,
     submit_slurm,
     train_losses,
     wait_finished,
-    wait_until,
+    wait_trained,
 )
 
 MAX_STEPS = 20
@@ -49,7 +48,7 @@ def test_a_tp2_job_preempted_by_the_high_partition_resumes_to_the_local_tp2_runs
     # two ranks that take every CPU of their node; one torch thread each, as the local run below
     tp2 = ["parallel.tp=2", "trainer.num_threads=1", f"trainer.max_steps={MAX_STEPS}"]
     job_id = submit_slurm(run_dir, "cluster.tasks_per_node=2", f"cluster.cpus_per_task={node_cpus // 2}", *tp2)
-    wait_until(lambda: last_step(run_dir) >= 2, "the SFT job to train")
+    wait_trained(run_dir, job_id, 2)
     # The `high` job takes a CPU on every node (%D: the partition's node count), so also on the SFT job's.
     nodes = subprocess.run(
         ["sinfo", "-h", "-p", "high", "-o", "%D"], capture_output=True, text=True, check=True

@@ -48,12 +48,50 @@ def submit_slurm(run_dir: Path, *overrides: str) -> str:
     return job_id
 
 
-def wait_until(condition, what: str, timeout_s: float = 600.0, poll_s: float = 0.1) -> None:
+def cluster_snapshot(run_dir: Path | None = None) -> str:
+    """What the cluster says now, for a timeout's message: the queue with pending reasons, the nodes' states and
+    reasons, and the tails of the run's rank-0 logs (when ``run_dir`` has a job record)."""
+    commands = [
+        ["squeue", "-a", "-o", "%.12i %.9P %.8T %.10M %.6D %R"],
+        ["sinfo", "-N", "-o", "%N %P %T %C %E"],
+    ]
+    parts = []
+    for command in commands:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+        parts.append(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}")
+    if run_dir is not None and (run_dir / "logs" / "job.json").is_file():
+        record = read_job_record(run_dir / "logs")
+        for key in ("stdout", "stderr"):
+            log = Path(record[key])
+            tail = log.read_text(errors="replace")[-3000:] if log.is_file() else "(absent)"
+            parts.append(f"--- {log} (last 3000 characters)\n{tail}")
+    return "\n".join(parts)
+
+
+def wait_until(
+    condition, what: str, timeout_s: float = 600.0, poll_s: float = 0.1, run_dir: Path | None = None
+) -> None:
+    """Poll ``condition`` until it holds; past ``timeout_s`` a TimeoutError with :func:`cluster_snapshot`."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
-            raise TimeoutError(f"waited {timeout_s:.0f} s for {what}")
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {what}\n{cluster_snapshot(run_dir)}")
         time.sleep(poll_s)
+
+
+def wait_trained(run_dir: Path, job_id: str, step: int, timeout_s: float = 600.0) -> None:
+    """Wait until the run's metrics reach ``step``; fails at once (with the logs) if the job ends before."""
+
+    def reached() -> bool:
+        if last_step(run_dir) >= step:
+            return True
+        state = slurm_states([job_id]).get(job_id)
+        assert state not in TERMINAL_STATES, (
+            f"job {job_id} ended {state} before step {step}\n{cluster_snapshot(run_dir)}"
+        )
+        return False
+
+    wait_until(reached, f"job {job_id} to reach step {step}", timeout_s, poll_s=1.0, run_dir=run_dir)
 
 
 def wait_finished(run_dir: Path, timeout_s: float = 900.0):
@@ -64,6 +102,7 @@ def wait_finished(run_dir: Path, timeout_s: float = 900.0):
         f"job {job_id} ({run_dir}) to end",
         timeout_s,
         poll_s=2.0,
+        run_dir=run_dir,
     )
     row = collect(run_dir)[0]
     assert row.state == "COMPLETED", f"{run_dir}: {row.state}; log {row.stderr}"
@@ -100,9 +139,10 @@ def interrupt_with_usr2(run_dir: Path, job_id: str, times: int) -> None:
         wait_until(
             lambda n=attempt, step=target: len(events_of(run_dir, "start")) == n and last_step(run_dir) >= step,
             f"attempt {attempt} past step {target}",
+            run_dir=run_dir,
         )
         subprocess.run(["scancel", "--signal=USR2", job_id], check=True)
-        wait_until(lambda n=attempt: len(events_of(run_dir, "requeued")) == n, f"requeue {attempt}")
+        wait_until(lambda n=attempt: len(events_of(run_dir, "requeued")) == n, f"requeue {attempt}", run_dir=run_dir)
         target = events_of(run_dir, "requeued")[-1]["step"]
 
 
