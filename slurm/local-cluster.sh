@@ -4,7 +4,8 @@
 #   slurm/local-cluster.sh start [--nodes N]  # install what is missing, write the config, start the daemons, wait
 #                                             # until every node is idle (N: default 1)
 #   slurm/local-cluster.sh status             # our daemons (one slurmd per node), sinfo, squeue
-#   slurm/local-cluster.sh stop               # stop the daemons this script started (by PID file), nothing else
+#   slurm/local-cluster.sh stop               # cancel the queued and running jobs, then stop the daemons this
+#                                             # script started (by PID file), nothing else
 #
 # Daemons: munged, mariadbd + slurmdbd (so sacct works), slurmctld, and one slurmd per node. One node is named
 # after this host (`hostname -s`); N > 1 nodes are afm-n1 .. afm-nN, each its own `slurmd -N afm-nI` listening on
@@ -18,7 +19,7 @@
 # Settings: slurm.conf(5), https://slurm.schedmd.com/slurm.conf.html. Must run as root (it installs packages and
 # starts daemons under their own users). State (job ids, spool, logs, PID files) persists in $AFM_SLURM_STATE
 # (default /var/lib/afm-slurm) across stop/start, so job ids keep growing and sacct history stays consistent; the
-# jobs a stopped (or killed) controller left queued or running are cancelled when start brings one up again.
+# queue does not: stop cancels the jobs first, and start cancels those a killed controller left.
 set -euo pipefail
 
 STATE=${AFM_SLURM_STATE:-/var/lib/afm-slurm}
@@ -66,6 +67,15 @@ wait_for() {
   deadline=$((SECONDS + secs))
   until "$@" >/dev/null 2>&1; do
     [ "$SECONDS" -lt "$deadline" ] || die "timed out after ${secs}s waiting for $what (logs: $STATE/log, $STATE/run/*/)"
+    sleep 0.2
+  done
+}
+
+wait_for_quiet() {  # wait_for_quiet SECONDS COMMAND...: as wait_for, but returns 1 at the deadline
+  local deadline=$((SECONDS + $1))
+  shift
+  until "$@" >/dev/null 2>&1; do
+    [ "$SECONDS" -lt "$deadline" ] || return 1
     sleep 0.2
   done
 }
@@ -251,19 +261,18 @@ start_mariadbd() {
               GRANT ALL ON slurm_acct_db.* TO 'slurm'@'localhost';"
 }
 
-# A slurmctld started on the saved state recovers the jobs its predecessor had queued or running. Their processes
-# did not outlive that controller's cluster (stopped, or killed with the machine's session), yet the recovered jobs
-# keep their nodes allocated and later jobs pend behind them for as long as their time limits. So they are cancelled
-# (sacct records them CANCELLED) before the nodes count as up.
-cancel_recovered_jobs() {
+# cancel_jobs WHY: cancel every job in the queue (WHY goes into the log line) and wait until none is left.
+cancel_jobs() {
   local jobs
   jobs=$(squeue -h -o %F | sort -un | tr '\n' ' ')
   [ -n "$jobs" ] || return 0
-  log "cancelling job(s) left from the previous controller: $jobs"
+  log "cancelling job(s) $1: $jobs"
   # shellcheck disable=SC2086  # one argument per job id
   scancel $jobs
-  wait_for 60 "the recovered jobs to end" bash -c '[ -z "$(squeue -h -o %i)" ]'
+  wait_for 60 "the cancelled jobs to end" bash -c '[ -z "$(squeue -h -o %i)" ]'
 }
+
+node_idle() { sinfo -h -n "$1" -o %t | grep -qE '^idle'; }
 
 registered() {  # registered NODE EPOCH: NODE's slurmd, started at or after EPOCH, has registered with slurmctld
   local t
@@ -296,11 +305,15 @@ start_slurm_daemons() {  # start_slurm_daemons NODE...
     wait_for 60 "node $n to be up" bash -c "sinfo -h -n $n -o %t | grep -qE '^(idle|mix|alloc)'"
   done
   if [ -n "$recovered" ]; then
-    cancel_recovered_jobs
-    # A node whose slurmd restarted under a recovered job mostly turns idle at once; measured, it sometimes stays
-    # allocated 1-2 minutes (until slurmctld's next exchange with it clears the job).
+    # A controller started on the saved state recovers the jobs its predecessor had queued or running, though their
+    # processes did not outlive that cluster (killed with the machine's session): their nodes stayed allocated and
+    # later jobs pended behind them until their time limits. So they are cancelled (sacct records CANCELLED).
+    cancel_jobs "left from the previous controller"
     for n in "$@"; do
-      wait_for 300 "node $n to be idle" bash -c "sinfo -h -n $n -o %t | grep -qE '^idle'"
+      # measured: a node mostly turns idle at once; when a recovered job's slurmd had restarted, slurmctld sometimes
+      # released its CPUs only 300 s later
+      wait_for_quiet 10 node_idle "$n" || log "node $n: waiting for slurmctld to release the cancelled jobs' CPUs"
+      wait_for 330 "node $n to be idle" node_idle "$n"
     done
   fi
 }
@@ -344,6 +357,12 @@ stop_daemon() {  # stop_daemon NAME [NODE]
 
 cmd_stop() {
   local name n
+  if [ -n "$(our_pid slurmctld)" ]; then
+    # A stopped cluster keeps no jobs: a job whose processes outlived slurmd would be recovered by the next start
+    # without them. Cancelled here, while every slurmd still runs, their nodes are released at once.
+    cancel_jobs "still queued or running"
+    for n in $(started_nodes); do wait_for_quiet 30 node_idle "$n" || log "node $n not idle after 30 s"; done
+  fi
   for n in $(started_nodes); do stop_daemon slurmd "$n"; done
   for name in slurmctld slurmdbd mariadbd munged; do stop_daemon "$name"; done
   hosts_remove
