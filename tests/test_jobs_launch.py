@@ -40,6 +40,7 @@ from jobs import status as status_cli
 
 STAND_IN = "tests.slurm.stand_in_trainer.run"
 STOP_HOOK = "tests.slurm.stand_in_trainer.request_checkpoint"
+LOADER = "tests.slurm.stand_in_trainer.mark_loaded"
 
 
 @pytest.fixture(autouse=True)
@@ -289,6 +290,20 @@ def test_local_preemption_checkpoints_at_a_step_boundary_and_resumes(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_ranks_get_the_config_load_cfg_makes_while_the_job_keeps_the_plain_one(tmp_path):
+    """``load_cfg`` runs on each rank before ``fn`` (as ``jobs.rl``'s ``rl_config``); the pickled job, which a
+    requeue starts again and a sweep reads, holds the plain containers; a loader that cannot import is refused at
+    submit."""
+    run_dir = tmp_path / "run"
+    summary = submit(STAND_IN, local_cfg(run_dir, max_steps=1), on_preempt=STOP_HOOK, job_name="t", load_cfg=LOADER)
+    assert summary["loaded_by"] == "mark_loaded" and summary["step"] == 1
+    (pickled,) = (run_dir / "logs").glob("*_submitted.pkl")
+    job = submitit.core.utils.DelayedSubmission.load(pickled).function
+    assert job.load_cfg == LOADER and type(job.cfg) is dict and "loaded_by" not in job.cfg
+    with pytest.raises(ValueError, match=r"no importable module 'tests\.slurm\.nope'"):
+        submit(STAND_IN, local_cfg(run_dir), on_preempt=STOP_HOOK, job_name="t", load_cfg="tests.slurm.nope.load")
+
+
 def test_local_timeout_requeues_until_max_num_timeout_then_fails(tmp_path):
     """A USR2 this close to the limit counts as a timeout (submitit's rule): 1 requeue allowed, then failure."""
     run_dir = tmp_path / "run"

@@ -114,10 +114,12 @@ class PreemptionRelay:
 class RequeueableJob(submitit.helpers.Checkpointable):
     """``fn(cfg)`` on one rank of a submitit job, resumable after preemption or timeout.
 
-    Contract with ``fn`` (``afm_core.train.sft.run_sft`` and later jobs):
+    Contract with ``fn`` (``afm_core.train.sft.run_sft``, ``afm_core.rl.driver.run_rl`` and later jobs):
 
-    - ``fn(cfg: DictConfig) -> dict`` runs on every rank with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-      MASTER_ADDR and MASTER_PORT exported; it resumes from the latest complete checkpoint in ``cfg.run_dir``;
+    - ``fn(cfg) -> dict`` runs on every rank with RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+      MASTER_PORT exported; ``cfg`` is the config as a ``DictConfig``, or what ``load_cfg`` makes of that
+      ``DictConfig`` (e.g. ``afm_core.config.rl.rl_config``: a checked ``RLConfig``); it resumes from the latest
+      complete checkpoint in the config's ``run_dir``;
     - ``on_preempt()`` asks it to checkpoint at the next step boundary and return (signal-safe);
     - its result has ``"stopped_early": True`` when it returned for that reason before finishing.
 
@@ -125,27 +127,39 @@ class RequeueableJob(submitit.helpers.Checkpointable):
     start every rank prints where it runs; rank 0 prints the rank → node map, ``MASTER_ADDR`` and the world size
     and records them in ``RUN_DIR/logs/job.json`` (:mod:`afm_core.launch.placement`).
 
-    ``fn`` and ``on_preempt`` are dotted paths (``"afm_core.train.sft.run_sft"``) imported in the job only, so
-    submitting does not import the trainer (torch, megatron).
+    ``fn``, ``on_preempt`` and ``load_cfg`` are dotted paths (``"afm_core.train.sft.run_sft"``) imported in the job
+    only, so submitting does not import the trainer (torch, megatron).
 
     Args:
         fn: dotted path of the per-rank function.
-        cfg: the fully resolved config as plain containers (``run_dir`` required).
+        cfg: the fully resolved config as plain containers (``run_dir`` required); kept so in the pickled job (a
+            requeued job starts from it again, :mod:`afm_core.launch.sweep` reads its ``cluster``).
         on_preempt: dotted path of the trainer's checkpoint-and-stop hook.
         master_port: rendezvous port for local jobs (see :func:`export_distributed_env`).
+        load_cfg: dotted path of ``load_cfg(cfg: DictConfig) -> Any``, called on every rank (inside the job, so
+            an error it raises is recorded as ``failed``) to make the config ``fn`` receives; None: ``fn`` gets
+            the ``DictConfig``.
     Raises:
-        ValueError: no ``cfg.run_dir``; ``fn`` or ``on_preempt`` names no importable module.
+        ValueError: no ``cfg.run_dir``; ``fn``, ``on_preempt`` or ``load_cfg`` names no importable module.
     """
 
-    def __init__(self, fn: str, cfg: dict[str, Any], on_preempt: str, master_port: int | None = None):
+    def __init__(
+        self,
+        fn: str,
+        cfg: dict[str, Any],
+        on_preempt: str,
+        master_port: int | None = None,
+        load_cfg: str | None = None,
+    ):
         if not cfg.get("run_dir"):
             raise ValueError("cfg.run_dir is not set: the job needs a run directory")
-        for path in (fn, on_preempt):
+        for path in (fn, on_preempt, *([load_cfg] if load_cfg else [])):
             check_importable(path)
         self.fn = fn
         self.cfg = cfg
         self.on_preempt = on_preempt
         self.master_port = master_port
+        self.load_cfg = load_cfg
 
     @property
     def log_dir(self) -> Path:
@@ -172,7 +186,8 @@ class RequeueableJob(submitit.helpers.Checkpointable):
                 master_addr=placement["master_addr"],
             )
         try:
-            summary = get_method(self.fn)(OmegaConf.create(self.cfg))
+            cfg = OmegaConf.create(self.cfg)
+            summary = get_method(self.fn)(get_method(self.load_cfg)(cfg) if self.load_cfg else cfg)
         except Exception as err:
             if rank0:
                 append_event(self.log_dir, "failed", error=f"{type(err).__name__}: {err}")

@@ -19,8 +19,10 @@ from afm_core.launch.teardown import stop_children_on_interrupt
 from afm_core.utils.ports import free_port
 
 
-def submit(fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str) -> dict[str, Any] | None:
-    """Run ``fn(cfg)`` on every rank of a job on ``cfg.cluster``; return rank 0's result when waiting.
+def submit(
+    fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str, load_cfg: str | None = None
+) -> dict[str, Any] | None:
+    """Run ``fn(cfg)`` (or ``fn(load_cfg(cfg))``) on every rank of a job on ``cfg.cluster``; return rank 0's result when waiting.
 
     The config is resolved here (``run_dir`` is Hydra's output dir) and travels with the job as plain
     containers. The job's submitit files and the ranks' logs go to ``RUN_DIR/logs/`` with ``job.json`` (see
@@ -41,9 +43,12 @@ def submit(fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str) -> dict[
         cfg: the app config with ``run_dir``, ``cluster`` and ``parallel``.
         on_preempt: dotted path of ``fn``'s checkpoint-at-the-next-step-and-return hook.
         job_name: Slurm job name.
+        load_cfg: dotted path of what makes ``fn``'s config from the ``DictConfig`` on each rank (e.g.
+            ``"afm_core.config.rl.rl_config"``); None: ``fn`` gets the ``DictConfig``. The job keeps the plain
+            containers either way.
     Raises:
         afm_core.launch.executor.ClusterConfigError: bad ``cluster`` / ``parallel`` values.
-        ValueError: ``fn`` or ``on_preempt`` names no importable module.
+        ValueError: ``fn``, ``on_preempt`` or ``load_cfg`` names no importable module.
         submitit.core.utils.FailedJobError: (waiting) a rank raised; the message holds its traceback.
         submitit.core.utils.UncompletedJobError: (waiting) the job ended without a result.
     """
@@ -53,7 +58,7 @@ def submit(fn: str, cfg: DictConfig, *, on_preempt: str, job_name: str) -> dict[
     cluster = job_cfg["cluster"]
     ranks = world_size(cluster, job_cfg["parallel"])
     local = cluster["name"] == "local"
-    job = RequeueableJob(fn, job_cfg, on_preempt, master_port=free_port() if local else None)
+    job = RequeueableJob(fn, job_cfg, on_preempt, master_port=free_port() if local else None, load_cfg=load_cfg)
     if not local and sweep.collecting():
         sweep.add_member(sweep.ArrayMember(job=job, job_name=job_name, world_size=ranks))
         return None
@@ -95,14 +100,17 @@ def run_training_job(
     job_name: str,
     schema: type | None = None,
     check_inputs: Callable[[dict[str, Any]], None] | None = None,
+    load_cfg: str | None = None,
 ) -> dict[str, Any] | None:
     """The body of a training app (``jobs.sft``, ``jobs.rl``): check ``cfg`` against its typed ``schema``
     (:func:`afm_core.config.check_config`; a bad value exits with status 2 and one line naming the key, before
-    anything is built or submitted), then its inputs (``check_inputs(resolved config)``: data files, plug-ins; a
-    ValueError or FileNotFoundError exits with status 2 and its message), plan a ``cluster=slurm`` job (:mod:`afm_core.launch.plan_gate`: one that does not fit
-    its GPUs exits with status 3 before ``sbatch``, naming the numbers and the overrides that would fit;
-    ``+plan.force=true`` submits anyway), :func:`submit` ``fn`` with the trainer's checkpoint-and-requeue hook
-    (:func:`afm_core.train.preemption.request_checkpoint`), and print rank 0's summary as JSON when waiting."""
+    anything is built or submitted), then its inputs (``check_inputs(resolved config)``, the config as plain
+    dicts and lists: data files, plug-ins; a ValueError or FileNotFoundError exits with status 2 and its message),
+    plan a ``cluster=slurm`` job (:mod:`afm_core.launch.plan_gate`: one that does not fit its GPUs exits with
+    status 3 before ``sbatch``, naming the numbers and the overrides that would fit; ``+plan.force=true`` submits
+    anyway), :func:`submit` ``fn`` with the trainer's checkpoint-and-requeue hook
+    (:func:`afm_core.train.preemption.request_checkpoint`) and ``load_cfg`` (the dotted path of what makes ``fn``'s
+    config on each rank, see :func:`submit`), and print rank 0's summary as JSON when waiting."""
     import json
     import sys
 
@@ -127,7 +135,9 @@ def run_training_job(
     except PlanRefused as err:
         print(f"jobs.{job_name}: not submitted: {err}", file=sys.stderr)
         raise SystemExit(3) from None
-    summary = submit(fn, cfg, on_preempt="afm_core.train.preemption.request_checkpoint", job_name=job_name)
+    summary = submit(
+        fn, cfg, on_preempt="afm_core.train.preemption.request_checkpoint", job_name=job_name, load_cfg=load_cfg
+    )
     if summary is not None:
         print(json.dumps(summary, indent=2, default=str))
     return summary

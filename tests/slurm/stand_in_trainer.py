@@ -27,6 +27,13 @@ def request_checkpoint() -> None:
     _stop = True
 
 
+def mark_loaded(cfg: Any) -> Any:
+    """A stand-in ``load_cfg`` (:class:`afm_core.launch.requeue.RequeueableJob`): the ``DictConfig`` with
+    ``loaded_by`` set, which :func:`run` reports."""
+    cfg.loaded_by = "mark_loaded"
+    return cfg
+
+
 def _latest(root: Path) -> tuple[int, float]:
     done = sorted(p for p in root.glob("step_*") if (p / "COMPLETE").is_file())
     if not done:
@@ -92,4 +99,5 @@ def run(cfg: Any) -> dict[str, Any]:
         "rank": rank,
         "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
         "stopped_early": stopped,
+        "loaded_by": cfg.get("loaded_by"),
     }
