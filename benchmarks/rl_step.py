@@ -160,9 +160,9 @@ def step_split(args: argparse.Namespace) -> None:
     import tempfile
 
     from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     from afm_core.config import register_schemas
+    from afm_core.config.rl import rl_config
     from afm_core.rl.driver import run_rl
     from afm_core.train.metrics import read_metrics
     from afm_core.utils.paths import repo_root
@@ -176,7 +176,7 @@ def step_split(args: argparse.Namespace) -> None:
         if args.threads is not None:
             cfg.trainer.num_threads = args.threads
         started = time.perf_counter()
-        run_rl(OmegaConf.to_container(cfg, resolve=True))
+        run_rl(rl_config(cfg))
         total = time.perf_counter() - started
         records = read_metrics(Path(run_dir) / "metrics.jsonl")
     load = os.getloadavg()

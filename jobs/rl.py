@@ -9,10 +9,12 @@
 The composed config is checked against its typed schema (:mod:`afm_core.config.rl`) before anything starts: an
 unknown key or a bad value exits with status 2 in seconds, naming the key; so do an absent prompt or validation
 benchmark file, an unknown preset and a plug-in (``reward_fn``, a tool's ``_target_``) that does not import
-(:func:`afm_core.rl.driver.check_inputs`). A ``cluster=slurm`` job is planned
-first (:mod:`afm_core.launch.plan_gate`): one that does not fit its GPUs exits with status 3 before ``sbatch``
-(``+plan.force=true`` submits anyway). Each rank runs ``afm_core.rl.driver.run_rl(cfg)``; on SIGUSR2 (Slurm timeout or preemption) it checkpoints at
-the next rollout-step boundary and the job is requeued (afm_core.launch.requeue).
+(:func:`afm_core.rl.driver.check_inputs`). A ``cluster=slurm`` job is planned first
+(:mod:`afm_core.launch.plan_gate`): one that does not fit its GPUs exits with status 3 before ``sbatch``
+(``+plan.force=true`` submits anyway). The job carries the resolved config as plain containers; each rank checks
+it into an ``RLConfig`` (:func:`afm_core.config.rl.rl_config`) and runs ``afm_core.rl.driver.run_rl`` on it; on
+SIGUSR2 (Slurm timeout or preemption) it checkpoints at the next rollout-step boundary and the job is requeued
+(afm_core.launch.requeue).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import hydra
 from omegaconf import DictConfig
 
 from afm_core.config import register_schemas
-from afm_core.config.rl import RLConfig
+from afm_core.config.rl import RLConfig, rl_config
 from afm_core.config.timeouts import collective_timeout_min, rollout_wait_s
 from afm_core.launch.submit import run_training_job
 from afm_core.rl.driver import check_inputs
@@ -31,12 +33,30 @@ from afm_core.rl.driver import check_inputs
 register_schemas()  # `- rl_schema` in conf/rl.yaml's defaults list: before @hydra.main composes
 
 
+def check_typed_inputs(cfg: dict[str, Any]) -> None:
+    """:func:`afm_core.rl.driver.check_inputs` on the resolved config (plain dicts and lists, as
+    :func:`~afm_core.launch.submit.run_training_job` hands it) checked into an ``RLConfig``.
+
+    Raises:
+        ValueError, FileNotFoundError: as :func:`~afm_core.rl.driver.check_inputs` (a ``ConfigError`` is a
+            ValueError; the schema was checked before, so none comes here).
+    """
+    check_inputs(rl_config(cfg))
+
+
 @hydra.main(config_path="../conf", config_name="rl", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
     if cfg.parallel.get("collective_timeout_min") is None:  # outlast the longest rollout wait (not a fixed 30 min)
         wait = rollout_wait_s(cfg.rollout, cfg.algorithm.gen_batch_size)
         cfg.parallel.collective_timeout_min = collective_timeout_min(wait)
-    return run_training_job("afm_core.rl.driver.run_rl", cfg, job_name="rl", schema=RLConfig, check_inputs=check_inputs)
+    return run_training_job(
+        "afm_core.rl.driver.run_rl",
+        cfg,
+        job_name="rl",
+        schema=RLConfig,
+        check_inputs=check_typed_inputs,
+        load_cfg="afm_core.config.rl.rl_config",
+    )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from afm_core.config import ConfigError, check_config, register_schemas
 from afm_core.config.data import PrepareDataConfig
@@ -241,11 +240,12 @@ def test_jobs_rl_rejects_a_bad_override_naming_the_key_before_importing_torch(tm
     ],
 )
 def test_the_rl_jobs_plug_ins_and_task_files_are_checked_before_the_queue_naming_the_key(overrides, error, message):
+    from afm_core.config.rl import rl_config
     from afm_core.rl.driver import check_inputs
 
-    cfg = OmegaConf.to_container(_compose("recipe=rl_smoke", "run_dir=/tmp/run", *overrides, config="rl"), resolve=True)
+    config = rl_config(_compose("recipe=rl_smoke", "run_dir=/tmp/run", *overrides, config="rl"))
     with pytest.raises(error) as raised:
-        check_inputs(cfg)
+        check_inputs(config)
     assert message in str(raised.value)
 
 

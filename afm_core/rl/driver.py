@@ -1,4 +1,4 @@
-"""``run_rl(cfg)``: one colocated DAPO job with tool rollouts, the entry point every rank of ``jobs.rl`` runs.
+"""``run_rl(config)``: one colocated DAPO job with tool rollouts, the entry point every rank of ``jobs.rl`` runs.
 
 Reads like slime's ``train.py`` (THUDM/slime) and verl's DAPO ``fit`` (``recipe/dapo/dapo_ray_trainer.py``); each
 line is a call on a named part::
@@ -33,9 +33,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
-from afm_core.config.rl import RLConfig, rl_config
+from afm_core.config.rl import RLConfig
 from afm_core.rl.checkpoint import Checkpointer, RLProgress, RLState
 from afm_core.rl.metrics import RLMetricsLog, step_record
 from afm_core.rl.schedule import Stage, parse_schedule, stage_at, train_seq_length
@@ -45,15 +45,15 @@ from afm_core.train.preemption import JOB_PREEMPTION, Preemption
 
 
 def run_rl(
-    cfg: RLConfig | DictConfig | dict[str, Any],
+    config: RLConfig,
     after_step: Callable[[int], None] | None = None,
     preemption: Preemption | None = None,
 ) -> dict[str, Any]:
     """DAPO with tool rollouts on this rank (see the module docstring); every rank of the job calls it.
 
     Args:
-        cfg: the composed ``conf/rl.yaml`` (as ``jobs.rl`` submits it, or typed): checked into an
-            :class:`~afm_core.config.rl.RLConfig` here, and each part gets the typed sub-config it reads.
+        config: the checked ``conf/rl.yaml`` (``jobs.rl``'s ranks make it with
+            :func:`~afm_core.config.rl.rl_config`); each part gets the typed sub-config it reads.
         after_step: called with the rollout step number after each step's metrics are written (before the
             checkpoint decision), e.g. to ``preemption.request``.
         preemption: where a checkpoint or a stop is asked for (:class:`~afm_core.train.preemption.Preemption`: read
@@ -79,7 +79,6 @@ def run_rl(
     from afm_core.train.checkpoint_dirs import find_resume_checkpoint
     from afm_core.train.distributed import destroy_distributed, init_distributed
 
-    config = rl_config(cfg)
     preemption = JOB_PREEMPTION if preemption is None else preemption
     t, a, r, ckpt = config.trainer, config.algorithm, config.rollout, config.checkpoint
     check_adv_estimator(a.adv_estimator)
@@ -139,10 +138,10 @@ def run_rl(
         destroy_distributed()
 
 
-def check_inputs(cfg: RLConfig | DictConfig | dict[str, Any]) -> None:
+def check_inputs(config: RLConfig) -> None:
     """What :func:`run_rl` reads besides the model, checked where ``jobs.rl`` is submitted (before the queue, no
     model or engine built): the plug-ins (``reward_fn``, plug-in tools: imported, not built), the validation
-    benchmarks and the RL prompt sources (``data.presets`` / ``data.files``). ``cfg``: the composed config, as
+    benchmarks and the RL prompt sources (``data.presets`` / ``data.files``). ``config``: the checked config, as
     :func:`run_rl` takes it.
 
     Raises:
@@ -152,7 +151,6 @@ def check_inputs(cfg: RLConfig | DictConfig | dict[str, Any]) -> None:
     from afm_core.eval.benchmarks import load_sources
     from afm_core.utils.plugins import check_plugins
 
-    config = rl_config(cfg)
     check_plugins({"reward_fn": config.reward_fn, "tools": asdict(config.tools)})
     validation_benchmarks(config.validation)
     data = config.data

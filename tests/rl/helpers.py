@@ -123,6 +123,7 @@ def _stop_during_round(round_: int, aborts: list[bool], preemption) -> None:
 
 
 def _rl_rank(rank: int, world: int, port: int, cfg: dict, stop_after, stop_in_round, setup, out: str) -> None:
+    from afm_core.config.rl import rl_config as checked
     from afm_core.rl.driver import run_rl
     from afm_core.train.preemption import Preemption
     from tests.gloo_env import set_rank_env
@@ -139,7 +140,7 @@ def _rl_rank(rank: int, world: int, port: int, cfg: dict, stop_after, stop_in_ro
     aborts: list[bool] = []
     if stop_in_round is not None:
         _stop_during_round(stop_in_round, aborts, preemption)
-    summary = run_rl(cfg, after_step=after_step, preemption=preemption)
+    summary = run_rl(checked(cfg), after_step=after_step, preemption=preemption)  # as jobs.rl's ranks do
     if rank == 0:
         Path(out).write_text(json.dumps({**summary, "aborted_rounds_left_vllm_idle": aborts}))
 
