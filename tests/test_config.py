@@ -184,6 +184,34 @@ def test_every_shipped_rl_recipe_passes_the_rl_schema(recipe):
 
 
 @pytest.mark.parametrize(
+    ("schedule", "message"),
+    [
+        (
+            [{"until_step": 4}],
+            "rollout.context_schedule[0].max_response_len: Structured config of type `ContextStage` has missing",
+        ),
+        ([{"max_response_len": 0}], "rollout.context_schedule[0].max_response_len=0: an integer >= 1"),
+        ([{"max_response_len": 8}, {"max_response_len": 16}], "context_schedule[0].until_step=None: only the last"),
+        ([{"until_step": 0, "max_response_len": 8}, {"max_response_len": 16}], "[0].until_step=0: an integer >= 1"),
+        (
+            [{"until_step": 4, "max_response_len": 8}, {"until_step": 4, "max_response_len": 16}],
+            "rollout.context_schedule[1].until_step=4: increasing: above the previous stage's (4)",
+        ),
+        ([{"until": 4, "max_response_len": 8}], "Key 'until' not in 'ContextStage'"),
+    ],
+)
+def test_a_bad_context_schedule_is_refused_at_submit_naming_the_stage_and_field(schedule, message):
+    """The ``rollout`` group's schema is the one check of the staged context length (the ranks' stages are built
+    from the checked group: afm_core.rl.schedule.build_stages)."""
+    from afm_core.config.checks import instantiate
+    from afm_core.config.rl import RolloutConfig
+
+    with pytest.raises(ConfigError) as raised:
+        instantiate(RolloutConfig, {"context_schedule": schedule}, "rollout.")
+    assert message in str(raised.value)
+
+
+@pytest.mark.parametrize(
     ("override", "message"),
     [
         ("+rollout.nonsense_key=1", "rollout.nonsense_key: Key 'nonsense_key' not in 'RolloutConfig'; valid keys: n,"),

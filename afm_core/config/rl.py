@@ -102,12 +102,13 @@ class RolloutConfig:
         require(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", self.top_k, "-1 (off) or >= 1")
         _positive("rollout.timeout_s", self.timeout_s)
         require(self.environment in ENVIRONMENTS, "rollout.environment", self.environment, "real or simulated")
-        last = None
+        last = 0  # a stage runs for the rollout steps from the previous stage's until_step to its own (exclusive)
         for i, stage in enumerate(self.context_schedule):
             key = f"rollout.context_schedule[{i}]"
             at_least_one(f"{key}.max_response_len", stage.max_response_len)
             if stage.until_step is not None:
-                require(last is None or stage.until_step > last, f"{key}.until_step", stage.until_step, "increasing")
+                valid = f"increasing: above the previous stage's ({last})" if i else "an integer >= 1"
+                require(stage.until_step > last, f"{key}.until_step", stage.until_step, valid)
                 last = stage.until_step
             else:
                 require(i == len(self.context_schedule) - 1, f"{key}.until_step", None, "only the last stage has none")
