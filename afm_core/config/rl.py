@@ -116,7 +116,7 @@ class RolloutConfig:
     @property
     def longest_response(self) -> int:
         """The largest stage's ``max_response_len`` (tokens): ``max_response_len`` is the only stage when the
-        schedule is empty, and unused otherwise (as ``afm_core.rl.schedule.parse_schedule`` reads them)."""
+        schedule is empty, and unused otherwise (as ``afm_core.rl.schedule.build_stages`` reads them)."""
         return (
             max(s.max_response_len for s in self.context_schedule) if self.context_schedule else self.max_response_len
         )

@@ -38,7 +38,7 @@ from omegaconf import OmegaConf
 from afm_core.config.rl import RLConfig
 from afm_core.rl.checkpoint import Checkpointer, RLProgress, RLState
 from afm_core.rl.metrics import RLMetricsLog, step_record
-from afm_core.rl.schedule import Stage, parse_schedule, stage_at, train_seq_length
+from afm_core.rl.schedule import Stage, build_stages, stage_at, train_seq_length
 from afm_core.rl.train_batch import fill_train_batch
 from afm_core.rl.validation import Validation, naming, validation_benchmarks
 from afm_core.train.preemption import JOB_PREEMPTION, Preemption
@@ -83,7 +83,7 @@ def run_rl(
     t, a, r, ckpt = config.trainer, config.algorithm, config.rollout, config.checkpoint
     check_adv_estimator(a.adv_estimator)
     run_dir = Path(ckpt.run_dir)
-    stages = parse_schedule(r.context_schedule, r.max_response_len)
+    stages = build_stages(r)
 
     hf_dir = ensure_hf_checkpoint(asdict(config.model))
     tokenizer = load_tokenizer(hf_dir)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from afm_core.config.rl import ContextStage
+from afm_core.config.rl import RolloutConfig
 
 
 @dataclass(frozen=True)
@@ -24,31 +24,14 @@ class Stage:
     until_step: int | None
 
 
-def parse_schedule(schedule: Sequence[ContextStage] | None, default_len: int) -> list[Stage]:
-    """``rollout.context_schedule`` (:class:`~afm_core.config.rl.ContextStage` s, e.g. ``until_step=40,
-    max_response_len=16384`` then ``max_response_len=32768``) -> stages; none: one stage of ``default_len`` tokens
-    (``rollout.max_response_len``). :class:`~afm_core.config.rl.RolloutConfig` checks the same at submit.
-
-    Raises:
-        ValueError: a stage without a positive ``max_response_len``, ``until_step`` not increasing, or a stage
-            other than the last without ``until_step`` (names the stage: ``rollout.context_schedule[i]``).
-    """
-    if not schedule:
-        return [Stage(0, int(default_len), None)]
-    stages, last = [], 0
-    for i, entry in enumerate(schedule):
-        where = f"rollout.context_schedule[{i}]"
-        length = entry.max_response_len
-        if not isinstance(length, int) or length < 1:  # omegaconf's MISSING ("???") when a stage has none
-            raise ValueError(f"{where}.max_response_len: a positive token count is required")
-        until = entry.until_step
-        if until is None and i != len(schedule) - 1:
-            raise ValueError(f"{where}.until_step: only the last stage may omit it")
-        if until is not None and until <= last:
-            raise ValueError(f"{where}.until_step={until}: must be above the previous stage's ({last})")
-        last = until if until is not None else last
-        stages.append(Stage(i, length, until))
-    return stages
+def build_stages(rollout: RolloutConfig) -> list[Stage]:
+    """The stages of ``rollout.context_schedule`` (e.g. ``until_step=40, max_response_len=16384`` then
+    ``max_response_len=32768``), in order; an empty schedule: one stage of ``rollout.max_response_len`` tokens.
+    The schedule is valid as :class:`~afm_core.config.rl.RolloutConfig` checks it (positive lengths, ``until_step``
+    increasing from 1, only the last stage without one), so this raises nothing."""
+    if not rollout.context_schedule:
+        return [Stage(0, rollout.max_response_len, None)]
+    return [Stage(i, s.max_response_len, s.until_step) for i, s in enumerate(rollout.context_schedule)]
 
 
 def stage_at(stages: Sequence[Stage], step: int) -> Stage:

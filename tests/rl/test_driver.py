@@ -29,14 +29,13 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from afm_core.config import register_schemas
-from afm_core.config.checks import ConfigError, instantiate
-from afm_core.config.rl import ContextStage, RewardConfig, RolloutConfig
+from afm_core.config.rl import RewardConfig
 from afm_core.config.rl import rl_config as as_rl_config
 from afm_core.rl.metrics import rollout_metrics
 from afm_core.rl.prompts import PromptStream
 from afm_core.rl.reward_shaping import shaped_reward
 from afm_core.rl.rollout_actor import RolloutActor, node_tool_urls
-from afm_core.rl.schedule import parse_schedule, stage_at
+from afm_core.rl.schedule import Stage, build_stages
 from afm_core.utils.paths import repo_root
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
@@ -193,32 +192,6 @@ fp32_runs = pytest.mark.parametrize("uninterrupted", ["fp32"], indirect=True)
 
 
 # -- fast units -------------------------------------------------------------------------------------------
-def test_the_context_schedule_picks_the_stage_of_each_rollout_step():
-    stages = parse_schedule([ContextStage(16384, until_step=40), ContextStage(32768)], 4096)
-    assert [stage_at(stages, s).max_response_len for s in (0, 39, 40, 500)] == [16384, 16384, 32768, 32768]
-    assert parse_schedule([], 4096)[0].max_response_len == 4096
-
-
-@pytest.mark.parametrize(
-    "schedule, field",
-    [
-        ([{"until_step": 4}], "context_schedule[0].max_response_len"),
-        ([{"max_response_len": 8}, {"max_response_len": 16}], "context_schedule[0].until_step"),
-        ([{"until_step": 4, "max_response_len": 8}, {"until_step": 4, "max_response_len": 16}], "[1].until_step"),
-        ([{"until": 4, "max_response_len": 8}], "Key 'until' not in 'ContextStage'"),
-    ],
-)
-def test_a_bad_context_schedule_names_the_stage_and_field(schedule, field):
-    """Refused at submit (the ``rollout`` group's schema), and by ``parse_schedule`` itself for the typed stages
-    that can be built (an unknown key cannot)."""
-    match = field.replace("[", r"\[").replace("]", r"\]")
-    with pytest.raises(ConfigError, match=match):
-        instantiate(RolloutConfig, {"context_schedule": schedule}, "rollout.")
-    if all(set(entry) <= {"until_step", "max_response_len"} for entry in schedule):
-        with pytest.raises(ValueError, match=match):
-            parse_schedule([ContextStage(**entry) for entry in schedule], 4096)
-
-
 def test_the_prompt_stream_resumes_at_its_saved_position_across_epochs():
     a = PromptStream(5, seed=3)
     a.take(7)
@@ -262,7 +235,7 @@ def test_the_paper_rl_recipes_pass_the_submit_checks_and_start_an_engine_within_
         cfg = compose(config_name="rl", overrides=[f"recipe={recipe}", f"run_dir={tmp_path}", "data.files=[p.parquet]"])
     checked = check_config(cfg, RLConfig)
     a, r = cfg.algorithm, cfg.rollout
-    stages = parse_schedule(checked.rollout.context_schedule, r.max_response_len)
+    stages = build_stages(checked.rollout)
     max_model_len = cfg.data.max_prompt_len + max(s.max_response_len for s in stages)  # run_rl's engine context
     assert max_model_len <= cfg.model.max_position_embeddings  # vLLM refuses a longer one at start (B1)
     dp = checked.cluster.data_parallel(checked.parallel.model_parallel)
@@ -455,7 +428,7 @@ def test_a_policy_that_writes_code_gets_the_plugged_in_tools_observation_graded_
                                       "<think>Done.</think>\n<answer>\\boxed{42}</answer>"], 2048)  # fmt: skip
     actor = RolloutActor(config.actor, hf_dir, tokenizer, {}, 2048, engine=policy)
     try:
-        (sample,) = actor.generate([("0:0", task)], 1, parse_schedule([], 256)[0], seed=0)
+        (sample,) = actor.generate([("0:0", task)], 1, Stage(0, 256, None), seed=0)
         assert actor.tool_metrics()["code"]["calls"] == 1
     finally:
         actor.close()
@@ -659,7 +632,7 @@ def test_a_sandbox_killed_mid_rollout_gives_counted_error_observations_not_a_cra
         killer = threading.Thread(target=kill_when_calls_run)
         killer.start()
         try:
-            samples = actor.generate(tasks, n=2, stage=parse_schedule([], 1024)[0], seed=0)
+            samples = actor.generate(tasks, n=2, stage=Stage(0, 1024, None), seed=0)
         finally:
             killer.join()
             actor.close()
@@ -724,7 +697,7 @@ def test_sigusr2_while_a_round_generates_or_validates_aborts_every_request_of_th
     start = time.perf_counter()
     try:
         with pytest.raises(RolloutAborted):
-            actor.generate([("0:0", task), ("0:1", task)], n=2, stage=parse_schedule([], 64)[0], seed=0)
+            actor.generate([("0:0", task), ("0:1", task)], n=2, stage=Stage(0, 64, None), seed=0)
         sender.join()
         assert policy.cancelled == 4 and policy.settled and time.perf_counter() - start < 10
         assert preemption.stop_requested()  # still set: the driver clears it when it saves (boundary_flags)
