@@ -143,6 +143,8 @@ class RequeueableJob(submitit.helpers.Checkpointable):
         ValueError: no ``cfg.run_dir``; ``fn``, ``on_preempt`` or ``load_cfg`` names no importable module.
     """
 
+    load_cfg: str | None = None  # the class default: a job pickled before load_cfg existed resumes unchanged
+
     def __init__(
         self,
         fn: str,
