@@ -71,7 +71,7 @@ def run_rl(
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.colocation import Handover
     from afm_core.rl.dynamic_sampling import dynamic_sampler
-    from afm_core.rl.policy_trainer import PolicyTrainer, check_adv_estimator, check_batch_split
+    from afm_core.rl.policy_trainer import PolicyTrainer, check_batch_split
     from afm_core.rl.prompts import PromptStream, load_prompts
     from afm_core.rl.rollout_actor import start_rollout_actor
     from afm_core.rollout.factory import load_tokenizer
@@ -81,7 +81,6 @@ def run_rl(
 
     preemption = JOB_PREEMPTION if preemption is None else preemption
     t, a, r, ckpt = config.trainer, config.algorithm, config.rollout, config.checkpoint
-    check_adv_estimator(a.adv_estimator)
     run_dir = Path(ckpt.run_dir)
     stages = build_stages(r)
 
@@ -107,7 +106,7 @@ def run_rl(
                     f"{state.progress.stage}, prompts {state.stream.state_dict()}",
                     flush=True,
                 )
-        max_model_len = config.data.max_prompt_len + max(s.max_response_len for s in stages)
+        max_model_len = config.data.max_prompt_len + r.longest_response
         val_tasks = [task for bench in val_benchmarks for task in bench.tasks]  # their tool servers start too
         rng = rng_state()  # seeded, or the checkpoint's: vLLM's start reseeds this process (set_random_seed)
         with start_rollout_actor(config.actor, layout, hf_dir, tokenizer, tasks + val_tasks, max_model_len,

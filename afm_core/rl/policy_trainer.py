@@ -21,14 +21,6 @@ import torch
 
 from afm_core.config.rl import PolicyConfig
 
-ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "gae")
-
-
-def check_adv_estimator(name: str) -> None:
-    """Raises ValueError naming ``algorithm.adv_estimator`` unless it is one of :data:`ADVANTAGE_ESTIMATORS`."""
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"algorithm.adv_estimator={name!r}: expected one of {', '.join(ADVANTAGE_ESTIMATORS)}")
-
 
 def check_batch_split(mini_batch: int, train_batch: int, dp: int, micro_batch_size: int) -> None:
     """Every mini-batch and the train batch (in samples) must split evenly over the data-parallel ranks' micro
@@ -98,7 +90,6 @@ class PolicyTrainer:
         from afm_core.train.distributed import activation_memory_overrides, training_dtype
 
         a, t = policy.algorithm, policy.trainer
-        check_adv_estimator(a.adv_estimator)
         self.config, self.layout, self.pad_id = policy, layout, pad_id
         updates = t.max_steps * a.ppo_epochs * (a.train_batch_size // a.mini_batch_size)
         dtype = training_dtype(t.precision)
