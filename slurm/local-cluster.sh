@@ -62,13 +62,9 @@ our_pid() {
 # wait_for SECONDS DESCRIPTION COMMAND...: until COMMAND succeeds, up to a deadline (a slow COMMAND, as sinfo
 # retrying a controller that is gone, does not stretch it).
 wait_for() {
-  local secs=$1 what=$2 deadline
+  local secs=$1 what=$2
   shift 2
-  deadline=$((SECONDS + secs))
-  until "$@" >/dev/null 2>&1; do
-    [ "$SECONDS" -lt "$deadline" ] || die "timed out after ${secs}s waiting for $what (logs: $STATE/log, $STATE/run/*/)"
-    sleep 0.2
-  done
+  wait_for_quiet "$secs" "$@" || die "timed out after ${secs}s waiting for $what (logs: $STATE/log, $STATE/run/*/)"
 }
 
 wait_for_quiet() {  # wait_for_quiet SECONDS COMMAND...: as wait_for, but returns 1 at the deadline
