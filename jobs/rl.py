@@ -25,23 +25,12 @@ import hydra
 from omegaconf import DictConfig
 
 from afm_core.config import register_schemas
-from afm_core.config.rl import RLConfig, rl_config
+from afm_core.config.rl import RLConfig
 from afm_core.config.timeouts import collective_timeout_min, rollout_wait_s
 from afm_core.launch.submit import run_training_job
 from afm_core.rl.driver import check_inputs
 
 register_schemas()  # `- rl_schema` in conf/rl.yaml's defaults list: before @hydra.main composes
-
-
-def check_typed_inputs(cfg: dict[str, Any]) -> None:
-    """:func:`afm_core.rl.driver.check_inputs` on the resolved config (plain dicts and lists, as
-    :func:`~afm_core.launch.submit.run_training_job` hands it) checked into an ``RLConfig``.
-
-    Raises:
-        ValueError, FileNotFoundError: as :func:`~afm_core.rl.driver.check_inputs` (a ``ConfigError`` is a
-            ValueError; the schema was checked before, so none comes here).
-    """
-    check_inputs(rl_config(cfg))
 
 
 @hydra.main(config_path="../conf", config_name="rl", version_base="1.3")
@@ -54,7 +43,7 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
         cfg,
         job_name="rl",
         schema=RLConfig,
-        check_inputs=check_typed_inputs,
+        check_inputs=check_inputs,
         load_cfg="afm_core.config.rl.rl_config",
     )
 

@@ -99,13 +99,14 @@ def run_training_job(
     *,
     job_name: str,
     schema: type | None = None,
-    check_inputs: Callable[[dict[str, Any]], None] | None = None,
+    check_inputs: Callable[[Any], None] | None = None,
     load_cfg: str | None = None,
 ) -> dict[str, Any] | None:
     """The body of a training app (``jobs.sft``, ``jobs.rl``): check ``cfg`` against its typed ``schema``
     (:func:`afm_core.config.check_config`; a bad value exits with status 2 and one line naming the key, before
-    anything is built or submitted), then its inputs (``check_inputs(resolved config)``, the config as plain
-    dicts and lists: data files, plug-ins; a ValueError or FileNotFoundError exits with status 2 and its message),
+    anything is built or submitted), then its inputs (``check_inputs(config)``, the config as the ranks will get it:
+    ``load_cfg``'s result, else the resolved plain dicts and lists; data files, plug-ins; a ValueError or
+    FileNotFoundError exits with status 2 and its message),
     plan a ``cluster=slurm`` job (:mod:`afm_core.launch.plan_gate`: one that does not fit its GPUs exits with
     status 3 before ``sbatch``, naming the numbers and the overrides that would fit; ``+plan.force=true`` submits
     anyway), :func:`submit` ``fn`` with the trainer's checkpoint-and-requeue hook
@@ -124,7 +125,12 @@ def run_training_job(
             raise SystemExit(2) from None
     if check_inputs is not None:
         try:
-            check_inputs(OmegaConf.to_container(cfg, resolve=True))  # type: ignore[arg-type]
+            if load_cfg is not None:
+                from hydra.utils import get_method
+
+                check_inputs(get_method(load_cfg)(cfg))
+            else:
+                check_inputs(OmegaConf.to_container(cfg, resolve=True))
         except (ValueError, FileNotFoundError) as err:
             print(f"jobs.{job_name}: {err}", file=sys.stderr)
             raise SystemExit(2) from None
