@@ -6,8 +6,10 @@ import dataclasses
 import inspect
 import json
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -202,6 +204,20 @@ def test_training_dtype_auto_is_bf16_only_where_it_is_fast_and_warns_on_bf16_emu
     monkeypatch.setenv("AFM_CPU_BF16", "yes")
     with pytest.raises(ValueError, match=r"AFM_CPU_BF16='yes': expected 1 .*, 0 .* or unset"):
         training_dtype("auto")
+
+
+def test_the_machine_summary_names_this_cpu_its_speed_flags_and_the_precision_auto_picks(monkeypatch):
+    from afm_core.utils import hardware
+
+    for forced, precision in (("1", "bf16"), ("0", "fp32")):
+        monkeypatch.setenv("AFM_CPU_BF16", forced)
+        machine = hardware.machine_summary()
+        assert machine["cpu_precision"] == precision
+    assert machine["cpu"] and machine["threads"] == len(os.sched_getaffinity(0))
+    cpuinfo = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    flags = set(cpuinfo.split("\nflags", 1)[1].split("\n", 1)[0].split())
+    assert machine["flags"] == [f for f in hardware.SPEED_FLAGS if f in flags]
+    assert (machine["gpu"] is not None) == torch.cuda.is_available()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the shims apply only without CUDA")

@@ -64,7 +64,9 @@ def rl_demo_report(run_dir: Path, stages: Sequence[Mapping[str, Any]]) -> dict[s
         ``heldout_slice`` {``n_problems``, ``k``, ``before``, ``after``, ``delta``, ``se``, ``z``, ``selection``},
         ``full_heldout`` {``before``, ``after``}, ``train_slice`` {``n_problems``}, ``reward_slope`` {``per_step``,
         ``se``, ``z``}, ``median_step_s``, ``rl_wall_s``, ``total_wall_s``, ``max_rss_gib`` (the largest resident
-        set of any process the chain waited for), ``curve_png``.
+        set of any process the chain waited for), ``curve_png``, ``machine`` (:func:`afm_core.utils.hardware.machine_summary`
+        of the machine that wrote the report, and ``precision``: the RL stage's ``trainer.precision`` with ``auto``
+        resolved as its trainer resolves it here).
 
     Raises:
         KeyError: a stage of :data:`STAGES` is missing from ``stages``.
@@ -72,6 +74,7 @@ def rl_demo_report(run_dir: Path, stages: Sequence[Mapping[str, Any]]) -> dict[s
     """
     from afm_core.eval.report import compare_scores
     from afm_core.train.metrics import read_metrics
+    from afm_core.utils.hardware import machine_summary
 
     by_name = {s["name"]: s for s in stages}
     missing = [name for name in STAGES if name not in by_name]
@@ -115,4 +118,17 @@ def rl_demo_report(run_dir: Path, stages: Sequence[Mapping[str, Any]]) -> dict[s
         "total_wall_s": round(sum(float(s.get("seconds") or 0.0) for s in stages), 1),
         "max_rss_gib": round(max_rss_kib / 2**20, 2),
         "curve_png": str(dirs["rl"] / "rl.png"),
+        "machine": {**machine_summary(), "precision": _rl_precision(dirs["rl"])},
     }
+
+
+def _rl_precision(rl_dir: Path) -> str:
+    """The precision the RL stage trained in: its ``trainer.precision`` (``.hydra/config.yaml``) as its trainer
+    resolves it on this machine (:func:`afm_core.train.distributed.training_dtype`)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from afm_core.train.distributed import training_dtype
+
+    precision = str(OmegaConf.load(rl_dir / ".hydra" / "config.yaml").trainer.precision)
+    return "bf16" if training_dtype(precision, warn=False) == torch.bfloat16 else "fp32"

@@ -13,6 +13,7 @@ and every job a submission starts (local and Slurm jobs inherit the submitter's 
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 
@@ -62,6 +63,42 @@ def bf16_is_fast(on_gpu: bool | None = None) -> bool:
         return True
     forced = cpu_bf16_forced()
     return cpu_has_native_bf16() if forced is None else forced
+
+
+#: The CPU flags that decide the speed of our CPU paths (fp32 SIMD width, native bf16), as ``/proc/cpuinfo`` spells them.
+SPEED_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def machine_summary() -> dict[str, object]:
+    """What ran a measurement, for reports: ``cpu`` (the model name in ``/proc/cpuinfo``, or ``platform.processor()``
+    elsewhere), ``flags`` (those of :data:`SPEED_FLAGS` it has), ``threads`` (the CPUs this process may run on),
+    ``cpu_precision`` (what ``trainer.precision=auto`` picks on this CPU: ``bf16`` or ``fp32``, after
+    ``AFM_CPU_BF16``), ``gpu`` (the CUDA device name, or None).
+
+    Raises:
+        ValueError: ``AFM_CPU_BF16`` is set to something other than 0 or 1.
+    """
+    import platform
+
+    import torch
+
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:  # Linux: the first CPU's lines
+            for line in itertools.takewhile(str.strip, f):
+                key, _, value = line.partition(":")
+                info[key.strip()] = value.strip()
+    except OSError:
+        pass
+    cpu = info.get("model name") or platform.processor() or platform.machine()
+    flags = set(info.get("flags", "").split())
+    return {
+        "cpu": cpu,
+        "flags": [f for f in SPEED_FLAGS if f in flags],
+        "threads": len(os.sched_getaffinity(0)),
+        "cpu_precision": "bf16" if bf16_is_fast(on_gpu=False) else "fp32",
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
 
 
 def this_node() -> str:

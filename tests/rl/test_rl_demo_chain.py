@@ -76,6 +76,9 @@ def test_the_rl_demo_chain_runs_every_stage_on_tiny_llama_and_writes_the_report(
     assert set(summary["full_heldout"]) == {"before", "after"}
     assert summary["median_step_s"] > 0 and summary["rl_wall_s"] > 0 and summary["max_rss_gib"] > 0
     assert summary["total_wall_s"] >= summary["rl_wall_s"]
+    machine = summary["machine"]  # what ran it, for the README's table
+    assert machine["cpu"] and machine["threads"] >= 1 and machine["precision"] in ("bf16", "fp32")
+    assert set(machine["flags"]) <= {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}
     # the before-evals used another seed than the selection
     assert "eval.seed=1" in stages["before"]["command"]
 
