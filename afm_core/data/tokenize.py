@@ -106,7 +106,10 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, system: str |
     at ``<|im_start|>assistant\n`` with no empty ``<think>\n\n</think>`` block; a CoA response's own
     ``<think>`` role blocks are then Qwen3's thinking, tokenized as its ``<think>`` / ``</think>`` tokens (151667 /
     151668: added tokens that are not "special", so :func:`encode_text` keeps them whole) and trained like any
-    model text. Templates without the variable ignore it.
+    model text. Templates without the variable ignore it. Only the prompt goes through the template: Qwen3's
+    (``tokenizer_config.json`` of Hugging Face ``Qwen/Qwen3-*``), given a whole CoA trajectory as one assistant
+    message, keeps the first think block and the text after the last ``</think>`` and drops the tool calls,
+    observations and think blocks between them, so responses are appended as written (:func:`tokenize_sft_example`).
     """
     messages = [{"role": "user", "content": prompt}]
     if system is not None:
