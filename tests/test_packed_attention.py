@@ -215,6 +215,63 @@ def test_sdp_attention_per_document_equals_explicit_block_causal_softmax():
     assert torch.isfinite(attention(q[:, None], k[:, None], v[:, None], mask[None, None])).all()
 
 
+class _KernelLengths(TorchDispatchMode):
+    """Records the sequence length of every CPU flash-attention call (forward and backward)."""
+
+    KERNELS = (torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+               torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default)  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lengths: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.KERNELS:
+            self.lengths.append(args[1].shape[2])  # query [1, np, length, hn] (backward: after grad_out)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_document_attention_runs_at_bounded_lengths_and_a_document_computes_what_it_does_alone(dtype):
+    """bf16 pads each document to ``cpu_kernel_length`` (ATen caches a kernel per length without bound there),
+    exact for the document's rows: packed == alone bit for bit, forward and backward, and within bf16 rounding of
+    the fp32 block-causal softmax; fp32 attends at the documents' own lengths."""
+    from afm_core.data.packing import block_causal_attention_mask
+    from afm_core.models.attention import cpu_kernel_length
+    from afm_core.train.trainer import thd_packed_seq_params
+
+    torch.manual_seed(0)
+    docs, heads, groups, dim = (9, 100, 70, 3), 6, 2, 16
+    s = sum(docs)
+    attention = _attention(heads, groups, dim)
+    inputs = [torch.randn(s, n, dim).to(dtype) for n in (heads, groups, groups)]
+    grad_out = torch.randn(s, heads * dim).to(dtype)
+    offsets = torch.tensor([0, *itertools.accumulate(docs)], dtype=torch.int32)
+
+    def run(rows: slice, cu: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        q, k, v = (x[rows].clone().requires_grad_() for x in inputs)
+        out = attention(q, k, v, None, packed_seq_params=thd_packed_seq_params([cu], q.shape[0], torch.device("cpu")))
+        out.backward(grad_out[rows])
+        return out.detach(), [x.grad for x in (q, k, v)]
+
+    with _KernelLengths() as seen:
+        packed, packed_grads = run(slice(None), offsets)
+    expected = [cpu_kernel_length(d, dtype) for d in docs]
+    assert seen.lengths == expected * 2  # forward per document, then backward per document
+    if dtype == torch.bfloat16:
+        assert expected == [64, 128, 128, 64]
+    else:
+        assert expected == list(docs)
+    for a, e in itertools.pairwise(offsets.tolist()):
+        alone, alone_grads = run(slice(a, e), torch.tensor([0, e - a], dtype=torch.int32))
+        assert torch.equal(packed[a:e], alone)
+        for packed_grad, alone_grad in zip(packed_grads, alone_grads):
+            assert torch.equal(packed_grad[a:e], alone_grad)
+    reference = _reference(*(x.float() for x in inputs), block_causal_attention_mask(offsets, s)[0, 0])
+    tolerance = {"rtol": 1.6e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5, "atol": 1e-6}
+    torch.testing.assert_close(packed.float(), reference, **tolerance)
+
+
 def test_thd_params_lay_micro_batch_rows_end_to_end():
     from afm_core.train.trainer import thd_packed_seq_params
 
