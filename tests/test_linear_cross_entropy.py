@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from afm_core.models.cross_entropy import linear_cross_entropy
 
@@ -81,3 +82,46 @@ def test_linear_cross_entropy_with_no_labelled_row_is_zero():
     assert torch.equal(loss, torch.zeros(37))
     grad_hidden, grad_weight = torch.autograd.grad(loss.sum(), (hidden, weight))
     assert not grad_hidden.any() and not grad_weight.any()
+
+
+class _MatmulRows(TorchDispatchMode):
+    """Records the row count of every bf16 matmul (``aten.mm`` / ``aten.addmm``'s product) that passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.mm.out) and args[0].dtype == torch.bfloat16:
+            self.rows.append(args[0].shape[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("upstream", ["ones", "per-row"])
+def test_bf16_chunks_run_at_bucketed_row_counts_on_cpu_with_the_loss_and_grads_of_the_unpadded_rows(
+    upstream, monkeypatch
+):
+    """On CPU in bf16 the chunks are multiples of 64 rows and the last one is run at a bucketed size with zero rows
+    appended (torch keeps a bf16 matmul per new row count there: afm_core.models.cpu_shapes); the appended rows
+    change no loss or gradient: the same numbers as the chunks run unpadded."""
+    from afm_core.models import cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(150, 16, generator=g).bfloat16().requires_grad_()
+    weight = torch.randn(50, 16, generator=g).bfloat16().requires_grad_()
+    labels = torch.randint(0, 50, (150,), generator=g)
+    scale = torch.ones(150) if upstream == "ones" else torch.rand(150, generator=g)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        loss = linear_cross_entropy(hidden, weight, labels, chunk_bytes=4 * 50 * 150)  # 150 rows -> chunks of 128
+        return (loss, *torch.autograd.grad((loss * scale).sum(), (hidden, weight)))
+
+    with _MatmulRows() as seen:
+        bucketed = run()
+    assert seen.rows and set(seen.rows) <= {128, 64}  # 128 + 22 rows: the 22 run as 64
+    monkeypatch.setattr(cross_entropy, "_kernel_rows", lambda h: h)
+    with _MatmulRows() as seen:
+        unpadded = run()
+    assert 22 in seen.rows
+    for a, b in zip(bucketed, unpadded):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

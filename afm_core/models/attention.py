@@ -62,6 +62,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from afm_core.models.cpu_shapes import cpu_kernel_length
+
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
     """``[d, n, hn]`` -> ``[1, n, d, hn]`` (a view)."""
@@ -213,23 +215,6 @@ def _document_block_mask(cu_seqlens: torch.Tensor, t: int) -> Any:
     mask = create_block_mask(document_causal_mask_mod(cu_seqlens, t), None, None, t, t, device=cu_seqlens.device)
     _BLOCK_MASK[:] = [(cu_seqlens, key, mask)]
     return mask
-
-
-def cpu_kernel_length(tokens: int, dtype: torch.dtype) -> int:
-    """The length at which the CPU flash kernel attends a document of ``tokens`` tokens: ``tokens`` itself in fp32;
-    in bf16/fp16 rounded up to a multiple of 64 and of 1/16 of the power of two at or above it (64, 128, ...,
-    1024, 1152, ..., 2048, 2304, ...): at most 8 lengths per doubling, < 12.5% more tokens above 512.
-
-    Why: in bf16/fp16 that kernel (``aten/src/ATen/native/cpu/FlashAttentionKernel.cpp``) runs oneDNN brgemm
-    micro-kernels that ATen caches per shape, per thread, without bound (``KernelCache`` in
-    ``aten/src/ATen/native/CPUBlas.cpp``): documents of new lengths every step grow the process by a few MB per
-    new length and never give it back (measured: ~1.2 GiB over 300 random lengths <= 1000; the SFT demo grew
-    ~0.7 GiB in 20 steps). fp32 does not take that path and stays exact.
-    """
-    if dtype not in (torch.bfloat16, torch.float16):
-        return tokens
-    step = max(64, 1 << max((tokens - 1).bit_length() - 4, 0))
-    return -(-tokens // step) * step
 
 
 def _padded(x: torch.Tensor, length: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from afm_core.models.cpu_shapes import cpu_kernel_length
 from afm_core.utils.host_memory import populate_for_write
 
 LINEAR_CE_CHUNK_BYTES = 32 * 1024**2  # fp32 logits of one chunk of rows
@@ -28,6 +29,14 @@ def _softmax_minus_onehot_(logits: torch.Tensor, lse: torch.Tensor, targets: tor
     logits.sub_(lse[:, None]).exp_()
     logits[torch.arange(logits.shape[0], device=logits.device), targets] -= 1.0
     return logits
+
+
+def _kernel_rows(h: torch.Tensor) -> torch.Tensor:
+    """``h [n, hidden]`` with zero rows appended up to :func:`~afm_core.models.cpu_shapes.cpu_kernel_length` on CPU
+    in bf16/fp16 (``h`` itself elsewhere): a chunk's row count changes every step, and torch keeps the bf16
+    matmuls of each new count (:mod:`afm_core.models.cpu_shapes`)."""
+    rows = cpu_kernel_length(h.shape[0], h.dtype) if h.device.type == "cpu" else h.shape[0]
+    return h if rows == h.shape[0] else torch.cat([h, h.new_zeros(rows - h.shape[0], h.shape[1])])
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -83,16 +92,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
             populate_for_write(grad_sink)  # released pages (zero_by_release) come back without zero-page faults
         for a in range(0, m, chunk_rows):
             h, t = kept[a : a + chunk_rows], targets[a : a + chunk_rows]
+            c = h.shape[0]
+            h = _kernel_rows(h)  # [c', h]: c' >= c, zero rows after the chunk's c
             logits = (h @ weight.t()).float()
-            target_logit = logits.gather(1, t[:, None]).squeeze(1)
-            exp, total, lse[a : a + chunk_rows] = _exp_shifted_(logits)
-            losses[a : a + chunk_rows] = lse[a : a + chunk_rows] - target_logit
+            target_logit = logits[:c].gather(1, t[:, None]).squeeze(1)
+            exp, total, chunk_lse = _exp_shifted_(logits)
+            lse[a : a + c] = chunk_lse[:c]
+            losses[a : a + c] = chunk_lse[:c] - target_logit
             if unit_hidden is not None or grad_weight is not None:
                 grad_logits = exp.div_(total)  # softmax
-                grad_logits[torch.arange(h.shape[0], device=h.device), t] -= 1.0
+                grad_logits[torch.arange(c, device=h.device), t] -= 1.0
+                grad_logits[c:] = 0.0  # the appended rows: no gradient
                 grad_logits = grad_logits.to(hidden.dtype)
                 if unit_hidden is not None:
-                    torch.matmul(grad_logits, weight, out=unit_hidden[a : a + chunk_rows])
+                    if h.shape[0] == c:
+                        torch.matmul(grad_logits, weight, out=unit_hidden[a : a + c])
+                    else:
+                        unit_hidden[a : a + c] = (grad_logits @ weight)[:c]
                 if grad_weight is not None:
                     grad_weight.addmm_(grad_logits.t().float(), h.float())
         ctx.save_for_backward(kept, weight, targets, lse, rows)
@@ -132,7 +148,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for a in range(0, kept.shape[0], ctx.chunk_rows):
                 h = kept[a : a + ctx.chunk_rows]
                 n = h.shape[0]
-                grad_logits = _softmax_minus_onehot_((h @ weight.t()).float(), lse[a : a + n], targets[a : a + n])
+                logits = (_kernel_rows(h) @ weight.t())[:n].float()
+                grad_logits = _softmax_minus_onehot_(logits, lse[a : a + n], targets[a : a + n])
                 grad_weight.addmm_(grad_logits.mul_(missing[a : a + n, None]).t(), h.float())
         if ctx.grad_sink is not None:
             return grad_hidden, None, None, None, None, None, None, None
@@ -151,7 +168,9 @@ def linear_cross_entropy(
     """Cross entropy of the output layer's logits ``hidden @ weight.T`` per row, without materialising them.
 
     Equal to ``F.cross_entropy(hidden @ weight.T, labels, reduction="none")`` in fp32 (logits upcast as
-    Megatron's cross entropy does), in chunks of rows whose fp32 logits take at most ``chunk_bytes``.
+    Megatron's cross entropy does), in chunks of rows whose fp32 logits take at most ``chunk_bytes`` (on CPU in
+    bf16/fp16: a multiple of 64 rows, at least 64, and the last chunk run at a bucketed size with zero rows appended:
+    :mod:`afm_core.models.cpu_shapes`).
 
     Args:
         hidden: ``[n, h]`` final hidden states (after the final norm).
@@ -178,5 +197,7 @@ def linear_cross_entropy(
             f"grad_sink must be fp32 {tuple(weight.shape)}, got {grad_sink.dtype} {tuple(grad_sink.shape)}"
         )
     chunk_rows = max(1, chunk_bytes // (4 * weight.shape[0]))
+    if hidden.device.type == "cpu" and cpu_kernel_length(1, hidden.dtype) > 1:  # bf16/fp16: sizes in 64s (_kernel_rows)
+        chunk_rows = max(64, chunk_rows // 64 * 64)
     grad_enabled = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_rows, grad_enabled, grad_sink, rows, unit_grads)
