@@ -197,7 +197,7 @@ def linear_cross_entropy(
             f"grad_sink must be fp32 {tuple(weight.shape)}, got {grad_sink.dtype} {tuple(grad_sink.shape)}"
         )
     chunk_rows = max(1, chunk_bytes // (4 * weight.shape[0]))
-    if hidden.device.type == "cpu" and cpu_kernel_length(1, hidden.dtype) > 1:  # bf16/fp16: sizes in 64s (_kernel_rows)
+    if hidden.device.type == "cpu" and hidden.dtype in (torch.bfloat16, torch.float16):  # bucketed sizes: _kernel_rows
         chunk_rows = max(64, chunk_rows // 64 * 64)
     grad_enabled = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_rows, grad_enabled, grad_sink, rows, unit_grads)
