@@ -237,7 +237,7 @@ def test_cpu_document_attention_runs_at_bounded_lengths_and_a_document_computes_
     exact for the document's rows: packed == alone bit for bit, forward and backward, and within bf16 rounding of
     the fp32 block-causal softmax; fp32 attends at the documents' own lengths."""
     from afm_core.data.packing import block_causal_attention_mask
-    from afm_core.models.attention import cpu_kernel_length
+    from afm_core.models.cpu_shapes import cpu_kernel_length
     from afm_core.train.trainer import thd_packed_seq_params
 
     torch.manual_seed(0)

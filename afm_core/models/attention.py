@@ -62,7 +62,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from afm_core.models.cpu_shapes import cpu_kernel_length
+from afm_core.models.cpu_shapes import cpu_kernel_length, zero_padded
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -219,11 +219,7 @@ def _document_block_mask(cu_seqlens: torch.Tensor, t: int) -> Any:
 
 def _padded(x: torch.Tensor, length: int) -> torch.Tensor:
     """``x [d, n, hn]`` as ``[1, n, length, hn]`` (heads first), zero rows appended after the ``d`` tokens."""
-    if x.shape[0] == length:
-        return _heads_first(x)
-    out = x.new_zeros((length, *x.shape[1:]))
-    out[: x.shape[0]] = x
-    return _heads_first(out)
+    return _heads_first(zero_padded(x, length))
 
 
 class _DocumentCausalAttention(torch.autograd.Function):

@@ -15,14 +15,24 @@ from __future__ import annotations
 
 import torch
 
-_REDUCED = (torch.bfloat16, torch.float16)
+#: The dtypes whose CPU kernels are run at bucketed sizes.
+BUCKETED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def cpu_kernel_length(tokens: int, dtype: torch.dtype) -> int:
     """The size at which a CPU kernel is run on ``tokens`` rows: ``tokens`` itself in fp32; in bf16/fp16 rounded up
     to a multiple of 64 and of 1/16 of the power of two at or above it (64, 128, ..., 1024, 1152, ..., 2048,
     2304, ...): at most 8 sizes per doubling, < 12.5% more rows above 512. Callers append zero rows."""
-    if dtype not in _REDUCED:
+    if dtype not in BUCKETED_DTYPES:
         return tokens
     step = max(64, 1 << max((tokens - 1).bit_length() - 4, 0))
     return -(-tokens // step) * step
+
+
+def zero_padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x [d, ...]`` with zero rows appended along dim 0 up to ``rows`` (``x`` itself when ``d == rows``)."""
+    if x.shape[0] == rows:
+        return x
+    out = x.new_zeros((rows, *x.shape[1:]))
+    out[: x.shape[0]] = x
+    return out

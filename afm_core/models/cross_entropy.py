@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from afm_core.models.cpu_shapes import cpu_kernel_length
+from afm_core.models.cpu_shapes import BUCKETED_DTYPES, cpu_kernel_length, zero_padded
 from afm_core.utils.host_memory import populate_for_write
 
 LINEAR_CE_CHUNK_BYTES = 32 * 1024**2  # fp32 logits of one chunk of rows
@@ -36,7 +36,7 @@ def _kernel_rows(h: torch.Tensor) -> torch.Tensor:
     in bf16/fp16 (``h`` itself elsewhere): a chunk's row count changes every step, and torch keeps the bf16
     matmuls of each new count (:mod:`afm_core.models.cpu_shapes`)."""
     rows = cpu_kernel_length(h.shape[0], h.dtype) if h.device.type == "cpu" else h.shape[0]
-    return h if rows == h.shape[0] else torch.cat([h, h.new_zeros(rows - h.shape[0], h.shape[1])])
+    return zero_padded(h, rows)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -197,7 +197,7 @@ def linear_cross_entropy(
             f"grad_sink must be fp32 {tuple(weight.shape)}, got {grad_sink.dtype} {tuple(grad_sink.shape)}"
         )
     chunk_rows = max(1, chunk_bytes // (4 * weight.shape[0]))
-    if hidden.device.type == "cpu" and hidden.dtype in (torch.bfloat16, torch.float16):  # bucketed sizes: _kernel_rows
+    if hidden.device.type == "cpu" and hidden.dtype in BUCKETED_DTYPES:  # bucketed sizes: _kernel_rows
         chunk_rows = max(64, chunk_rows // 64 * 64)
     grad_enabled = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _LinearCrossEntropy.apply(hidden, weight, labels, chunk_rows, grad_enabled, grad_sink, rows, unit_grads)
