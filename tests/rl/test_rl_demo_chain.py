@@ -19,8 +19,8 @@ from tests.slurm.tiny_sft import TINY
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(
-        not (shared_data_dir() / "math/gsm8k/test.jsonl").is_file(),
-        reason="needs the shared GSM8K data (../shared/data)",
+        not all((shared_data_dir() / f"math/{name}/test.jsonl").is_file() for name in ("gsm8k", "mawps")),
+        reason="needs the shared GSM8K (warm start) and MAWPS (RL) data (../shared/data)",
     ),
 ]
 
