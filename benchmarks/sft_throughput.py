@@ -301,9 +301,11 @@ def engine_worker(conn: Any, engine: str, args: argparse.Namespace, seq_length: 
     """One engine in a process of its own: build it, then run the parent's commands ("step", "profile",
     "stop") and answer each; the last answer carries the process's memory figures."""
     try:
+        from afm_core.utils.cpu_math import warm_vml
         from afm_core.utils.host_memory import configure_allocator
 
         configure_allocator()  # the SFT job's allocator settings, for both engines
+        warm_vml()  # as every training rank does: exact unary ops from the first step on (afm_core.utils.cpu_math)
         with tempfile.TemporaryDirectory(prefix=f"afm-sft-throughput-{engine}-") as run_dir:
             cfg = compose_sft_config(args, seq_length, Path(run_dir))
             from afm_core.models.hf_checkpoint import ensure_hf_checkpoint

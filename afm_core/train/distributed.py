@@ -126,10 +126,15 @@ def activation_memory_overrides(parallel: Any) -> dict[str, Any]:
 
 
 def set_num_threads(num_threads: int | None, local_world_size: int) -> int:
-    """``torch.set_num_threads`` to ``num_threads``, or ``max(1, cores // local_world_size)`` when None.
+    """``torch.set_num_threads`` to ``num_threads``, or ``max(1, cores // local_world_size)`` when None, after
+    resolving oneMKL VML's kernels single-threaded (:func:`afm_core.utils.cpu_math.warm_vml`: otherwise a fresh
+    process's first multi-threaded ``cos`` can come out inexact, the RoPE table of its first step included).
 
     Returns the thread count set. Cores are the CPUs this process may run on (``sched_getaffinity``).
     """
+    from afm_core.utils.cpu_math import warm_vml
+
+    warm_vml()
     if num_threads is None:
         num_threads = max(1, len(os.sched_getaffinity(0)) // max(1, local_world_size))
     torch.set_num_threads(int(num_threads))
