@@ -7,12 +7,13 @@ call runs on several threads at once (a fresh process's first sizable op), one t
 kernel for its whole chunk of that one call (pytorch/pytorch issue 188792, fix proposed in pull request 188791;
 oneMKL 2024.2 as bundled in the torch wheels; >= 2025.0 does not show it).
 
-Measured here (torch 2.13.0 CPU wheel, 2 threads, Intel Xeon with AVX512-BF16): ``torch.cos`` of the RoPE angle table
-``[1024, 64]`` as a fresh spawned process's first op went wrong in 4 of 30 processes: one thread's half of the table
-off by up to 1.5e-4 (``cos(1.0)`` = 0.5403335 against 0.5403023), the next call right. Our trainer computes its RoPE
-``cos``/``sin`` on the first forward of each process (:func:`afm_core.models.local_spec._cos_sin`), so a fresh or
-resumed process's first step sometimes computed other values than the same step elsewhere: the SFT step's first
-loss moved by 1.6e-4 in 3 of ~20 runs of ``python -m benchmarks.sft_throughput``, past its 1e-4 check against HF.
+Measured here (torch 2.13.0 CPU wheel, 2 threads, Intel Xeon with AVX512-BF16): ``torch.cos`` of the RoPE angle
+table ``[1024, 64]`` as a fresh spawned process's first op went wrong in 10 of 110 processes (0 of 70 after
+:func:`warm_vml`): one thread's half of the table off by up to 1.5e-4 (``cos(1.0)`` = 0.5403335 against
+0.5403023), the next call right. Our trainer computes its RoPE ``cos``/``sin`` on the first forward of each
+process (:func:`afm_core.models.local_spec._cos_sin`), so a fresh or resumed process's first step sometimes
+computed other values than the same step elsewhere: the SFT step's first loss moved by 1.6e-4 in 3 of ~20 runs of
+``python -m benchmarks.sft_throughput``, past its 1e-4 check against HF.
 
 :func:`warm_vml` calls each such op once on one element, in the calling thread, so every dispatch is resolved before
 any concurrent use (what the upstream fix does inside ATen). Every training rank calls it
