@@ -24,7 +24,9 @@ micro batches of 4096 tokens per step, 2 warmup and 8 timed steps per engine).
   :class:`~afm_core.train.trainer.SFTTrainer`, ``train_step``); its peak memory against ``jobs.plan``'s
   prediction (:func:`benchmarks.plan_vs_gpu.compare`). ``ours`` runs ``trainer.compile`` as configured (null: the
   compiled elementwise kernels on CUDA, eager on CPU), ``ours-eager`` with ``trainer.compile=false``,
-  ``ours-compiled`` with ``true``. On CUDA one more step runs under ``torch.cuda.set_sync_debug_mode("warn")``:
+  ``ours-compiled`` with ``true``, ``ours-layers`` with ``trainer.compile_layers=true`` (each transformer layer
+  compiled whole; ``dynamo_graphs``: the graphs torch.compile built up to the end of the timed steps, a
+  recompilation inside them shows as a slow step in ``step_s``). On CUDA one more step runs under ``torch.cuda.set_sync_debug_mode("warn")``:
   every host-device synchronisation inside it is reported by source line (``syncs``).
 * **hf**: ``AutoModelForCausalLM.from_pretrained`` of that checkpoint (SDPA attention; the documents by a 4-D
   block-causal mask and position ids restarting per document), fp32 weights and fused AdamW with the forward under
@@ -69,8 +71,16 @@ from afm_core.utils.atomic import atomic_write_json
 LENGTHS_PATH = Path(__file__).with_name("coa_doc_lengths.json")
 BIN_TOKENS = 64
 GIB = 1024**3
-# ours*: their trainer.compile
-ENGINES = {"ours": None, "ours-eager": False, "ours-compiled": True, "hf": None, "hf-bf16": None, "hf-causal": None}
+# ours*: their trainer overrides
+ENGINES: dict[str, dict[str, Any]] = {
+    "ours": {},
+    "ours-eager": {"compile": False},
+    "ours-compiled": {"compile": True},
+    "ours-layers": {"compile_layers": True},
+    "hf": {},
+    "hf-bf16": {},
+    "hf-causal": {},
+}
 # |first-step loss of ours - HF's| on the same weights and batch, nats: fp32 (CPU) agrees to rounding
 # (benchmarks.sft_throughput's bound); bf16 rounds every matmul's output and our residual stream (HF's autocast
 # keeps it fp32), about 1e-3 relative on a ~12-nat loss of random weights
@@ -147,15 +157,15 @@ def packed_steps(
 
 def compose(args: argparse.Namespace, run_dir: Path, engine: str = "ours") -> Any:
     """``conf/sft.yaml`` with the benchmark's model and shapes (:func:`benchmarks.plan_vs_gpu.compose_config`) and
-    the engine's ``trainer.compile``."""
+    the engine's trainer overrides (:data:`ENGINES`)."""
     from benchmarks.plan_vs_gpu import compose_config
 
     steps = args.warmup + args.steps + int(args.profile) + 1  # + the sync check's step
     cfg = compose_config(
         args.model, args.seq_length, args.recompute, args.micro_batch, args.global_batch, steps, run_dir
     )
-    if ENGINES[engine] is not None:
-        cfg.trainer.compile = ENGINES[engine]
+    for key, value in ENGINES[engine].items():
+        cfg.trainer[key] = value
     return cfg
 
 
@@ -294,7 +304,10 @@ def ours(args: argparse.Namespace, data: PackedSequences, hf_dir: Path, engine: 
                 hook.remove()  # a global hook costs every module call: gone before the first step ends
 
         def checks(trainer: Any, sync: Any) -> dict[str, Any]:  # after the timed steps
+            from torch._dynamo.utils import counters
+
             found: dict[str, Any] = {"profile": None, "syncs": None, "forward_backward_syncs": None}
+            found["dynamo_graphs"] = counters["stats"]["unique_graphs"]
             if args.profile:
                 trace = args.trace_dir / f"sft_gpu_trace_{engine}.json.gz" if args.trace_dir else None
                 found["profile"] = profile_report(lambda: (trainer.train_step(), sync()), trace)
@@ -331,6 +344,7 @@ def ours(args: argparse.Namespace, data: PackedSequences, hf_dir: Path, engine: 
         "profile": meas["after"]["profile"],
         "syncs": meas["after"]["syncs"],
         "forward_backward_syncs": meas["after"]["forward_backward_syncs"],
+        "dynamo_graphs": meas["after"]["dynamo_graphs"],
         "matmul_peak_tflops": matmul_peak_tflops(device, torch.bfloat16 if on_gpu else dtype, args.matmul_size),
     }
 

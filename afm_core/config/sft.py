@@ -53,6 +53,7 @@ class TrainerConfig(TrainerBaseConfig):
     eval_sequences: int = 1
     progress: bool = True
     compile: bool | None = None
+    compile_layers: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -27,7 +27,9 @@ Kernels of the ``thd`` format, by device:
   ``varlen_attn`` (or it cannot express the call), one compiled FlexAttention call with a document mask
   (:func:`document_causal_mask_mod`); per-document SDPA otherwise (fp32, attention dropout, or torch's
   deterministic mode). Per-document SDPA on CUDA builds a kernel plan per new document length (cuDNN attention),
-  which made it the slowest part of a training step whose documents change every step.
+  which made it the slowest part of a training step whose documents change every step. Inside a compiled layer
+  (``trainer.compile_layers``) these kernels read the offsets on the device only, with the micro batch's ``t`` as
+  the bound on the longest document, so that a new document layout does not recompile the layer.
 
 The document offsets come on the host with :class:`PackedDocuments` (built once per micro batch by the trainer), so
 no ``thd`` kernel reads them back from the device; megatron's plain ``PackedSeqParams`` still work (their offsets
@@ -119,6 +121,8 @@ class PackedDocuments(PackedSeqParams):
         if len(host) < 2 or any(e < a for a, e in itertools.pairwise(host)):
             raise ValueError(f"document offsets must rise, at least two of them, got {list(host)}")
         cu_seqlens = torch.tensor(host, dtype=torch.int32).to(device, non_blocking=True)
+        # a compiled layer (trainer.compile_layers) takes the document count as dynamic from the first micro batch
+        torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
         max_len = max(e - a for a, e in itertools.pairwise(host))
         return cls(
             qkv_format="thd",
@@ -133,10 +137,14 @@ class PackedDocuments(PackedSeqParams):
 def _offsets(params: PackedSeqParams) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The document offsets of ``thd`` params, on their device and on the host (read back unless
     :class:`PackedDocuments` carries them: a device sync on CUDA)."""
-    padded = params.cu_seqlens_q_padded is not None
-    device = params.cu_seqlens_q_padded if padded else params.cu_seqlens_q
-    host = getattr(params, "cu_seqlens_host", ()) if not padded else ()
+    device = _device_offsets(params)
+    host = getattr(params, "cu_seqlens_host", ()) if params.cu_seqlens_q_padded is None else ()
     return device, host or tuple(device.tolist())
+
+
+def _device_offsets(params: PackedSeqParams) -> torch.Tensor:
+    """The document offsets of ``thd`` params on their device (the padded ones where given)."""
+    return params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
 
 
 def varlen_causal_kwargs(
@@ -318,7 +326,7 @@ class SDPAttention(MegatronModule):
         if config.apply_query_key_layer_scaling:
             self.softmax_scale /= max(1, layer_number)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        varlen = _varlen_attn()
+        varlen = self._varlen = _varlen_attn()
         self._varlen_kwargs = (
             None
             if varlen is None
@@ -391,33 +399,25 @@ class SDPAttention(MegatronModule):
         if params.qkv_format != "thd":
             raise ValueError(f"SDPAttention reads packed_seq_params in the 'thd' format, got {params.qkv_format!r}")
         t = query.shape[0]
+        # value is a view into megatron's fused [t, ng * (np/ng + 2) * hn] QKV output: saved as it is for
+        # backward, it would keep that whole buffer alive (query and key are RoPE outputs of their own)
+        value = value.contiguous()
+        kernel = self.thd_kernel(query)
+        if kernel in ("varlen", "flex") and torch.compiler.is_compiling():
+            # a compiled layer (trainer.compile_layers) reads no host offsets: their values would be guarded, a
+            # recompilation for every new document layout (the micro batch was checked when it was packed)
+            return self._forward_thd_device(query, key, value, _device_offsets(params), t, t, kernel)
         cu_seqlens, offsets = _offsets(params)
         if offsets[0] != 0 or offsets[-1] != t:
             raise ValueError(
                 f"cu_seqlens must run from 0 to the {t} tokens of the micro batch, got {offsets[0]}..{offsets[-1]}"
             )
-        # value is a view into megatron's fused [t, ng * (np/ng + 2) * hn] QKV output: saved as it is for
-        # backward, it would keep that whole buffer alive (query and key are RoPE outputs of their own)
-        value = value.contiguous()
-        kernel = self.thd_kernel(query)
         if kernel == "cpu":
             out = _DocumentCausalAttention.apply(query, key, value, list(offsets), self.softmax_scale)
             return out.reshape(t, -1)
-        if kernel == "varlen":
-            varlen = _varlen_attn()
-            assert varlen is not None and self._varlen_kwargs is not None
+        if kernel in ("varlen", "flex"):
             longest = params.max_seqlen_q or max(e - a for a, e in itertools.pairwise(offsets))
-            cu = cu_seqlens.to(torch.int32)
-            out = varlen(query, key, value, cu, cu, longest, longest, **self._varlen_kwargs)  # [t, np, hn]
-            return out.reshape(t, -1)
-        if kernel == "flex":
-            flex = _compiled_flex_attention()
-            assert flex is not None
-            q, k, v = (_heads_first(x) for x in (query, key, value))  # [1, n, t, hn]
-            block_mask = _document_block_mask(cu_seqlens, t)
-            gqa = self.num_heads != self.num_groups
-            out = flex(q, k, v, block_mask=block_mask, scale=self.softmax_scale, enable_gqa=gqa)
-            return out.squeeze(0).permute(1, 0, 2).reshape(t, -1)
+            return self._forward_thd_device(query, key, value, cu_seqlens, longest, t, kernel)
         # [t, n, hn] -> [1, n, t, hn]; each document is a causal attention of its own
         q, k, v = (_heads_first(x) for x in (query, key, value))
         # the CPU kernel's output [1, np, d, hn] is laid out [1, d, np, hn]: as [d, np, hn] it needs no copy
@@ -428,3 +428,36 @@ class SDPAttention(MegatronModule):
         ]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)  # [t, np, hn]
         return out.reshape(t, -1)
+
+    def _forward_thd_device(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        longest: int,
+        t: int,
+        kernel: str,
+    ) -> torch.Tensor:
+        """The ``varlen`` / ``flex`` kernels: all documents in one call, their offsets read on the device only.
+        ``longest``: the longest document's length in tokens, or any bound on it (a compiled layer passes ``t``:
+        FlashAttention sizes its grid by it, and the blocks past a document's end return at once)."""
+        if kernel == "varlen":
+            assert self._varlen is not None and self._varlen_kwargs is not None
+            cu = cu_seqlens.to(torch.int32)
+            out = self._varlen(query, key, value, cu, cu, longest, longest, **self._varlen_kwargs)  # [t, np, hn]
+            return out.reshape(t, -1)
+        q, k, v = (_heads_first(x) for x in (query, key, value))  # [1, n, t, hn]
+        gqa = self.num_heads != self.num_groups
+        if torch.compiler.is_compiling():  # traced into the compiled layer, its block mask built there
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            mask_mod = document_causal_mask_mod(cu_seqlens, t)
+            block_mask = create_block_mask(mask_mod, None, None, t, t, device=cu_seqlens.device)
+            out = flex_attention(q, k, v, block_mask=block_mask, scale=self.softmax_scale, enable_gqa=gqa)
+        else:
+            flex = _compiled_flex_attention()
+            assert flex is not None
+            block_mask = _document_block_mask(cu_seqlens, t)
+            out = flex(q, k, v, block_mask=block_mask, scale=self.softmax_scale, enable_gqa=gqa)
+        return out.squeeze(0).permute(1, 0, 2).reshape(t, -1)

@@ -39,7 +39,8 @@ rotation) run as ``torch.compile``'d functions (:func:`set_compiled_elementwise`
 eager PyTorch launches one per operation (up to a dozen for the norm's backward), which dominated a launch-bound
 GPU step. The matrix products, the TP all-reduces and the gradient sinks stay as they are. The compiled functions
 compute the same values (the elementwise intermediates in fp32 instead of rounding each to bf16); the CPU keeps
-the eager kernels, which reuse their buffers (``out=``) for a lower resident set.
+the eager kernels, which reuse their buffers (``out=``) for a lower resident set. With ``trainer.compile_layers``
+each whole layer is compiled instead (:func:`compile_transformer_layers`), these parts traced into its graph.
 Tensor parallelism as megatron's column/row parallel linears: ``NormColumnParallelLinear`` all-reduces the gradient
 of its (replicated) input over the TP group in backward, before the norm's backward (as transformer-engine's
 ``LayerNormLinear`` does), and ``SwiGLUMLP`` all-reduces fc2's partial output in forward. Sequence parallelism,
@@ -58,7 +59,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.tensor_parallel import ColumnParallelLinear
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -82,8 +83,8 @@ def _weight_grad(grad_sink: torch.Tensor | None, a: torch.Tensor, b: torch.Tenso
 def _main_grad_sink(module: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
     """``weight.main_grad`` when the trainer enabled ``grad_into_main_grad`` on ``module`` and the weight is fp32
     (the sink's dtype), else None."""
-    if not getattr(module, "grad_into_main_grad", False) or weight.dtype != torch.float32:
-        return None
+    if not getattr(module, "grad_into_main_grad", False) or weight.dtype != torch.float32 or _in_compiled_region():
+        return None  # a compiled region returns the gradient: AOTAutograd does not trace mutations of a sink
     return getattr(weight, "main_grad", None)
 
 
@@ -98,15 +99,29 @@ def set_compiled_elementwise(enabled: bool | None) -> None:
     _COMPILED_ELEMENTWISE[0] = enabled
 
 
+def _in_compiled_region() -> bool:
+    """True while dynamo traces the caller: a layer compiled whole (``trainer.compile_layers``)."""
+    return torch.compiler.is_compiling()
+
+
 def _compiled(x: torch.Tensor) -> bool:
+    """Whether the elementwise parts run as their pure-function twins (compiled alone, or traced into the
+    compiled layer around them) rather than the eager buffer-reusing kernels."""
+    if _in_compiled_region():
+        return True
     setting = _COMPILED_ELEMENTWISE[0]
     return x.is_cuda if setting is None else setting
 
 
 @functools.cache
-def _compile(fn: Any) -> Any:
-    """``torch.compile(fn)``, built on first use (shapes specialised, a second shape made dynamic: torch's default)."""
+def _compile_alone(fn: Any) -> Any:
     return torch.compile(fn)
+
+
+def _compile(fn: Any) -> Any:
+    """``torch.compile(fn)``, built on first use (shapes specialised, a second shape made dynamic: torch's
+    default); ``fn`` itself inside a compiled region, which traces it into its own graph."""
+    return fn if _in_compiled_region() else _compile_alone(fn)
 
 
 def _rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -349,6 +364,19 @@ class SwiGLUMLP(MLP):
         return out, None
 
 
+class GroupRowParallelLinear(RowParallelLinear):
+    """Megatron's ``RowParallelLinear`` (``linear_proj``, ``linear_fc2``) handing its own TP group to the linear
+    function. Megatron's ``forward`` hands it ``tp_group=None`` (``megatron/core/tensor_parallel/layers.py``), which
+    the function resolves back to the default TP group (the same group) through
+    ``get_tensor_model_parallel_group_if_none``, calling ``warnings.warn`` on rank 0 at every call: a graph break
+    in a compiled layer (``trainer.compile_layers``). Values, parameters and checkpoints are megatron's."""
+
+    def _forward_impl(self, input: torch.Tensor, weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("tp_group", ...) is None:
+            kwargs["tp_group"] = self.tp_group
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
 class _RotaryEmbedding(torch.autograd.Function):
     """``t * cos + rotate_half(t) * sin`` (halves not interleaved) of ``t [..., hn]``; ``cos``/``sin`` broadcast
     to ``t``'s shape (no gradient) are all it keeps for backward."""
@@ -387,9 +415,18 @@ def _cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor | None, rows: int, dt
     in its document (``freqs[:len]`` of every document), then ``[t, 1, hn]``. The positions are gathered on the
     device (``searchsorted`` of the rows in ``cu_seqlens``): no host loop over documents, no device sync. Cached for
     the next layer of the same forward pass (the same ``freqs`` and ``cu_seqlens`` tensors)."""
+    if _in_compiled_region():  # the compiled layer fuses cos/sin into the rotation: nothing to cache
+        return _pick_cos_sin(freqs, cu_seqlens, rows, dtype)
     key = (freqs._version, tuple(freqs.shape), None if cu_seqlens is None else cu_seqlens._version, rows, dtype)
     if _COS_SIN and _COS_SIN[0][0] == key and _COS_SIN[0][1] is freqs and _COS_SIN[0][2] is cu_seqlens:
         return _COS_SIN[0][3], _COS_SIN[0][4]
+    cos, sin = _pick_cos_sin(freqs, cu_seqlens, rows, dtype)
+    _COS_SIN[:] = [(key, freqs, cu_seqlens, cos, sin)]
+    return cos, sin
+
+
+def _pick_cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor | None, rows: int, dtype: torch.dtype):
+    """:func:`_cos_sin` without its cache."""
     picked = freqs
     if cu_seqlens is not None:
         picked = freqs.squeeze(1)  # [s, 1, hn]
@@ -397,9 +434,7 @@ def _cos_sin(freqs: torch.Tensor, cu_seqlens: torch.Tensor | None, rows: int, dt
             index = torch.arange(rows, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
             starts = cu_seqlens[torch.searchsorted(cu_seqlens, index, right=True) - 1]
             picked = picked.index_select(0, (index - starts).long())
-    cos, sin = torch.cos(picked).to(dtype), torch.sin(picked).to(dtype)
-    _COS_SIN[:] = [(key, freqs, cu_seqlens, cos, sin)]
-    return cos, sin
+    return torch.cos(picked).to(dtype), torch.sin(picked).to(dtype)
 
 
 def lean_apply_rotary_pos_emb(
@@ -447,6 +482,44 @@ class HeadRMSNorm(torch.nn.Module):
         return _rms_norm(x, self.weight, self.eps)[0]
 
 
+def compile_transformer_layers(chunks: list[torch.nn.Module]) -> int:
+    """``torch.compile`` each megatron ``TransformerLayer`` of the model chunks in place (``Module.compile``: the
+    parameter names, checkpoints and DDP's gradient hooks stay as they are), as torchtitan compiles each
+    transformer block (``torchtitan/models/llama3/infra/parallelize.py`` ``apply_compile``): one graph per layer for
+    its forward and one for its backward, the same code for every layer (its parameters are graph inputs), where
+    eager PyTorch launches a kernel per operation and runs megatron's Python layer code every step. The local
+    spec's modules trace into it without a graph break (the elementwise twins, RoPE's ``cos``/``sin`` and the
+    attention's device-side offsets are used inside a compiled region; :class:`GroupRowParallelLinear`).
+
+    Packed ``thd`` micro batches on CUDA: the attention reads only device offsets there, so a new document layout
+    (new lengths, another number of documents) runs the same graph after one recompilation that makes the
+    document count dynamic. The CPU kernel attends per document with host offsets, constants of the graph (a
+    recompilation per layout): use this on CUDA.
+
+    Returns:
+        the number of layers compiled.
+    """
+    from megatron.core.transformer.transformer_block import TransformerBlock
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
+    for layer in layers:
+        layer.compile()
+    for block in (m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerBlock)):
+        block.register_forward_pre_hook(_canonical_strides, with_kwargs=True)
+    return len(layers)
+
+
+def _canonical_strides(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """The decoder's input as a view with the strides a layer's output has: megatron's embedding output ``[s, 1,
+    h]`` (a transpose of ``[1, s, h]``) is contiguous with another stride on its size-1 dimension, which the compiled
+    graph would guard on (one more compilation for the first layer)."""
+    x = kwargs.get("hidden_states")
+    if isinstance(x, torch.Tensor) and x.is_contiguous() and x.stride() != torch.empty(x.shape, device="meta").stride():
+        kwargs["hidden_states"] = x.view(-1).view(x.shape)
+    return args, kwargs
+
+
 class _KnownMLPFilter(logging.Filter):
     """Drops megatron's "Unknown MLP type" warning, which ``TransformerLayer`` logs for every layer whose MLP is not
     exactly megatron's ``MLP`` (``transformer_layer.py``): :class:`SwiGLUMLP` is one, and the default kwargs it
@@ -477,12 +550,13 @@ def local_layer_spec(core_attention: type, qk_layernorm: bool = False) -> Module
     layer.sharded_state_dict_keys_map = {}  # the norms now have the names the keys map pointed to
     attention = layer.self_attention.submodules
     attention.linear_qkv = NormColumnParallelLinear
+    attention.linear_proj = GroupRowParallelLinear
     attention.core_attention = core_attention
     if qk_layernorm:
         attention.q_layernorm = HeadRMSNorm
         attention.k_layernorm = HeadRMSNorm
-    fc2 = layer.mlp.submodules.linear_fc2
     layer.mlp = ModuleSpec(
-        module=SwiGLUMLP, submodules=MLPSubmodules(linear_fc1=NormColumnParallelLinear, linear_fc2=fc2)
+        module=SwiGLUMLP,
+        submodules=MLPSubmodules(linear_fc1=NormColumnParallelLinear, linear_fc2=GroupRowParallelLinear),
     )
     return spec

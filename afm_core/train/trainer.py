@@ -36,7 +36,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from afm_core.data.loader import StepMicroBatches
 from afm_core.data.packing import block_causal_attention_mask, thd_offsets
-from afm_core.models.local_spec import set_compiled_elementwise
+from afm_core.models.local_spec import compile_transformer_layers, set_compiled_elementwise
 from afm_core.train.core import MegatronTrainer
 from afm_core.train.distributed import ParallelLayout
 from afm_core.train.loop import MicroBatchSource, Progress, SFTLoop
@@ -89,8 +89,9 @@ class SFTTrainer(SFTLoop):
         objective: what the loss is (:mod:`afm_core.train.objective`); None: ``cfg.trainer.objective`` (default
             ``sft``, the masked token mean).
     Raises:
-        ValueError: the batch sizes do not divide (names the config fields), or ``thd_packing=True`` on a model
-            whose attention ignores ``PackedSeqParams``.
+        ValueError: the batch sizes do not divide (names the config fields), ``thd_packing=True`` on a model
+            whose attention ignores ``PackedSeqParams``, or ``trainer.compile_layers`` with packed documents off
+            CUDA.
     """
 
     def __init__(
@@ -118,6 +119,13 @@ class SFTTrainer(SFTLoop):
         self.thd_packing = reads_thd if thd_packing is None else thd_packing
         t = cfg.trainer
         set_compiled_elementwise(t.get("compile"))  # process-wide, as megatron's own fusions are
+        if t.get("compile_layers"):
+            if layout.device.type != "cuda" and self.thd_packing:
+                raise ValueError(
+                    "trainer.compile_layers=true needs CUDA with packed documents: the CPU attention's document "
+                    "offsets are constants of the compiled graph (a recompilation for every micro batch)"
+                )
+            compile_transformer_layers(model_chunks)
         self.core = MegatronTrainer(
             layout,
             model_chunks,
