@@ -5,10 +5,12 @@ a graph break, and packed micro batches with new document layouts run the graph 
 The CUDA path is what this serves: the attention calls ``varlen_attn`` with device-side offsets. FlashAttention does
 not run on a CPU, so a stand-in takes its place here: a custom op with ``varlen_attn``'s arguments (offsets as a
 device tensor, ``max_seqlen`` a bound on the longest document), computed per document with SDPA inside the op,
-opaque to the compiler as the real kernel is. One gloo rank, the tiny-llama preset (GQA: 4 heads, 2 groups)."""
+opaque to the compiler as the real kernel is. One gloo rank, the tiny-llama preset (GQA: 4 heads, 2 groups), with
+the layers' activations stored or recomputed in backward (megatron's full recomputation, ``conf/sft.yaml``'s)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from afm_core.utils.ports import free_port
@@ -111,7 +113,7 @@ def _steps(model, layouts, vocab):
     return results
 
 
-def _worker(rank: int, port: int) -> None:
+def _worker(rank: int, port: int, recompute: bool) -> None:
     set_rank_env(rank, 1, port)
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import parallel_state as ps
@@ -136,6 +138,8 @@ def _worker(rank: int, port: int) -> None:
         hf_config = hf_config_from_arch(arch)
         config = mcore_config_from_hf(hf_config, tp=1, params_dtype=torch.float32)
         config.bias_dropout_fusion = True  # as on CUDA (bridge.platform_fusions): megatron's compiled bias-dropout-add
+        if recompute:  # megatron's full activation recomputation: each layer's forward run again in backward
+            config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
         model = build_gpt_model(hf_config, config, pre_process=True, post_process=True)
         eager = _steps(model, LAYOUTS, arch.vocab_size)
         assert compile_transformer_layers([model]) == arch.num_layers
@@ -156,13 +160,13 @@ def _worker(rank: int, port: int) -> None:
         torch.distributed.destroy_process_group()
 
 
-def test_compiled_layers_equal_eager_and_new_document_layouts_do_not_recompile():
-    start_ranks(_worker, args=(free_port(),), nprocs=1)
+@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute-full"])
+def test_compiled_layers_equal_eager_and_new_document_layouts_do_not_recompile(recompute):
+    start_ranks(_worker, args=(free_port(), recompute), nprocs=1)
 
 
 def _trainer_worker(rank: int, port: int, run_dir: str) -> None:
     set_rank_env(rank, 1, port)
-    import pytest
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from torch._dynamo.utils import counters
 
