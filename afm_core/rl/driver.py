@@ -176,7 +176,8 @@ def _loop(
     preemption: Preemption,
 ) -> dict[str, Any]:
     """The rollout steps from ``state.progress.rollout_step`` to ``trainer.max_steps`` (or a stop ``preemption``
-    asks for); ``carry``: the first sync's times, logged with the first step."""
+    asks for); ``carry``: the first sync's times, logged with the first step (as a validation's are with the step
+    after it)."""
     from afm_core.rl.rollout_dump import dump_rollouts
     from afm_core.utils.profiling import StepProfiler
 
@@ -189,7 +190,7 @@ def _loop(
                             metrics=metrics)  # fmt: skip
     checkpoints = Checkpointer(policy, handover, state, preemption, config.checkpoint, max_steps=max_steps,
                                on_gpu=layout.on_gpu, verbose=layout.is_rank0)  # fmt: skip
-    validation.before_training(progress.rollout_step)
+    carry = {**carry, **validation.before_training(progress.rollout_step)}
     stopped_early = False
     while progress.rollout_step < max_steps:
         step_start = time.perf_counter()
@@ -222,7 +223,7 @@ def _loop(
                                   r.environment))  # fmt: skip
         if t.rollout_data_dir and layout.is_rank0:
             dump_rollouts(t.rollout_data_dir, progress.rollout_step, batch.generated, batch.samples, tokenizer)
-        validation.after_step(progress.rollout_step)
+        carry = validation.after_step(progress.rollout_step)  # its weight sync / offload: the next step's
         if after_step is not None:
             after_step(progress.rollout_step)
         if checkpoints.at_step_end(progress.rollout_step):

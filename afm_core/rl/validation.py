@@ -60,32 +60,42 @@ class Validation:
         self.before_train, self.test_freq, self.max_steps = validation.before_train, validation.test_freq, max_steps
         self.actor, self.handover, self.metrics = actor, handover, metrics
 
-    def before_training(self, step: int) -> None:
+    def before_training(self, step: int) -> dict[str, float]:
         """Validate the starting weights when asked (``trainer.val_before_train``) and ``step`` (the rollout
-        steps done) is 0."""
+        steps done) is 0. Returns what :meth:`run` returns ({} when it did not validate)."""
         if self.benchmarks and self.before_train and step == 0:
-            self.run(0)
+            return self.run(0)
+        return {}
 
-    def after_step(self, step: int) -> None:
-        """Validate after rollout step ``step`` when it is a ``test_freq``-th one or the last."""
+    def after_step(self, step: int) -> dict[str, float]:
+        """Validate after rollout step ``step`` when it is a ``test_freq``-th one or the last. Returns what
+        :meth:`run` returns ({} when it did not validate)."""
         if self.benchmarks and self.test_freq > 0 and (step % self.test_freq == 0 or step == self.max_steps):
-            self.run(step)
+            return self.run(step)
+        return {}
 
-    def run(self, step: int) -> None:
+    def run(self, step: int) -> dict[str, float]:
         """Validate the live weights on engine 0 (its TP followers mirror it; the other ranks go on to the next
         collective) and log the ``split: val`` record at ``step`` (rank 0). Every rank calls it: the engine's turn
         (the weight sync) is collective. A stop requested meanwhile (USR2, preemption) aborts it: no record for
-        this step, and the job goes on to its checkpoint."""
+        this step, and the job goes on to its checkpoint.
+
+        Returns:
+            the engine's turn's times and sizes (:meth:`~afm_core.rl.colocation.Handover.to_engine`: weight sync,
+            trainer offload), for the next rollout step's record: that step generates in the same turn and would
+            otherwise log none of them.
+        """
         from afm_core.rl.rollout_actor import RolloutAborted
 
-        self.handover.to_engine()
+        handover_times = self.handover.to_engine()
         if self.actor.engines[1] != 0:
-            return
+            return handover_times
         start = time.perf_counter()
         try:
             results = self.actor.validate(self.benchmarks, self.eval_cfg)
         except RolloutAborted:
             if self.metrics.log is not None:
                 print(f"[rl] stop requested during rollout step {step}'s validation: aborted, not logged", flush=True)
-            return
+            return handover_times
         self.metrics.write_validation(step, results, time.perf_counter() - start)
+        return handover_times
