@@ -5,8 +5,9 @@ a graph break, and packed micro batches with new document layouts run the graph 
 The CUDA path is what this serves: the attention calls ``varlen_attn`` with device-side offsets. FlashAttention does
 not run on a CPU, so a stand-in takes its place here: a custom op with ``varlen_attn``'s arguments (offsets as a
 device tensor, ``max_seqlen`` a bound on the longest document), computed per document with SDPA inside the op,
-opaque to the compiler as the real kernel is. One gloo rank, the tiny-llama preset (GQA: 4 heads, 2 groups), with
-the layers' activations stored or recomputed in backward (megatron's full recomputation, ``conf/sft.yaml``'s)."""
+opaque to the compiler as the real kernel is. The tiny-llama preset (GQA: 4 heads, 2 groups) on one gloo rank, with
+the layers' activations stored or recomputed in backward (megatron's full recomputation, ``conf/sft.yaml``'s), and
+at TP=2 (two ranks: the TP all-reduces of the fused linears traced into the graph)."""
 
 from __future__ import annotations
 
@@ -113,9 +114,9 @@ def _steps(model, layouts, vocab):
     return results
 
 
-def _worker(rank: int, port: int, recompute: bool) -> None:
-    set_rank_env(rank, 1, port)
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+def _worker(rank: int, tp: int, port: int, recompute: bool) -> None:
+    set_rank_env(rank, tp, port)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=tp)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
     from torch._dynamo.utils import counters
@@ -128,7 +129,7 @@ def _worker(rank: int, port: int, recompute: bool) -> None:
     from afm_core.train.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
-    ps.initialize_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     # the CUDA kernel choice, with the stand-in kernel
     attention._varlen_attn = lambda: standin_varlen_attn
@@ -136,7 +137,7 @@ def _worker(rank: int, port: int, recompute: bool) -> None:
     try:
         arch = load_preset("tiny-llama").arch
         hf_config = hf_config_from_arch(arch)
-        config = mcore_config_from_hf(hf_config, tp=1, params_dtype=torch.float32)
+        config = mcore_config_from_hf(hf_config, tp=tp, params_dtype=torch.float32)
         config.bias_dropout_fusion = True  # as on CUDA (bridge.platform_fusions): megatron's compiled bias-dropout-add
         if recompute:  # megatron's full activation recomputation: each layer's forward run again in backward
             config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
@@ -160,9 +161,11 @@ def _worker(rank: int, port: int, recompute: bool) -> None:
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["stored", "recompute-full"])
-def test_compiled_layers_equal_eager_and_new_document_layouts_do_not_recompile(recompute):
-    start_ranks(_worker, args=(free_port(), recompute), nprocs=1)
+@pytest.mark.parametrize(
+    ("tp", "recompute"), [(1, False), (1, True), (2, False)], ids=["tp1", "tp1-recompute-full", "tp2"]
+)
+def test_compiled_layers_equal_eager_and_new_document_layouts_do_not_recompile(tp, recompute):
+    start_ranks(_worker, args=(tp, free_port(), recompute), nprocs=tp)
 
 
 def _trainer_worker(rank: int, port: int, run_dir: str) -> None:
