@@ -4,8 +4,9 @@ a graph break, and packed micro batches with new document layouts run the graph 
 
 The CUDA path is what this serves: the attention calls ``varlen_attn`` with device-side offsets. FlashAttention does
 not run on a CPU, so a stand-in takes its place here: a custom op with ``varlen_attn``'s arguments (offsets as a
-device tensor, ``max_seqlen`` a bound on the longest document), computed per document with SDPA inside the op,
-opaque to the compiler as the real kernel is. The tiny-llama preset (GQA: 4 heads, 2 groups) on one gloo rank, with
+device tensor, ``max_seqlen`` a bound on the longest document), computed per document as plain causal softmax
+attention inside the op and its backward written out (an op runs below autograd), opaque to the compiler as the
+real kernel is. The tiny-llama preset (GQA: 4 heads, 2 groups) on one gloo rank, with
 the layers' activations stored or recomputed in backward (megatron's full recomputation, ``conf/sft.yaml``'s), and
 at TP=2 (two ranks: the TP all-reduces of the fused linears traced into the graph)."""
 
@@ -19,8 +20,8 @@ from tests.gloo_env import set_rank_env
 from tests.ranks import start_ranks
 
 T = 64  # tokens of each packed micro batch
-# the first three compile the layers: the first layout (static shapes), a second one (the document count and the
-# longest document dynamic), one document of all T tokens (RoPE's positions are the rows': megatron's branch);
+# the first three compile the layers: the first layout (static shapes), a second one (another longest document:
+# RoPE's table length dynamic), one document of all T tokens (RoPE's positions are the rows': megatron's branch);
 # the rest are new lengths and document counts, which must run those graphs
 LAYOUTS = ([0, 20, 50, 64], [0, 30, 64], [0, 64], [0, 10, 24, 40, 64], [0, 7, 33, 64], [0, 5, 9, 31, 50, 64])
 
