@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import json
 import multiprocessing as mp
-import os
 import statistics
 import sys
 import time
@@ -37,23 +36,19 @@ VARIANTS = ("eager", "elementwise", "layers")
 
 
 def measure(variant: str, layers: int, tokens: int, warmup: int, steps: int) -> dict[str, Any]:
-    """One variant in this (spawned) process: a world of one gloo rank, the model, the timed steps."""
-    from megatron.core import parallel_state, tensor_parallel
+    """One variant in this (spawned) process: a world of one gloo rank set up as the trainer sets it up, the model,
+    the timed steps."""
+    from omegaconf import OmegaConf
     from torch.profiler import profile
 
     from afm_core.models.arch import hf_config_from_arch
     from afm_core.models.bridge import build_gpt_model, mcore_config_from_hf
     from afm_core.models.local_spec import compile_transformer_layers, set_compiled_elementwise
     from afm_core.models.presets import load_preset
-    from afm_core.train.cpu_shims import apply_cpu_shims
-    from afm_core.utils.ports import free_port
+    from afm_core.train.distributed import destroy_distributed
+    from benchmarks.sft_throughput import join_single_process_group
 
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    apply_cpu_shims()
-    parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(0)
+    join_single_process_group(OmegaConf.create({"parallel": {"tp": 1, "pp": 1}, "trainer": {"seed": 0}}), 1)
     try:
         arch = dataclasses.replace(
             load_preset("tiny-llama").arch,
@@ -85,8 +80,7 @@ def measure(variant: str, layers: int, tokens: int, warmup: int, steps: int) -> 
             step()
         ops = sum(e.count for e in prof.key_averages() if e.key.startswith("aten::"))
     finally:
-        parallel_state.destroy_model_parallel()
-        torch.distributed.destroy_process_group()
+        destroy_distributed()
     return {"variant": variant, "ms": statistics.median(seconds[warmup:]) * 1e3, "aten_ops": ops}
 
 
