@@ -26,8 +26,9 @@ micro batches of 4096 tokens per step, 2 warmup and 8 timed steps per engine).
   compiled elementwise kernels on CUDA, eager on CPU), ``ours-eager`` with ``trainer.compile=false``,
   ``ours-compiled`` with ``true``, ``ours-layers`` with ``trainer.compile_layers=true`` (each transformer layer
   compiled whole; ``dynamo_graphs``: the graphs torch.compile built up to the end of the timed steps, a
-  recompilation inside them shows as a slow step in ``step_s``). On CUDA one more step runs under ``torch.cuda.set_sync_debug_mode("warn")``:
-  every host-device synchronisation inside it is reported by source line (``syncs``).
+  recompilation inside them shows as a slow step in ``step_s``). On CUDA one more step runs under
+  ``torch.cuda.set_sync_debug_mode("warn")``: every host-device synchronisation inside it is reported by source
+  line (``syncs``).
 * **hf**: ``AutoModelForCausalLM.from_pretrained`` of that checkpoint (SDPA attention; the documents by a 4-D
   block-causal mask and position ids restarting per document), fp32 weights and fused AdamW with the forward under
   ``torch.autocast(bf16)`` on GPU (HF Trainer's ``bf16=True``), :func:`benchmarks.sft_throughput.hf_train_step`;
@@ -306,8 +307,8 @@ def ours(args: argparse.Namespace, data: PackedSequences, hf_dir: Path, engine: 
         def checks(trainer: Any, sync: Any) -> dict[str, Any]:  # after the timed steps
             from torch._dynamo.utils import counters
 
-            found: dict[str, Any] = {"profile": None, "syncs": None, "forward_backward_syncs": None}
-            found["dynamo_graphs"] = counters["stats"]["unique_graphs"]
+            found: dict[str, Any] = {"profile": None, "syncs": None, "forward_backward_syncs": None,
+                                     "dynamo_graphs": counters["stats"]["unique_graphs"]}  # fmt: skip
             if args.profile:
                 trace = args.trace_dir / f"sft_gpu_trace_{engine}.json.gz" if args.trace_dir else None
                 found["profile"] = profile_report(lambda: (trainer.train_step(), sync()), trace)

@@ -491,10 +491,12 @@ def compile_transformer_layers(chunks: list[torch.nn.Module]) -> int:
     spec's modules trace into it without a graph break (the elementwise twins, RoPE's ``cos``/``sin`` and the
     attention's device-side offsets are used inside a compiled region; :class:`GroupRowParallelLinear`).
 
-    Packed ``thd`` micro batches on CUDA: the attention reads only device offsets there, so a new document layout
-    (new lengths, another number of documents) runs the same graph after one recompilation that makes the
-    document count dynamic. The CPU kernel attends per document with host offsets, constants of the graph (a
-    recompilation per layout): use this on CUDA.
+    Packed ``thd`` micro batches on CUDA: the attention reads only device offsets there (their count is dynamic
+    from the first micro batch, :class:`~afm_core.models.attention.PackedDocuments`), so a new document layout (new
+    lengths, another number of documents) runs the graphs already built: at most three, for the first micro batch,
+    the first with another longest document (RoPE's table length made dynamic) and the first of one document
+    filling it (megatron's per-row RoPE branch). The CPU kernel attends per document with host offsets, constants
+    of the graph (a recompilation per layout): use this on CUDA.
 
     Returns:
         the number of layers compiled.
