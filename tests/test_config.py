@@ -94,6 +94,11 @@ def test_the_defaults_and_the_prepare_data_config_pass_the_schema():
         ),
         (["+cluster.gres=gpu"], r"cluster.gres: Key 'gres' not in 'LocalClusterConfig'; valid keys: name, dp"),
         (["cluster.gpus_per_node=some"], r"cluster.gpus_per_node='some': auto or an integer >= 0"),
+        (
+            ["cluster=slurm", "trainer.compile_layers=true"],
+            r"trainer.compile_layers=True: compiled layers run on CUDA only, and cluster.gpus_per_node=0 makes",
+        ),
+        (["cluster.gpus_per_node=0", "trainer.compile_layers=true"], r"trainer.compile_layers=True: compiled layers"),
     ],
 )
 def test_a_bad_value_is_rejected_naming_the_key_and_the_valid_values(overrides, message):

@@ -265,6 +265,14 @@ class SFTConfig:
                 p.tp,
                 "trainer.engine=deepspeed is data parallel only (ZeRO-3): parallel.tp=1 and parallel.pp=1",
             )
+        if t.compile_layers and t.engine == "megatron":  # the trainer refuses it off CUDA; here before the queue
+            require(
+                self.cluster.gpus_per_node != 0,
+                "trainer.compile_layers",
+                t.compile_layers,
+                "compiled layers run on CUDA only, and cluster.gpus_per_node=0 makes this a CPU job: set the GPUs "
+                "per node, or trainer.compile_layers=false",
+            )
         dp = self.cluster.data_parallel(p.model_parallel)
         per_pass = t.micro_batch_size * dp
         require(
