@@ -207,6 +207,8 @@ def train_worker(rank: int, world: int, port: int, spec: dict) -> None:
             cfg, layout, chunks, train, eval_batches, spec["run_dir"], cfg.trainer.max_steps, preemption=preemption
         )
         summary = trainer.fit()
+        # a save leaves no process behind (megatron's writer started a Manager server per rank at its first save)
+        assert mp.active_children() == [], mp.active_children()
         out = Path(spec["out"])
         out.mkdir(parents=True, exist_ok=True)
         weights = {

@@ -23,6 +23,7 @@ format (``megatron/core/optimizer/distrib_optimizer.py``; its default format fai
 from __future__ import annotations
 
 import logging
+import queue
 import random
 import time
 from pathlib import Path
@@ -49,6 +50,27 @@ from afm_core.utils.atomic import atomic_path
 log = logging.getLogger(__name__)
 
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def _use_in_process_write_results_queue() -> None:
+    """Give megatron's checkpoint writer an in-process queue for its write results, once, before its first save.
+
+    ``FileSystemWriterAsync`` (``megatron/core/dist_checkpointing/strategies/filesystem_async.py``) passes a save's
+    write results to ``retrieve_write_results`` through the module global ``_results_queue``, which
+    ``_get_write_results_queue`` creates on first use as ``multiprocessing.get_context("spawn").Manager().Queue()``:
+    a server process per rank, started at the first save (a synchronous one too), that imports the job's
+    ``__main__`` chain again and stays alive until the job ends. The saves here are synchronous
+    (``dist_checkpointing.save`` without ``async_sharded_save``): the function that puts the results runs in this
+    process (its per-file writers are forked children that report through a queue of their own) and
+    ``retrieve_write_results`` takes them with ``get_nowait`` right after, so a thread-safe in-process queue
+    carries them; a ``multiprocessing.Queue`` would not (its ``put`` returns before a feeder thread delivers).
+    Megatron-Bridge sets the same global when it resets async saving (NVIDIA-NeMo/Megatron-Bridge pull 4839). An
+    async save (not used here) needs megatron's Manager queue back: it pickles the queue to a worker process.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.SimpleQueue()
 
 
 def rng_state() -> dict[str, Any]:
@@ -135,6 +157,7 @@ class Checkpointer:
         finish_param_gather(model_chunks)  # the distributed optimizer's deferred all-gather: no stale shards saved
         state = _sharded_state_dict(model_chunks, optimizer, is_loading=False)
         state["afm"] = common
+        _use_in_process_write_results_queue()
         dist_checkpointing.save(state, str(temp))
         with atomic_path(temp / f"rank_{self.layout.rank:05d}.pt") as path:
             torch.save({"layout": _layout_key(self.layout), "rng": rng_state(), **rank_state}, path)
