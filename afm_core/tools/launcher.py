@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -98,12 +99,13 @@ class ServerGroup:
 
     Args:
         host: address the servers bind.
-        log_dir: folder for ``<name>.log`` (default: a temp folder).
+        log_dir: folder for ``<name>.log`` (default: a temp folder of its own, removed by :meth:`stop`).
         startup_timeout_s: seconds each server may take to become healthy.
     """
 
     def __init__(self, host: str = "127.0.0.1", log_dir: Path | None = None, startup_timeout_s: float = 120.0) -> None:
         self.host = host
+        self._own_log_dir = not log_dir
         self.log_dir = Path(log_dir) if log_dir else Path(tempfile.mkdtemp(prefix="afm-tool-servers-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.startup_timeout_s = startup_timeout_s
@@ -193,7 +195,8 @@ class ServerGroup:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every server, SIGKILL those still running after ``grace_s``."""
+        """SIGTERM every server, SIGKILL those still running after ``grace_s``; then remove the log folder if it
+        is the group's own temp folder."""
         for proc in self._procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -206,6 +209,8 @@ class ServerGroup:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         self._procs.clear()
+        if self._own_log_dir:
+            shutil.rmtree(self.log_dir, ignore_errors=True)
 
 
 def allow_entry(url: str) -> str:

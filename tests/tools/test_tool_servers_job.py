@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from afm_core.tools import build_tool_pool
 from afm_core.tools.addresses import read_addresses
-from afm_core.tools.launcher import server_args
+from afm_core.tools.launcher import ServerGroup, server_args
 from tests.tools.conftest import jail_unavailable
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,6 +100,15 @@ def test_local_servers_addresses_and_clean_stop(tmp_path, data_dir):
     assert not addresses.exists()  # stale addresses are never left behind
     assert not any(c.is_running() and c.status() != psutil.STATUS_ZOMBIE for c in children)
     assert (tmp_path / "logs" / "wiki.log").exists()
+
+
+def test_a_group_without_a_log_dir_removes_its_temp_folder_at_stop(data_dir):
+    """``ServerGroup()`` (as ``benchmarks/tools_load.py`` runs it) logs to a temp folder of its own and removes it."""
+    with ServerGroup() as group:
+        group.launch("wiki", ["--corpus", str(data_dir / "mhqa" / "hotpotqa500" / "corpus.jsonl")])
+        group.wait()
+        assert (group.log_dir / "wiki.log").is_file()
+    assert not group.log_dir.exists()
 
 
 def test_a_dying_server_stops_the_group(tmp_path, data_dir):
