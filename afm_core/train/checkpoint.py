@@ -53,7 +53,8 @@ _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def _use_in_process_write_results_queue() -> None:
-    """Give megatron's checkpoint writer an in-process queue for its write results, once, before its first save.
+    """Give megatron's checkpoint writer an in-process queue for its write results (called before every save; a
+    no-op once the queue is set).
 
     ``FileSystemWriterAsync`` (``megatron/core/dist_checkpointing/strategies/filesystem_async.py``) passes a save's
     write results to ``retrieve_write_results`` through the module global ``_results_queue``, which
