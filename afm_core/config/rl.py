@@ -232,9 +232,12 @@ class RLTrainerConfig(TrainerBaseConfig):
     test_freq: int = 0
     val_benchmarks: list[str] = field(default_factory=list)
     remove_padding: bool = True
+    max_tokens_per_micro_batch: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.max_tokens_per_micro_batch is not None:
+            at_least_one("trainer.max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
         require(self.test_freq >= 0, "trainer.test_freq", self.test_freq, ">= 0 (0: off)")
         at_least_one("trainer.max_steps", self.max_steps)
 
@@ -301,6 +304,28 @@ def check_context_length(model: Any, max_prompt_len: int, longest_response: int)
         f"rollout.max_response_len / rollout.context_schedule to at most {limit - max_prompt_len} or "
         f"data.max_prompt_len",
     )
+
+
+def check_token_budget(max_tokens: int, max_prompt_len: int, longest_response: int, pp: int) -> None:
+    """Micro batches by tokens (``trainer.max_tokens_per_micro_batch``, :func:`afm_core.rl.batch.token_micro_batches`)
+    need a budget that holds the longest trajectory the rollout can return, ``data.max_prompt_len`` + the largest
+    stage's ``max_response_len`` (a trajectory is never split over micro batches), and one pipeline stage (PP
+    stages send activations of one fixed ``[seq_length, micro_batch_size]`` shape; the token path's micro batches
+    vary in both).
+
+    Raises:
+        ConfigError: naming ``trainer.max_tokens_per_micro_batch``.
+    """
+    key = "trainer.max_tokens_per_micro_batch"
+    longest = max_prompt_len + longest_response
+    require(
+        max_tokens >= longest,
+        key,
+        max_tokens,
+        f"a micro batch must hold the longest trajectory: data.max_prompt_len + the largest stage's max_response_len "
+        f"= {max_prompt_len} + {longest_response} = {longest} tokens",
+    )
+    require(pp == 1, key, max_tokens, f"micro batches by tokens need parallel.pp=1 (got {pp}), or null")
 
 
 @dataclass
@@ -427,14 +452,23 @@ class RLConfig:
         )
         require(m.num_layers % p.pp == 0, "parallel.pp", p.pp, f"valid: {divisors(m.num_layers)}")
         dp = self.cluster.data_parallel(p.model_parallel)
-        per_pass = dp * self.trainer.micro_batch_size
-        require(
-            (a.mini_batch_size * r.n) % per_pass == 0,
-            "algorithm.mini_batch_size",
-            a.mini_batch_size,
-            f"x rollout.n = {a.mini_batch_size * r.n} samples must be a multiple of dp x trainer.micro_batch_size "
-            f"= {dp} x {self.trainer.micro_batch_size}",
-        )
+        if self.trainer.max_tokens_per_micro_batch is None:
+            per_pass = dp * self.trainer.micro_batch_size
+            require(
+                (a.mini_batch_size * r.n) % per_pass == 0,
+                "algorithm.mini_batch_size",
+                a.mini_batch_size,
+                f"x rollout.n = {a.mini_batch_size * r.n} samples must be a multiple of dp x "
+                f"trainer.micro_batch_size = {dp} x {self.trainer.micro_batch_size}",
+            )
+        else:
+            check_token_budget(self.trainer.max_tokens_per_micro_batch, d.max_prompt_len, r.longest_response, p.pp)
+            require(
+                a.mini_batch_size * r.n >= dp,
+                "algorithm.mini_batch_size",
+                a.mini_batch_size,
+                f"x rollout.n = {a.mini_batch_size * r.n} samples must give each of dp = {dp} ranks a sample",
+            )
         needed = collective_timeout_min(
             rollout_wait_s({"n": r.n, "timeout_s": r.timeout_s, "concurrency": r.concurrency}, a.gen_batch_size)
         )

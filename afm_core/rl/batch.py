@@ -115,6 +115,148 @@ def minibatch_shares(num_samples: int, mini: int, dp: int, dp_rank: int) -> list
     return [list(range(k, min(k + mini, num_samples)))[dp_rank::dp] for k in range(0, num_samples, mini)]
 
 
+MAX_TOKENS_KEY = "trainer.max_tokens_per_micro_batch"
+
+
+def karmarkar_karp(lengths: Sequence[int], k: int) -> list[list[int]]:
+    """``lengths`` split into ``k`` parts of nearly equal sums by the largest differencing method (Karmarkar & Karp
+    1982, its k-way form; verl ``verl/utils/seqlen_balancing.py`` ``karmarkar_karp``).
+
+    Every item starts as a k-tuple of parts holding it alone; the two tuples with the largest spread (largest minus
+    smallest part) are merged, the largest part of one with the smallest of the other, until one tuple is left.
+    Deterministic: the same ``lengths`` give the same parts on every rank.
+
+    Args:
+        lengths: one nonnegative size per item (tokens).
+        k: parts, ``1 <= k <= len(lengths)``.
+    Returns:
+        ``k`` lists of positions into ``lengths`` (each ascending), largest sum first; every position once.
+    Raises:
+        ValueError: ``k`` out of range.
+    """
+    import heapq
+
+    n = len(lengths)
+    if not 1 <= k <= n:
+        raise ValueError(f"{k} parts of {n} items")
+    # a state: k parts as (sum, positions), sorted by sum, largest first
+    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
+    for i in sorted(range(n), key=lambda j: (-lengths[j], j)):
+        parts = [(int(lengths[i]), [i])] + [(0, []) for _ in range(k - 1)]
+        heap.append((-int(lengths[i]), i, parts))
+    heapq.heapify(heap)
+    order = n
+    while len(heap) > 1:
+        _, _, a = heapq.heappop(heap)
+        _, _, b = heapq.heappop(heap)
+        merged = [(sa + sb, pa + pb) for (sa, pa), (sb, pb) in zip(a, reversed(b))]
+        merged.sort(key=lambda part: -part[0])
+        heapq.heappush(heap, (merged[-1][0] - merged[0][0], order, merged))
+        order += 1
+    return [sorted(positions) for _, positions in heap[0][2]]
+
+
+def token_micro_batches(lengths: Sequence[int], max_tokens: int, dp: int) -> list[list[list[int]]]:
+    """One mini-batch cut into micro batches of at most ``max_tokens`` tokens and dealt to ``dp`` data-parallel
+    ranks, the same number of micro batches on each (verl ``use_dynamic_bsz`` + ``ppo_max_token_len_per_gpu``,
+    ``rearrange_micro_batches`` with ``same_micro_num_in_dp``; slime ``--use-dynamic-batch-size
+    --max-tokens-per-gpu``).
+
+    The fewest ``K`` micro batches per rank such that :func:`karmarkar_karp` over ``dp x K`` parts keeps every part
+    within the budget (from ``ceil(total / (dp x max_tokens))`` up); the parts, nearly equal, are dealt largest
+    first to the rank with the fewest tokens that has fewer than ``K``, so the ranks' token counts are balanced
+    too. When ``dp x K`` would exceed the samples (e.g. 3 samples of 0.6 budget each over 2 ranks) each sample is
+    a micro batch of its own and a rank short of ``K`` gets filler micro batches (``[]``: see
+    :func:`group_micro_batches`). The token-mean loss over the global mini-batch does not depend on which rank or
+    micro batch holds a sample.
+
+    Args:
+        lengths: each trajectory's ``prompt + response`` tokens.
+        max_tokens: ``trainer.max_tokens_per_micro_batch``.
+        dp: data-parallel ranks.
+    Returns:
+        ``[rank][micro batch]`` -> positions into ``lengths`` (a micro batch's positions shortest first; ``[]``:
+        a filler); every position once.
+    Raises:
+        ValueError: a trajectory longer than ``max_tokens`` (naming the field), or fewer samples than ``dp``.
+    """
+    n, total = len(lengths), sum(lengths)
+    longest = max(lengths, default=0)
+    if longest > max_tokens:
+        raise ValueError(
+            f"{MAX_TOKENS_KEY}={max_tokens}: a trajectory of {longest} tokens (prompt + response) does not fit one "
+            "micro batch; set it to at least data.max_prompt_len + the largest stage's max_response_len"
+        )
+    if n < dp:
+        raise ValueError(f"a mini-batch of {n} samples cannot give each of {dp} DP ranks a micro batch")
+    k = max(1, -(-total // (dp * max_tokens)))
+    parts: list[list[int]] | None = None
+    while dp * k <= n:
+        trial = karmarkar_karp(lengths, dp * k)
+        if max(sum(lengths[i] for i in part) for part in trial) <= max_tokens:
+            parts = trial
+            break
+        k += 1
+    if parts is None:  # more micro batches than samples: one sample each, fillers where a rank is short
+        parts, k = [[i] for i in range(n)], -(-n // dp)
+    sums = [sum(lengths[i] for i in part) for part in parts]
+    ranks: list[list[list[int]]] = [[] for _ in range(dp)]
+    tokens = [0] * dp
+    for p in sorted(range(len(parts)), key=lambda j: (-sums[j], j)):
+        r = min((r for r in range(dp) if len(ranks[r]) < k), key=lambda r: (tokens[r], r))
+        ranks[r].append(sorted(parts[p], key=lambda i: (lengths[i], i)))
+        tokens[r] += sums[p]
+    return [micro + [[] for _ in range(k - len(micro))] for micro in ranks]
+
+
+def micro_batch_plan(
+    lengths: Sequence[int],
+    mini: int,
+    dp: int,
+    dp_rank: int,
+    micro_batch_size: int,
+    max_tokens: int | None,
+    *,
+    by_length: bool,
+) -> list[list[list[int]]]:
+    """This DP rank's micro batches of each mini-batch of the train batch: ``[mini-batch][micro batch]`` -> sample
+    indices (``[]``: a filler, see :func:`group_micro_batches`).
+
+    ``max_tokens`` None (``trainer.max_tokens_per_micro_batch`` unset): :func:`minibatch_shares` (every ``dp``-th
+    sample; sorted by length when ``by_length``) cut into micro batches of ``micro_batch_size`` samples. Set: each
+    mini-batch (the last one holding the rest) split by tokens, :func:`token_micro_batches`.
+
+    Raises:
+        ValueError: as :func:`minibatch_shares` or :func:`token_micro_batches`.
+    """
+    n = len(lengths)
+    if max_tokens is None:
+        shares = minibatch_shares(n, mini, dp, dp_rank)
+        if by_length:
+            shares = [sorted(share, key=lambda i: lengths[i]) for share in shares]
+        return [[share[i : i + micro_batch_size] for i in range(0, len(share), micro_batch_size)] for share in shares]
+    plan = []
+    for start in range(0, n, mini):
+        indices = list(range(start, min(start + mini, n)))
+        mine = token_micro_batches([lengths[i] for i in indices], max_tokens, dp)[dp_rank]
+        plan.append([[indices[j] for j in micro] for micro in mine])
+    return plan
+
+
+def local_micro_batches(
+    indices: Sequence[int], lengths: Sequence[int], micro_batch_size: int, max_tokens: int | None
+) -> list[list[int]]:
+    """This rank's forward-only passes (old logprobs, old values) over ``indices``: micro batches of
+    ``micro_batch_size`` samples in order, or, with ``max_tokens``, of at most that many tokens
+    (:func:`token_micro_batches` over one rank: the fewest that fit)."""
+    if max_tokens is None:
+        return [list(indices[i : i + micro_batch_size]) for i in range(0, len(indices), micro_batch_size)]
+    if not indices:
+        return []
+    (micro,) = token_micro_batches([lengths[i] for i in indices], max_tokens, 1)
+    return [[indices[j] for j in group] for group in micro]
+
+
 def sample_micro_batches(
     samples: Sequence[Any],
     mbs: int,
@@ -145,6 +287,35 @@ def sample_micro_batches(
     return out
 
 
+def group_micro_batches(
+    samples: Sequence[Any],
+    groups: Sequence[Sequence[int]],
+    seq_length: int | None,
+    pad_id: int,
+    extra: Callable[[Sequence[int]], Mapping[str, Sequence[Sequence[float]]]] | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """One micro batch per group of sample indices (:func:`sample_micro_batches` of the group, ``extra(group)``
+    its per-token inputs).
+
+    A filler group (``[]``, from :func:`token_micro_batches`: the same number of micro batches on every DP rank)
+    is the first sample of the groups with its ``response_mask`` zeroed: no token of it enters the loss, its
+    token count (0) or its statistics, so its gradient is zero.
+    """
+    first = next((g[0] for g in groups if g), None)
+    out = []
+    for group in groups:
+        indices = list(group) if group else [first]
+        if indices[0] is None:
+            raise ValueError("filler micro batches without a sample to borrow")
+        (batch,) = sample_micro_batches(
+            [samples[i] for i in indices], len(indices), seq_length, pad_id, extra=extra(indices) if extra else None
+        )
+        if not group:
+            batch["response_mask"].zero_()
+        out.append(batch)
+    return out
+
+
 @dataclass
 class Updates:
     """What :func:`minibatch_updates` did: each micro batch's loss stats (last pipeline stage), the last step's
@@ -159,7 +330,7 @@ class Updates:
 def minibatch_updates(
     trainer: Any,
     samples: Sequence[Any],
-    shares: Sequence[Sequence[int]],
+    plan: Sequence[Sequence[Sequence[int]]],
     forward_step: Callable,
     extra: Callable[[Sequence[int]], Mapping[str, Sequence[Sequence[float]]]],
     policy: PolicyConfig,
@@ -171,13 +342,13 @@ def minibatch_updates(
     what: str,
 ) -> Updates:
     """The one PPO mini-batch loop of the policy and the critic: ``algorithm.ppo_epochs`` x one optimizer step per
-    mini-batch (``shares``: this DP rank's sample indices of each, :func:`minibatch_shares`), on
-    :meth:`~afm_core.train.core.MegatronTrainer.step` with ``forward_step``'s loss, in micro batches of
-    ``trainer.micro_batch_size`` samples.
+    mini-batch (``plan``: this DP rank's micro batches of each, as sample indices, :func:`micro_batch_plan`), on
+    :meth:`~afm_core.train.core.MegatronTrainer.step` with ``forward_step``'s loss.
 
     Args:
-        extra: a share's per-response-token inputs of the loss (old logprobs, advantages, returns...).
-        policy: the trainer side's settings (``algorithm.ppo_epochs``, ``trainer.micro_batch_size``).
+        extra: a micro batch's per-response-token inputs of the loss (old logprobs, advantages, returns...).
+        policy: the trainer side's settings (``algorithm.ppo_epochs``; ``trainer.micro_batch_size``, the
+            pipeline's activation shape, when ``trainer.max_tokens_per_micro_batch`` is unset).
         seq_length: the activation length megatron's schedule is given; pad_to: the micro batches' padded
             length (None: each to its own longest, without pipeline stages).
         stats_key: the loss reports' key whose stats are collected; what: names the update in errors
@@ -185,18 +356,16 @@ def minibatch_updates(
     Raises:
         FloatingPointError: non-finite gradients.
     """
-    epochs, micro_batch_size = policy.algorithm.ppo_epochs, policy.trainer.micro_batch_size
+    counted = policy.trainer.max_tokens_per_micro_batch is None
     done = Updates()
-    for _ in range(epochs):
-        for share in shares:
-            micro = sample_micro_batches(
-                [samples[i] for i in share], micro_batch_size, pad_to, pad_id, extra=extra(share)
-            )
+    for _ in range(policy.algorithm.ppo_epochs):
+        for groups in plan:
+            micro = group_micro_batches(samples, groups, pad_to, pad_id, extra)
             reports, done.grad_norm, done.lr = trainer.step(
                 micro,
                 forward_step,
                 seq_length=seq_length,
-                micro_batch_size=micro_batch_size,
+                micro_batch_size=policy.trainer.micro_batch_size if counted else max(len(g) for g in groups),
                 what=what.format(step=done.steps + 1),
             )
             done.steps += 1

@@ -204,19 +204,30 @@ class Critic:
     def model(self) -> list[torch.nn.Module]:
         return self.trainer.model
 
+    def _pad_to(self, seq_length: int) -> int | None:
+        """The critic's micro batches are padded to ``seq_length``; by tokens
+        (``trainer.max_tokens_per_micro_batch``, PP=1) each to its own longest."""
+        return seq_length if self.config.trainer.max_tokens_per_micro_batch is None else None
+
     def values(self, samples: Sequence[Any], seq_length: int, pad_id: int) -> list[list[float]]:
-        """Old values of every sample's response tokens (each DP rank computes its share; gathered, so every
-        rank returns all of them, in sample order)."""
+        """Old values of every sample's response tokens (each DP rank computes its share: every ``dp``-th sample
+        in micro batches of ``trainer.micro_batch_size``, or a token-balanced share in micro batches of at most
+        ``trainer.max_tokens_per_micro_batch`` tokens, :func:`~afm_core.rl.batch.token_micro_batches`; gathered, so
+        every rank returns all of them, in sample order)."""
         from megatron.core import parallel_state as ps
 
-        from afm_core.rl.batch import response_values, sample_micro_batches
+        from afm_core.rl.batch import group_micro_batches, local_micro_batches, response_values, token_micro_batches
         from afm_core.rl.logprobs import forward_only
         from afm_core.train.distributed import gather_objects
 
-        mbs = self.config.trainer.micro_batch_size
+        t = self.config.trainer
         dp, dp_rank = self.layout.dp, self.layout.dp_rank
-        mine = list(range(len(samples)))[dp_rank::dp]
-        batches = sample_micro_batches([samples[i] for i in mine], mbs, seq_length, pad_id)
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        if t.max_tokens_per_micro_batch is None:  # every dp-th sample, in micro batches of micro_batch_size
+            groups = local_micro_batches(list(range(len(samples)))[dp_rank::dp], lengths, t.micro_batch_size, None)
+        else:  # by tokens, balanced over the DP ranks
+            groups = token_micro_batches(lengths, t.max_tokens_per_micro_batch, dp)[dp_rank]
+        batches = group_micro_batches(samples, groups, self._pad_to(seq_length), pad_id)
         for chunk in self.model:
             chunk.eval()
         outs = forward_only(
@@ -229,9 +240,9 @@ class Critic:
         for chunk in self.model:
             chunk.train()
         local: dict[int, list[float]] = {}
-        for b, (batch, out) in enumerate(zip(batches, outs)):
-            for j, v in enumerate(response_values(out["values"], batch)):
-                local[mine[b * mbs + j]] = v.tolist()
+        for group, batch, out in zip(groups, batches, outs):
+            for i, v in zip(group, response_values(out["values"], batch)):
+                local[i] = v.tolist()
         if dp > 1:
             for part in gather_objects(local, group=ps.get_data_parallel_group()):
                 local.update(part)
@@ -254,19 +265,23 @@ class Critic:
         """
         from megatron.core import parallel_state as ps
 
-        from afm_core.rl.batch import minibatch_shares, minibatch_updates
+        from afm_core.rl.batch import micro_batch_plan, minibatch_updates
         from afm_core.rl.losses import reduce_stats
 
         start = time.perf_counter()
+        t = self.config.trainer
         mini = self.config.algorithm.mini_batch_size * self.config.n
-        shares = minibatch_shares(len(samples), mini, self.layout.dp, self.layout.dp_rank)
+        lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
+        plan = micro_batch_plan(lengths, mini, self.layout.dp, self.layout.dp_rank, t.micro_batch_size,
+                                t.max_tokens_per_micro_batch, by_length=False)  # fmt: skip
 
         def inputs(share: Sequence[int]) -> dict[str, list[Sequence[float]]]:
             return {"old_values": [old_values[i] for i in share], "returns": [returns[i] for i in share]}
 
         forward_step = values_forward_step(self.clip_range_value, self.remove_padding)
-        done = minibatch_updates(self.trainer, samples, shares, forward_step, inputs, self.config, seq_length,
-                                 seq_length, pad_id, stats_key=STATS_KEY, what="critic update {step}")  # fmt: skip
+        done = minibatch_updates(self.trainer, samples, plan, forward_step, inputs, self.config, seq_length,
+                                 self._pad_to(seq_length), pad_id, stats_key=STATS_KEY,
+                                 what="critic update {step}")  # fmt: skip
         stats, grad_norm, lr, steps = done.stats, done.grad_norm, done.lr, done.steps
         reduced = reduce_stats(stats, ps.get_data_parallel_group()) if stats else {}
         tokens = [r for s, values in zip(samples, returns) for r, m in zip(values, s.response_mask) if m]

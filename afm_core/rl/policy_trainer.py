@@ -22,13 +22,26 @@ import torch
 from afm_core.config.rl import PolicyConfig
 
 
-def check_batch_split(mini_batch: int, train_batch: int, dp: int, micro_batch_size: int) -> None:
+def check_batch_split(
+    mini_batch: int, train_batch: int, dp: int, micro_batch_size: int, max_tokens: int | None = None
+) -> None:
     """Every mini-batch and the train batch (in samples) must split evenly over the data-parallel ranks' micro
-    batches.
+    batches; with micro batches by tokens (``max_tokens``, ``trainer.max_tokens_per_micro_batch``) a mini-batch
+    (and the rest of a partial train batch) need only give every DP rank a sample.
 
     Raises:
-        ValueError: naming ``algorithm.mini_batch_size``, ``rollout.n`` and ``trainer.micro_batch_size``.
+        ValueError: naming ``algorithm.mini_batch_size``, ``rollout.n`` and ``trainer.micro_batch_size`` (or
+            ``trainer.max_tokens_per_micro_batch``).
     """
+    if max_tokens is not None:
+        rest = train_batch % mini_batch
+        if mini_batch < dp or 0 < rest < dp:
+            raise ValueError(
+                f"algorithm.mini_batch_size x rollout.n = {mini_batch} samples (and the rest {rest} of the train batch "
+                f"of {train_batch}) must give each of dp = {dp} ranks a sample with "
+                "trainer.max_tokens_per_micro_batch set"
+            )
+        return
     if mini_batch % (dp * micro_batch_size) or train_batch % (dp * micro_batch_size):
         raise ValueError(
             f"algorithm.mini_batch_size x rollout.n = {mini_batch} samples and the train batch ({train_batch}) must "
@@ -197,15 +210,25 @@ def policy_update(
     from megatron.core import parallel_state as ps
 
     from afm_core.rl.actor import STATS_KEY, policy_forward_step
-    from afm_core.rl.batch import minibatch_shares, minibatch_updates, response_values, sample_micro_batches
+    from afm_core.rl.batch import (
+        group_micro_batches,
+        local_micro_batches,
+        micro_batch_plan,
+        minibatch_updates,
+        response_values,
+    )
     from afm_core.rl.logprobs import compute_logprobs
     from afm_core.rl.losses import PolicyLossConfig, logprob_gap_stats, reduce_stats
 
     a, t = policy.algorithm, policy.trainer
     layout = trainer.layout
-    dp, dp_rank, mbs = layout.dp, layout.dp_rank, t.micro_batch_size
+    dp, dp_rank, mbs, max_tokens = layout.dp, layout.dp_rank, t.micro_batch_size, t.max_tokens_per_micro_batch
     mini = a.mini_batch_size * policy.n
-    check_batch_split(mini, len(samples), dp, mbs)
+    check_batch_split(mini, len(samples), dp, mbs, max_tokens)
+    if max_tokens is not None and layout.pp > 1:
+        raise ValueError(
+            "trainer.max_tokens_per_micro_batch needs parallel.pp=1 (pipeline stages send one fixed shape)"
+        )
     kl_coef = a.kl_coef
     if kl_coef > 0 and reference is None:
         raise ValueError("algorithm.kl_coef > 0 needs the reference policy's chunks")
@@ -217,18 +240,21 @@ def policy_update(
     # each micro batch holds samples of similar length and, without pipeline stages (whose p2p shapes are
     # fixed), is padded to its own longest: fewer padded positions through the transformer
     pad_to = seq_length if layout.pp > 1 else None
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
 
     def by_length(indices: Sequence[int]) -> list[int]:
-        return sorted(indices, key=lambda i: len(samples[i].prompt_ids) + len(samples[i].response_ids))
+        return sorted(indices, key=lambda i: lengths[i])
 
-    shares = [by_length(share) for share in minibatch_shares(len(samples), mini, dp, dp_rank)]
-    mine = by_length([i for share in shares for i in share])
+    # this rank's micro batches of each mini-batch: counted (every dp-th sample) or by tokens (balanced over DP)
+    plan = micro_batch_plan(lengths, mini, dp, dp_rank, mbs, max_tokens, by_length=True)
+    mine = by_length([i for groups in plan for group in groups for i in group])
 
     # old logprobs (the trainer's, before this step's updates) and the gap to vLLM's; reference logprobs
     start = time.perf_counter()
     for chunk in trainer.model:
         chunk.eval()
-    batches = sample_micro_batches([samples[i] for i in mine], mbs, pad_to, pad_id)
+    groups = local_micro_batches(mine, lengths, mbs, max_tokens)
+    batches = group_micro_batches(samples, groups, pad_to, pad_id)
     outs = compute_logprobs(
         trainer.model, batches, temperature=temperature, with_entropy=True, remove_padding=remove_padding
     )
@@ -240,7 +266,7 @@ def policy_update(
     old: dict[int, list[float]] = {}
     ref: dict[int, list[float]] = {}
     recompute = []
-    for b, (batch, out) in enumerate(zip(batches, outs)):
+    for b, (group, batch, out) in enumerate(zip(groups, batches, outs)):
         mask = batch["response_mask"]
         recompute.append(
             {
@@ -248,11 +274,11 @@ def policy_update(
                 "entropy_sum": torch.where(mask.bool(), out["entropy"], 0.0).sum(),
             }
         )
-        for j, values in enumerate(response_values(out["logprobs"], batch)):
-            old[mine[b * mbs + j]] = values.tolist()
+        for i, values in zip(group, response_values(out["logprobs"], batch)):
+            old[i] = values.tolist()
         if refs:
-            for j, values in enumerate(response_values(refs[b]["logprobs"], batch)):
-                ref[mine[b * mbs + j]] = values.tolist()
+            for i, values in zip(group, response_values(refs[b]["logprobs"], batch)):
+                ref[i] = values.tolist()
     recomputed = reduce_stats(recompute, ps.get_data_parallel_group())
     logprob_s = time.perf_counter() - start
 
@@ -267,13 +293,12 @@ def policy_update(
         return inputs
 
     forward_step = policy_forward_step(loss_cfg, temperature=temperature, remove_padding=remove_padding)
-    done = minibatch_updates(trainer, samples, shares, forward_step, extra, policy, seq_length, pad_to, pad_id,
+    done = minibatch_updates(trainer, samples, plan, forward_step, extra, policy, seq_length, pad_to, pad_id,
                              stats_key=STATS_KEY, what="policy update {step} of this rollout step")  # fmt: skip
     reduced = reduce_stats(done.stats, ps.get_data_parallel_group()) if done.stats else {}
     train_s = time.perf_counter() - start
-    lengths = [len(samples[i].prompt_ids) + len(samples[i].response_ids) for i in mine]
     passes = 1 + (1 if refs else 0)  # old logprobs (+ the reference's), forward only
-    throughput = phase_throughput(arch, lengths, layout, a.ppo_epochs, passes, logprob_s, train_s,
+    throughput = phase_throughput(arch, [lengths[i] for i in mine], layout, a.ppo_epochs, passes, logprob_s, train_s,
                                   t.peak_tflops)  # fmt: skip
     return {
         **throughput,
