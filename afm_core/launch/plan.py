@@ -80,7 +80,10 @@ def infer_app(overrides: Sequence[str]) -> str:
 
 
 def layout_of(cfg: Mapping[str, Any], app: str) -> Layout:
-    """The plan's view of a composed ``conf/sft.yaml`` or ``conf/rl.yaml`` (a plain mapping)."""
+    """The plan's view of a composed ``conf/sft.yaml`` or ``conf/rl.yaml`` (a plain mapping). RL's micro batches are
+    ``trainer.micro_batch_size`` trajectories of ``data.max_prompt_len`` + the largest stage's ``max_response_len``
+    tokens, or, with ``trainer.max_tokens_per_micro_batch``, that many tokens packed (as many micro batches as a
+    mini-batch of full-length trajectories fills)."""
     from afm_core.launch.executor import visible_gpus, world_size
 
     cluster, p, t = cfg["cluster"], cfg["parallel"], cfg["trainer"]
@@ -97,8 +100,12 @@ def layout_of(cfg: Mapping[str, Any], app: str) -> Layout:
         seq_length = int(cfg["data"]["max_prompt_len"]) + (max(stages) if stages else int(r["max_response_len"]))
         samples = int(a["mini_batch_size"]) * int(r["n"])
         num_microbatches = max(1, samples // (dp * mbs))
+        max_tokens = t.get("max_tokens_per_micro_batch")
+        if max_tokens:  # micro batches by tokens: at most max_tokens packed, as many as full-length samples need
+            max_tokens = int(max_tokens)
+            num_microbatches = max(1, -(-samples * seq_length // (dp * max_tokens)))
     else:
-        seq_length = int(t["seq_length"])
+        seq_length, max_tokens = int(t["seq_length"]), None
         num_microbatches = max(1, int(t["global_batch_size"]) // (dp * mbs))
     precision = t.get("precision", "auto")
     return Layout(
@@ -120,6 +127,7 @@ def layout_of(cfg: Mapping[str, Any], app: str) -> Layout:
         num_microbatches=num_microbatches,
         gpu_gb=float(cluster.get("gpu_memory_gb") or 80),
         transformer_engine=on_gpu,
+        max_tokens_per_micro_batch=max_tokens,
     )
 
 

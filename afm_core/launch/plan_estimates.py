@@ -63,6 +63,9 @@ class Layout:
     # GPU jobs run transformer-engine's layer spec and cross entropy (requirements/gpu.txt); False: a GPU install
     # without it (megatron's local spec and native fused cross entropy: afm_core.train.memory.activations)
     transformer_engine: bool = True
+    # RL's trainer.max_tokens_per_micro_batch: a micro batch is at most this many tokens packed (one row of that
+    # length to the activation formula) instead of micro_batch_size x seq_length; None: counted micro batches
+    max_tokens_per_micro_batch: int | None = None
 
     @property
     def dp(self) -> int:
@@ -89,7 +92,8 @@ def stage_table(stage: StageState, acts: Activations) -> dict[str, Any]:
 
 
 def training_plan(hf_config: Any, layout: Layout) -> list[dict[str, Any]]:
-    """Per pipeline stage: the model states (built on meta) and the activations of one rank."""
+    """Per pipeline stage: the model states (built on meta) and the activations of one rank (of micro batches of
+    ``micro_batch_size`` x ``seq_length`` tokens, or of ``max_tokens_per_micro_batch`` when set)."""
     import torch
 
     from afm_core.models.arch import arch_from_hf_config
@@ -108,6 +112,9 @@ def training_plan(hf_config: Any, layout: Layout) -> list[dict[str, Any]]:
         distributed_optimizer=layout.distributed_optimizer,
         on_gpu=layout.on_gpu,
     )
+    seq_length, micro_batch_size = layout.seq_length, layout.micro_batch_size
+    if layout.max_tokens_per_micro_batch:  # the packed micro batch of at most that many tokens
+        seq_length, micro_batch_size = layout.max_tokens_per_micro_batch, 1
     rows = []
     for stage in states:
         acts = activations(
@@ -117,8 +124,8 @@ def training_plan(hf_config: Any, layout: Layout) -> list[dict[str, Any]]:
             vpp=layout.vpp,
             tp=layout.tp,
             cp=layout.cp,
-            seq_length=layout.seq_length,
-            micro_batch_size=layout.micro_batch_size,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
             num_microbatches=layout.num_microbatches,
             sequence_parallel=layout.sequence_parallel,
             recompute=layout.recompute,

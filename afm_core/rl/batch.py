@@ -300,13 +300,16 @@ def group_micro_batches(
     A filler group (``[]``, from :func:`token_micro_batches`: the same number of micro batches on every DP rank)
     is the first sample of the groups with its ``response_mask`` zeroed: no token of it enters the loss, its
     token count (0) or its statistics, so its gradient is zero.
+
+    Raises:
+        ValueError: only filler groups (no sample to borrow).
     """
     first = next((g[0] for g in groups if g), None)
+    if first is None and groups:
+        raise ValueError("filler micro batches without a sample to borrow")
     out = []
     for group in groups:
-        indices = list(group) if group else [first]
-        if indices[0] is None:
-            raise ValueError("filler micro batches without a sample to borrow")
+        indices = list(group) if group else [int(first or 0)]
         (batch,) = sample_micro_batches(
             [samples[i] for i in indices], len(indices), seq_length, pad_id, extra=extra(indices) if extra else None
         )

@@ -189,6 +189,10 @@ def policy_update(
 ) -> dict[str, float]:
     """Old-logprob recompute, then ``ppo_epochs`` x (train batch / mini batch) optimizer steps on this DP rank's
     share of each mini-batch. Every rank gets the same ``samples`` (the gathered train batch, grouped by prompt).
+    The share and its micro batches (:func:`afm_core.rl.batch.micro_batch_plan`): every ``dp``-th sample in micro
+    batches of ``trainer.micro_batch_size``, or, with ``trainer.max_tokens_per_micro_batch``, a token-balanced
+    share in micro batches of at most that many tokens, as many on every DP rank; the loss is the token-mean over
+    the global mini-batch either way.
 
     Args:
         trainer: the policy's :class:`~afm_core.train.core.MegatronTrainer`.
@@ -204,8 +208,9 @@ def policy_update(
         ``train_s``, ``optimizer_steps``, ``grad_norm`` (last), ``lr``; this rank's throughput of the two phases
         (:func:`phase_throughput`).
     Raises:
-        ValueError: the mini-batch or the train batch does not split over DP ranks and micro batches, or
-            ``kl_coef`` > 0 without ``reference``.
+        ValueError: the mini-batch or the train batch does not split over DP ranks and micro batches
+            (:func:`check_batch_split`), a trajectory longer than ``trainer.max_tokens_per_micro_batch`` or that
+            budget with pipeline stages, or ``kl_coef`` > 0 without ``reference``.
     """
     from megatron.core import parallel_state as ps
 

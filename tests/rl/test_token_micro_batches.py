@@ -301,3 +301,25 @@ def test_a_policy_update_by_tokens_has_the_counted_paths_loss_and_gradients(tmp_
     _close(got["grads"], want["grads"])
     for key in ("critic/vf_loss", "critic/values", "critic/grad_norm"):
         assert results["critic_tokens"]["stats"][key] == pytest.approx(results["critic_counted"]["stats"][key], 1e-5)
+
+
+# -- jobs.plan ------------------------------------------------------------------------------------------------
+def test_the_plan_sizes_a_micro_batchs_activations_by_the_token_budget():
+    """afm_mhqa_rl (PP=1): micro batches of 2 trajectories of 2048 + 8192 tokens hold what a budget of 20480
+    tokens holds; half that budget, half the activations and logits."""
+    from omegaconf import OmegaConf
+
+    from afm_core.launch.plan import compose, layout_of, make_plan
+
+    def plan(*overrides):
+        cfg = OmegaConf.to_container(compose("rl", ["recipe=afm_mhqa_rl", *overrides]), resolve=False)
+        return layout_of(cfg, "rl"), make_plan(cfg, "rl")["stages"]
+
+    counted_layout, counted = plan()
+    same_layout, same = plan("trainer.max_tokens_per_micro_batch=20480")
+    _, half = plan("trainer.max_tokens_per_micro_batch=10240")
+    assert counted_layout.seq_length == same_layout.seq_length == 10240  # vLLM's max_model_len is unchanged
+    assert same_layout.max_tokens_per_micro_batch == 20480
+    for key in ("activations_bytes", "logits_bytes"):
+        assert [r[key] for r in same] == [r[key] for r in counted]
+        assert [2 * r[key] for r in half] == pytest.approx([r[key] for r in counted], rel=1e-6)
