@@ -155,3 +155,35 @@ def test_an_off_policy_correction_is_tis_icepop_or_the_geometric_mask():
     assert has_off_policy_correction(AlgorithmConfig(tis_cap=2.0))
     assert has_off_policy_correction(AlgorithmConfig(icepop_low=0.5, icepop_high=5.0))
     assert has_off_policy_correction(AlgorithmConfig(geo_mask_low=0.999, geo_mask_high=1.002))
+
+
+# -- through the policy trainer ---------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_policy_update_reports_the_corrections_per_step_under_actor_keys(tmp_path):
+    """policy_update (what the RL job runs each step) on the tiny model with every correction set: the engine's
+    logprobs are 0 (p = 1) against the trainer's ~log(1/V), so k ~ 0: every token and sequence is masked."""
+    import json
+
+    from afm_core.utils.ports import free_port
+    from tests.ranks import start_ranks
+    from tests.rl.test_driver import _config, _update_rank
+
+    cfg = _config(
+        tmp_path / "run",
+        "rollout.n=2",
+        "algorithm.mini_batch_size=2",
+        "algorithm.train_batch_size=2",
+        "trainer.micro_batch_size=2",
+        "algorithm.tis_cap=2.0",
+        "algorithm.icepop_low=0.5",
+        "algorithm.icepop_high=5.0",
+        "algorithm.geo_mask_low=0.999",
+        "algorithm.geo_mask_high=1.002",
+    )
+    out = tmp_path / "update.json"
+    start_ranks(_update_rank, args=(1, free_port(), cfg, str(out)), nprocs=1)
+    stats = json.loads(out.read_text())["stats"]
+    assert stats["actor/tokens"] == 4 * 7 and stats["actor/seqs"] == 4
+    assert stats["actor/icepop_masked"] == 1 and stats["actor/geo_masked"] == 1 and stats["actor/geo_masked_seq"] == 1
+    assert stats["actor/tis_clipped"] == 0 and 0 < stats["actor/geo_ratio_seq"] < 0.5
+    assert stats["actor/pg_loss"] == 0  # nothing left to train on
