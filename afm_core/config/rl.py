@@ -38,7 +38,8 @@ TOOL_SERVER_START = ("auto", "always", "never")  # afm_core.tools.job_servers
 COLOCATION_MODES = ("auto", "inprocess", "async")  # colocation.mode: afm_core.rl.colocation
 #: algorithm.filter_groups_metric -> the field of the sample (afm_core.rl.grading.Sample) a kept group varies in
 FILTER_METRICS = {"acc": "score", "score": "reward"}
-#: algorithm.loss_agg_mode: verl ``verl/trainer/ppo/core_algos.py::agg_loss`` (afm_core.rl.losses.policy_loss)
+#: algorithm.loss_agg_mode: verl ``verl/trainer/ppo/core_algos.py::agg_loss`` (afm_core.rl.losses.policy_loss,
+#: which holds the same tuples: it imports no config)
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 #: algorithm.kl_loss_type: verl ``core_algos.py::kl_penalty_forward`` names, aliases included (k1 = kl, k2 = mse,
 #: k3 = low_var_kl); verl's straight-through ``+`` variants and ``full`` are not offered

@@ -39,10 +39,12 @@ from dataclasses import dataclass
 
 import torch
 
-from afm_core.config.rl import KL_LOSS_TYPES, LOSS_AGG_MODES
-
 LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi/pi_old) to +-20 before exp
 KL_CLAMP = 10.0  # verl clamps the k3 estimate to +-10
+# the values of algorithm.loss_agg_mode / kl_loss_type (afm_core.config.rl checks them at submit; this module
+# imports no config: tests/test_import_graph.py)
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_LOSS_TYPES = ("low_var_kl", "k3", "k1", "kl", "k2", "mse", "abs")
 
 
 @dataclass(frozen=True)

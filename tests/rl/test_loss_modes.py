@@ -150,6 +150,13 @@ def test_the_policy_loss_config_is_built_from_the_same_named_algorithm_fields():
     assert (config.icepop_high, config.geo_mask_low, config.loss_scale_factor) == (5.0, 0.999, 4096.0)
 
 
+def test_the_config_and_the_loss_know_the_same_modes_and_estimators():
+    from afm_core.config import rl
+    from afm_core.rl import losses
+
+    assert (rl.LOSS_AGG_MODES, rl.KL_LOSS_TYPES) == (losses.LOSS_AGG_MODES, losses.KL_LOSS_TYPES)
+
+
 def test_an_off_policy_correction_is_tis_icepop_or_the_geometric_mask():
     assert not has_off_policy_correction(AlgorithmConfig())
     assert has_off_policy_correction(AlgorithmConfig(tis_cap=2.0))
@@ -160,7 +167,7 @@ def test_an_off_policy_correction_is_tis_icepop_or_the_geometric_mask():
 # -- through the policy trainer ---------------------------------------------------------------------------
 @pytest.mark.slow
 def test_the_policy_update_reports_the_corrections_per_step_under_actor_keys(tmp_path):
-    """policy_update (what the RL job runs each step) on the tiny model with every correction set: the engine's
+    """policy_update (what the RL job runs each step) on the test config's model with every correction set: the engine's
     logprobs are 0 (p = 1) against the trainer's ~log(1/V), so k ~ 0: every token and sequence is masked."""
     import json
 
