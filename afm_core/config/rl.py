@@ -38,6 +38,12 @@ TOOL_SERVER_START = ("auto", "always", "never")  # afm_core.tools.job_servers
 COLOCATION_MODES = ("auto", "inprocess", "async")  # colocation.mode: afm_core.rl.colocation
 #: algorithm.filter_groups_metric -> the field of the sample (afm_core.rl.grading.Sample) a kept group varies in
 FILTER_METRICS = {"acc": "score", "score": "reward"}
+#: algorithm.loss_agg_mode: verl ``verl/trainer/ppo/core_algos.py::agg_loss`` (afm_core.rl.losses.policy_loss,
+#: which holds the same tuples: it imports no config)
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+#: algorithm.kl_loss_type: verl ``core_algos.py::kl_penalty_forward`` names, aliases included (k1 = kl, k2 = mse,
+#: k3 = low_var_kl); verl's straight-through ``+`` variants and ``full`` are not offered
+KL_LOSS_TYPES = ("low_var_kl", "k3", "k1", "kl", "k2", "mse", "abs")
 
 
 def _positive(key: str, value: Any) -> None:
@@ -155,8 +161,15 @@ class AlgorithmConfig:
     clip_ratio_high: float = 0.28
     clip_ratio_c: float | None = None
     tis_cap: float | None = None
+    icepop_low: float | None = None
+    icepop_high: float | None = None
+    geo_mask_low: float | None = None
+    geo_mask_high: float | None = None
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None
     entropy_coeff: float = 0.0
     kl_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
     gamma: float = 1.0
     lam: float = 1.0
 
@@ -189,10 +202,53 @@ class AlgorithmConfig:
             require(self.clip_ratio_c > 1, a + "clip_ratio_c", self.clip_ratio_c, "> 1 (dual clip), or null")
         if self.tis_cap is not None:
             require(self.tis_cap >= 1, a + "tis_cap", self.tis_cap, ">= 1, or null")
+        for name in ("icepop", "geo_mask"):  # windows on pi_old / pi_rollout: per token; a sequence's geometric mean
+            low, high = getattr(self, name + "_low"), getattr(self, name + "_high")
+            if (low is None) != (high is None):
+                unset, other = ("_low", "_high") if low is None else ("_high", "_low")
+                require(False, a + name + unset, None, f"set with {a}{name}{other}: a window has both bounds")
+            if low is not None:
+                require(0 <= low <= 1, a + name + "_low", low, "in [0, 1]: the window holds ratio 1 (on-policy)")
+                require(high >= 1 and high > low, a + name + "_high", high, f">= 1 and > {a}{name}_low={low}")
+        require(
+            self.loss_agg_mode in LOSS_AGG_MODES,
+            a + "loss_agg_mode",
+            self.loss_agg_mode,
+            f"one of {', '.join(LOSS_AGG_MODES)}",
+        )
+        if self.loss_agg_mode == "seq-mean-token-sum-norm":
+            require(
+                self.loss_scale_factor is not None and self.loss_scale_factor > 0,
+                a + "loss_scale_factor",
+                self.loss_scale_factor,
+                "a positive constant with loss_agg_mode=seq-mean-token-sum-norm (Dr. GRPO's: the generation "
+                "budget in tokens, the stage's max_response_len, which verl's default worker divides by)",
+            )
+        else:
+            require(
+                self.loss_scale_factor is None,
+                a + "loss_scale_factor",
+                self.loss_scale_factor,
+                "null unless loss_agg_mode=seq-mean-token-sum-norm (the only mode that reads it)",
+            )
+        require(
+            self.kl_loss_type in KL_LOSS_TYPES,
+            a + "kl_loss_type",
+            self.kl_loss_type,
+            f"one of {', '.join(KL_LOSS_TYPES)}",
+        )
         for key in ("entropy_coeff", "kl_coef"):
             require(getattr(self, key) >= 0, a + key, getattr(self, key), ">= 0")
         for key in ("gamma", "lam"):
             require(0 <= getattr(self, key) <= 1, a + key, getattr(self, key), "in [0, 1]")
+
+
+def has_off_policy_correction(algorithm: AlgorithmConfig) -> bool:
+    """Whether the policy loss corrects for rollouts sampled off the trainer's policy (pi_rollout != pi_old):
+    token TIS (``algorithm.tis_cap``), IcePop's token mask (``algorithm.icepop_low/high``) or the sequence-level
+    geometric-mean mask (``algorithm.geo_mask_low/high``); see :func:`afm_core.rl.losses.policy_loss`. Rollouts
+    continued across weight updates (partial rollouts) are refused without one."""
+    return algorithm.tis_cap is not None or algorithm.icepop_low is not None or algorithm.geo_mask_low is not None
 
 
 @dataclass

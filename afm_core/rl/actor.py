@@ -6,7 +6,8 @@ wrapped by the one trainer core (:class:`afm_core.train.core.MegatronTrainer`: M
 ``TransformerConfig.calculate_per_token_loss=True``; the step is :meth:`~afm_core.train.core.MegatronTrainer.step`). In that mode megatron sums the micro-batch losses,
 all-reduces the returned token counts over data-parallel ranks and divides the gradients by the total
 (``megatron/core/distributed/finalize_model_grads.py``), so :func:`megatron_policy_loss` returns the masked
-token SUM and the local token count, and the result is DAPO's token-mean over the global mini-batch.
+token SUM and the local token count, and the result is DAPO's token-mean over the global mini-batch. The other
+``algorithm.loss_agg_mode``s return the count their divisor needs (:func:`megatron_policy_loss`).
 
 A micro batch is :func:`afm_core.rl.batch.rollout_micro_batch`'s dict plus ``old_log_prob`` and
 ``advantages`` ``[b, s]`` (and ``ref_log_prob`` / ``rollout_log_prob`` when the config uses them), all aligned
@@ -34,6 +35,17 @@ def megatron_policy_loss(
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
     """Megatron ``loss_func`` (3-tuple, per-token-loss mode) of one micro batch.
 
+    Megatron sums the returned losses over micro batches (and their gradients over DP ranks) and divides the
+    gradients by the all-reduced sum of the returned counts, when it is > 0 (``finalize_model_grads.py``). So,
+    per ``config.loss_agg_mode`` (:func:`~afm_core.rl.losses.policy_loss`; verl ``core_algos.py::agg_loss``):
+
+    - ``token-mean``: (sum of the token losses, response tokens) -> / the mini-batch's response tokens;
+    - ``seq-mean-token-mean`` / ``-token-sum``: (sum over rows of each row's token mean / sum, rows) -> / the
+      mini-batch's sequences, verl's ``global_batch_size`` (``ppo_mini_batch_size * rollout.n``);
+    - ``seq-mean-token-sum-norm``: (token sum / (loss_scale_factor * DP), 0): no division by megatron, the
+      gradient of ``sum / (loss_scale_factor * DP)``, verl's (whose DP reduction averages and whose ``agg_loss``
+      does not multiply this mode by ``dp_size``).
+
     Args:
         batch: the micro batch on the logits' device (see the module docstring).
         config: :class:`~afm_core.rl.losses.PolicyLossConfig`.
@@ -41,7 +53,7 @@ def megatron_policy_loss(
         logits: from the last pipeline stage: the response rows' ``[1, n, V / tp]`` (the policy computes only
             those, :func:`policy_forward_step`) or the full ``[b, s, V / tp]``.
     Returns:
-        ``(masked loss sum, valid tokens (int), {"policy": additive stats})``.
+        ``(aggregated loss, count (int), {"policy": additive stats})``.
     """
     log_prob, entropy = response_logprobs(
         logits,
@@ -51,19 +63,30 @@ def megatron_policy_loss(
         with_entropy=True,
         entropy_grad=config.entropy_coeff > 0,
     )
+    mode, divisor = config.loss_agg_mode, 1
+    if mode == "seq-mean-token-sum-norm":
+        from megatron.core import parallel_state as ps
+
+        divisor = ps.get_data_parallel_world_size()
     loss_sum, stats = policy_loss(
         log_prob,
         batch["old_log_prob"],
         batch["advantages"],
         batch["response_mask"],
-        global_num_tokens=1,
+        global_num_tokens=divisor,
         config=config,
         ref_log_prob=batch.get("ref_log_prob"),
         rollout_log_prob=batch.get("rollout_log_prob"),
         entropy=entropy,
     )
-    num_tokens = batch["response_mask"].to(torch.bool).sum().to(torch.int)
-    return loss_sum, num_tokens, {STATS_KEY: stats}
+    mask = batch["response_mask"]
+    if mode == "token-mean":
+        count = mask.to(torch.bool).sum().to(torch.int)
+    elif mode == "seq-mean-token-sum-norm":
+        count = torch.zeros((), dtype=torch.int, device=mask.device)
+    else:  # one per row: a trajectory
+        count = torch.tensor(mask.shape[0], dtype=torch.int, device=mask.device)
+    return loss_sum, count, {STATS_KEY: stats}
 
 
 def policy_forward_step(

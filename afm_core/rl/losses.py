@@ -19,8 +19,17 @@ all-reduces ``batch_num_tokens`` for the same reason). With Megatron's ``calcula
 :func:`afm_core.rl.actor.megatron_policy_loss` (the only way production calls it; checked against a hand-computed
 token mean over micro batches and DP ranks in ``tests/rl/test_policy_normalization.py``).
 
+Other aggregations (``loss_agg_mode``, verl ``verl/trainer/ppo/core_algos.py::agg_loss`` with the global-batch
+arguments its engine workers pass, ``verl/workers/utils/losses.py::ppo_loss``): ``seq-mean-token-mean`` and
+``seq-mean-token-sum`` divide the sum over sequences of each sequence's token mean (token sum) by the number of
+sequences of the mini-batch (verl's ``global_batch_size``: every sample of it, also one without a trained token);
+``seq-mean-token-sum-norm`` (Dr. GRPO) divides the token sum by ``loss_scale_factor`` and by nothing global, so its
+gradient is that of ``sum / (loss_scale_factor * DP)`` as in verl, whose data-parallel gradient reduction averages
+over DP ranks while this mode's ``agg_loss`` branch, unlike the others, does not multiply by ``dp_size``.
+
 Statistics are returned as sums over this micro batch's valid tokens (``*_sum``), counts and maxima
-(``*_max``), so that :func:`reduce_stats` can add them over micro batches and ranks and divide once.
+(``*_max``), so that :func:`reduce_stats` can add them over micro batches and ranks and divide once; sums over
+sequences (``*_seq_sum``) are divided by the count of sequences with a trained token (``seqs``).
 """
 
 from __future__ import annotations
@@ -32,18 +41,28 @@ import torch
 
 LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi/pi_old) to +-20 before exp
 KL_CLAMP = 10.0  # verl clamps the k3 estimate to +-10
+# the values of algorithm.loss_agg_mode / kl_loss_type (afm_core.config.rl checks them at submit; this module
+# imports no config: tests/test_import_graph.py)
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+KL_LOSS_TYPES = ("low_var_kl", "k3", "k1", "kl", "k2", "mse", "abs")
 
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
-    """Policy loss settings (field names follow verl's actor config).
+    """Policy loss settings (field names follow verl's actor config; each is the same-named ``algorithm.*`` field).
 
     clip_ratio_low / clip_ratio_high: the ratio is clipped to ``[1 - low, 1 + high]`` (DAPO clip-higher:
         0.2 / 0.28).
     clip_ratio_c: dual-clip bound for negative advantages (verl default 3.0, DAPO recipe and AFM web agent 10.0);
         None disables it.
-    kl_coef: coefficient of the k3 (low-variance) KL penalty against the reference policy; 0 = no KL (DAPO).
+    kl_coef: coefficient of the KL loss against the reference policy; 0 = no KL (DAPO).
+    kl_loss_type: its per-token estimator, :func:`kl_penalty` (verl ``kl_loss_type``; default ``low_var_kl``, k3).
     tis_cap: truncated importance sampling cap C on ``pi_old(trainer) / pi_rollout(vLLM)``; None disables it.
+    icepop_low / icepop_high: IcePop's token window ``[a, b]`` on that ratio (IcePop's ``[0.5, 5]``); None: off.
+    geo_mask_low / geo_mask_high: the window on a sequence's geometric-mean ratio (NeMo-RL ``seq-mask-tis``
+        ``[0.999, 1.002]``, SkyRL ``[0.99, 1.01]``); None: off.
+    loss_agg_mode: ``token-mean`` (DAPO) or a verl ``seq-mean-*`` mode (module docstring).
+    loss_scale_factor: the constant of ``seq-mean-token-sum-norm`` (verl ``loss_scale_factor``).
     entropy_coeff: entropy bonus coefficient (0 in DAPO).
     """
 
@@ -51,7 +70,14 @@ class PolicyLossConfig:
     clip_ratio_high: float = 0.28
     clip_ratio_c: float | None = None
     kl_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
     tis_cap: float | None = None
+    icepop_low: float | None = None
+    icepop_high: float | None = None
+    geo_mask_low: float | None = None
+    geo_mask_high: float | None = None
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: float | None = None
     entropy_coeff: float = 0.0
 
     def __post_init__(self) -> None:
@@ -63,6 +89,18 @@ class PolicyLossConfig:
             raise ValueError(f"tis_cap={self.tis_cap}: must be positive")
         if self.kl_coef < 0:
             raise ValueError(f"kl_coef={self.kl_coef}: must be >= 0")
+        if self.kl_loss_type not in KL_LOSS_TYPES:
+            raise ValueError(f"kl_loss_type={self.kl_loss_type!r}: one of {', '.join(KL_LOSS_TYPES)}")
+        for name in ("icepop", "geo_mask"):
+            low, high = getattr(self, name + "_low"), getattr(self, name + "_high")
+            if (low is None) != (high is None) or (low is not None and not 0 <= low <= 1 <= high):
+                raise ValueError(f"{name}_low={low}, {name}_high={high}: both None, or 0 <= low <= 1 <= high")
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r}: one of {', '.join(LOSS_AGG_MODES)}")
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and not (self.loss_scale_factor or 0) > 0:
+            raise ValueError(
+                f"loss_scale_factor={self.loss_scale_factor}: seq-mean-token-sum-norm needs a constant > 0"
+            )
 
 
 def _check_shapes(reference: torch.Tensor, **tensors: torch.Tensor | None) -> None:
@@ -83,6 +121,33 @@ def low_var_kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor) -> torch.Tens
     return (torch.exp(kl) - kl - 1).clamp(-KL_CLAMP, KL_CLAMP)
 
 
+def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kl_loss_type: str = "low_var_kl") -> torch.Tensor:
+    """A per-token estimate of KL(pi || pi_ref) from the sampled token's logprobs, as verl
+    ``verl/trainer/ppo/core_algos.py::kl_penalty_forward`` defines them (Schulman, "Approximating KL Divergence",
+    2020), with ``d = logp - logp_ref``:
+
+    - ``k1`` / ``kl``: ``d`` (unbiased, can be negative);
+    - ``abs``: ``|d|``;
+    - ``k2`` / ``mse``: ``d^2 / 2`` (its gradient is the one of KL's, in expectation);
+    - ``low_var_kl`` / ``k3``: :func:`low_var_kl` (log-ratio clamped to +-20, estimate to +-10).
+
+    No clamp on the first three, as in verl. Args are ``[B, T]``; returns ``[B, T]``.
+
+    Raises:
+        ValueError: an unknown ``kl_loss_type``.
+    """
+    if kl_loss_type in ("low_var_kl", "k3"):
+        return low_var_kl(log_prob, ref_log_prob)
+    d = log_prob - ref_log_prob
+    if kl_loss_type in ("k1", "kl"):
+        return d
+    if kl_loss_type == "abs":
+        return d.abs()
+    if kl_loss_type in ("k2", "mse"):
+        return 0.5 * d.square()
+    raise ValueError(f"kl_loss_type={kl_loss_type!r}: one of {', '.join(KL_LOSS_TYPES)}")
+
+
 def policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -95,39 +160,66 @@ def policy_loss(
     rollout_log_prob: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate policy loss (PPO/GRPO/DAPO) for one micro batch, token-summed / ``global_num_tokens``.
+    """Clipped surrogate policy loss (PPO/GRPO/DAPO) for one micro batch, aggregated, / ``global_num_tokens``.
 
-    Per valid token, with ``r = exp(logp - logp_old)`` (log-ratio clamped to +-20) and advantage ``A``::
+    Per valid token, with ``r = exp(logp - logp_old)`` (log-ratio clamped to +-20), advantage ``A`` and the
+    trainer/engine ratio ``k = exp(logp_old - logp_rollout)`` (log clamped to +-20)::
 
         l = max(-A * r, -A * clip(r, 1 - eps_low, 1 + eps_high))          # DAPO eq. 10 (clip-higher)
         l = min(l, -A * c)            if A < 0 and clip_ratio_c is set    # dual-clip (Ye et al., arXiv 1912.09729)
-        l = l * min(exp(logp_old - logp_rollout), C)   if tis_cap = C     # truncated IS (Yao et al. 2025; slime --use-tis)
-        l = l + kl_coef * k3(logp, logp_ref)          if kl_coef > 0      # GRPO KL (arXiv 2402.03300 eq. 3-4)
-        l = l - entropy_coeff * H_t                   if entropy_coeff > 0
+        l = l * w                     if a correction is set (below)
+        l = l + kl_coef * KL_t        if kl_coef > 0                      # GRPO KL (arXiv 2402.03300 eq. 3-4),
+                                                                          # KL_t = kl_penalty(logp, logp_ref)
+        l = l - entropy_coeff * H_t   if entropy_coeff > 0
 
-    PPO: Schulman et al., arXiv 1707.06347 eq. 7; the form above is verl ``core_algos.py::
-    compute_policy_loss_vanilla``. The TIS weight is detached (a constant per token).
+    The off-policy weight ``w`` (detached, a constant per token) is the product of those set:
+
+    - ``tis_cap = C``: ``min(k, C)`` (truncated IS, Yao et al. 2025; slime ``--use-tis``);
+    - ``icepop_low/high = [a, b]``: IcePop's ``M(k) = k if a <= k <= b else 0`` (Ling team, "Every Step
+      Evolves", arXiv 2510.18855, the IcePop objective; NeMo-RL ``nemo_rl/algorithms/loss/loss_functions.py``
+      ``truncated_importance_sampling_type: icepop``): a token in the window is weighted by ``k`` (by
+      ``min(k, C)`` with ``tis_cap`` too), one outside it gets no gradient;
+    - ``geo_mask_low/high = [a, b]``: 0 on every token of a sequence whose geometric-mean ratio
+      ``exp(mean_t log k)`` over its trained tokens is outside ``[a, b]``, else 1 (verl ``rollout_rs:
+      seq_mean_k1`` Geo-RS, ``docs/algo/rollout_corr.md``; NeMo-RL ``seq-mask-tis``, whose kept sequences are
+      weighted by the untruncated ``k`` besides; SkyRL ``sequence_mask_metric: geometric``).
+
+    Both windows are closed, as in NeMo-RL and verl. A masked token stays in the denominator (the mini-batch's
+    token count, or its sequence's token count and the sequence count): NeMo-RL's normalisation and IcePop's
+    ``1 / sum |y_i|``; verl removes rejected tokens from ``response_mask`` instead, and so from the denominator.
+    The KL and entropy terms are not weighted (as the TIS weight in slime, NeMo-RL).
+
+    The sum over tokens is aggregated by ``config.loss_agg_mode`` (module docstring): ``token-mean`` sums the
+    tokens; ``seq-mean-token-mean`` sums each sequence's token mean (a sequence = a row); ``seq-mean-token-sum``
+    sums the tokens; ``seq-mean-token-sum-norm`` sums the tokens / ``loss_scale_factor``. PPO: Schulman et al.,
+    arXiv 1707.06347 eq. 7; the form above is verl ``core_algos.py::compute_policy_loss_vanilla``.
 
     Args:
         log_prob: ``[B, T]`` logprobs of the response tokens under the current policy (with grad).
         old_log_prob: ``[B, T]`` the trainer's logprobs before this rollout step's updates (recomputed).
         advantages: ``[B, T]`` token-level advantages.
-        response_mask: ``[B, T]`` 1 = trained response token.
-        global_num_tokens: valid tokens of the whole mini-batch over all micro batches and DP ranks; 1 returns
-            the plain sum (Megatron per-token-loss mode).
+        response_mask: ``[B, T]`` 1 = trained response token; row ``i`` is one trajectory.
+        global_num_tokens: the divisor: the mini-batch's valid tokens over all micro batches and DP ranks
+            (``token-mean``), its sequences (``seq-mean-token-mean/sum``), the DP size (``-norm``); 1 returns the
+            micro batch's aggregate (Megatron per-token-loss mode, :func:`afm_core.rl.actor.megatron_policy_loss`).
         config: :class:`PolicyLossConfig`.
         ref_log_prob: ``[B, T]`` reference-policy logprobs; required when ``config.kl_coef > 0``.
         rollout_log_prob: ``[B, T]`` the inference engine's logprobs of the sampled tokens (after temperature);
-            required when ``config.tis_cap`` is set; when given, the trainer/engine gap is reported.
+            required when ``config.tis_cap``, the IcePop or the geometric window is set; when given, the
+            trainer/engine gap is reported.
         entropy: ``[B, T]`` per-token entropy of the current policy; reported when given; required (with
             grad) when ``config.entropy_coeff > 0``.
     Returns:
         ``(loss, stats)``: the scalar loss, and additive statistics over this micro batch's valid tokens (all
-        detached fp32): ``tokens``, ``pg_loss_sum``, ``clip_frac_sum`` (tokens where clipping changed the
-        loss, verl ``pg_clipfrac``), ``clip_frac_dual_sum`` (the dual clip did, verl ``pg_clipfrac_lower``),
-        ``ppo_kl_sum`` (``logp_old - logp``), and when applicable ``kl_sum``, ``entropy_sum``, the
-        trainer/engine gap of :func:`logprob_gap_stats` (``logprob_gap_sum``, ``logprob_gap_max``,
-        ``prob_ratio_error_sum``), ``tis_weight_sum``, ``tis_clipped_sum``.
+        detached fp32): ``tokens``, ``pg_loss_sum`` (the weighted per-token policy-gradient loss, whatever the
+        aggregation), ``clip_frac_sum`` (tokens where clipping changed the loss, verl ``pg_clipfrac``),
+        ``clip_frac_dual_sum`` (the dual clip did, verl ``pg_clipfrac_lower``), ``ppo_kl_sum``
+        (``logp_old - logp``), and when applicable ``kl_sum``, ``entropy_sum``, the trainer/engine gap of
+        :func:`logprob_gap_stats` (``logprob_gap_sum``, ``logprob_gap_max``, ``prob_ratio_error_sum``),
+        ``tis_weight_sum``, ``tis_clipped_sum``, ``icepop_masked_sum`` (tokens outside IcePop's window), and
+        for the geometric mask ``geo_masked_sum`` (tokens of masked sequences), ``seqs`` (sequences with a
+        trained token), ``geo_masked_seq_sum`` (those masked) and ``geo_ratio_seq_sum`` (their geometric-mean
+        ratios).
     Raises:
         ValueError: shapes differ, or an input that the config needs is missing.
     """
@@ -142,8 +234,9 @@ def policy_loss(
     )
     if config.kl_coef > 0 and ref_log_prob is None:
         raise ValueError("kl_coef > 0 needs ref_log_prob")
-    if config.tis_cap is not None and rollout_log_prob is None:
-        raise ValueError("tis_cap is set but rollout_log_prob is missing")
+    for name in ("tis_cap", "icepop_low", "geo_mask_low"):
+        if getattr(config, name) is not None and rollout_log_prob is None:
+            raise ValueError(f"{name} is set but rollout_log_prob is missing")
     if config.entropy_coeff > 0 and entropy is None:
         raise ValueError("entropy_coeff > 0 needs entropy")
 
@@ -172,19 +265,16 @@ def policy_loss(
         rollout = torch.where(mask, rollout_log_prob.float(), old)
         gap = (old - rollout).detach()
         stats.update(_gap_sums(gap, mask))
-        if config.tis_cap is not None:
-            raw = torch.exp(gap.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-            weight = raw.clamp(max=config.tis_cap)
+        weight = _off_policy_weight(gap.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), mask, config, stats)
+        if weight is not None:
             per_token = per_token * weight
-            stats["tis_weight_sum"] = _masked_sum(weight, mask)
-            stats["tis_clipped_sum"] = _masked_sum((raw > config.tis_cap).float(), mask)
     pg_per_token = per_token
 
     if config.kl_coef > 0:
         if ref_log_prob is None:
             raise ValueError("kl_coef > 0 needs ref_log_prob (the reference policy's log-probs)")
         ref = torch.where(mask, ref_log_prob.float(), detached)
-        kl = low_var_kl(logp, ref)
+        kl = kl_penalty(logp, ref, config.kl_loss_type)
         per_token = per_token + config.kl_coef * kl
         stats["kl_sum"] = _masked_sum(kl.detach(), mask)
     if entropy is not None:
@@ -193,7 +283,7 @@ def policy_loss(
         if config.entropy_coeff > 0:
             per_token = per_token - config.entropy_coeff * ent
 
-    loss = torch.where(mask, per_token, zero).sum() / global_num_tokens
+    loss = _aggregate(torch.where(mask, per_token, zero), mask, config) / global_num_tokens
     stats.update(
         tokens=mask.sum().float(),
         pg_loss_sum=_masked_sum(pg_per_token.detach(), mask),
@@ -202,6 +292,48 @@ def policy_loss(
         ppo_kl_sum=_masked_sum(-log_ratio.detach(), mask),
     )
     return loss, stats
+
+
+def _off_policy_weight(
+    log_k: torch.Tensor, mask: torch.Tensor, config: PolicyLossConfig, stats: dict[str, torch.Tensor]
+) -> torch.Tensor | None:
+    """The detached per-token weight ``w`` of :func:`policy_loss` (None when no correction is set) from the clamped
+    ``log k = log pi_old - log pi_rollout`` ``[B, T]``; adds the corrections' statistics to ``stats``."""
+    weight: torch.Tensor | None = None
+    if config.tis_cap is not None or config.icepop_low is not None:
+        raw = torch.exp(log_k)
+        weight = raw
+        if config.tis_cap is not None:
+            weight = raw.clamp(max=config.tis_cap)
+            stats["tis_weight_sum"] = _masked_sum(weight, mask)
+            stats["tis_clipped_sum"] = _masked_sum((raw > config.tis_cap).float(), mask)
+        if config.icepop_low is not None:
+            keep = (raw >= config.icepop_low) & (raw <= config.icepop_high)
+            weight = torch.where(keep, weight, torch.zeros((), dtype=weight.dtype, device=weight.device))
+            stats["icepop_masked_sum"] = _masked_sum((~keep).float(), mask)
+    if config.geo_mask_low is not None:
+        counts = mask.sum(dim=-1)  # [B] trained tokens per sequence
+        trained = counts > 0
+        geo = torch.exp(_masked_sum_rows(log_k, mask) / counts.clamp(min=1))  # [B]
+        kept = ((geo >= config.geo_mask_low) & (geo <= config.geo_mask_high)) | ~trained
+        seq_weight = kept.to(log_k.dtype).unsqueeze(-1)  # [B, 1]
+        weight = seq_weight if weight is None else weight * seq_weight
+        stats["geo_masked_sum"] = _masked_sum((~kept).unsqueeze(-1).expand_as(mask).float(), mask)
+        stats["seqs"] = trained.sum().float()
+        stats["geo_masked_seq_sum"] = (~kept).sum().float()
+        stats["geo_ratio_seq_sum"] = torch.where(trained, geo, geo.new_zeros(())).sum().float()
+    return weight
+
+
+def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, config: PolicyLossConfig) -> torch.Tensor:
+    """The micro batch's numerator of ``config.loss_agg_mode`` from the masked per-token losses ``[B, T]``."""
+    mode = config.loss_agg_mode
+    if mode == "seq-mean-token-mean":
+        return (per_token.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).sum()
+    if mode == "seq-mean-token-sum-norm":
+        assert config.loss_scale_factor is not None  # PolicyLossConfig checks it
+        return per_token.sum() / config.loss_scale_factor
+    return per_token.sum()  # token-mean and seq-mean-token-sum: the same numerator, different divisors
 
 
 def value_loss(
@@ -284,6 +416,10 @@ def _masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values.float(), torch.zeros((), dtype=torch.float32, device=values.device)).sum()
 
 
+def _masked_sum_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, values.float(), torch.zeros((), dtype=torch.float32, device=values.device)).sum(-1)
+
+
 def _distributed(group: torch.distributed.ProcessGroup | None) -> bool:
     return (
         torch.distributed.is_available()
@@ -309,13 +445,16 @@ def _all_reduce(
 def reduce_stats(
     stats: Iterable[dict[str, torch.Tensor]], group: torch.distributed.ProcessGroup | None = None
 ) -> dict[str, float]:
-    """Means over the valid tokens of all micro batches and the ranks of ``group`` (the DP group).
+    """Means over the valid tokens (and sequences) of all micro batches and the ranks of ``group`` (the DP group).
 
     Sums keys ``*_sum`` and ``tokens`` (then divides: ``clip_frac_sum`` -> ``clip_frac``), takes the maximum of
-    ``*_max``. Collective over ``group`` when torch.distributed is initialised; every rank gets the same dict.
+    ``*_max``; a sum over sequences, ``*_seq_sum``, is divided by the summed ``seqs`` instead
+    (``geo_masked_seq_sum`` -> ``geo_masked_seq``, the fraction of sequences masked). Collective over ``group`` when
+    torch.distributed is initialised; every rank gets the same dict.
 
     Returns:
-        ``{"tokens": int, "<name>": mean, "<name>_max": max}`` (a mean is nan when no token was valid).
+        ``{"tokens": int, "<name>": mean, "<name>_max": max}``, and ``"seqs": int`` when reported (a mean is nan
+        when no token, or no sequence, was valid).
     """
     sums: dict[str, float] = {}
     maxima: dict[str, float] = {}
@@ -338,7 +477,11 @@ def reduce_stats(
         sums, maxima = dict(zip(sum_keys, s.tolist())), dict(zip(max_keys, m.tolist()))
     tokens = sums.pop("tokens", 0.0)
     out: dict[str, float] = {"tokens": int(tokens)}
+    if "seqs" in sums:
+        out["seqs"] = int(sums["seqs"])
+    seqs = sums.pop("seqs", 0.0)
     for key, value in sums.items():
-        out[key.removesuffix("_sum")] = value / tokens if tokens else float("nan")
+        count = seqs if key.endswith("_seq_sum") else tokens
+        out[key.removesuffix("_sum")] = value / count if count else float("nan")
     out.update(maxima)
     return out

@@ -98,3 +98,109 @@ def test_the_policy_update_divides_by_the_response_tokens_of_all_micro_batches_a
     cfg = make_cfg(**{"trainer.grad_clip": 0.0, "trainer.micro_batch_size": 2, "trainer.global_batch_size": 8})
     spec = {"cfg": OmegaConf.to_container(cfg), "run_dir": str(tmp_path / "run")}
     start_ranks(_worker, args=(2, free_port(), spec), nprocs=2)
+
+
+#: (loss settings, the hand divisor of the sum of per-row values, per-row value: the token "sum" or "mean")
+_MODES = [
+    ({"loss_agg_mode": "seq-mean-token-mean"}, "sequences", "mean"),
+    ({"loss_agg_mode": "seq-mean-token-sum"}, "sequences", "sum"),
+    ({"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale_factor": 24.0}, "scale x dp", "sum"),
+    ({"icepop_low": 0.5, "icepop_high": 5.0, "geo_mask_low": 0.7, "geo_mask_high": 1.4}, "tokens", "sum"),
+]
+
+
+def _modes_worker(rank: int, world: int, port: int, spec: dict) -> None:
+    set_rank_env(rank, world, port)
+    from megatron.core import parallel_state as ps
+
+    from afm_core.rl.actor import policy_forward_step
+    from afm_core.rl.logprobs import response_logprobs
+    from afm_core.rl.losses import PolicyLossConfig, policy_loss, reduce_stats
+    from afm_core.train.core import build_model_chunks
+    from afm_core.train.distributed import destroy_distributed, init_distributed
+    from afm_core.train.trainer import SFTTrainer
+
+    cfg = OmegaConf.create(spec["cfg"])
+    layout = init_distributed(cfg.parallel, seed=cfg.trainer.seed, num_threads=1)
+    try:
+        chunks = build_model_chunks(tiny_provider(layout), layout)
+        trainer = SFTTrainer(cfg, layout, chunks, None, [], spec["run_dir"], max_steps=5)  # type: ignore[arg-type]
+        batches = _micro_batches(layout.dp_rank)
+        g = torch.Generator().manual_seed(200 + layout.dp_rank)
+        for batch in batches:  # the engine's logprobs: log k = logp_old - logp_rollout ~ N(0, 0.6^2) per token
+            batch["rollout_log_prob"] = batch["old_log_prob"] - 0.6 * torch.randn(
+                batch["old_log_prob"].shape, generator=g
+            )
+        model, params = chunks[0], list(chunks[0].parameters())
+        fused = [m for m in model.modules() if getattr(m, "grad_into_main_grad", False)]
+        for settings, divisor, per_row in _MODES:
+            config = PolicyLossConfig(clip_ratio_c=3.0, **settings)
+            row_config = PolicyLossConfig(clip_ratio_c=3.0, **{k: v for k, v in settings.items() if "loss_" not in k})
+            # the hand reference: each trajectory's token loss sum on its own (a one-row micro batch at token-mean),
+            # its mean when per_row is "mean", summed, divided by the global count by hand
+            for module in fused:
+                module.grad_into_main_grad = False
+            total, tokens, rows = torch.zeros(()), torch.zeros(()), torch.zeros(())
+            for batch in batches:
+                logits = model(batch["tokens"], batch["position_ids"], None)
+                log_prob, _ = response_logprobs(logits, batch["labels"], batch["response_mask"], temperature=1.0)
+                for i in range(log_prob.shape[0]):
+                    row = {k: v[i : i + 1] for k, v in batch.items() if k != "labels" and v.dim() == 2}
+                    row_sum, _ = policy_loss(
+                        log_prob[i : i + 1], row["old_log_prob"], row["advantages"], row["response_mask"],
+                        global_num_tokens=1, rollout_log_prob=row["rollout_log_prob"],
+                        config=row_config,
+                    )  # fmt: skip
+                    n = row["response_mask"].sum()
+                    total = total + (row_sum / n if per_row == "mean" else row_sum)
+                    tokens, rows = tokens + n, rows + 1
+            torch.distributed.all_reduce(tokens)
+            torch.distributed.all_reduce(rows)
+            count = {"tokens": tokens, "sequences": rows, "scale x dp": torch.tensor(24.0 * layout.dp)}[divisor]
+            hand = torch.autograd.grad(total / count, params)
+            for grad in hand:
+                torch.distributed.all_reduce(grad)
+            for module in fused:
+                module.grad_into_main_grad = True
+
+            reports, _, _ = trainer.core.step(
+                batches, policy_forward_step(config), seq_length=SEQ, micro_batch_size=2, what="policy update"
+            )
+            scale = max(float(grad.abs().max()) for grad in hand)  # fp32 sums in other orders: tolerance by size
+            for param, grad in zip(params, hand):
+                torch.testing.assert_close(
+                    param.main_grad, grad, rtol=1e-4, atol=1e-5 * scale, msg=lambda m, s=settings: f"{s}: {m}"
+                )
+            stats = reduce_stats([r["policy"] for r in reports], ps.get_data_parallel_group())
+            assert stats["tokens"] == int(tokens)
+            if "icepop_low" in settings:  # the masks' fractions over both micro batches and DP ranks, by hand
+                masked, seq_masked, seqs = torch.zeros(3), torch.zeros(()), torch.zeros(())
+                for batch in batches:
+                    mask = batch["response_mask"].bool()
+                    log_k = (batch["old_log_prob"] - batch["rollout_log_prob"]).clamp(-20, 20)
+                    k = log_k.exp()
+                    masked[0] += ((k < 0.5) | (k > 5.0))[mask].sum()
+                    geo = torch.stack([log_k[i][mask[i]].mean().exp() for i in range(mask.shape[0])])
+                    out = (geo < 0.7) | (geo > 1.4)
+                    seq_masked += out.sum()
+                    masked[1] += mask[out].sum()
+                    seqs += mask.shape[0]
+                for t in (masked, seq_masked, seqs):
+                    torch.distributed.all_reduce(t)
+                assert 0 < masked[0] < tokens and 0 < seq_masked < seqs, (masked, seq_masked)  # both masks act
+                assert stats["seqs"] == int(seqs)
+                assert abs(stats["icepop_masked"] - float(masked[0] / tokens)) < 1e-6
+                assert abs(stats["geo_masked"] - float(masked[1] / tokens)) < 1e-6
+                assert abs(stats["geo_masked_seq"] - float(seq_masked / seqs)) < 1e-6
+    finally:
+        destroy_distributed()
+
+
+@pytest.mark.slow
+def test_each_loss_agg_mode_and_mask_gives_the_hand_computed_gradient_over_micro_batches_and_dp_ranks(tmp_path):
+    """verl's seq-mean modes divide by the mini-batch's sequences (megatron: the all-reduced row counts), -norm by
+    loss_scale_factor x DP (megatron: no division); IcePop and the geometric mask at token-mean keep the masked
+    tokens in the denominator. The hand reference runs each trajectory through policy_loss on its own."""
+    cfg = make_cfg(**{"trainer.grad_clip": 0.0, "trainer.micro_batch_size": 2, "trainer.global_batch_size": 8})
+    spec = {"cfg": OmegaConf.to_container(cfg), "run_dir": str(tmp_path / "run")}
+    start_ranks(_modes_worker, args=(2, free_port(), spec), nprocs=2)
