@@ -542,7 +542,10 @@ class InprocVLLMEngine(VLLMEngine):
     """vLLM's ``LLMEngine`` in this process behind :class:`~afm_core.rollout.engine.GenerationEngine`.
 
     Requests from concurrent coroutines are queued; one stepping task (on the caller's event loop) adds them to
-    the engine and calls ``LLMEngine.step()`` until none is left, resolving each request when it finishes.
+    the engine and calls ``LLMEngine.step()`` until none is left, resolving each request when it finishes. Each
+    request streams ``RequestOutputKind.DELTA`` outputs, joined as they come (:class:`DeltaOutputs`), so that
+    :meth:`pause` can hand back what an aborted request sampled (vLLM's ``LLMEngine`` returns no output for an
+    aborted request).
     A step blocks the loop for one forward pass; between steps the loop runs whatever became ready (tool
     replies, graders), so batching stays continuous. ``collective_rpc`` hands arguments to the worker by
     reference (weight sync without copies), and must not run while requests are in flight.
