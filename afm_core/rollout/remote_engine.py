@@ -6,6 +6,10 @@ extension returns each sampled token as ``"token_id:<id>"`` in ``logprobs.tokens
 ``logprobs.token_logprobs``. A server that ignores the extension returns token strings; their ids are then
 looked up in the vocabulary, and only when that fails is the completion text tokenized (the result is
 marked ``extra["retokenized"] = True`` so an RL trainer can reject it).
+
+The completions API cannot interrupt a request and hand back its tokens so far, so this engine pauses at turn
+boundaries: :meth:`RemoteEngine.pause` lets the requests in flight finish and refuses new ones until
+:meth:`RemoteEngine.resume`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from afm_core.rollout.engine import EngineError, Generation, SamplingConfig
+from afm_core.rollout.engine import EngineError, Generation, InFlight, SamplingConfig
 from afm_core.utils.openai_api import EndpointError, auth_headers, endpoint, post_json
 
 
@@ -41,6 +45,8 @@ class RemoteEngine:
     timeout_s: float = 600.0
     retries: int = 3
     _session: aiohttp.ClientSession | None = field(default=None, repr=False)
+    _paused: bool = field(default=False, repr=False)
+    _calls: InFlight = field(default_factory=InFlight, repr=False)
 
     @property
     def endpoint(self) -> str:
@@ -52,6 +58,23 @@ class RemoteEngine:
         Raises:
             EngineError: the server was unreachable, or answered with an error after the retries.
         """
+        if self._paused:
+            return Generation.refused_while_paused()
+        with self._calls:
+            return await self._generate(prompt_ids, sampling, request_id)
+
+    async def pause(self) -> None:
+        """Pause at turn boundaries: return once the requests in flight have completed (normally: they are not
+        interrupted); until :meth:`resume` a new ``generate`` returns
+        :meth:`~afm_core.rollout.engine.Generation.refused_while_paused` at once."""
+        self._paused = True
+        await self._calls.drained()
+
+    async def resume(self) -> None:
+        """Undo :meth:`pause`."""
+        self._paused = False
+
+    async def _generate(self, prompt_ids: list[int], sampling: SamplingConfig, request_id: str) -> Generation:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         body: dict[str, Any] = {

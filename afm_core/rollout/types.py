@@ -24,7 +24,9 @@ class FinishReason(str, enum.Enum):
       engine's context was exhausted;
     - ``timeout``: the per-trajectory wall-clock limit passed;
     - ``abort``: the engine aborted the request (e.g. a weight sync with ``abort`` mode);
-    - ``error``: the engine raised; the message is in :attr:`Rollout.error`.
+    - ``error``: the engine raised; the message is in :attr:`Rollout.error`;
+    - ``paused``: the engine was paused (:meth:`~afm_core.rollout.engine.GenerationEngine.pause`): the trajectory
+      has not ended; :attr:`Rollout.paused` holds it, to continue with ``AgentLoop.run(..., resume=paused)``.
     """
 
     ANSWER = "answer"
@@ -34,6 +36,7 @@ class FinishReason(str, enum.Enum):
     TIMEOUT = "timeout"
     ABORT = "abort"
     ERROR = "error"
+    PAUSED = "paused"
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,63 @@ class ToolCallRecord:
 
 
 @dataclass
+class PausedTrajectory:
+    """A trajectory stopped at a token boundary by an engine pause: plain, picklable and ``dataclasses.asdict``-able
+    (ints, floats, strings and :class:`ToolCallRecord`), so a rollout buffer can keep it across steps and in a
+    checkpoint. ``AgentLoop.run(task, sample, resume=paused)`` continues it token-in: the next prompt is exactly
+    ``prompt_ids + response_ids + turn_ids``, never re-rendered.
+
+    The turn in progress at the pause (``turn_ids``) is the tokens its generation sampled before the pause, less
+    the trailing ones rolled back (``rolled_back_tokens``): those whose text could begin a stop string that the
+    continuation would complete (vLLM looks for stop strings in a request's own output text only, so a ``</cod``
+    left at the end of a paused turn and an ``e>`` written by its continuation would never stop generation), and
+    a trailing incomplete UTF-8 character. Any stop string of the whole turn then lies in the continuation.
+
+    Attributes:
+        task_id: the :class:`AgentTask` id.
+        sample: the sample index of the trajectory for its task.
+        base_seed: the trajectory's base sampling seed (turn t samples with ``base_seed + t``).
+        prompt_ids: ``[P]`` prompt token ids.
+        response_ids: ``[R]`` response token ids of the finished turns and their observations.
+        response_mask: ``[R]`` 1 = sampled by the model, 0 = observation.
+        logprobs: ``[R]`` sampling logprobs (0.0 for observations).
+        versions: ``[R]`` the policy version each token was sampled under (an observation token: its turn's).
+        turn_ids: ``[U]`` the unfinished turn's sampled ids so far (empty when paused between turns).
+        turn_logprobs: ``[U]`` their logprobs (0.0 where the engine returned none).
+        turn_versions: ``[U]`` their policy versions (a turn paused twice mixes two).
+        text_parts: the response text so far, one part per finished turn and observation.
+        tool_calls: the tool calls made so far.
+        turns: generation turns finished (the unfinished one is not counted).
+        seconds: wall-clock seconds the trajectory ran, the pauses not counted.
+        rolled_back_tokens: sampled tokens dropped at this trajectory's pauses so far (to be sampled again).
+        pauses: times this trajectory was paused so far.
+    """
+
+    task_id: str
+    sample: int
+    base_seed: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    turn_ids: list[int]
+    turn_logprobs: list[float]
+    turn_versions: list[int]
+    text_parts: list[str]
+    tool_calls: list[ToolCallRecord]
+    turns: int
+    seconds: float
+    rolled_back_tokens: int = 0
+    pauses: int = 1
+
+    @property
+    def num_generated_tokens(self) -> int:
+        """Tokens the model sampled and kept so far (finished turns and the unfinished one)."""
+        return sum(self.response_mask) + len(self.turn_ids)
+
+
+@dataclass
 class Rollout:
     """One finished trajectory, token-exact.
 
@@ -102,8 +162,14 @@ class Rollout:
         finish_reason: see :class:`FinishReason`.
         trajectory: the response parsed into a CoA :class:`~afm_core.coa.Trajectory`, None if unparsable.
         format_issues: the CoA validator's issue codes for the response (empty = valid).
-        seconds: wall-clock seconds of the whole trajectory.
+        seconds: wall-clock seconds of the whole trajectory (its pauses not counted).
         error: the engine error message when ``finish_reason`` is ``error``.
+        versions: ``[R]`` the policy version each response token was sampled under (an observation token gets
+            the version of the turn it follows); all 0 when the caller gave none.
+        paused: the trajectory's state, set iff ``finish_reason`` is ``paused``.
+        rolled_back_tokens: sampled tokens dropped at this trajectory's pauses (sampled again after the resume;
+            see :class:`PausedTrajectory`), over all its pauses.
+        pauses: times the trajectory was paused (a paused one counts its current pause).
     """
 
     task: AgentTask
@@ -120,6 +186,16 @@ class Rollout:
     format_issues: list[str]
     seconds: float
     error: str | None = None
+    versions: list[int] = field(default_factory=list)
+    paused: PausedTrajectory | None = None
+    rolled_back_tokens: int = 0
+    pauses: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.versions:
+            self.versions = [0] * len(self.response_ids)
+        if (self.paused is not None) != (self.finish_reason == FinishReason.PAUSED):
+            raise ValueError(f"Rollout.paused is set iff finish_reason is paused (finish_reason={self.finish_reason})")
 
     @property
     def num_generated_tokens(self) -> int:

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from afm_core.rollout.engine import EngineDead, EngineError, Generation, SamplingConfig
+from afm_core.rollout.engine import EngineDead, EngineError, Generation, InFlight, SamplingConfig
 from afm_core.utils.hardware import bf16_is_fast, cuda_available
 from afm_core.utils.paths import cache_dir
 
@@ -255,8 +255,10 @@ def engine_args(cfg: VLLMConfig) -> dict[str, Any]:
     return args
 
 
-def sampling_params(sampling: SamplingConfig, per_request_seeds: bool) -> Any:
-    """vLLM ``SamplingParams`` of one sample: final output only, the stop string kept, sampled logprobs."""
+def sampling_params(sampling: SamplingConfig, per_request_seeds: bool, delta: bool = False) -> Any:
+    """vLLM ``SamplingParams`` of one sample: the stop string kept, sampled logprobs; the final output only, or
+    with ``delta`` each step's new tokens (``RequestOutputKind.DELTA``: what an aborted request sampled is then
+    known, :class:`InprocVLLMEngine`)."""
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
@@ -271,12 +273,13 @@ def sampling_params(sampling: SamplingConfig, per_request_seeds: bool) -> Any:
         seed=sampling.seed if per_request_seeds else None,
         logprobs=0 if sampling.logprobs else None,
         skip_special_tokens=False,
-        output_kind=RequestOutputKind.FINAL_ONLY,
+        output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
     )
 
 
-def to_generation(final: Any, sampling: SamplingConfig, request_id: str) -> Generation:
-    """A finished vLLM ``RequestOutput`` as a :class:`~afm_core.rollout.engine.Generation`.
+def to_generation(final: Any, sampling: SamplingConfig, request_id: str, paused: bool = False) -> Generation:
+    """A finished vLLM ``RequestOutput`` (``FINAL_ONLY``: every token) as a
+    :class:`~afm_core.rollout.engine.Generation`; ``paused``: an abort that :meth:`VLLMEngine.pause` caused.
 
     Raises:
         EngineError: vLLM returned no output.
@@ -288,13 +291,57 @@ def to_generation(final: Any, sampling: SamplingConfig, request_id: str) -> Gene
     if sampling.logprobs and out.logprobs is not None:
         logprobs = [float(step[token].logprob) for token, step in zip(out.token_ids, out.logprobs)]
     stop_reason = out.stop_reason if isinstance(out.stop_reason, str) else None
+    finish_reason = out.finish_reason or "stop"
     return Generation(
         token_ids=list(out.token_ids),
         logprobs=logprobs,
         text=out.text,
-        finish_reason=out.finish_reason or "stop",
+        finish_reason=finish_reason,
         stop_reason=stop_reason,
+        paused=paused and finish_reason == "abort",
     )
+
+
+class DeltaOutputs:
+    """One request's ``RequestOutputKind.DELTA`` outputs joined: the ids, logprobs and text so far, and at the end
+    the :class:`~afm_core.rollout.engine.Generation` that :func:`to_generation` makes of the ``FINAL_ONLY`` output
+    (the same ids, logprobs, text, finish and stop reasons: vLLM's delta texts are consecutive slices of the text
+    its ``FINAL_ONLY`` output holds, ``vllm/v1/engine/detokenizer.py`` ``get_next_output_text``, with no
+    hold-back as the stop string is kept)."""
+
+    def __init__(self, sampling: SamplingConfig) -> None:
+        self.sampling = sampling
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] | None = [] if sampling.logprobs else None
+        self.texts: list[str] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | None = None
+
+    def add(self, output: Any) -> None:
+        """Append one step's ``RequestOutput``."""
+        out = output.outputs[0]
+        self.token_ids += out.token_ids
+        if self.logprobs is not None:
+            if out.logprobs is None:
+                self.logprobs = None
+            else:
+                self.logprobs += [float(step[token].logprob) for token, step in zip(out.token_ids, out.logprobs)]
+        self.texts.append(out.text)
+        if output.finished:
+            self.finish_reason = out.finish_reason or "stop"
+            self.stop_reason = out.stop_reason if isinstance(out.stop_reason, str) else None
+
+    def generation(self, paused: bool = False) -> Generation:
+        """The request's :class:`~afm_core.rollout.engine.Generation`; ``paused``: what it sampled before a pause
+        aborted it (``finish_reason="abort"``)."""
+        return Generation(
+            token_ids=list(self.token_ids),
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            text="".join(self.texts),
+            finish_reason="abort" if paused else self.finish_reason or "stop",
+            stop_reason=None if paused else self.stop_reason,
+            paused=paused,
+        )
 
 
 class VLLMEngine:
@@ -312,6 +359,9 @@ class VLLMEngine:
         self.max_model_len = cfg.max_model_len
         self.per_request_seeds = cuda_available()
         self._ids = itertools.count()
+        self._paused = False
+        self._requests: set[str] = set()  # the vLLM request ids of the generate calls in flight (AsyncLLM)
+        self._calls = InFlight()
 
     @classmethod
     async def start(cls, cfg: VLLMConfig) -> VLLMEngine:
@@ -355,20 +405,47 @@ class VLLMEngine:
         """
         from vllm.inputs import TokensPrompt
 
-        final = None
-        try:
-            async for output in self.llm.generate(
-                TokensPrompt(prompt_token_ids=list(prompt_ids)),
-                sampling_params(sampling, self.per_request_seeds),
-                request_id=f"{request_id}#{next(self._ids)}",
-            ):
-                final = output
-        except Exception as e:  # vLLM's input validation (VLLMValidationError) and engine errors
-            from vllm.v1.engine.exceptions import EngineDeadError
+        if self._paused:
+            return Generation.refused_while_paused()
+        rid, final = f"{request_id}#{next(self._ids)}", None
+        with self._calls:
+            self._requests.add(rid)
+            try:
+                async for output in self.llm.generate(
+                    TokensPrompt(prompt_token_ids=list(prompt_ids)),
+                    sampling_params(sampling, self.per_request_seeds),
+                    request_id=rid,
+                ):
+                    final = output
+            except Exception as e:  # vLLM's input validation (VLLMValidationError) and engine errors
+                from vllm.v1.engine.exceptions import EngineDeadError
 
-            error = EngineDead if isinstance(e, EngineDeadError) else EngineError
-            raise error(f"vLLM failed request {request_id}: {e.__class__.__name__}: {e}") from e
-        return to_generation(final, sampling, request_id)
+                error = EngineDead if isinstance(e, EngineDeadError) else EngineError
+                raise error(f"vLLM failed request {request_id}: {e.__class__.__name__}: {e}") from e
+            finally:
+                self._requests.discard(rid)
+        # an abort while paused is the pause's (pause() returns only after every call in flight returned)
+        return to_generation(final, sampling, request_id, paused=self._paused)
+
+    async def pause(self) -> None:
+        """Pause generation (see :meth:`~afm_core.rollout.engine.GenerationEngine.pause`) with vLLM's own
+        ``AsyncLLM.pause_generation(mode="abort")``: the engine core aborts every request and stops scheduling new
+        ones, and each aborted request's stream ends with its ``FINAL_ONLY`` output, which holds every token and
+        logprob sampled so far with ``finish_reason="abort"`` (``vllm/v1/engine/output_processor.py``,
+        ``RequestState.make_request_output``). A request that reached the engine core after the pause waits there
+        for the resume: it is aborted too (``AsyncLLM.abort``). The KV and prefix caches are kept (a weight sync
+        resets the prefix cache itself)."""
+        self._paused = True
+        await self.llm.pause_generation(mode="abort", clear_cache=False)
+        if self._requests:
+            await self.llm.abort(list(self._requests))
+        await self._calls.drained()
+
+    async def resume(self) -> None:
+        """Undo :meth:`pause` (``AsyncLLM.resume_generation``)."""
+        if self._paused:
+            await self.llm.resume_generation()
+            self._paused = False
 
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         """Call ``method`` on every vLLM worker (a worker-extension method, e.g. a weight load)."""
@@ -465,7 +542,10 @@ class InprocVLLMEngine(VLLMEngine):
     """vLLM's ``LLMEngine`` in this process behind :class:`~afm_core.rollout.engine.GenerationEngine`.
 
     Requests from concurrent coroutines are queued; one stepping task (on the caller's event loop) adds them to
-    the engine and calls ``LLMEngine.step()`` until none is left, resolving each request when it finishes.
+    the engine and calls ``LLMEngine.step()`` until none is left, resolving each request when it finishes. Each
+    request streams ``RequestOutputKind.DELTA`` outputs, joined as they come (:class:`DeltaOutputs`), so that
+    :meth:`pause` can hand back what an aborted request sampled (vLLM's ``LLMEngine`` returns no output for an
+    aborted request).
     A step blocks the loop for one forward pass; between steps the loop runs whatever became ready (tool
     replies, graders), so batching stays continuous. ``collective_rpc`` hands arguments to the worker by
     reference (weight sync without copies), and must not run while requests are in flight.
@@ -481,6 +561,7 @@ class InprocVLLMEngine(VLLMEngine):
         super().__init__(cfg, llm)
         self.lockstep: Lockstep | None = None
         self._futures: dict[str, asyncio.Future] = {}
+        self._outputs: dict[str, DeltaOutputs] = {}  # the outputs of the requests in _futures so far
         self._commands: list[Command] = []
         self._stepper: asyncio.Task | None = None
 
@@ -509,19 +590,52 @@ class InprocVLLMEngine(VLLMEngine):
         """
         if self.lockstep is not None and not self._is_leader():
             raise RuntimeError("InprocVLLMEngine.generate on a follower rank: call follow() there")
+        if self._paused:
+            return Generation.refused_while_paused()
         rid = f"{request_id}#{next(self._ids)}"
         future: asyncio.Future = asyncio.get_running_loop().create_future()
         self._futures[rid] = future
-        self._commands.append(("add", rid, list(prompt_ids), sampling_params(sampling, self.per_request_seeds)))
-        if self._stepper is None or self._stepper.done():
-            self._stepper = asyncio.ensure_future(self._step_until_idle())
+        self._outputs[rid] = DeltaOutputs(sampling)
+        self._commands.append(("add", rid, list(prompt_ids), sampling_params(sampling, self.per_request_seeds, True)))
+        self._ensure_stepper()
         try:
-            final = await future
+            return await future
         except asyncio.CancelledError:  # the agent loop gave up on the trajectory (timeout)
+            self._outputs.pop(rid, None)
             if self._futures.pop(rid, None) is not None:
                 self._commands.append(("abort", rid))
             raise
-        return to_generation(final, sampling, request_id)
+
+    def _ensure_stepper(self) -> None:
+        if self._stepper is None or self._stepper.done():
+            self._stepper = asyncio.ensure_future(self._step_until_idle())
+
+    def _resolve(self, rid: str, paused: bool = False) -> None:
+        """Hand a request's Generation to its caller (finished, or aborted by :meth:`pause`)."""
+        future, outputs = self._futures.pop(rid, None), self._outputs.pop(rid, None)
+        if future is not None and outputs is not None and not future.done():
+            future.set_result(outputs.generation(paused=paused))
+
+    async def pause(self) -> None:
+        """Pause generation (see :meth:`~afm_core.rollout.engine.GenerationEngine.pause`): every request in
+        flight is aborted through the command path (a lockstep group's followers abort it too, before the same
+        step) and returns the tokens, logprobs and text its ``DELTA`` outputs brought so far; a request not yet
+        added to vLLM returns empty. Returns once the stepping task has applied the aborts and stopped."""
+        self._paused = True
+        queued = {command[1] for command in self._commands if command[0] == "add"}
+        self._commands = [command for command in self._commands if command[1] not in queued]
+        for rid in list(self._futures):
+            if rid in queued:
+                self._resolve(rid, paused=True)
+            else:
+                self._commands.append(("abort", rid))
+        if self._commands:
+            self._ensure_stepper()
+        await self.idle()
+
+    async def resume(self) -> None:
+        """Undo :meth:`pause`."""
+        self._paused = False
 
     def _is_leader(self) -> bool:
         import torch.distributed as dist
@@ -553,20 +667,26 @@ class InprocVLLMEngine(VLLMEngine):
                     self.lockstep.exchange(("step", commands))
                 for rid, error in self._apply(commands):
                     future = self._futures.pop(rid, None)
+                    self._outputs.pop(rid, None)
                     if future is not None and not future.done():
                         future.set_exception(EngineError(f"vLLM rejected request {rid}: {error}"))
+                for command in commands:  # a cancelled caller's request is gone from _futures: only pause's remain
+                    if command[0] == "abort" and command[1] in self._futures:
+                        self._resolve(command[1], paused=True)
                 if engine.has_unfinished_requests():
                     for output in engine.step():
-                        if output.finished:
-                            future = self._futures.pop(output.request_id, None)
-                            if future is not None and not future.done():
-                                future.set_result(output)
+                        outputs = self._outputs.get(output.request_id)
+                        if outputs is not None:
+                            outputs.add(output)
+                            if output.finished:
+                                self._resolve(output.request_id)
                 await asyncio.sleep(0)  # let the coroutines whose requests finished submit their next ones
         except Exception as e:  # the engine itself failed: every waiting request fails with it
             for future in self._futures.values():
                 if not future.done():
                     future.set_exception(EngineDead(f"vLLM engine step failed: {e.__class__.__name__}: {e}"))
             self._futures.clear()
+            self._outputs.clear()
             raise
 
     async def idle(self) -> None:

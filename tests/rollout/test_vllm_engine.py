@@ -201,3 +201,38 @@ def test_a_dead_engine_stops_the_agent_loop_instead_of_recording_error_trajector
         with contextlib.suppress(Exception):
             loop.run_until_complete(engine.close())
         loop.close()
+
+
+def test_a_pause_returns_each_requests_tokens_so_far_through_asyncllms_own_pause(loop_and_engine):
+    """``VLLMEngine.pause`` (``AsyncLLM.pause_generation(mode="abort")``): every request in flight ends with the
+    tokens and logprobs it sampled so far and finish reason abort; while paused a request is refused at once;
+    after the resume the engine generates again."""
+    from vllm.inputs import TokensPrompt
+
+    from afm_core.rollout.vllm_engine import sampling_params
+
+    loop, engine, tokenizer = loop_and_engine
+    prompt = encode_prompt(tokenizer, "Count to one thousand.")
+    long = SamplingConfig(temperature=1.0, max_tokens=512)
+
+    async def pause_midway():
+        runs = [asyncio.ensure_future(engine.generate(prompt, long, f"long{i}")) for i in range(3)]
+        seen = 0
+        probe = sampling_params(SamplingConfig(max_tokens=16), False, delta=True)
+        # a probe batched with the others, streaming a step at a time: once it is done, they have sampled too
+        async for _ in engine.llm.generate(TokensPrompt(prompt_token_ids=prompt), probe, request_id="probe"):
+            seen += 1
+        await engine.pause()
+        assert all(run.done() for run in runs) and not engine._requests
+        refused = await engine.generate(prompt, long, "while-paused")
+        await engine.resume()
+        after = await engine.generate(prompt, SamplingConfig(max_tokens=4), "after")
+        return [run.result() for run in runs], refused, after, seen
+
+    paused, refused, after, seen = loop.run_until_complete(pause_midway())
+    assert seen > 1
+    for gen in paused:
+        assert gen.paused and gen.finish_reason == "abort" and 0 < len(gen.token_ids) < 512
+        assert gen.logprobs is not None and len(gen.logprobs) == len(gen.token_ids)
+        assert all(math.isfinite(lp) and lp <= 0 for lp in gen.logprobs)
+    assert refused.paused and refused.token_ids == [] and not after.paused and len(after.token_ids) == 4
