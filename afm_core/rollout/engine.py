@@ -32,6 +32,8 @@ class SamplingConfig:
             (vLLM ``include_stop_str_in_output=True``).
         seed: per-request sampling seed (None: the engine's generator).
         logprobs: return the logprob of each sampled token.
+        ignore_eos: sample past EOS until ``max_tokens`` (vLLM ``SamplingParams.ignore_eos``; for benchmarks
+            that force a trajectory's length).
     """
 
     temperature: float = 1.0
@@ -41,6 +43,7 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     logprobs: bool = True
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -273,6 +273,7 @@ def sampling_params(sampling: SamplingConfig, per_request_seeds: bool, delta: bo
         seed=sampling.seed if per_request_seeds else None,
         logprobs=0 if sampling.logprobs else None,
         skip_special_tokens=False,
+        ignore_eos=sampling.ignore_eos,
         output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
     )
 
@@ -562,6 +563,7 @@ class InprocVLLMEngine(VLLMEngine):
         self.lockstep: Lockstep | None = None
         self._futures: dict[str, asyncio.Future] = {}
         self._outputs: dict[str, DeltaOutputs] = {}  # the outputs of the requests in _futures so far
+        self.sampled_tokens = 0  # tokens the engine's steps returned, live (a round's token budget reads it)
         self._commands: list[Command] = []
         self._stepper: asyncio.Task | None = None
 
@@ -678,6 +680,7 @@ class InprocVLLMEngine(VLLMEngine):
                         outputs = self._outputs.get(output.request_id)
                         if outputs is not None:
                             outputs.add(output)
+                            self.sampled_tokens += len(output.outputs[0].token_ids)
                             if output.finished:
                                 self._resolve(output.request_id)
                 await asyncio.sleep(0)  # let the coroutines whose requests finished submit their next ones
