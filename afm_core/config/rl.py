@@ -78,6 +78,47 @@ class SimulatorConfig:
             require(self.temperature >= 0, "rollout.simulator.temperature", self.temperature, ">= 0, or null")
 
 
+STALE_ACTIONS = ("mask", "drop")  # rollout.partial.stale: afm_core.rl.rollout_buffer
+STOP_ACTIONS = ("keep", "restart")  # rollout.partial.on_stop: afm_core.rl.train_batch
+
+
+@dataclass
+class PartialConfig:
+    """``rollout.partial``: partial rollouts, the staleness bound and what a stop during generation keeps
+    (:mod:`afm_core.rl.rollout_buffer`, :mod:`afm_core.rl.train_batch`).
+
+    Attributes:
+        enable: a generation round stops once the dynamic sampler can fill the train batch (or
+            ``max_tokens_per_step`` is spent); its unfinished trajectories are paused into the rollout buffer and
+            continued first, oldest first, in the next rollout step under the new weights.
+        max_staleness: the largest lag (policy versions between a token's sampling and its training) allowed.
+        stale: what happens past it: ``mask`` (the token leaves the loss) or ``drop`` (the trajectory is
+            regenerated from its prompt when it would be resumed).
+        max_tokens_per_step: a round also stops once this many tokens were sampled in the rollout step (per
+            engine); None: no token budget.
+        on_stop: a stop (USR2, preemption) during generation: ``keep`` (the round's finished groups go to the
+            sampler, its trajectories in flight are paused into the buffer, both saved in the checkpoint and
+            continued on resume) or ``restart`` (the round is thrown away and the state from before it saved:
+            a resumed run is bitwise the uninterrupted one; for tests and debugging). With
+            ``rollout.environment=simulated`` a stop restarts the round (the simulated observations come from the
+            policy's own engine, which a pause would cut short).
+    """
+
+    enable: bool = False
+    max_staleness: int = 1
+    stale: str = "mask"
+    max_tokens_per_step: int | None = None
+    on_stop: str = "keep"
+
+    def __post_init__(self) -> None:
+        p = "rollout.partial."
+        require(self.max_staleness >= 0, p + "max_staleness", self.max_staleness, "an integer >= 0")
+        require(self.stale in STALE_ACTIONS, p + "stale", self.stale, "mask or drop")
+        require(self.on_stop in STOP_ACTIONS, p + "on_stop", self.on_stop, "keep or restart")
+        if self.max_tokens_per_step is not None:
+            at_least_one(p + "max_tokens_per_step", self.max_tokens_per_step)
+
+
 @dataclass
 class ContextStage:
     max_response_len: int = MISSING
@@ -98,6 +139,7 @@ class RolloutConfig:
     concurrency: int = 64
     environment: str = "real"
     simulator: SimulatorConfig = field(default_factory=SimulatorConfig)
+    partial: PartialConfig = field(default_factory=PartialConfig)
 
     def __post_init__(self) -> None:
         for key in ("n", "max_response_len", "max_turns", "concurrency"):
@@ -534,6 +576,21 @@ class RLConfig:
             p.collective_timeout_min,
             f"ranks wait at a collective while another rank's rollouts run (rollout.timeout_s={r.timeout_s} per "
             f"wave): at least {needed} minutes, or null (sized from the rollout)",
+        )
+        require(
+            not r.partial.enable or has_off_policy_correction(a),
+            "rollout.partial.enable",
+            r.partial.enable,
+            "partial rollouts train tokens sampled under older weights: set an off-policy correction "
+            "(algorithm.tis_cap, e.g. 2.0; algorithm.icepop_low/high, e.g. 0.5/5; or algorithm.geo_mask_low/high), "
+            "or rollout.partial.enable=false",
+        )
+        require(
+            not (r.partial.enable and r.environment == "simulated"),
+            "rollout.partial.enable",
+            r.partial.enable,
+            "false with rollout.environment=simulated (the simulated observations come from the policy's engine, "
+            "which a pause would cut short)",
         )
         if a.adv_estimator == "gae":
             require(r.n >= 1, "rollout.n", r.n, ">= 1")

@@ -4,8 +4,9 @@ steps done, taken at rollout-step boundaries) by :meth:`afm_core.rl.policy_train
 
 A resumed run continues at the saved prompt position (not step x batch: dynamic sampling consumes a variable
 number of prompts) and stage, and ``metrics.jsonl`` is cut back to the checkpoint's step, so every rollout step
-appears once. A stop requested while a generation round runs aborts the round and saves the state from before it
-(the groups kept by the step's earlier rounds included): the step restarts there on resume.
+appears once. A stop requested while a generation round runs saves the rollout buffer with the rest
+(:mod:`afm_core.rl.train_batch`, ``rollout.partial.on_stop``): the resumed run continues the paused trajectories
+(``keep``), or redraws the round from the state before it (``restart``).
 """
 
 from __future__ import annotations
@@ -51,19 +52,30 @@ class RLProgress:
 @dataclass
 class RLState:
     """What an RL checkpoint holds besides the models: ``progress``, the ``stream``
-    (:class:`~afm_core.rl.prompts.PromptStream`) and the ``sampler``
-    (:class:`~afm_core.rl.dynamic_sampling.DynamicSampler`)."""
+    (:class:`~afm_core.rl.prompts.PromptStream`), the ``sampler``
+    (:class:`~afm_core.rl.dynamic_sampling.DynamicSampler`) and the rollout ``buffer``
+    (:class:`~afm_core.rl.rollout_buffer.RolloutBuffer`: groups with paused trajectories)."""
 
     progress: RLProgress
     stream: Any
     sampler: Any
+    buffer: Any = None
+
+    def __post_init__(self) -> None:
+        if self.buffer is None:
+            from afm_core.rl.rollout_buffer import RolloutBuffer
+
+            self.buffer = RolloutBuffer()
 
     def state_dict(self) -> dict[str, Any]:
-        """The checkpoint's ``common``: ``progress``, ``prompts``, ``sampler``."""
+        """The checkpoint's ``common``: ``progress``, ``prompts``, ``sampler``, ``buffer``."""
+        sampler = self.sampler.state_dict()  # its kept samples as plain dicts (a weights_only load reads them)
+        sampler["kept"] = [(g, [asdict(s) for s in members]) for g, members in sampler["kept"]]
         return {
             "progress": asdict(self.progress),
             "prompts": self.stream.state_dict(),
-            "sampler": self.sampler.state_dict(),
+            "sampler": sampler,
+            "buffer": self.buffer.state_dict(),
         }
 
     def load_state_dict(self, common: dict[str, Any]) -> None:
@@ -72,7 +84,13 @@ class RLState:
         for f in fields(RLProgress):
             setattr(self.progress, f.name, getattr(loaded, f.name))
         self.stream.load_state_dict(common["prompts"])
-        self.sampler.load_state_dict(common["sampler"])
+        from afm_core.rl.grading import Sample
+
+        sampler = dict(common["sampler"])
+        sampler["kept"] = [(g, [Sample.from_dict(s) if isinstance(s, dict) else s for s in members])
+                           for g, members in sampler["kept"]]  # fmt: skip
+        self.sampler.load_state_dict(sampler)
+        self.buffer.load_state_dict(common.get("buffer"))  # absent in checkpoints from before the buffer
 
 
 class StopLead:
@@ -135,13 +153,15 @@ class Checkpointer:
             self.lead.observe(step, start - self.trainer_turn, time.perf_counter() - start)
         return stop and step < self.max_steps
 
-    def save_aborted_round(self) -> None:
-        """A stop aborted a generation round (``state`` is as before it): serve the request and save, so the
-        rollout step restarts at that round on resume."""
+    def save_stopped_round(self) -> None:
+        """A stop came during a generation round: serve the request and save ``state``, which holds the round's
+        complete groups and paused trajectories (``rollout.partial.on_stop=keep``: the resumed run continues them)
+        or the state from before the round (``restart``: the resumed run redraws it)."""
         self.preemption.boundary_flags(self.on_gpu)  # the request is served: cleared on every rank
         self.handover.to_trainer()
         step = self.state.progress.rollout_step
         self.last = self.policy.save(step, self.state.state_dict())
         if self.verbose:
-            print(f"[rl] stop requested during rollout step {step + 1}'s generation: aborted, checkpoint "
-                  f"{self.last} restarts it", flush=True)  # fmt: skip
+            kept = len(self.state.buffer)
+            print(f"[rl] stop requested during rollout step {step + 1}'s generation: checkpoint {self.last} "
+                  f"({kept} groups in the rollout buffer)", flush=True)  # fmt: skip

@@ -10,8 +10,8 @@ line is a call on a named part::
     for each rollout step (profile.steps traced):
         stage = stage_at(stages, step)                 # response budget, trainer seq length   rl/schedule.py
         batch = fill_train_batch(...)                  # rounds of prompts -> engine -> graded rl/train_batch.py
-                                                       # samples until DAPO's sampler is full; a stop aborts the
-                                                       # round and puts the state back (None)
+                                                       # samples until DAPO's sampler is full, the rollout buffer's
+                                                       # groups first; a stop keeps the round in the buffer (None)
         handover.to_trainer()                          # GPU: the engine sleeps, the trainer's state comes back
         advantages = policy.advantages(samples)        # GRPO over groups, or critic -> GAE    rl/policy_trainer.py
         policy.train(samples, advantages)              # critic, old logprobs, mini-batches    rl/policy_trainer.py
@@ -93,7 +93,8 @@ def run_rl(
     layout = init_distributed(OmegaConf.create(asdict(config.parallel)), seed=t.seed, num_threads=t.num_threads)
     try:
         # before any model or engine starts, not after the first rollout step's generation
-        check_batch_split(a.mini_batch_size * r.n, a.train_batch_size * r.n, layout.dp, t.micro_batch_size)
+        check_batch_split(a.mini_batch_size * r.n, a.train_batch_size * r.n, layout.dp, t.micro_batch_size,
+                          t.max_tokens_per_micro_batch)  # fmt: skip
         resume_path = find_resume_checkpoint(run_dir, ckpt.resume)
         policy = PolicyTrainer(config.policy, layout, hf_dir, run_dir, pad_id, load_weights=resume_path is None)
         # groups kept on algorithm.filter_groups_metric (accuracy by default)
@@ -199,7 +200,8 @@ def _loop(
             stage = stage_at(stages, progress.rollout_step)
             progress.enter_stage(stage, verbose=layout.is_rank0)
             batch = fill_train_batch(actor, handover, state, tasks, stage, n=r.n, gen_batch_size=a.gen_batch_size,
-                                     seed=t.seed, times=times)  # fmt: skip
+                                     seed=t.seed, times=times, partial=r.partial,
+                                     simulated=r.environment == "simulated")  # fmt: skip
             if batch is not None:
                 times.update(handover.to_trainer())  # GPU: the engine sleeps, the trainer's state comes back
                 checkpoints.trainer_turn_starts()
@@ -209,10 +211,11 @@ def _loop(
                     seq_length = train_seq_length(stage, max_prompt_len, lengths, layout.pp)
                     advantages = policy.advantages(batch.samples, seq_length)
                     times.update(advantages.times)
-                    train = policy.train(batch.samples, advantages, seq_length)
+                    version = progress.rollout_step if r.partial.enable else None  # the gap by lag, when lags exist
+                    train = policy.train(batch.samples, advantages, seq_length, version)
                     handover.trained()  # synced into the engine at its next turn
-        if batch is None:  # a stop aborted a round: the state from before it is saved
-            checkpoints.save_aborted_round()
+        if batch is None:  # a stop came during a round: the buffer (or the state from before it) is saved
+            checkpoints.save_stopped_round()
             stopped_early = True
             break
         times["step_s"] = time.perf_counter() - step_start
@@ -220,7 +223,7 @@ def _loop(
         tool_metrics = actor.tool_metrics() if layout.is_rank0 else None
         metrics.write(step_record(progress, stage, seq_length, max_prompt_len, batch.samples, batch.generated,
                                   batch.sampling, train, times, stream, tool_metrics,
-                                  r.environment))  # fmt: skip
+                                  r.environment, batch.partial))  # fmt: skip
         if t.rollout_data_dir and layout.is_rank0:
             dump_rollouts(t.rollout_data_dir, progress.rollout_step, batch.generated, batch.samples, tokenizer)
         carry = validation.after_step(progress.rollout_step)  # its weight sync / offload: the next step's

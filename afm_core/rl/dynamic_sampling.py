@@ -142,6 +142,14 @@ class DynamicSampler:
         """:meth:`take` may be called: full, or exhausted with ``allow_partial``."""
         return self.is_full or (self.allow_partial and self.exhausted)
 
+    def keeps(self, group: Sequence[Any]) -> bool:
+        """Whether :meth:`add_samples` would keep this complete group of graded samples (its metric varies, or
+        ``filter_groups`` is off, or it has one sample)."""
+        if not self.filter_groups or len(group) < 2:
+            return True
+        values = filter_values(group, self.metric)
+        return max(values) != min(values)
+
     def add(self, group_ids: Sequence[Hashable], scores: Sequence[float], samples: Sequence[Any]) -> int:
         """Add one generation batch: ``group_ids[i]``, ``scores[i]`` (the filter metric, e.g. the final reward
         or accuracy) and ``samples[i]`` (any object: a trajectory) of each sample.

@@ -22,7 +22,10 @@ if TYPE_CHECKING:
 @dataclass
 class Sample:
     """One graded trajectory as the trainer needs it (see the module docstring); ``tool_calls`` are ``(tool name,
-    error or None)``, ``seconds`` the rollout's wall time, ``tool_seconds`` its tool calls' summed time."""
+    error or None)``, ``seconds`` the rollout's wall time (pauses left out), ``tool_seconds`` its tool calls' summed
+    time, ``versions`` ``[R]`` the policy version each response token was sampled under (observation tokens: the
+    version of the turn before them; :mod:`afm_core.rl.rollout_buffer`), ``index`` its sample index in the group
+    (0..n-1)."""
 
     uid: str
     task_id: str
@@ -37,6 +40,14 @@ class Sample:
     tool_calls: list[tuple[str, str | None]] = field(default_factory=list)
     seconds: float = 0.0
     tool_seconds: float = 0.0
+    versions: list[int] = field(default_factory=list)
+    index: int = 0
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> Sample:
+        """A Sample from ``dataclasses.asdict`` of one (how a checkpoint holds it: plain containers, which
+        ``torch.load(weights_only=True)`` reads back)."""
+        return cls(**{**fields, "tool_calls": [tuple(c) for c in fields.get("tool_calls", [])]})
 
 
 async def grade_rollout(graders: Any, rollout: Any, uid: str, reward: RewardConfig, max_len: int) -> Sample:
@@ -64,4 +75,6 @@ async def grade_rollout(graders: Any, rollout: Any, uid: str, reward: RewardConf
         tool_calls=[(c.name, c.error) for c in rollout.tool_calls],
         seconds=rollout.seconds,
         tool_seconds=sum(c.seconds for c in rollout.tool_calls),
+        versions=list(rollout.versions),
+        index=rollout.sample,
     )

@@ -56,11 +56,13 @@ def step_record(
     stream: Any,
     tool_metrics: Mapping[str, Any] | None,
     environment: str,
+    partial: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The metrics.jsonl record of the rollout step ``progress.rollout_step`` (``split: train``): stage and
-    lengths, :func:`rollout_metrics`, the dynamic sampler's stats (``sampling``, flattened by
-    :meth:`~afm_core.rl.dynamic_sampling.DynamicSamplingStats.as_dict`), the trainer's (``train``), the time split
-    (seconds), the data position and the tool servers' metrics."""
+        lengths, :func:`rollout_metrics`, the dynamic sampler's stats (``sampling``, flattened by
+        :meth:`~afm_core.rl.dynamic_sampling.DynamicSamplingStats.as_dict`), the trainer's (``train``), the time split
+        (seconds), the data position, the tool servers' metrics and the rollout buffer's (``partial``:
+    :func:`afm_core.rl.train_batch.partial_metrics`)."""
     return {
         "step": progress.rollout_step,
         "split": "train",
@@ -78,6 +80,7 @@ def step_record(
         "data_offset": stream.offset,
         "tool_metrics": tool_metrics,
         "environment": environment,
+        **(partial or {}),
     }
 
 

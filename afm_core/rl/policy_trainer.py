@@ -144,14 +144,17 @@ class PolicyTrainer:
         advantages, returns = gae_per_sample(samples, old_values, gamma=a.gamma, lam=a.lam)
         return Advantages(advantages, old_values, returns, {"values_s": time.perf_counter() - start})
 
-    def train(self, samples: Sequence[Any], advantages: Advantages, seq_length: int) -> dict[str, Any]:
-        """The critic's updates (PPO), then the policy's (:func:`policy_update`); their metrics."""
+    def train(
+        self, samples: Sequence[Any], advantages: Advantages, seq_length: int, version: int | None = None
+    ) -> dict[str, Any]:
+        """The critic's updates (PPO), then the policy's (:func:`policy_update`); their metrics. ``version``: the
+        policy version being trained (partial rollouts: the trainer/engine gap is then also reported by lag)."""
         critic_out: dict[str, Any] = {}
         if self.critic is not None:
             old_values, returns = advantages.old_values or [], advantages.returns or []
             critic_out = self.critic.update(samples, old_values, returns, seq_length, self.pad_id)
         out = policy_update(self.trainer, samples, advantages.values, self.config, seq_length, self.pad_id,
-                            self.reference, arch=self.arch)  # fmt: skip
+                            self.reference, arch=self.arch, version=version)  # fmt: skip
         return {**out, **critic_out}
 
     def save(self, step: int, common: dict[str, Any]) -> Path:
@@ -186,7 +189,8 @@ def policy_update(
     reference: Sequence[torch.nn.Module] | None = None,
     *,
     arch: Any = None,
-) -> dict[str, float]:
+    version: int | None = None,
+) -> dict[str, Any]:
     """Old-logprob recompute, then ``ppo_epochs`` x (train batch / mini batch) optimizer steps on this DP rank's
     share of each mini-batch. Every rank gets the same ``samples`` (the gathered train batch, grouped by prompt).
     The share and its micro batches (:func:`afm_core.rl.batch.micro_batch_plan`): every ``dp``-th sample in micro
@@ -203,6 +207,8 @@ def policy_update(
         reference: the frozen reference policy's chunks when ``algorithm.kl_coef`` > 0 (the low-var KL loss,
             verl ``use_kl_loss`` with ``kl_loss_type=low_var_kl``).
         arch: the policy's :class:`~afm_core.models.arch.ModelArch`, for the phases' model FLOPs (None: none).
+        version: the policy version trained (the rollout step); given, ``logprob_gap_by_lag`` reports the
+            trainer/engine gap by each trained token's lag (:func:`logprob_gap_by_lag`).
     Returns:
         Reduced loss statistics (clip fraction, entropy, KL, vLLM-vs-trainer logprob gap...), ``logprob_s``,
         ``train_s``, ``optimizer_steps``, ``grad_norm`` (last), ``lr``; this rank's throughput of the two phases
@@ -285,6 +291,7 @@ def policy_update(
             for i, values in zip(group, response_values(refs[b]["logprobs"], batch)):
                 ref[i] = values.tolist()
     recomputed = reduce_stats(recompute, ps.get_data_parallel_group())
+    by_lag = {} if version is None else logprob_gap_by_lag(samples, old, version, ps.get_data_parallel_group())
     logprob_s = time.perf_counter() - start
 
     # mini-batch updates
@@ -310,6 +317,7 @@ def policy_update(
         **{f"actor/{k}": v for k, v in reduced.items()},
         "logprob_gap_vllm_trainer": recomputed["logprob_gap"],
         "logprob_gap_vllm_trainer_max": recomputed["logprob_gap_max"],
+        **({"logprob_gap_by_lag": by_lag} if version is not None else {}),
         "prob_ratio_error": recomputed["prob_ratio_error"],
         "entropy": recomputed["entropy"],
         "grad_norm": done.grad_norm,
@@ -318,6 +326,37 @@ def policy_update(
         "logprob_s": logprob_s,
         "train_s": train_s,
     }
+
+
+def logprob_gap_by_lag(
+    samples: Sequence[Any], old: dict[int, list[float]], version: int, group: Any = None
+) -> dict[str, float]:
+    """The trainer/engine mismatch by lag: mean ``|old logprob - rollout logprob|`` over the trained tokens (mask
+    1) of each lag (``version`` minus the token's own), over this rank's samples ``old`` holds (index -> the
+    trainer's recomputed logprobs of its response) and the ranks of ``group`` (collective). With partial rollouts
+    the lag-1 figure is the staleness the off-policy correction sees (NeMo-RL's ``token_mult_prob_error`` read by
+    trajectory age); lag 0 is the numerical gap alone. Returns ``{"0": mean, "1": mean, ...}``."""
+    sums: dict[int, list[float]] = {}
+    for i, values in old.items():
+        s = samples[i]
+        if len(s.versions) != len(s.response_mask):  # no versions recorded: nothing to bucket
+            continue
+        for logp, rollout, m, v in zip(values, s.logprobs, s.response_mask, s.versions):
+            if m:
+                acc = sums.setdefault(version - v, [0.0, 0.0])
+                acc[0] += abs(logp - rollout)
+                acc[1] += 1
+    parts: list[Any] = [sums]
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+        parts = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(parts, sums, group=group)
+    total: dict[int, list[float]] = {}
+    for part in parts:
+        for lag, (gap, count) in part.items():
+            acc = total.setdefault(lag, [0.0, 0.0])
+            acc[0] += gap
+            acc[1] += count
+    return {str(lag): gap / count for lag, (gap, count) in sorted(total.items()) if count}
 
 
 def phase_throughput(

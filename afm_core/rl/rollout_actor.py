@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch
 
 from afm_core.config.rl import ActorConfig, ValConfig
 from afm_core.rl.grading import Sample, grade_rollout
+from afm_core.rl.rollout_buffer import Group
 from afm_core.rl.schedule import Stage
 from afm_core.train.distributed import gather_objects
 from afm_core.train.preemption import JOB_PREEMPTION, Preemption
@@ -36,6 +37,42 @@ class RolloutAborted(RuntimeError):
     """A stop was requested (SIGUSR2 / preemption: :class:`afm_core.train.preemption.Preemption`) while a
     generation round ran: its requests were aborted in vLLM and its trajectories dropped; the rollout step restarts
     on resume."""
+
+
+@dataclass(frozen=True)
+class RoundTarget:
+    """When a partial-rollout round stops on one engine (:meth:`RolloutActor.generate`): once ``groups`` complete
+    groups that ``keeps`` (the dynamic sampler's filter) accepts are graded, or ``tokens`` tokens were sampled in
+    the round (None: no token budget)."""
+
+    groups: int
+    keeps: Callable[[list[Sample]], bool]
+    tokens: int | None = None
+
+
+@dataclass
+class Round:
+    """What a generation round did: its ``groups`` (filled in place: finished samples graded, unfinished
+    trajectories paused), whether a stop paused it (``stopped``), whether its :class:`RoundTarget` was reached,
+    and its counts: trajectories ``paused`` and ``resumed``, tokens sampled (``sampled_tokens``: the model's,
+    in this round only) and ``regenerated_tokens`` (rolled back at a pause and sampled again)."""
+
+    groups: list[Group]
+    stopped: bool
+    target_reached: bool = False
+    paused: int = 0
+    resumed: int = 0
+    sampled_tokens: int = 0
+    regenerated_tokens: int = 0
+
+    @classmethod
+    def merge(cls, parts: Sequence[Round]) -> Round:
+        """The engines' rounds as one (groups engine by engine, counts added)."""
+        out = cls([g for p in parts for g in p.groups], stopped=any(p.stopped for p in parts))
+        out.target_reached = any(p.target_reached for p in parts)
+        for key in ("paused", "resumed", "sampled_tokens", "regenerated_tokens"):
+            setattr(out, key, sum(getattr(p, key) for p in parts))
+        return out
 
 
 class RolloutActor:
@@ -133,24 +170,44 @@ class RolloutActor:
         """This rank mirrors its vLLM TP group's leader instead of running agent loops."""
         return self.lockstep is not None and self.colocation is not None and not self.colocation.is_leader
 
-    def generate(self, items: Sequence[tuple[str, Any]], n: int, stage: Stage, seed: int) -> list[Sample]:
-        """``n`` graded trajectories for each ``(uid, task)`` in ``items`` (all concurrently), in item order.
+    def generate(
+        self,
+        groups: Sequence[Group],
+        tasks: Sequence[Any],
+        n: int,
+        stage: Stage,
+        seed: int,
+        *,
+        version: int = 0,
+        target: RoundTarget | None = None,
+        keep_on_stop: bool = False,
+    ) -> Round:
+        """Run every unfinished trajectory of ``groups`` (``n`` per group; a paused one continues where it
+        stopped, token-in) concurrently on this rank's engine, with policy ``version``'s weights, and grade each
+        one that finishes; the groups are filled in place and returned in a :class:`Round`.
+
+        Without ``target`` the round ends when every trajectory has (a synchronous round). With one (partial
+        rollouts) the engine is paused once ``target.groups`` complete groups that ``target.keeps`` accepts are
+        graded, or ``target.tokens`` tokens were sampled: the trajectories in flight come back paused
+        (:class:`~afm_core.rollout.types.PausedTrajectory`) and stay in their groups.
 
         On a follower rank of a vLLM TP group (:attr:`follower`) this mirrors the leader's engine steps and
-        returns no trajectory (the leader's carry the group's).
+        returns no group (the leader's carry the group's).
 
         Raises:
-            RolloutAborted: a stop was requested before the round ended (looked for every
-                :data:`STOP_POLL_S` seconds, between engine steps): every trajectory of the round is cancelled, its
-                request aborted in vLLM (:meth:`~afm_core.rollout.vllm_engine.InprocVLLMEngine.idle` waits for
-                that), its tool calls and grading too.
+            RolloutAborted: a stop was requested before the round ended (looked for every :data:`STOP_POLL_S`
+                seconds, between engine steps) and not ``keep_on_stop``: every trajectory of the round is
+                cancelled, its request aborted in vLLM (:meth:`~afm_core.rollout.vllm_engine.InprocVLLMEngine.idle`
+                waits for that), its tool calls and grading too. With ``keep_on_stop`` the engine is paused
+                instead and the round returns with ``stopped`` set.
         """
         from afm_core.rollout import AgentConfig, AgentLoop, SamplingConfig
 
         if self.follower:
             self.engine.follow()
-            return []
+            return Round([], stopped=False)
         from afm_core.rollout.agent_loop import sample_seed
+        from afm_core.rollout.types import FinishReason
 
         r = self.config.rollout
         agent = AgentConfig(
@@ -167,43 +224,96 @@ class RolloutActor:
         )
         loop = AgentLoop(self.engine, self.tokenizer, self.tool_runner(), agent, sampling)
         reward_cfg = self.config.reward
+        result = Round(list(groups), stopped=False)
+        kept = [0]
 
-        async def one(uid: str, task: Any, sample: int) -> Sample:
-            rollout = await loop.run(task, sample, seed=sample_seed(uid, sample, seed))
-            return await grade_rollout(self.graders, rollout, uid, reward_cfg, stage.max_response_len)
+        async def one(group: Group, sample: int) -> None:
+            paused = group.paused.pop(sample, None)
+            before, rolled = (paused.num_generated_tokens, paused.rolled_back_tokens) if paused else (0, 0)
+            if paused is not None:  # the tokens its last pause rolled back are sampled again now
+                result.resumed += 1
+                result.regenerated_tokens += rolled - group.rolled_back.get(sample, 0)
+                group.rolled_back[sample] = rolled
+            rollout = await loop.run(tasks[group.index], sample, seed=sample_seed(group.uid, sample, seed),
+                                     version=version, resume=paused)  # fmt: skip
+            now = rollout.paused.num_generated_tokens if rollout.paused else rollout.num_generated_tokens
+            result.sampled_tokens += now - before + rollout.rolled_back_tokens - rolled  # rolled back: sampled too
+            if rollout.finish_reason is FinishReason.PAUSED:
+                group.paused[sample] = rollout.paused
+                result.paused += 1
+                return
+            group.finished[sample] = await grade_rollout(self.graders, rollout, group.uid, reward_cfg,
+                                                         stage.max_response_len)  # fmt: skip
+            if target is not None and group.complete(n) and target.keeps(group.samples()):
+                kept[0] += 1
+                if kept[0] >= target.groups:
+                    result.target_reached = True
 
-        async def all_() -> list[Sample]:
+        async def all_() -> Round:
             slots = asyncio.Semaphore(r.concurrency)
 
-            async def bounded(uid: str, task: Any, sample: int) -> Sample:
+            async def bounded(group: Group, sample: int) -> None:
                 async with slots:
-                    return await one(uid, task, sample)
+                    if reached() or (keep_on_stop and self.preemption.stop_requested()):
+                        return  # the round is pausing: not started, it starts in a later round
+                    await one(group, sample)
 
-            return list(await asyncio.gather(*(bounded(uid, task, s) for uid, task in items for s in range(n))))
+            work = [(g, i) for g in result.groups for i in range(n) if i not in g.finished]
+            await asyncio.gather(*(bounded(g, i) for g, i in work))
+            return result
 
-        return self._round(all_(), "the generation round: its trajectories were aborted")
+        counted = getattr(self.engine, "sampled_tokens", None)  # the in-process engine counts its steps' tokens
+
+        def reached() -> bool:
+            if target is None:
+                return False
+            if target.tokens is not None:  # live where the engine counts, else as trajectories end
+                now = getattr(self.engine, "sampled_tokens", None)
+                sampled = result.sampled_tokens if now is None or counted is None else now - counted
+                if sampled >= target.tokens:
+                    return True
+            return result.target_reached
+
+        out = self._round(all_(), "the generation round: its trajectories were aborted",
+                          keep_on_stop=keep_on_stop, pause_when=reached if target is not None else None)  # fmt: skip
+        if out is not result:  # stopped with keep_on_stop: the engine paused the round
+            result.stopped = True
+        return result
 
     def generate_gathered(
-        self, prompts: Sequence[tuple[str, int]], tasks: Sequence[Any], n: int, stage: Stage, seed: int
-    ) -> list[Sample]:
-        """``n`` graded trajectories of each ``(uid, task index)`` of ``prompts`` (a generation batch, the same on
-        every rank): each engine generates every ``engines``-th prompt, and the trajectories of all ranks are
-        gathered (collective), so every rank returns the same list, grouped by prompt.
+        self,
+        groups: Sequence[Group],
+        tasks: Sequence[Any],
+        n: int,
+        stage: Stage,
+        seed: int,
+        *,
+        version: int = 0,
+        target: RoundTarget | None = None,
+        keep_on_stop: bool = False,
+    ) -> Round:
+        """:meth:`generate` of ``groups`` (a round, the same on every rank) over the job's engines: each engine
+        runs every ``engines``-th group (with ``target``'s group count split among them, rounded up), and the
+        groups of all ranks are gathered (collective), so every rank returns the same :class:`Round`.
 
         Raises:
             RolloutAborted: on every rank, when any rank's round was aborted (:meth:`generate`).
         """
         engines, engine = self.engines
-        mine = [(uid, tasks[index]) for uid, index in prompts[engine::engines]]
+        mine = list(groups[engine::engines])
+        if target is not None:
+            target = RoundTarget(-(-target.groups // engines), target.keeps,
+                                 None if target.tokens is None else -(-target.tokens // engines))  # fmt: skip
         try:
-            part: list[Sample] | None = self.generate(mine, n, stage, seed=seed)
+            part: Round | None = self.generate(mine, tasks, n, stage, seed=seed, version=version, target=target,
+                                               keep_on_stop=keep_on_stop)  # fmt: skip
         except RolloutAborted:
             part = None
         parts = gather_objects(part)
         if any(p is None for p in parts):
             raise RolloutAborted(f"a stop was requested during generation (aborted on ranks "
                                  f"{[r for r, p in enumerate(parts) if p is None]})")  # fmt: skip
-        return [s for p in parts for s in p or []]
+        return Round.merge([p for p in parts if p is not None])
 
     @property
     def engines(self) -> tuple[int, int]:
@@ -231,11 +341,17 @@ class RolloutActor:
                         asdict(settings))  # fmt: skip
         return dict(self._round(work, "validation: its requests were aborted"))
 
-    def _round(self, work: Any, during: str) -> Any:
+    def _round(
+        self, work: Any, during: str, *, keep_on_stop: bool = False, pause_when: Callable[[], bool] | None = None
+    ) -> Any:
         """Run ``work`` (a coroutine on this rank's engine) to its end, then release the followers of a vLLM TP
-        group; raises RolloutAborted ("a stop was requested during {during}") when a stop came first."""
+        group. A stop that comes first raises RolloutAborted ("a stop was requested during {during}"), or with
+        ``keep_on_stop`` pauses the engine and returns :data:`STOPPED` once ``work`` has returned what it holds;
+        ``pause_when()`` true pauses the engine too (``work``'s result is returned). The engine is resumed after.
+        """
         try:
-            result = self.run(_unless_stopped(work, self.engine, self.preemption.stop_requested))
+            result = self.run(_unless_stopped(work, self.engine, self.preemption.stop_requested,
+                                              keep_on_stop=keep_on_stop, pause_when=pause_when))  # fmt: skip
         finally:
             if self.lockstep is not None:
                 self.engine.end_round()  # release the followers
@@ -342,20 +458,45 @@ class RolloutActor:
             self.runner.close()
 
 
-async def _unless_stopped(work: Any, engine: Any, stop_requested: Callable[[], bool]) -> Any:
+#: What :func:`_unless_stopped` returns when a stop paused the work (``keep_on_stop``).
+STOPPED = object()
+
+
+async def _unless_stopped(
+    work: Any,
+    engine: Any,
+    stop_requested: Callable[[], bool],
+    *,
+    keep_on_stop: bool = False,
+    pause_when: Callable[[], bool] | None = None,
+) -> Any:
     """``await work``, or None when ``stop_requested()`` turns true first (then ``work`` is cancelled and the
-    engine's aborted requests are settled before returning)."""
+    engine's aborted requests are settled before returning). With ``keep_on_stop`` a stop pauses the engine
+    instead (its requests return what they sampled; ``work`` ends with them) and :data:`STOPPED` is returned;
+    ``pause_when()`` turning true pauses it too, and ``work``'s result is returned. A paused engine is resumed
+    before returning."""
     task = asyncio.ensure_future(work)
-    while not task.done():
-        if stop_requested():
-            task.cancel()
-            await asyncio.wait({task})
-            idle = getattr(engine, "idle", None)  # engines that abort as the cancellation arrives have none
-            if idle is not None:
-                await idle()
-            return None
-        await asyncio.wait({task}, timeout=STOP_POLL_S)
-    return task.result()
+    paused = stopped = False
+    try:
+        while not task.done():
+            if not stopped and stop_requested():
+                if not keep_on_stop:
+                    task.cancel()
+                    await asyncio.wait({task})
+                    idle = getattr(engine, "idle", None)  # engines that abort as the cancellation arrives have none
+                    if idle is not None:
+                        await idle()
+                    return None
+                stopped = True
+            if not paused and (stopped or (pause_when is not None and pause_when())):
+                paused = True
+                await engine.pause()  # every request in flight returns its tokens so far
+            await asyncio.wait({task}, timeout=STOP_POLL_S)
+        result = task.result()
+    finally:
+        if paused:
+            await engine.resume()
+    return STOPPED if stopped else result
 
 
 def node_tool_urls(gathered: Sequence[tuple[str, int, dict[str, str]]], node: str) -> dict[str, str]:

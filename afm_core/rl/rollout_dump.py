@@ -3,10 +3,11 @@
 atomically by rank 0, so a reader sees a step's file whole or not at all.
 
 One line per generated trajectory (every generation batch of the step, also the groups dynamic sampling dropped):
-``step``, ``uid`` (the prompt group), ``task_id``, ``prompt`` and ``response`` (decoded with special tokens; the
+``step``, ``uid`` (the prompt group), ``index`` (the sample's in its group), ``task_id``, ``prompt`` and ``response`` (decoded with special tokens; the
 response holds the model's turns and the tool observations in order), ``score`` (the grader's), ``format`` (the CoA
 validator's), ``reward`` (shaped), ``trained`` (the sample is in the step's train batch), ``finish_reason``,
-``response_tokens``, ``tool_calls`` (``[{"name", "error"}]``).
+``response_tokens``, ``tool_calls`` (``[{"name", "error"}]``), ``versions`` (the policy version of each response
+token).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def dump_rollouts(directory: str | Path, step: int, generated: Sequence[Any], tr
                   tokenizer: Any) -> Path:  # fmt: skip
     """Write rollout step ``step``'s ``generated`` :class:`~afm_core.rl.grading.Sample` s to ``<directory>/<step>.jsonl``
     (``trained``: the ones in the train batch); returns the file's path."""
-    kept = {id(s) for s in trained}
+    kept = {(s.uid, s.index) for s in trained}  # the trained copies may have stale tokens masked
     lines = [
         json.dumps(
             {
@@ -35,10 +36,12 @@ def dump_rollouts(directory: str | Path, step: int, generated: Sequence[Any], tr
                 "score": s.score,
                 "format": s.format,
                 "reward": s.reward,
-                "trained": id(s) in kept,
+                "index": s.index,
+                "trained": (s.uid, s.index) in kept,
                 "finish_reason": s.finish_reason,
                 "response_tokens": len(s.response_ids),
                 "tool_calls": [{"name": name, "error": error} for name, error in s.tool_calls],
+                "versions": s.versions,
             },
             ensure_ascii=False,
         )

@@ -12,6 +12,7 @@ import pytest
 from afm_core.coa import Step, render_response, user_prompt
 from afm_core.coa.render import render_observation
 from afm_core.data.tokenize import encode_text
+from afm_core.rl.rollout_buffer import Group
 from afm_core.rollout import AgentConfig, AgentLoop, AgentTask, FinishReason, SamplingConfig
 from afm_core.rollout.simulated_tools import SimulatedTools, build_tool_runner
 from tests.rollout.replay import ReplayEngine
@@ -136,7 +137,7 @@ def test_the_rl_job_switches_environment_by_config(hotpot_question, tmp_path):
     actor = RolloutActor(simulated, tiny, tokenizer, {}, 2048, engine=ReplayEngine(tokenizer, segments, 2048))
     try:
         assert isinstance(actor.tool_runner(), SimulatedTools) and actor.pool is None
-        (sample,) = actor.generate([("0:0", task)], 1, stage, seed=0)
+        (sample,) = actor.generate([Group("0:0", 0)], [task], 1, stage, seed=0).groups[0].samples()
         stats = actor.tool_metrics()["simulated"]
         assert stats["calls"] == 1 and stats["generated_tokens"] > 0 and sample.tool_calls == [("wiki_search", None)]
         (simulated_obs,) = _observations(sample, tokenizer)
@@ -150,7 +151,7 @@ def test_the_rl_job_switches_environment_by_config(hotpot_question, tmp_path):
         actor = RolloutActor(real, tiny, tokenizer, urls, 2048, engine=ReplayEngine(tokenizer, segments, 2048))
         try:
             assert isinstance(actor.tool_runner(), ToolPool) and actor.simulator_engine is None
-            (sample,) = actor.generate([("0:0", task)], 1, stage, seed=0)
+            (sample,) = actor.generate([Group("0:0", 0)], [task], 1, stage, seed=0).groups[0].samples()
             assert actor.tool_metrics()["wiki_search"]["calls"] == 1
         finally:
             actor.close()

@@ -122,7 +122,40 @@ def _stop_during_round(round_: int, aborts: list[bool], preemption) -> None:
     RolloutActor.generate, InprocVLLMEngine.generate = actor_generate, held_generate
 
 
-def _rl_rank(rank: int, world: int, port: int, cfg: dict, stop_after, stop_in_round, setup, out: str) -> None:
+def _stop_at_tokens(round_: int, tokens: int, preemption, record: dict) -> None:
+    """In this rank: a stop (``preemption.request``, as ``jobs.rl``'s USR2 relay makes it) once generation round
+    ``round_`` (1-based, counted over the run) has sampled ``tokens`` tokens, counted from the in-process engine's
+    steps (their streamed outputs). ``record`` gets ``tokens_at_stop`` (the round's tokens when the stop was asked)
+    and ``tokens_in_stopped_round`` (all the round sampled before its trajectories were paused)."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from afm_core.rl.rollout_actor import RolloutActor
+
+    rounds, counted = [0], [0]
+    generate, step = RolloutActor.generate, LLMEngine.step
+
+    def actor_generate(self, *args, **kwargs):
+        rounds[0] += 1
+        counted[0] = 0
+        try:
+            return generate(self, *args, **kwargs)
+        finally:
+            if rounds[0] == round_:
+                record["tokens_in_stopped_round"] = counted[0]
+
+    def counting_step(self):
+        outputs = step(self)
+        counted[0] += sum(len(o.outputs[0].token_ids) for o in outputs if o.outputs)
+        if rounds[0] == round_ and counted[0] >= tokens and "tokens_at_stop" not in record:
+            record["tokens_at_stop"] = counted[0]
+            preemption.request()
+        return outputs
+
+    RolloutActor.generate, LLMEngine.step = actor_generate, counting_step
+
+
+def _rl_rank(rank: int, world: int, port: int, cfg: dict, stop_after, stop_in_round, setup, out: str,
+             stop_at_tokens=None) -> None:  # fmt: skip
     from afm_core.config.rl import rl_config as checked
     from afm_core.rl.driver import run_rl
     from afm_core.train.preemption import Preemption
@@ -140,9 +173,12 @@ def _rl_rank(rank: int, world: int, port: int, cfg: dict, stop_after, stop_in_ro
     aborts: list[bool] = []
     if stop_in_round is not None:
         _stop_during_round(stop_in_round, aborts, preemption)
+    stopped: dict = {}
+    if stop_at_tokens is not None:
+        _stop_at_tokens(*stop_at_tokens, preemption, stopped)
     summary = run_rl(checked(cfg), after_step=after_step, preemption=preemption)  # as jobs.rl's ranks do
     if rank == 0:
-        Path(out).write_text(json.dumps({**summary, "aborted_rounds_left_vllm_idle": aborts}))
+        Path(out).write_text(json.dumps({**summary, "aborted_rounds_left_vllm_idle": aborts, **stopped}))
 
 
 def run_rl_ranks(
@@ -151,15 +187,58 @@ def run_rl_ranks(
     stop_after: int | None = None,
     stop_in_round: int | None = None,
     setup: Callable[[], None] | None = None,
+    stop_at_tokens: tuple[int, int] | None = None,
 ) -> dict:
     """``run_rl(cfg)`` on ``world`` spawned gloo ranks: a checkpoint-and-stop requested after rollout step
-    ``stop_after``, or a SIGUSR2 during generation round ``stop_in_round`` (:func:`_stop_during_round`); ``setup``
-    (a module-level function, pickled to the ranks) runs in every rank before the job, e.g. to monkeypatch it; rank
-    0's summary, with ``aborted_rounds_left_vllm_idle``."""
+    ``stop_after``, or a SIGUSR2 during generation round ``stop_in_round`` (:func:`_stop_during_round`), or a stop
+    once ``(round, tokens)``'s round has sampled that many tokens (:func:`_stop_at_tokens`); ``setup`` (a
+    module-level function, pickled to the ranks) runs in every rank before the job, e.g. to monkeypatch it; rank
+    0's summary, with ``aborted_rounds_left_vllm_idle`` (and :func:`_stop_at_tokens`' counts)."""
 
     from afm_core.utils.ports import free_port
 
     out = Path(cfg["run_dir"]) / f"summary-{time.monotonic_ns()}.json"
     Path(cfg["run_dir"]).mkdir(parents=True, exist_ok=True)
-    start_ranks(_rl_rank, args=(world, free_port(), cfg, stop_after, stop_in_round, setup, str(out)), nprocs=world)
+    start_ranks(_rl_rank, args=(world, free_port(), cfg, stop_after, stop_in_round, setup, str(out), stop_at_tokens),
+                nprocs=world)  # fmt: skip
     return json.loads(out.read_text())
+
+
+class FirstTurnPaused:
+    """An engine that pauses the first turn of every other prompt group: the first generation call of a
+    trajectory of the 1st, 3rd, 5th... task it meets samples at most ``tokens`` tokens and, when it would have gone
+    on, comes back as a pause of the engine does (``finish_reason="abort"``, ``paused``); everything else goes to
+    the wrapped engine. The other groups run on, fill the train batch first, and the round is paused with the
+    first ones waiting in the rollout buffer: with partial rollouts they finish in the next rollout step, under the
+    next weights, and from then on the groups resumed from the buffer (fewer tokens left) finish first while the
+    new ones are paused by the round's real pause. A first call is one whose prompt is the trajectory's prompt."""
+
+    def __init__(self, engine, tokens: int):
+        self.engine, self.tokens, self.prompt_lens, self.tasks = engine, tokens, {}, {}
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    async def generate(self, prompt_ids, sampling, request_id):
+        from dataclasses import replace
+
+        key = request_id.split("-t")[0]
+        paused_task = self.tasks.setdefault(key.rsplit("#", 1)[0], len(self.tasks) % 2 == 0)
+        first = self.prompt_lens.setdefault(key, len(prompt_ids)) == len(prompt_ids)
+        if not (paused_task and first) or sampling.max_tokens <= self.tokens:
+            return await self.engine.generate(prompt_ids, sampling, request_id)
+        gen = await self.engine.generate(prompt_ids, replace(sampling, max_tokens=self.tokens), request_id)
+        return replace(gen, finish_reason="abort", paused=True) if gen.finish_reason == "length" else gen
+
+
+def pause_first_turns(tokens: int = 2) -> None:
+    """In this rank: every engine the RL actor starts is wrapped in :class:`FirstTurnPaused` (``tokens``)."""
+    from afm_core.rl.rollout_actor import RolloutActor
+
+    start = RolloutActor.start_engine
+
+    def start_engine(self, max_model_len: int) -> None:
+        start(self, max_model_len)
+        self.engine = FirstTurnPaused(self.engine, tokens)
+
+    RolloutActor.start_engine = start_engine

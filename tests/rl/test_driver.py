@@ -35,6 +35,7 @@ from afm_core.rl.metrics import rollout_metrics
 from afm_core.rl.prompts import PromptStream
 from afm_core.rl.reward_shaping import shaped_reward
 from afm_core.rl.rollout_actor import RolloutActor, node_tool_urls
+from afm_core.rl.rollout_buffer import Group
 from afm_core.rl.schedule import Stage, build_stages
 from afm_core.utils.paths import repo_root
 from afm_core.utils.ports import free_port
@@ -178,11 +179,12 @@ def uninterrupted(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def interrupted(uninterrupted):
-    """The same job stopped by SIGUSR2 while step 2's rollouts are in vLLM, then resumed to the end; it also
-    offloads the trainer's state around every generation round (B4; forced on CPU). ``(run_dir, first attempt's
-    summary, resumed attempt's summary)``."""
+    """The same job stopped by SIGUSR2 while step 2's rollouts are in vLLM, then resumed to the end, with the
+    bitwise restart of the stopped round (``rollout.partial.on_stop=restart``); it also offloads the trainer's state
+    around every generation round (B4; forced on CPU). ``(run_dir, first attempt's summary, resumed attempt's
+    summary)``."""
     run_dir = uninterrupted[0].with_name("interrupted")
-    cfg = _job_config(run_dir, uninterrupted[2], "colocation.offload_trainer=true")
+    cfg = _job_config(run_dir, uninterrupted[2], "colocation.offload_trainer=true", "rollout.partial.on_stop=restart")
     first = _run(cfg, stop_in_round=2)
     return run_dir, first, _run(cfg)
 
@@ -239,7 +241,8 @@ def test_the_paper_rl_recipes_pass_the_submit_checks_and_start_an_engine_within_
     max_model_len = cfg.data.max_prompt_len + max(s.max_response_len for s in stages)  # run_rl's engine context
     assert max_model_len <= cfg.model.max_position_embeddings  # vLLM refuses a longer one at start (B1)
     dp = checked.cluster.data_parallel(checked.parallel.model_parallel)
-    check_batch_split(a.mini_batch_size * r.n, a.train_batch_size * r.n, dp, cfg.trainer.micro_batch_size)
+    check_batch_split(a.mini_batch_size * r.n, a.train_batch_size * r.n, dp, cfg.trainer.micro_batch_size,
+                      cfg.trainer.max_tokens_per_micro_batch)  # fmt: skip
 
 
 # -- the job --------------------------------------------------------------------------------------------
@@ -428,7 +431,8 @@ def test_a_policy_that_writes_code_gets_the_plugged_in_tools_observation_graded_
                                       "<think>Done.</think>\n<answer>\\boxed{42}</answer>"], 2048)  # fmt: skip
     actor = RolloutActor(config.actor, hf_dir, tokenizer, {}, 2048, engine=policy)
     try:
-        (sample,) = actor.generate([("0:0", task)], 1, Stage(0, 256, None), seed=0)
+        round_ = actor.generate([Group("0:0", 0)], [task], 1, Stage(0, 256, None), seed=0)
+        (sample,) = round_.groups[0].samples()
         assert actor.tool_metrics()["code"]["calls"] == 1
     finally:
         actor.close()
@@ -632,7 +636,9 @@ def test_a_sandbox_killed_mid_rollout_gives_counted_error_observations_not_a_cra
         killer = threading.Thread(target=kill_when_calls_run)
         killer.start()
         try:
-            samples = actor.generate(tasks, n=2, stage=Stage(0, 1024, None), seed=0)
+            groups = [Group(uid, i) for i, (uid, _) in enumerate(tasks)]
+            round_ = actor.generate(groups, [task for _, task in tasks], n=2, stage=Stage(0, 1024, None), seed=0)
+            samples = [s for g in round_.groups for s in g.samples()]
         finally:
             killer.join()
             actor.close()
@@ -697,7 +703,7 @@ def test_sigusr2_while_a_round_generates_or_validates_aborts_every_request_of_th
     start = time.perf_counter()
     try:
         with pytest.raises(RolloutAborted):
-            actor.generate([("0:0", task), ("0:1", task)], n=2, stage=Stage(0, 64, None), seed=0)
+            actor.generate([Group("0:0", 0), Group("0:1", 0)], [task], n=2, stage=Stage(0, 64, None), seed=0)
         sender.join()
         assert policy.cancelled == 4 and policy.settled and time.perf_counter() - start < 10
         assert preemption.stop_requested()  # still set: the driver clears it when it saves (boundary_flags)
