@@ -73,11 +73,19 @@ def test_a_stop_at_half_a_rounds_tokens_keeps_its_trajectories_and_the_resumed_r
         assert all(v == step - 1 for line in lines if line["trained"] for v in line["versions"])
 
 
-def test_with_partial_rollouts_trajectories_cross_weight_updates_and_no_trained_token_lags_past_the_bound(tmp_path):
+#: One rank, and one vLLM TP=2 engine over two ranks (the leader's pauses reach its follower through the lockstep).
+LAYOUTS = {"one-rank": (1, ()), "engine-tp2": (2, ("parallel.tp=2", "engine.tensor_parallel_size=2"))}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_with_partial_rollouts_trajectories_cross_weight_updates_and_no_trained_token_lags_past_the_bound(
+    tmp_path, layout
+):
     run_dir = tmp_path / "run"
+    world, overrides = LAYOUTS[layout]
     cfg = _config(run_dir, "rollout.partial.enable=true", "algorithm.tis_cap=2.0", "algorithm.gen_batch_size=4",
-                  "trainer.max_steps=4")  # fmt: skip
-    summary = run_rl_ranks(cfg, setup=partial(pause_first_turns, 8))
+                  "trainer.max_steps=4", *overrides)  # fmt: skip
+    summary = run_rl_ranks(cfg, world=world, setup=partial(pause_first_turns, 8))
     assert summary["step"] == 4
     records = _metrics(run_dir)
     bound = cfg["rollout"]["partial"]["max_staleness"]

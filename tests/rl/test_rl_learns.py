@@ -24,6 +24,7 @@ threshold.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -72,7 +73,7 @@ def _prompts(path: Path) -> Path:
     return path
 
 
-def _config(root: Path) -> dict:
+def _config(root: Path, *extra: str) -> dict:
     root.mkdir(parents=True)
     return rl_config(
         root / "run",
@@ -100,6 +101,7 @@ def _config(root: Path) -> dict:
         "optim.min_lr=1.0e-5",
         "optim.weight_decay=0.0",
         "engine.max_num_seqs=32",
+        *extra,
     )
 
 
@@ -129,8 +131,8 @@ def _mean_and_sq_se(values: list[float]) -> tuple[float, float]:
     return mean, sum((v - mean) ** 2 for v in values) / (len(values) - 1) / len(values)
 
 
-def _run(root: Path, setup=None) -> Gain:
-    summary = run_rl_ranks(_config(root), setup=setup)
+def _run(root: Path, setup=None, extra: tuple[str, ...] = ()) -> Gain:
+    summary = run_rl_ranks(_config(root, *extra), setup=setup)
     assert summary["step"] == STEPS and not summary["stopped_early"]
 
     def rewards(steps: range) -> list[float]:
@@ -152,3 +154,33 @@ def test_dapo_raises_a_learnable_reward_by_over_3_se_and_not_with_the_advantage_
     print(f"control (advantages negated): {control}")
     assert control.optimizer_steps > 0, "the control trained"
     assert control.delta <= control.se, f"the flipped-sign control gained reward: {control}"
+
+
+#: Partial rollouts with an off-policy correction (token TIS, cap 2), every trajectory paused after its first 2
+#: tokens (:func:`tests.rl.helpers.pause_first_turns`): it waits in the rollout buffer and finishes in a later round,
+#: from the second rollout step on under newer weights than its first tokens'.
+PARTIAL = ("rollout.partial.enable=true", "algorithm.tis_cap=2.0")
+
+
+def _paused_trajectories(flip: bool = False) -> None:
+    """The ranks' setup of the partial-rollout runs: every trajectory paused once; the control's sign flip."""
+    from tests.rl.helpers import pause_first_turns
+
+    pause_first_turns(2)
+    if flip:
+        flip_advantage_sign()
+
+
+@pytest.mark.slow
+def test_dapo_with_every_trajectory_paused_across_a_weight_update_still_learns_and_not_with_the_sign_flipped(tmp_path):
+    learned = _run(tmp_path / "learned", setup=_paused_trajectories, extra=PARTIAL)
+    print(f"\npartial, learned: {learned}")
+    assert learned.delta > 3 * learned.se, f"the policy did not learn the reward with partial rollouts: {learned}"
+    lags = [json.loads(line)["partial/lag_tokens"] for line in (tmp_path / "learned/run/metrics.jsonl").open()
+            if json.loads(line)["split"] == "train"]  # fmt: skip
+    # from step 2 on, every step that trained (dynamic sampling may keep no group) trained tokens sampled a step back
+    assert all(lag.get("1", 0) > 0 for lag in lags[1:] if lag), lags
+    control = _run(tmp_path / "control", setup=functools.partial(_paused_trajectories, flip=True), extra=PARTIAL)
+    print(f"partial, control (advantages negated): {control}")
+    assert control.optimizer_steps > 0, "the control trained"
+    assert control.delta <= control.se, f"the flipped-sign control gained reward with partial rollouts: {control}"
