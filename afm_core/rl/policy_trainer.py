@@ -117,7 +117,7 @@ class PolicyTrainer:
             self.critic = Critic(
                 policy, layout, hf_dir, run_dir, updates, params_dtype=dtype, load_weights=load_weights
             )
-        if a.kl_coef > 0:  # the low-var KL loss needs the frozen initial policy
+        if a.kl_coef > 0:  # the KL loss (algorithm.kl_loss_type) needs the frozen initial policy
             self.reference = build_reference_model(hf_dir, layout, params_dtype=dtype, **memory)
 
     @property
@@ -204,8 +204,8 @@ def policy_update(
         advantages: ``[N]`` one per sample (GRPO: broadcast over its response tokens), or per-token lists as
             long as each response (GAE).
         seq_length: the trainer's sequence length (:func:`afm_core.rl.schedule.train_seq_length`).
-        reference: the frozen reference policy's chunks when ``algorithm.kl_coef`` > 0 (the low-var KL loss,
-            verl ``use_kl_loss`` with ``kl_loss_type=low_var_kl``).
+        reference: the frozen reference policy's chunks when ``algorithm.kl_coef`` > 0 (the KL loss, verl
+            ``use_kl_loss`` with ``algorithm.kl_loss_type``, ``low_var_kl`` by default).
         arch: the policy's :class:`~afm_core.models.arch.ModelArch`, for the phases' model FLOPs (None: none).
         version: the policy version trained (the rollout step); given, ``logprob_gap_by_lag`` reports the
             trainer/engine gap by each trained token's lag (:func:`logprob_gap_by_lag`).

@@ -146,7 +146,13 @@ class WandbBackend:
         self.run.log(dict(metrics), step=step)
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() can return before wandb's service has written the run's last records (seen offline, on a
+        # loaded machine: a run file read at once lacked its run record); teardown waits for the service to
+        # flush and exit, so the run dir is complete when close returns (the next init starts a new service)
+        wandb.teardown()
 
 
 def mlflow_key(key: str) -> str:

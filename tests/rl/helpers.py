@@ -123,13 +123,17 @@ def _stop_during_round(round_: int, aborts: list[bool], preemption) -> None:
 
 
 def _stop_at_tokens(round_: int, tokens: int, preemption, record: dict) -> None:
-    """In this rank: a stop (``preemption.request``, as ``jobs.rl``'s USR2 relay makes it) once generation round
+    """In this rank: SIGUSR2 (relayed to ``preemption.request`` as ``jobs.rl``'s relay does) once generation round
     ``round_`` (1-based, counted over the run) has sampled ``tokens`` tokens, counted from the in-process engine's
-    steps (their streamed outputs). ``record`` gets ``tokens_at_stop`` (the round's tokens when the stop was asked)
+    steps (their streamed outputs). ``record`` gets ``tokens_at_stop`` (the round's tokens when the signal was sent)
     and ``tokens_in_stopped_round`` (all the round sampled before its trajectories were paused)."""
+    import signal
+
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from afm_core.rl.rollout_actor import RolloutActor
+
+    signal.signal(signal.SIGUSR2, lambda signum, frame: preemption.request())
 
     rounds, counted = [0], [0]
     generate, step = RolloutActor.generate, LLMEngine.step
@@ -148,7 +152,7 @@ def _stop_at_tokens(round_: int, tokens: int, preemption, record: dict) -> None:
         counted[0] += sum(len(o.outputs[0].token_ids) for o in outputs if o.outputs)
         if rounds[0] == round_ and counted[0] >= tokens and "tokens_at_stop" not in record:
             record["tokens_at_stop"] = counted[0]
-            preemption.request()
+            os.kill(os.getpid(), signal.SIGUSR2)
         return outputs
 
     RolloutActor.generate, LLMEngine.step = actor_generate, counting_step
