@@ -33,13 +33,16 @@ job row: from this script's ``Popen`` to the mark; CPU seconds: the sum over the
 0.1 s with psutil: each process's last reading before the mark; the marking process's own reading is exact). A
 process row (training rank, engine core) counts that process alone, from its creation: interpreter start, imports,
 model and data set-up, the first step (whose own compute is in it: a few seconds at tiny-llama's size). ``status``
-and ``plan`` rows: wall to exit, CPU from ``wait4`` (the process and its reaped children).
+and ``plan`` rows: wall to exit, CPU from ``wait4`` (the process and its reaped children). "imports CPU": the CPU
+seconds the process spent importing up to its mark (status, plan: to its exit); "job function called at": wall
+seconds from the rank's creation to the call of ``run_sft`` / ``run_rl`` / ``run_eval`` (interpreter, submitit,
+unpickling the job); the rest of a rank's row is that function's imports, set-up and first step.
 
 The imports table comes from one more run per entry point (and commit) under ``PYTHONPROFILEIMPORTTIME=1`` (each
 process's stderr into a file of its own, so processes that share a stderr are not mixed): its timings are not in
 the first table (importtime costs a little). Listed per row: the process's total import time (the sum of its
 outermost imports) and its imports with the largest cumulative time among those that cross a package boundary
-(the module importing it is of another top-level package, or it is imported at top level): e.g. ``torch._inductor``
+(the module importing it is of another top-level package, or none: an import run by a function or the script): e.g. ``torch._inductor``
 pulled in by ``megatron.core.fusions``; cumulative times nest (``megatron.core`` includes the ``torch`` it imports).
 
 ``--suite -- PYTEST_ARGS``: runs ``python -m pytest PYTEST_ARGS`` with the probe and reports, over every Python
@@ -530,6 +533,7 @@ def render(out: dict[str, Any], console: Any) -> None:
         table.add_column(f"wall {rev}", justify="right")
         table.add_column(f"CPU {rev}", justify="right")
         table.add_column(f"imports CPU {rev}", justify="right")
+        table.add_column(f"job function called at {rev}", justify="right")
     if len(revs) == 2:
         table.add_column(f"wall {revs[1]} / {revs[0]}", justify="right")
         table.add_column(f"CPU {revs[1]} / {revs[0]}", justify="right")
@@ -543,7 +547,8 @@ def render(out: dict[str, Any], console: Any) -> None:
                 imp = [r["imports_cpu_s"] for r in rows if r.get("imports_cpu_s") is not None]
                 walls.append(_median(wall))
                 cpus.append(_median(cpu))
-                cells += [_cell(wall), _cell(cpu), _cell(imp)]
+                called = [r["fn_begins_s"] for r in rows if r.get("fn_begins_s") is not None]
+                cells += [_cell(wall), _cell(cpu), _cell(imp), _cell(called)]
             if len(revs) == 2:
                 cells += [f"{a[1] / a[0]:.2f}" if a[0] and a[1] else "-" for a in (walls, cpus)]
             table.add_row(label, useful, *cells)
@@ -560,7 +565,7 @@ def render(out: dict[str, Any], console: Any) -> None:
             imports.add_column("cumulative s", justify="right")
             imports.add_column("imported by")
             for row in report["top"]:
-                imports.add_row(row["module"], f"{row['cum_s']:.2f}", row["parent"] or "(top level)")
+                imports.add_row(row["module"], f"{row['cum_s']:.2f}", row["parent"] or "(a function or the script)")
             console.print(imports)
 
 
