@@ -215,20 +215,13 @@ if _LOG:
         sys.meta_path.insert(0, _Finder())
 """
 
-TINY_SFT = [  # tests/slurm/tiny_sft.py's TINY: tiny-llama on a 120-trajectory slice of the real traces
-    "model=tiny-llama",
-    "data.name=jobs-tests",
-    "data.sources.gsm8k=60",
-    "data.sources.fireact=20",
-    "data.sources.r1searcher=20",
-    "data.sources.tora=20",
-    "trainer.global_batch_size=2",
-    "trainer.eval_interval=1000",
-    "trainer.eval_sequences=2",
-    "trainer.save_interval=1000",
-    "trainer.keep_last=1",
-    "trainer.progress=false",
-]
+
+def _sft_argv(work: Path) -> list[str]:
+    """``jobs.sft`` at the tests' size (``tests/slurm/tiny_sft.py``'s ``TINY``: tiny-llama on a 120-trajectory slice
+    of the real traces), one step; imported here, not at the top, so the harness itself stays on the stdlib."""
+    from tests.slurm.tiny_sft import TINY
+
+    return ["jobs.sft", *TINY, "trainer.max_steps=1", f"hydra.run.dir={work / 'run'}"]
 
 
 @dataclass
@@ -258,7 +251,7 @@ ENTRIES = {
                   lambda w: ["jobs.plan", "recipe=afm_web_sft_32b", f"plan.out={w / 'plan.json'}"], None,
                   "exit (plan printed)"),
     "sft": Entry("sft", "jobs.sft (tiny-llama, 1 step)",
-                 lambda w: ["jobs.sft", *TINY_SFT, "trainer.max_steps=1", f"hydra.run.dir={w / 'run'}"],
+                 _sft_argv,
                  "begin MetricsLog.write:train", "first train step logged",
                  [("training rank (jobs.sft)", "begin MetricsLog.write:train", "first step logged")]),
     "rl": Entry("rl", "jobs.rl recipe=rl_smoke (1 step)",

@@ -131,7 +131,7 @@ def fill_train_batch(
         complete = waiting + [g for g in groups if g.complete(n)]
         # complete groups to the sampler, as one generation batch; with partial rollouts only as many as fill it:
         # the rest wait in the buffer for the next step (a synchronous run discards the surplus, as verl does)
-        feed = complete if not partial.enable else _enough(complete, sampler, n)
+        feed = complete if not partial.enable else _enough(complete, sampler)
         if feed:
             batch = [s for g in feed for s in g.samples()]
             times["tools_s"] += sum(s.tool_seconds for s in batch)  # summed over calls (they overlap)
@@ -152,7 +152,7 @@ def fill_train_batch(
     return TrainBatch(samples, generated, sampling, times, report)
 
 
-def _enough(complete: list[Group], sampler: Any, n: int) -> list[Group]:
+def _enough(complete: list[Group], sampler: Any) -> list[Group]:
     """The first of ``complete`` (in order) up to the one with which ``sampler`` holds its train batch."""
     need = sampler.train_batch_size - len(sampler.kept)
     for i, group in enumerate(complete):

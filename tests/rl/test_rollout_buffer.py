@@ -48,7 +48,7 @@ def test_the_sampler_gets_the_complete_groups_that_fill_it_and_the_rest_wait():
 
     # all equal (filtered), spread, all equal, spread, spread: the sampler is full after the 4th
     complete = [group("a", [1, 1]), group("b", [0, 1]), group("c", [0, 0]), group("d", [1, 0]), group("e", [0, 1])]
-    fed = _enough(complete, sampler, n=2)
+    fed = _enough(complete, sampler)
     assert [g.uid for g in fed] == ["a", "b", "c", "d"]
     sampler.add_samples([s for g in fed for s in g.samples()])
     assert sampler.ready and sampler.keeps(complete[4].samples()) and not sampler.keeps(complete[0].samples())
