@@ -268,7 +268,7 @@ cancel_jobs() {
   wait_for 60 "the cancelled jobs to end" bash -c '[ -z "$(squeue -h -o %i)" ]'
 }
 
-node_idle() { sinfo -h -n "$1" -o %t | grep -qE '^idle'; }
+node_idle() { sinfo -h -n "$1" -o %t | grep -qx idle; }  # idle and responding ("idle*": not responding)
 
 registered() {  # registered NODE EPOCH: NODE's slurmd, started at or after EPOCH, has registered with slurmctld
   local t
@@ -306,10 +306,16 @@ start_slurm_daemons() {  # start_slurm_daemons NODE...
     # later jobs pended behind them until their time limits. So they are cancelled (sacct records CANCELLED).
     cancel_jobs "left from the previous controller"
     for n in "$@"; do
-      # measured: a node mostly turns idle at once; when a recovered job's slurmd had restarted, slurmctld sometimes
-      # released its CPUs only 300 s later
-      wait_for_quiet 10 node_idle "$n" || log "node $n: waiting for slurmctld to release the cancelled jobs' CPUs"
-      wait_for 330 "node $n to be idle" node_idle "$n"
+      wait_for_quiet 10 node_idle "$n" && continue
+      # A node mostly turns idle at once. When a recovered job's slurmd had restarted, slurmctld sometimes held its
+      # CPUs (the job COMPLETING) for ~300 s or more (one CI start timed out after 330 s). Setting the node DOWN ends
+      # what slurmctld still holds there (Slurm's troubleshooting guide, "Jobs stuck in completing state"); with
+      # ReturnToService=2 a registered node then comes back by itself, else RESUME brings it back.
+      log "node $n is $(sinfo -h -n "$n" -o %T) 10 s after the cancel; setting it DOWN and back to release the jobs' CPUs"
+      scontrol update NodeName="$n" State=DOWN Reason="afm local-cluster: jobs left by the previous controller"
+      # (RESUME is refused, harmlessly, by a node that came back between the two checks.)
+      wait_for_quiet 5 node_idle "$n" || scontrol update NodeName="$n" State=RESUME || true
+      wait_for 60 "node $n to be idle" node_idle "$n"
     done
   fi
 }
