@@ -14,8 +14,9 @@ import torch
 from afm_core.utils.import_hooks import deferred_compile
 from afm_core.utils.paths import repo_root
 
-#: Top-level packages the job layer never imports.
-HEAVY = ("torch", "megatron", "mbridge", "vllm", "wandb", "transformers", "deepspeed")
+#: Top-level packages the job layer never imports (aiohttp: the graders' and tools' HTTP client, imported by the
+#: processes that grade or call tools; the data converters use the math grader only).
+HEAVY = ("torch", "megatron", "mbridge", "vllm", "wandb", "transformers", "deepspeed", "aiohttp")
 
 
 def loaded_after(code: str) -> list[str]:
@@ -47,7 +48,7 @@ import jobs.sft, jobs.rl, jobs.eval, afm_core.launch.submit, afm_core.data.prepa
 
 def test_building_the_model_imports_megatron_and_mbridge_core_only_and_autobridge_still_has_every_family():
     """``make_plan`` builds the model on the meta device as a training rank does (megatron-core, mbridge's core,
-    our bridge), and the rank's trainer modules are imported: no wandb (no tracker is configured), no
+    our bridge), and the rank's trainer modules are imported: no wandb or tensorboard (no tracker is configured), no
     ``torch._inductor`` (megatron's fusions are compiled at their first call) and no mbridge family module."""
     code = """
 from omegaconf import OmegaConf
@@ -61,8 +62,9 @@ assert megatron.core.jit.jit_fuser is deferred_compile
 """
     loaded = loaded_after(code)
     assert {"megatron.core", "mbridge.core.llm_bridge", "afm_core.models.bridge"} <= set(loaded)
-    assert of_packages(loaded, ("wandb", "vllm")) == []
-    assert [m for m in loaded if m.startswith(("torch._inductor.compile_fx", "mbridge.models"))] == []
+    assert of_packages(loaded, ("wandb", "tensorboard", "vllm")) == []
+    hidden = ("torch._inductor.compile_fx", "torch.utils.tensorboard", "mbridge.models")
+    assert [m for m in loaded if m.startswith(hidden)] == []
 
     code = "import afm_core.models.bridge, mbridge\nfrom mbridge import AutoBridge\nassert mbridge.__version__"
     code += "\nfrom mbridge.core.bridge import _MODEL_REGISTRY\nassert {'llama', 'qwen2', 'deepseek_v3'} <= set(_MODEL_REGISTRY)"

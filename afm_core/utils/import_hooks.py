@@ -11,10 +11,12 @@ modules' execution before their first import. Measured with ``benchmarks/startup
   fusion; NVIDIA/Megatron-LM's ``megatron/core/jit.py`` is unchanged on main (a lazy decorator of the same kind is
   flagos-ai/Megatron-LM-FL#122, and transformer-engine made its own ``jit_fuser`` lazy: NVIDIA/TransformerEngine#1599).
 - ``megatron.core.timers`` and ``megatron.core.inference.contexts.dynamic_context`` (run by ``megatron.core``'s own
-  ``__init__``, via ``inference_params``) and ``megatron.core.inference.engines.dynamic_engine`` ``import wandb``
-  (~1.5 s) under ``try/except ImportError``, for megatron's training loop's timers and its inference engine's
-  metrics: the hook makes that import fail while they run (when wandb is not imported yet), as if wandb were not
-  installed. Our tracker imports wandb itself when ``tracking`` names it (:mod:`afm_core.utils.tracking`).
+  ``__init__``, via ``inference_params``) and ``megatron.core.inference.engines.dynamic_engine`` import the tracker
+  backends wandb (~1.5 s) and, the timers, ``torch.utils.tensorboard`` (~0.2 s), each under ``try/except
+  ImportError``, for megatron's own training loop's timer logs and its inference engine's metrics, which we do not
+  run: the hook makes those imports fail while these modules run (a backend imported already is left alone), as if
+  the backend were not installed. Our tracker imports the backend ``tracking`` names itself
+  (:mod:`afm_core.utils.tracking`), unaffected.
 - ``mbridge/__init__.py`` imports every model family it knows (``mbridge.models``: DeepSeek-V3, GLM-4.x VL, Qwen-VL,
   InternVL, Gemma 3, ... with their transformers modeling modules) to register them for ``AutoBridge``; we subclass
   ``mbridge.core.LLMBridge`` (:mod:`afm_core.models.bridge`), which needs none. The hook runs the package ``mbridge``
@@ -37,12 +39,12 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-#: The modules whose ``import wandb`` the hook makes fail (module docstring).
-WANDB_IMPORTERS = (
-    "megatron.core.timers",
-    "megatron.core.inference.contexts.dynamic_context",
-    "megatron.core.inference.engines.dynamic_engine",
-)
+#: ``module: the tracker backends its import must not find`` (module docstring).
+BACKEND_IMPORTERS = {
+    "megatron.core.timers": ("wandb", "torch.utils.tensorboard"),
+    "megatron.core.inference.contexts.dynamic_context": ("wandb",),
+    "megatron.core.inference.engines.dynamic_engine": ("wandb",),
+}
 
 
 def deferred_compile(fn: Callable[..., Any] | None = None, /, **options: Any) -> Any:
@@ -73,15 +75,16 @@ def _defer_jit_fuser(module: ModuleType, run: Callable[[ModuleType], None]) -> N
         module.__dict__["jit_fuser"] = deferred_compile
 
 
-def _without_wandb(module: ModuleType, run: Callable[[ModuleType], None]) -> None:
-    hide = "wandb" not in sys.modules
-    if hide:
-        sys.modules["wandb"] = None  # type: ignore[assignment]  # ``import wandb`` raises ImportError (importlib docs)
+def _without_backends(module: ModuleType, run: Callable[[ModuleType], None]) -> None:
+    hidden = [name for name in BACKEND_IMPORTERS[module.__name__] if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]  # its import raises ImportError (importlib docs)
     try:
         run(module)
     finally:
-        if hide and sys.modules.get("wandb", False) is None:
-            del sys.modules["wandb"]
+        for name in hidden:
+            if sys.modules.get(name, False) is None:
+                del sys.modules[name]
 
 
 def _lazy_mbridge(module: ModuleType, run: Callable[[ModuleType], None]) -> None:
@@ -101,7 +104,7 @@ def _lazy_mbridge(module: ModuleType, run: Callable[[ModuleType], None]) -> None
 
 HOOKS: dict[str, Callable[[ModuleType, Callable[[ModuleType], None]], None]] = {
     "megatron.core.jit": _defer_jit_fuser,
-    **dict.fromkeys(WANDB_IMPORTERS, _without_wandb),
+    **dict.fromkeys(BACKEND_IMPORTERS, _without_backends),
     "mbridge": _lazy_mbridge,
 }
 
