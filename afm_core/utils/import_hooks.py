@@ -1,7 +1,8 @@
 """Import megatron-core 0.16.1 and mbridge 0.15.1 without what their package imports pull in and our processes never
-use; :func:`install` (called by ``afm_core.models``, ``.train`` and ``.rl``, whose modules import both) hooks three
-modules' execution before their first import. Measured with ``benchmarks/startup.py`` (2 cores): together about
-4 s of a training rank's and ``jobs.plan``'s 8-9 s of imports.
+use; :func:`install` (called by ``afm_core.models``, ``.train`` and ``.rl``, whose modules import both) hooks the
+execution of five of their modules before their first import. Why each hook is safe is said with it below; what it
+saves is measured by ``benchmarks/startup.py`` (benchmarks/README.md: a training rank's and ``jobs.plan``'s
+imports, side by side with d3e7e1b).
 
 - ``megatron.core.jit`` binds ``jit_fuser = torch.compile`` and ~40 fusions and activations apply it when imported
   (``@jit_fuser``, ``megatron/core/fusions/fused_bias_geglu.py`` first): each ``torch.compile(fn)`` call imports
