@@ -1,15 +1,15 @@
 """Rank processes for tests: ``torch.multiprocessing.start_processes`` forked from a forkserver that has imported
 torch, megatron.core and transformers once.
 
-A ``spawn``-ed rank is a fresh interpreter that imports those itself: ~10 s of CPU on two quiet cores
-(``python -X importtime -c "import megatron.core"``: megatron.core alone ~5 s, most of it torch._inductor, torch._dynamo
-and wandb, which it imports at module level), and the suite starts a few hundred ranks. A forkserver imports them
-once per pytest worker (``multiprocessing.set_forkserver_preload``) and forks each rank from that state, which
-copies nothing until written. The ranks are still fresh processes as far as the code under test goes: the server
-only imported modules (no process group, no parallel state, no tensors), started before any test changes the
-environment (:func:`start_forkserver`, from tests/conftest.py), and each rank takes its caller's current
-environment, working directory, stdout and stderr before it runs (:func:`_in_callers_env`), as a spawned one would:
-its output lands in the test's captured output, not in the forkserver's terminal.
+A ``spawn``-ed rank is a fresh interpreter that imports those itself: ~10 s of CPU on two quiet cores (``python -X
+importtime -c "import megatron.core"``: megatron.core alone ~5 s, most of it torch._inductor, torch._dynamo and wandb,
+which it imports at module level; about half as much CPU after :mod:`afm_core.utils.import_hooks`), and the suite starts
+a few hundred ranks. A forkserver imports them once per pytest worker (``multiprocessing.set_forkserver_preload``) and
+forks each rank from that state, which copies nothing until written. The ranks are still fresh processes as far as the
+code under test goes: the server only imported modules (no process group, no parallel state, no tensors), started before
+any test changes the environment (:func:`start_forkserver`, from tests/conftest.py), and each rank takes its caller's
+current environment, working directory, stdout and stderr before it runs (:func:`_in_callers_env`), as a spawned one
+would: its output lands in the test's captured output, not in the forkserver's terminal.
 
 Production code launches its ranks through submitit, Slurm or ``torchrun``; this is test plumbing only.
 """
@@ -22,9 +22,10 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-#: What the forkserver imports before it forks the first rank (third-party only: the code under test is imported
-#: by each rank, from the tree being tested).
-PRELOAD = ("torch", "megatron.core", "transformers")
+#: What the forkserver imports before it forks the first rank: third-party packages (the code under test is imported
+#: by each rank, from the tree being tested), after ``afm_core.train``'s package init alone, which installs
+#: :mod:`afm_core.utils.import_hooks` so that megatron.core is imported as a production rank imports it.
+PRELOAD = ("afm_core.train", "torch", "megatron.core", "transformers")
 
 
 def start_forkserver() -> None:

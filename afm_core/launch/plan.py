@@ -13,8 +13,8 @@ and the training phase (trainer states + activations + what the sleeping engine 
 
 A checkpoint holds the parameters in the training dtype and the optimizer's fp32 master weights and two Adam
 moments (14 bytes per parameter in bf16, 12 in fp32); its write time is its size over the write speed per node
-(``cluster.checkpoint_write_gb_s`` when set, else measured: :func:`afm_core.launch.plan_probe.write_speed`), and it
-must fit in the ``--signal=USR2@cluster.signal_delay_s`` lead time.
+(``cluster.checkpoint_write_gb_s`` when set, else measured: :func:`afm_core.launch.plan_probe.write_speed`, in a
+thread while the model states are built), and it must fit in the ``--signal=USR2@cluster.signal_delay_s`` lead time.
 
 The parts: this module reads a composed config (:func:`compose`, :func:`layout_of`, :func:`hf_config_of`) and
 assembles the plan (:func:`make_plan`, :func:`suggest`); :mod:`~afm_core.launch.plan_estimates` holds the memory
@@ -150,11 +150,16 @@ def make_plan(cfg: Mapping[str, Any], app: str) -> dict[str, Any]:
     Raises:
         ValueError / afm_core.launch.executor.ClusterConfigError: the layout does not split the model or the world.
     """
+    from concurrent.futures import ThreadPoolExecutor
+
     layout = layout_of(cfg, app)
     hf_config = hf_config_of(cfg["model"])
-    stages = training_plan(hf_config, layout)
     sync = weight_sync_plan(hf_config, layout.tp, layout.pp, layout.vpp)
     total_params = sum(numel(row["shape"]) for row in sync)
+    with ThreadPoolExecutor(1) as pool:  # the disk's write probe (mostly waiting on fsync) while the model is built
+        speed = pool.submit(write_speed, cfg, checkpoint_bytes(total_params, layout.bf16))
+        stages = training_plan(hf_config, layout)
+        write = speed.result()
     state_max = max(row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"] for row in stages)
     train_max = max(row["train_bytes"] for row in stages)
     plan: dict[str, Any] = {
@@ -207,21 +212,24 @@ def make_plan(cfg: Mapping[str, Any], app: str) -> dict[str, Any]:
         plan["host"] = host_plan(cfg, layout, state_max, plan["vllm"]["weights_bytes"])
         if plan["host"]["note"]:
             plan["notes"].append(plan["host"]["note"])
-    ckpt = checkpoint_plan(cfg, layout, total_params)
+    ckpt = checkpoint_plan(cfg, layout, total_params, write)
     plan["checkpoint"] = ckpt
     if ckpt["lead_warning"]:
         plan["notes"].append(ckpt["lead_warning"])
     return plan
 
 
-def checkpoint_plan(cfg: Mapping[str, Any], layout: Layout, total_params: int) -> dict[str, Any]:
+def checkpoint_plan(
+    cfg: Mapping[str, Any], layout: Layout, total_params: int, write: tuple[float, str] | None = None
+) -> dict[str, Any]:
     """The checkpoint's size (bytes; GB = 1e9 bytes) and write time (seconds, at the write speed of
     :func:`~afm_core.launch.plan_probe.write_speed`), and ``lead_warning``: a note when
     ``--signal=USR2@cluster.signal_delay_s`` is shorter than the write (a stop then loses the checkpoint), else None
     (:func:`~afm_core.launch.plan_estimates.checkpoint_estimate`). An RL stop during generation costs the write alone
     (the rollouts are aborted); one during training also waits for the step's end, which ``jobs.rl`` measures and
-    warns about after each checkpoint (:class:`afm_core.rl.checkpoint.StopLead`)."""
-    speed, source = write_speed(cfg, checkpoint_bytes(total_params, layout.bf16))
+    warns about after each checkpoint (:class:`afm_core.rl.checkpoint.StopLead`). ``write``: ``write_speed``'s
+    result when the caller has it already."""
+    speed, source = write or write_speed(cfg, checkpoint_bytes(total_params, layout.bf16))
     lead = int(cfg["cluster"].get("signal_delay_s", 0))
     return checkpoint_estimate(total_params, layout.bf16, layout.nodes, lead, speed, source)
 

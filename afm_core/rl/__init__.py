@@ -24,3 +24,7 @@
 - :mod:`afm_core.rl.metrics`: the metrics.jsonl record of a rollout step, ``rl.png``;
 - :mod:`afm_core.rl.checkpoint`: the run's resumable state beside the models; when to save (and the stop lead).
 """
+
+from afm_core.utils import import_hooks
+
+import_hooks.install()  # before this package's modules first import megatron-core / mbridge

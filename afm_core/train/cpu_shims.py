@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._device  # imported by torch._dynamo, which this process may not import: patch 3 uses it
 
 _APPLIED = False
 

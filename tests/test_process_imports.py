@@ -1,0 +1,97 @@
+"""What each process imports: the job layer (``jobs.status``, ``jobs.plan``'s config path, the submitter) no
+torch, Megatron, vLLM or wandb; a process that builds the model (a training rank, ``jobs.plan``'s model states)
+megatron-core and mbridge's core without wandb, ``torch._inductor`` or mbridge's other families
+(:mod:`afm_core.utils.import_hooks`). Each check runs in a fresh interpreter and reads its ``sys.modules``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import torch
+
+from afm_core.utils.import_hooks import deferred_compile
+from afm_core.utils.paths import repo_root
+
+#: Top-level packages the job layer never imports (aiohttp: the graders' and tools' HTTP client, imported by the
+#: processes that grade or call tools; the data converters use the math grader only).
+HEAVY = ("torch", "megatron", "mbridge", "vllm", "wandb", "transformers", "deepspeed", "aiohttp")
+
+
+def loaded_after(code: str) -> list[str]:
+    """``sorted(sys.modules)`` of a new interpreter (run from the repository root) after ``code``."""
+    script = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", script], cwd=repo_root(), capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def of_packages(modules: list[str], packages: tuple[str, ...]) -> list[str]:
+    return [m for m in modules if m.split(".")[0] in packages]
+
+
+def test_jobs_status_the_plans_config_path_and_the_submitters_modules_import_no_torch_megatron_vllm_or_wandb():
+    code = """
+import contextlib, io, runpy, sys
+sys.argv = ["jobs.status", "--help"]
+with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
+    runpy.run_module("jobs.status", run_name="__main__")
+from omegaconf import OmegaConf
+from afm_core.launch.plan import compose, infer_app, layout_of
+overrides = ["recipe=afm_web_sft_32b"]
+app = infer_app(overrides)
+layout_of(OmegaConf.to_container(compose(app, overrides), resolve=False), app)
+import jobs.sft, jobs.rl, jobs.eval, afm_core.launch.submit, afm_core.data.prepare
+"""
+    assert of_packages(loaded_after(code), HEAVY) == []
+
+
+def test_building_the_model_imports_megatron_and_mbridge_core_only_and_autobridge_still_has_every_family():
+    """``make_plan`` builds the model on the meta device as a training rank does (megatron-core, mbridge's core,
+    our bridge), and the rank's trainer modules are imported: no wandb or tensorboard (no tracker is configured), no
+    ``torch._inductor`` (megatron's fusions are compiled at their first call) and no mbridge family module."""
+    code = """
+from omegaconf import OmegaConf
+from afm_core.launch.plan import compose, make_plan
+cfg = OmegaConf.to_container(compose("sft", ["model=tiny-llama", "+cluster.checkpoint_write_gb_s=1"]), resolve=False)
+assert make_plan(cfg, "sft")["total_params"] > 0
+import afm_core.models.bridge, afm_core.train.trainer, afm_core.train.core, afm_core.rl.policy_trainer
+import megatron.core.jit, megatron.core.fusions.fused_bias_geglu
+from afm_core.utils.import_hooks import deferred_compile
+assert megatron.core.jit.jit_fuser is deferred_compile
+"""
+    loaded = loaded_after(code)
+    assert {"megatron.core", "mbridge.core.llm_bridge", "afm_core.models.bridge"} <= set(loaded)
+    assert of_packages(loaded, ("wandb", "tensorboard", "vllm")) == []
+    hidden = ("torch._inductor.compile_fx", "torch.utils.tensorboard", "mbridge.models")
+    assert [m for m in loaded if m.startswith(hidden)] == []
+
+    code = "import afm_core.models.bridge, mbridge\nfrom mbridge import AutoBridge\nassert mbridge.__version__"
+    code += "\nfrom mbridge.core.bridge import _MODEL_REGISTRY\nassert {'llama', 'qwen2', 'deepseek_v3'} <= set(_MODEL_REGISTRY)"
+    assert "mbridge.models.deepseek_v3" in loaded_after(code)
+
+
+def test_a_deferred_compile_compiles_at_the_first_call_and_is_traced_inline_inside_a_compiled_region(monkeypatch):
+    calls = []
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: calls.append(fn) or compile_(fn, **kw))
+
+    def gelu_gate(y: torch.Tensor) -> torch.Tensor:
+        a, b = torch.chunk(y, 2, -1)
+        return torch.nn.functional.gelu(a) * b
+
+    fused = deferred_compile(gelu_gate, backend="eager")
+    assert calls == [] and fused.__name__ == "gelu_gate"
+    x = torch.randn(3, 8)
+    assert torch.equal(fused(x), gelu_gate(x)) and calls == [gelu_gate]
+    fused(x)
+    assert calls == [gelu_gate]  # compiled once
+
+    outer = compile_(lambda y: fused(y) + 1, backend="eager", fullgraph=True)  # a graph break would raise
+    assert torch.equal(outer(x), gelu_gate(x) + 1) and calls == [gelu_gate]
+
+    @deferred_compile(backend="eager")  # the decorator form with options, as torch.compile(backend=...)
+    def double(y: torch.Tensor) -> torch.Tensor:
+        return y * 2
+
+    assert double(x).tolist() == (x * 2).tolist() and calls[-1].__name__ == "double"
