@@ -10,12 +10,7 @@ so no two packages import each other.
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
-import sys
 from pathlib import Path
-
-import pytest
 
 from afm_core.utils.paths import repo_root
 
@@ -178,14 +173,3 @@ def test_the_order_check_names_a_planted_upward_import_at_function_level_type_ch
     broken = upward_imports(import_graph(tmp_path))
     assert "afm_core -> afm_core.utils.aio (the afm_core/__init__.py that every import runs)" in broken
     assert "afm_core.newpkg.x -> afm_core.utils.aio (package 'newpkg' is in no layer)" in broken
-
-
-@pytest.mark.parametrize("module", ["afm_core.rl.losses", "afm_core"])
-def test_importing_the_loss_or_the_package_loads_no_launch_module_and_no_submitit(module):
-    """The RL loss (a leaf of the trainer) imports without the job layer: no submitit, no afm_core.launch, and no
-    Hydra schema registration (``afm_core/__init__.py`` imports nothing)."""
-    code = f"import json, sys, {module}; print(json.dumps(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=repo_root(), capture_output=True, text=True, check=True)
-    loaded = json.loads(out.stdout)
-    assert not [m for m in loaded if m == "submitit" or m.startswith(("submitit.", "afm_core.launch", "hydra"))]
-    assert "afm_core.config" not in loaded

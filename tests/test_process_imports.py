@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from afm_core.utils.import_hooks import deferred_compile
@@ -28,6 +29,15 @@ def loaded_after(code: str) -> list[str]:
 
 def of_packages(modules: list[str], packages: tuple[str, ...]) -> list[str]:
     return [m for m in modules if m.split(".")[0] in packages]
+
+
+@pytest.mark.parametrize("module", ["afm_core.rl.losses", "afm_core"])
+def test_importing_the_loss_or_the_package_loads_no_launch_module_and_no_submitit(module):
+    """The RL loss (a leaf of the trainer) imports without the job layer: no submitit, no afm_core.launch, and no
+    Hydra schema registration (``afm_core/__init__.py`` imports nothing)."""
+    loaded = loaded_after(f"import {module}")
+    assert not [m for m in loaded if m == "submitit" or m.startswith(("submitit.", "afm_core.launch", "hydra"))]
+    assert "afm_core.config" not in loaded
 
 
 def test_jobs_status_the_plans_config_path_and_the_submitters_modules_import_no_torch_megatron_vllm_or_wandb():
