@@ -26,6 +26,7 @@ before ``sbatch``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -150,8 +151,6 @@ def make_plan(cfg: Mapping[str, Any], app: str) -> dict[str, Any]:
     Raises:
         ValueError / afm_core.launch.executor.ClusterConfigError: the layout does not split the model or the world.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     layout = layout_of(cfg, app)
     hf_config = hf_config_of(cfg["model"])
     sync = weight_sync_plan(hf_config, layout.tp, layout.pp, layout.vpp)
