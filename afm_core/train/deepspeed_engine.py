@@ -19,7 +19,7 @@ This engine runs that setup under the Megatron engine's contract, so a run diffe
 Parallelism is data parallel only (ZeRO shards parameters, gradients and optimizer state over the DP ranks):
 ``parallel.tp``, ``pp`` and ``cp`` must be 1, and ``dp = WORLD_SIZE``. Runs on GPU (NCCL) and, for tests, on CPU
 (``DS_ACCELERATOR=cpu``, gloo; DeepSpeed JIT-builds its small shared-memory allreduce op on first use, about
-50 s, cached under ``~/.cache/torch_extensions``).
+70 s of CPU, cached under ``~/.cache/torch_extensions``: ``make setup`` builds it on CPU machines).
 
 The DeepSpeed JSON is ``trainer.deepspeed_config`` when set (e.g. an upstream LLaMA-Factory file), else
 ``conf/deepspeed/ds_z3_config.json``. Its ``"auto"`` values are filled from the trainer settings the way HF
