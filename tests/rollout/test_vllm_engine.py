@@ -135,7 +135,8 @@ def test_the_remote_engine_gets_token_ids_and_logprobs_from_vllm_serve(tiny_llam
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - the server writes to it until it stops
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(tiny_llama), "--port", str(port),
-         "--host", "127.0.0.1", "--max-model-len", "1024", "--dtype", "float32", "--served-model-name", "tiny"],
+         "--host", "127.0.0.1", "--max-model-len", "1024", "--dtype", "float32", "--served-model-name", "tiny",
+         "--enforce-eager"],  # as afm's CPU engines run (engine.enforce_eager=null): no inductor compile at start
         stdout=log, stderr=subprocess.STDOUT, env={**__import__("os").environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
     )  # fmt: skip
     try:
