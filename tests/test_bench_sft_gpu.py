@@ -8,6 +8,7 @@ import itertools
 import json
 
 import numpy as np
+import pytest
 
 
 def test_packed_steps_draw_new_documents_every_step_from_the_histogram():
@@ -25,6 +26,7 @@ def test_packed_steps_draw_new_documents_every_step_from_the_histogram():
     assert abs(share - histogram["target_share"]) < 0.02
 
 
+@pytest.mark.slow  # the compiled engine has inductor compile its layers on the CPU: ~40 s on two AVX2 cores
 def test_sft_gpu_dry_run_reports_both_engines_from_the_same_weights(tmp_path):
     from benchmarks import sft_gpu
 

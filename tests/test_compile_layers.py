@@ -19,6 +19,8 @@ from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 from tests.ranks import start_ranks
 
+pytestmark = pytest.mark.slow  # each test has inductor compile C++ kernels for the layers: 19-47 s on two AVX2 cores
+
 T = 64  # tokens of each packed micro batch
 # the first three compile the layers: the first layout (static shapes), a second one (another longest document:
 # RoPE's table length dynamic), one document of all T tokens (RoPE's positions are the rows': megatron's branch);
