@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -84,6 +85,12 @@ def step_record(
     }
 
 
+#: Seconds of wall between two redraws of ``rl.png`` by :meth:`RLMetricsLog.write` (a redraw re-reads the whole
+#: metrics.jsonl: ~0.4 s at 8 steps on a 2-core CPU, growing with the run); the first step's is drawn at once and the
+#: last one's at :meth:`RLMetricsLog.close`.
+PLOT_INTERVAL_S = 30.0
+
+
 def plot_rl(metrics_path: Path, png_path: Path) -> None:
     """Reward, accuracy and mean response length against the rollout step (``rl.png``)."""
     from afm_core.train.metrics import plot_panels
@@ -109,6 +116,8 @@ class RLMetricsLog:
 
         self.run_dir, self.max_steps = Path(config.run_dir), config.trainer.max_steps
         self.log: Tracker | None = None
+        self._plotted_at: float | None = None  # time.monotonic() of the last rl.png
+        self._unplotted = False  # records written since
         if enabled:  # the run's whole config is its hyperparameters in the backends
             self.log = Tracker(self.run_dir, list(config.logger or ["console"]), config=asdict(config), job_type="rl",
                                tracking=asdict(config.tracking), run_ids=progress.run_ids,
@@ -121,7 +130,9 @@ class RLMetricsLog:
         if self.log is None:
             return
         self.log.write(dict(record))
-        plot_rl(self.run_dir / "metrics.jsonl", self.run_dir / "rl.png")
+        self._unplotted = True
+        if self._plotted_at is None or time.monotonic() - self._plotted_at >= PLOT_INTERVAL_S:
+            self._plot()
         print(
             f"[rl] step {record['step']}/{self.max_steps}: reward {record['reward_mean']:.3f} acc "
             f"{record['accuracy']:.3f} len {record['response_len_mean']:.0f} kept "
@@ -142,6 +153,13 @@ class RLMetricsLog:
         scores = ", ".join(f"{name} avg@{m['k']} {m.get('avg@' + str(m['k']))}" for name, m in results.items())
         print(f"[rl] validation at step {step}: {scores} ({seconds:.1f}s)", flush=True)
 
+    def _plot(self) -> None:
+        plot_rl(self.run_dir / "metrics.jsonl", self.run_dir / "rl.png")
+        self._plotted_at, self._unplotted = time.monotonic(), False
+
     def close(self) -> None:
+        """``rl.png`` with every step written (a stopped run's too), then the backends closed."""
         if self.log is not None:
+            if self._unplotted:
+                self._plot()
             self.log.close()
