@@ -41,11 +41,11 @@ def measure(variant: str, layers: int, tokens: int, warmup: int, steps: int) -> 
     from omegaconf import OmegaConf
     from torch.profiler import profile
 
+    from afm_core.engine.distributed import destroy_distributed
     from afm_core.models.arch import hf_config_from_arch
     from afm_core.models.bridge import build_gpt_model, mcore_config_from_hf
     from afm_core.models.local_spec import compile_transformer_layers, set_compiled_elementwise
     from afm_core.models.presets import load_preset
-    from afm_core.train.distributed import destroy_distributed
     from benchmarks.sft_throughput import join_single_process_group
 
     join_single_process_group(OmegaConf.create({"parallel": {"tp": 1, "pp": 1}, "trainer": {"seed": 0}}), 1)

@@ -10,7 +10,7 @@ For each model preset (``conf/model``: the published shape, random weights, noth
 overrides for both sides:
 
 * **predicted**: :func:`afm_core.launch.plan_estimates.training_plan` of that config (what ``python -m jobs.plan`` prints:
-  model states built on the meta device, activations and logits from :mod:`afm_core.train.memory`'s formula) for
+  model states built on the meta device, activations and logits from :mod:`afm_core.engine.memory`'s formula) for
   the stack measured: the layout's ``transformer_engine`` is whether transformer-engine imports here (without it
   the local layer spec and megatron's native fused cross entropy run);
 * **measured**: the SFT job's own path: ``init_distributed`` (NCCL on GPU), the GPTModel chunks of
@@ -33,7 +33,7 @@ Measured on CUDA, in bytes of torch's caching allocator (``torch.cuda.memory_all
                   CUDA context, cuBLAS/NCCL workspaces), against ``train`` + ``GPU_OVERHEAD_BYTES``
 
 ``--adamw foreach`` runs torch AdamW's default multi-tensor path instead of the fused kernel the trainer sets, to
-show what :func:`afm_core.train.optim.use_fused_adamw` saves in the optimizer step.
+show what :func:`afm_core.engine.optim.use_fused_adamw` saves in the optimizer step.
 
 Step time: wall seconds of ``train_step`` with the device synchronised, median of steps 2 on (step 1 compiles the
 fused kernels); tokens/s = ``global_batch * seq_length`` / step time, and the model TFLOP/s ``6 N`` per token.
@@ -112,7 +112,7 @@ def compose_config(model: str, seq_length: int, recompute: str, micro_batch: int
 
 def predict(cfg: Any, *, on_gpu: bool, transformer_engine: bool) -> dict[str, Any]:
     """The plan's row for the (single) stage of ``cfg`` on the stack measured: GPU or not, with transformer-engine
-    or not (its layer spec and cross entropy, :func:`afm_core.train.memory.activations`), and the layout used."""
+    or not (its layer spec and cross entropy, :func:`afm_core.engine.memory.activations`), and the layout used."""
     from omegaconf import OmegaConf
 
     from afm_core.launch.plan import hf_config_of, layout_of
@@ -179,14 +179,14 @@ def measure(
 ) -> dict[str, Any]:
     """Build the model and run ``steps`` SFT steps the SFT job's way; memory readings (bytes) and step times.
     ``adamw="foreach"``: torch AdamW's default implementation instead of the fused one the trainer sets
-    (:func:`afm_core.train.optim.use_fused_adamw`), to show what that choice saves. ``data``: the packed sequences
+    (:func:`afm_core.engine.optim.use_fused_adamw`), to show what that choice saves. ``data``: the packed sequences
     to train on (default: :func:`synthetic_packed`, ``docs`` documents per sequence); ``hf_dir``: an HF checkpoint
     loaded into the model (default: megatron's random initialisation); ``after(trainer, sync) -> dict``: called
     after the measured steps with the :class:`~afm_core.train.trainer.SFTTrainer` and a device sync, its result in
     ``"after"``."""
+    from afm_core.engine.core import build_model
+    from afm_core.engine.distributed import activation_memory_overrides, training_dtype
     from afm_core.models.arch import arch_from_hf_config
-    from afm_core.train.core import build_model
-    from afm_core.train.distributed import activation_memory_overrides, training_dtype
     from afm_core.train.trainer import SFTTrainer
     from benchmarks.sft_throughput import join_single_process_group, train_stream
 
@@ -313,8 +313,8 @@ def report(model: str, recompute: str, adamw: str, pred: dict[str, Any], meas: d
 
 
 def run_one(args: argparse.Namespace, model: str, recompute: str) -> dict[str, Any]:
+    from afm_core.engine.distributed import destroy_distributed
     from afm_core.models.bridge import transformer_engine_available
-    from afm_core.train.distributed import destroy_distributed
 
     with tempfile.TemporaryDirectory(prefix="afm-plan-vs-gpu-") as run_dir:
         cfg = compose_config(

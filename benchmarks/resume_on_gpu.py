@@ -10,7 +10,7 @@ At world size 1 (NCCL on GPU), a model preset's published shape with random weig
 downloaded) and synthetic packed sequences (:func:`benchmarks.plan_vs_gpu.synthetic_packed`, ``thd``), each phase
 in a process of its own runs the SFT job's own loop, :meth:`SFTTrainer.fit
 <afm_core.train.loop.SFTLoop.fit>` (``conf/sft.yaml`` with ``trainer.save_interval=--save-at``,
-``keep_last=2``: checkpoints by :class:`~afm_core.train.checkpoint.Checkpointer`, megatron ``dist_checkpointing``
+``keep_last=2``: checkpoints by :class:`~afm_core.engine.checkpoint.Checkpointer`, megatron ``dist_checkpointing``
 plus the ``COMPLETE`` marker, and the resume path ``SFTTrainer._resume``):
 
 1. **straight**: ``--steps`` steps from random weights, checkpoints at ``--save-at`` and at the end; its final
@@ -132,11 +132,11 @@ def child(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
     from afm_core.data.loader import TrainIterator
+    from afm_core.engine.checkpoint_dirs import read_marker
+    from afm_core.engine.core import build_model
+    from afm_core.engine.distributed import activation_memory_overrides, destroy_distributed, training_dtype
     from afm_core.launch.plan import hf_config_of
     from afm_core.models.arch import arch_from_hf_config
-    from afm_core.train.checkpoint_dirs import read_marker
-    from afm_core.train.core import build_model
-    from afm_core.train.distributed import activation_memory_overrides, destroy_distributed, training_dtype
     from afm_core.train.trainer import SFTTrainer
     from benchmarks.plan_vs_gpu import compose_config, synthetic_packed
     from benchmarks.sft_throughput import join_single_process_group
@@ -327,7 +327,7 @@ def timings(rec: dict[str, Any]) -> dict[str, Any]:
 
 def drop_last_checkpoint(run_dir: Path, step: int) -> None:
     """As if the job had been killed after its step-``--save-at`` checkpoint: the later ones gone."""
-    from afm_core.train.checkpoint_dirs import complete_checkpoints
+    from afm_core.engine.checkpoint_dirs import complete_checkpoints
 
     for done, path in complete_checkpoints(run_dir / "checkpoints"):
         if done > step:

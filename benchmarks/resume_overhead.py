@@ -50,8 +50,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from afm_core.engine.metrics import read_metrics
 from afm_core.launch.records import read_events, read_job_record
-from afm_core.train.metrics import read_metrics
 from afm_core.utils.atomic import atomic_write_json
 from afm_core.utils.paths import repo_root, shared_data_dir
 
@@ -200,7 +200,7 @@ def measure(kind: str, number: int, job_id: str, cpus: int, run_dir: Path, timeo
     interrupt(kind, job_id, cpus, run_dir)
     requeued = wait_for(lambda: events(run_dir, "requeued")[number - 1 : number], f"requeue {number}", timeout_s)[0]
     ckpt_step = requeued["step"]
-    # afm_core.train.checkpoint's layout, read without importing torch (as afm_core.launch.status does)
+    # afm_core.engine.checkpoint's layout, read without importing torch (as afm_core.launch.status does)
     marker = run_dir / "checkpoints" / f"step_{ckpt_step:08d}" / "COMPLETE"
     complete_at = marker.stat().st_mtime  # now: a later save may rotate it out
     signal_at = requeued["signal_time"]

@@ -223,12 +223,12 @@ def preemption_case(parts: dict[str, Any], args: argparse.Namespace, on_stop: st
     import torch
 
     from afm_core.config.rl import PartialConfig
+    from afm_core.engine.preemption import Preemption
     from afm_core.rl.checkpoint import RLProgress, RLState
     from afm_core.rl.dynamic_sampling import DynamicSampler
     from afm_core.rl.prompts import PromptStream
     from afm_core.rl.schedule import Stage
     from afm_core.rl.train_batch import fill_train_batch
-    from afm_core.train.preemption import Preemption
 
     actor, counter, tasks, lengths = parts["actor"], parts["counter"], parts["tasks"], parts["lengths"]
     settings = PartialConfig(enable=False, on_stop=on_stop)

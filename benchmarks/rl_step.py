@@ -91,12 +91,12 @@ def phase_throughput(args: argparse.Namespace) -> None:
 
     from afm_core.config import register_schemas
     from afm_core.config.rl import rl_config
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.batch import sample_micro_batches
     from afm_core.rl.grading import Sample
     from afm_core.rl.policy_model import build_policy_model
     from afm_core.rl.policy_trainer import build_policy_trainer, policy_update
-    from afm_core.train.distributed import destroy_distributed, init_distributed
     from afm_core.utils.paths import repo_root
 
     one_rank_env()
@@ -163,8 +163,8 @@ def step_split(args: argparse.Namespace) -> None:
 
     from afm_core.config import register_schemas
     from afm_core.config.rl import rl_config
+    from afm_core.engine.metrics import read_metrics
     from afm_core.rl.driver import run_rl
-    from afm_core.train.metrics import read_metrics
     from afm_core.utils.paths import repo_root
 
     one_rank_env()
@@ -233,10 +233,10 @@ def main() -> None:
     import torch
     from omegaconf import OmegaConf
 
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.policy_model import build_policy_model
     from afm_core.rl.weight_sync import EXTENSION, fp32_sync_engine_args, sync_weights, sync_weights_async
-    from afm_core.train.distributed import destroy_distributed, init_distributed
 
     one_rank_env()
     layout = init_distributed(OmegaConf.create({"tp": 1, "pp": 1}), seed=0, num_threads=args.threads)

@@ -39,7 +39,7 @@ micro batches of 4096 tokens per step, 2 warmup and 8 timed steps per engine).
 The engines run one after the other, each in a process of its own (its peak memory is its own), on the same
 sequences in the same order. Per engine: median seconds per step over the timed steps, input tokens/s (all
 positions) and target tokens/s (trained tokens), model TFLOP/s per second of step as ``6 N`` (``N``: all parameters,
-as ``jobs.plan`` counts them) and with attention (:mod:`afm_core.train.flops`: ``6 N`` over the matrix parameters
+as ``jobs.plan`` counts them) and with attention (:mod:`afm_core.engine.flops`: ``6 N`` over the matrix parameters
 plus the causal attention pairs of the documents), MFU against the dense bf16 matmul rate measured in the same run
 (``[8192, 8192] x [8192, 8192]`` on GPU) and against the device's datasheet peak, peak allocated memory. Writes
 JSON (``--out``) with the command, device and versions, and prints a Markdown row for ``benchmarks/README.md``.
@@ -286,10 +286,10 @@ def matmul_peak_tflops(device: str, dtype: torch.dtype, size: int) -> float:
 def ours(args: argparse.Namespace, data: PackedSequences, hf_dir: Path, engine: str = "ours") -> dict[str, Any]:
     """Our engine in this (spawned) process: plan, steps, memory readings, the sync check (CUDA), the profile; then
     the device's matmul rate."""
+    from afm_core.engine.distributed import destroy_distributed, training_dtype
     from afm_core.models.attention import SDPAttention
     from afm_core.models.bridge import transformer_engine_available
     from afm_core.models.local_spec import _compiled
-    from afm_core.train.distributed import destroy_distributed, training_dtype
     from benchmarks import plan_vs_gpu
 
     on_gpu = torch.cuda.is_available()
@@ -354,7 +354,7 @@ def hf(args: argparse.Namespace, data: PackedSequences, hf_dir: Path, engine: st
     """HF transformers' engine in this (spawned) process (module docstring)."""
     from transformers import AutoModelForCausalLM
 
-    from afm_core.train.distributed import training_dtype
+    from afm_core.engine.distributed import training_dtype
     from benchmarks.sft_throughput import hf_train_step
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -400,8 +400,8 @@ def hf(args: argparse.Namespace, data: PackedSequences, hf_dir: Path, engine: st
 
 def summarize(result: dict[str, Any], args: argparse.Namespace, data: PackedSequences, peaks: dict[str, Any]) -> None:
     """Add tokens/s, TFLOP/s and MFU to an engine's ``result`` (in place)."""
+    from afm_core.engine.flops import batch_attention_pairs, training_flops
     from afm_core.models.presets import load_preset
-    from afm_core.train.flops import batch_attention_pairs, training_flops
 
     arch = load_preset(args.model).arch
     step_s = statistics.median(result["step_s"])
@@ -486,8 +486,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from afm_core.engine.flops import datasheet_peak_tflops
     from afm_core.models.presets import load_preset
-    from afm_core.train.flops import datasheet_peak_tflops
 
     args = parse_args(argv)
     failed: dict[str, str] = {}

@@ -155,7 +155,7 @@ def compose_sft_config(args: argparse.Namespace, seq_length: int, run_dir: Path)
 
 def join_single_process_group(cfg: Any, num_threads: int | None) -> Any:
     """World size 1 (TP = PP = DP = 1) on a free local port: the process group megatron's step needs."""
-    from afm_core.train.distributed import init_distributed
+    from afm_core.engine.distributed import init_distributed
     from afm_core.utils.ports import free_port
 
     os.environ.update(
@@ -176,14 +176,14 @@ def megatron_step(
     """Our SFT step (``SFTTrainer.train_step``) on the GPTModel with the HF weights; and its attention kind."""
     from transformers import AutoConfig
 
+    from afm_core.engine.core import build_model_chunks
+    from afm_core.engine.distributed import activation_memory_overrides
     from afm_core.models.bridge import (
         build_gpt_model,
         load_hf_weights,
         mcore_config_from_hf,
         transformer_engine_available,
     )
-    from afm_core.train.core import build_model_chunks
-    from afm_core.train.distributed import activation_memory_overrides
     from afm_core.train.trainer import SFTTrainer
 
     layout = join_single_process_group(cfg, threads)
@@ -248,9 +248,9 @@ def hf_train_step(
     and LR schedule. ``autocast``: the forward under ``torch.autocast`` in that dtype (HF Trainer's ``bf16=True``:
     fp32 weights and optimizer, bf16 matrix products). ``dense_mask=False``: no block-causal mask, each sequence
     one causal attention over its packed documents."""
+    from afm_core.engine.optim import build_lr_scheduler
     from afm_core.train.deepspeed_engine import adamw_param_groups, per_token_cross_entropy
     from afm_core.train.loss import masked_token_loss
-    from afm_core.train.optim import build_lr_scheduler
 
     t = cfg.trainer
     model.config.use_cache = False
@@ -339,7 +339,7 @@ def engine_worker(conn: Any, engine: str, args: argparse.Namespace, seq_length: 
         conn.send({"error": f"{engine}: {type(error).__name__}: {error}"})
         raise
     finally:
-        from afm_core.train.distributed import destroy_distributed
+        from afm_core.engine.distributed import destroy_distributed
 
         if engine == "ours":
             destroy_distributed()

@@ -4,7 +4,7 @@
     python -m jobs.export run_dir=runs/rl/Y step=40 out=DIR       # any complete step of an SFT or RL run
 
 TP/PP shards are merged, and the export's logits are checked against the Megatron model's before it is kept
-(:mod:`afm_core.train.export`). An incomplete or absent checkpoint exits with status 2 and a message naming
+(:mod:`afm_core.engine.export`). An incomplete or absent checkpoint exits with status 2 and a message naming
 the complete steps there are. The export runs in this process (one rank), so run it where the model fits in
 memory (``srun --mem=... python -m jobs.export ...`` on a cluster).
 """
@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 
 @hydra.main(config_path="../conf", config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any]:
-    from afm_core.train.export import ExportError, export_checkpoint, find_checkpoint
+    from afm_core.engine.export import ExportError, export_checkpoint, find_checkpoint
 
     try:
         path = find_checkpoint(cfg.run_dir, cfg.step)

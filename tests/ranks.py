@@ -23,14 +23,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 #: What the forkserver imports before it forks the first rank: third-party packages (the code under test is imported
-#: by each rank, from the tree being tested), after ``afm_core.train``'s package init alone, which installs
+#: by each rank, from the tree being tested), after ``afm_core.engine``'s package init alone, which installs
 #: :mod:`afm_core.utils.import_hooks` so that megatron.core is imported as a production rank imports it. vLLM's
 #: in-process engine and its CPU worker too: ~9 s a rank on two AVX2 cores (the import ~7.6 s after the others, the
 #: worker's modules ~1.3 s more when the engine starts), paid by every RL rank with an in-process engine. Importing
 #: vLLM starts no thread and leaves torch's settings alone; the variables it sets in ``os.environ`` (inductor's cache
 #: dir and compile threads, e.g.) are not a rank's: :func:`_in_callers_env` replaces the environment with the caller's.
 #: A module that does not import (vLLM's CPU worker on a CUDA build) is skipped by the forkserver.
-PRELOAD = ("afm_core.train", "torch", "megatron.core", "transformers", "vllm.entrypoints.llm",
+PRELOAD = ("afm_core.engine", "torch", "megatron.core", "transformers", "vllm.entrypoints.llm",
            "vllm.v1.engine.async_llm", "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner")  # fmt: skip
 
 

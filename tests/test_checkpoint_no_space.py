@@ -18,9 +18,9 @@ from tests.test_train_engine import SyntheticBatches, make_cfg, tiny_provider
 
 def _worker(rank: int, world: int, port: int, run_dir: str, out: dict) -> None:
     set_rank_env(rank, world, port)
-    from afm_core.train import checkpoint_dirs
-    from afm_core.train.core import build_model_chunks
-    from afm_core.train.distributed import destroy_distributed, init_distributed
+    from afm_core.engine import checkpoint_dirs
+    from afm_core.engine.core import build_model_chunks
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.train.trainer import SFTTrainer
 
     cfg = make_cfg(**{"trainer.global_batch_size": 4, "parallel.collective_timeout_min": 2})

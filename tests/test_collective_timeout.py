@@ -42,7 +42,7 @@ def test_an_explicit_collective_timeout_shorter_than_the_rollout_is_rejected_nam
 def test_init_distributed_gives_every_process_group_the_configured_timeout(monkeypatch):
     from megatron.core import parallel_state as ps
 
-    from afm_core.train.distributed import destroy_distributed, init_distributed
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
 
     set_rank_env_for_test(monkeypatch, free_port())
     init_distributed(OmegaConf.create({"tp": 1, "pp": 1, "collective_timeout_min": 130}), seed=1, num_threads=1)

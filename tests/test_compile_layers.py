@@ -124,12 +124,12 @@ def _worker(rank: int, tp: int, port: int, recompute: bool) -> None:
     from megatron.core import tensor_parallel
     from torch._dynamo.utils import counters
 
+    from afm_core.engine.cpu_shims import apply_cpu_shims
     from afm_core.models import attention
     from afm_core.models.arch import hf_config_from_arch
     from afm_core.models.bridge import build_gpt_model, mcore_config_from_hf
     from afm_core.models.local_spec import compile_transformer_layers
     from afm_core.models.presets import load_preset
-    from afm_core.train.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp)
@@ -176,8 +176,8 @@ def _trainer_worker(rank: int, port: int, run_dir: str) -> None:
     from megatron.core.transformer.transformer_layer import TransformerLayer
     from torch._dynamo.utils import counters
 
-    from afm_core.train.core import build_model_chunks
-    from afm_core.train.distributed import destroy_distributed, init_distributed
+    from afm_core.engine.core import build_model_chunks
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.train.trainer import SFTTrainer
     from tests.test_train_engine import SyntheticBatches, make_cfg, tiny_provider
 

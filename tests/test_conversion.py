@@ -51,6 +51,7 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, port: int, hf_dir: str
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from afm_core.engine.cpu_shims import apply_cpu_shims
     from afm_core.models.bridge import (
         build_gpt_model,
         export_hf_weights,
@@ -58,7 +59,6 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, port: int, hf_dir: str
         mcore_config_from_hf,
         save_hf_checkpoint,
     )
-    from afm_core.train.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

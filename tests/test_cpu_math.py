@@ -10,7 +10,7 @@ from importlib.metadata import entry_points
 import pytest
 import torch
 
-from afm_core.train import distributed
+from afm_core.engine import distributed
 from afm_core.utils import cpu_math
 
 

@@ -89,8 +89,8 @@ def worker(rank: int, world: int, port: int, spec: dict) -> None:
     set_rank_env(rank, world, port)
     from transformers import set_seed
 
+    from afm_core.engine.distributed import destroy_distributed
     from afm_core.train.deepspeed_engine import init_deepspeed_distributed, train_deepspeed
-    from afm_core.train.distributed import destroy_distributed
 
     cfg = OmegaConf.create(spec["cfg"])
     layout = init_deepspeed_distributed(cfg.parallel, num_threads=1)

@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from afm_core.train.checkpoint_dirs import checkpoint_dir_name
+from afm_core.engine.checkpoint_dirs import checkpoint_dir_name
 from afm_core.utils.paths import repo_root
 from tests.test_sft_run import OVERRIDES, run_sft_spawned
 
@@ -39,7 +39,7 @@ def test_a_mid_run_checkpoint_exports_to_hf_with_matching_logits_and_incomplete_
     """In each precision: the export keeps the checkpoint's dtype, and its logits match the Megatron model's
     within that dtype's :data:`PARITY_TOLERANCE` (bf16: one rounding of logits of order 10). The TP=2 shards are
     merged by the fp32 run (the merge does not depend on the dtype; bf16 is emulated, slowly, on AVX2 CPUs)."""
-    from afm_core.train.export import PARITY_TOLERANCE
+    from afm_core.engine.export import PARITY_TOLERANCE
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     run_dir = tmp_path / "run"

@@ -24,8 +24,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data",),
     ("models", "rollout", "tools"),
     ("config",),
-    ("eval", "train"),
-    ("distill", "rl"),
+    ("engine", "eval"),
+    ("distill", "rl", "train"),
     ("launch",),
 )
 

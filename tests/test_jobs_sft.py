@@ -11,8 +11,8 @@ import sys
 import psutil
 import pytest
 
+from afm_core.engine.metrics import read_metrics
 from afm_core.launch.records import read_events, read_job_record
-from afm_core.train.metrics import read_metrics
 from afm_core.utils.paths import repo_root, shared_data_dir
 from tests.slurm.tiny_sft import TINY, jobs_sft, wait_until
 

@@ -43,8 +43,8 @@ def _worker(rank: int, port: int, compiled: bool) -> None:
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
+    from afm_core.engine.cpu_shims import apply_cpu_shims
     from afm_core.models.local_spec import NormColumnParallelLinear, SwiGLUMLP, set_compiled_elementwise
-    from afm_core.train.cpu_shims import apply_cpu_shims
 
     apply_cpu_shims()
     set_compiled_elementwise(compiled)

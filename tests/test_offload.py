@@ -13,7 +13,7 @@ from tests.test_train_engine import SyntheticBatches, make_cfg, tiny_provider
 
 
 def _state(trainer) -> list[torch.Tensor]:
-    from afm_core.train.offload import _optimizer_tensors
+    from afm_core.engine.offload import _optimizer_tensors
 
     tensors = [p.detach().clone() for chunk in trainer.model for p in chunk.parameters()]
     return tensors + [t.detach().clone() for t in _optimizer_tensors(trainer.optimizer)]
@@ -21,9 +21,9 @@ def _state(trainer) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("bf16", [False, True])
 def test_offloaded_training_state_reloads_bit_for_bit_and_training_continues_identically(tmp_path, bf16, monkeypatch):
-    from afm_core.train.core import build_model_chunks
-    from afm_core.train.distributed import destroy_distributed, init_distributed
-    from afm_core.train.offload import offload_training_state
+    from afm_core.engine.core import build_model_chunks
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
+    from afm_core.engine.offload import offload_training_state
     from afm_core.train.trainer import SFTTrainer
 
     set_rank_env_for_test(monkeypatch, free_port())

@@ -92,13 +92,13 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
     from megatron.core import tensor_parallel
     from transformers import AutoConfig
 
+    from afm_core.engine.cpu_shims import apply_cpu_shims
     from afm_core.models.attention import SDPAttention
     from afm_core.models.bridge import (
         build_gpt_model,
         load_hf_weights,
         mcore_config_from_hf,
     )
-    from afm_core.train.cpu_shims import apply_cpu_shims
     from afm_core.train.trainer import thd_packed_seq_params
 
     apply_cpu_shims()

@@ -17,10 +17,10 @@ from tests.test_train_engine import SyntheticBatches, make_cfg, tiny_provider
 
 def _worker(rank: int, world: int, port: int, run_dir: str, out: dict) -> None:
     set_rank_env(rank, world, port)
+    from afm_core.engine import core as core_module
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.bridge import export_hf_weights
-    from afm_core.train import core as core_module
     from afm_core.train import trainer as trainer_module
-    from afm_core.train.distributed import destroy_distributed, init_distributed
 
     gpu_settings = core_module.ddp_config
 

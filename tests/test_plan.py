@@ -14,11 +14,11 @@ import torch
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
+from afm_core.engine.memory import activations, model_state
 from afm_core.launch.plan import checkpoint_plan, compose, layout_of, make_plan
 from afm_core.launch.plan_render import render
 from afm_core.models.arch import hf_config_from_arch
 from afm_core.models.presets import load_preset
-from afm_core.train.memory import activations, model_state
 from afm_core.utils.hardware import bf16_is_fast
 from afm_core.utils.paths import repo_root
 from afm_core.utils.ports import free_port
@@ -33,9 +33,9 @@ def measure_worker(rank: int, world: int, port: int, spec: dict, out: dict) -> N
     state exists after it) and measure this rank's tensors; then the saved-for-backward bytes of each decoder
     layer in one forward of a ``[MBS, SEQ]`` micro batch."""
     set_rank_env(rank, world, port)
+    from afm_core.engine.core import build_model_chunks
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.bridge import build_gpt_model, mcore_config_from_hf
-    from afm_core.train.core import build_model_chunks
-    from afm_core.train.distributed import destroy_distributed, init_distributed
     from afm_core.train.trainer import SFTTrainer
 
     conf = repo_root() / "conf"
@@ -224,7 +224,7 @@ def test_the_weight_sync_plan_names_every_hf_tensor_of_qwen25_32b_once_with_its_
 
 
 def test_a_resubmitted_run_sizes_the_usr2_lead_by_its_own_last_checkpoint_write(tmp_path):
-    from afm_core.train.checkpoint_dirs import publish_checkpoint, staging_dir
+    from afm_core.engine.checkpoint_dirs import publish_checkpoint, staging_dir
 
     run_dir = tmp_path / "run"
     staging = staging_dir(run_dir / "checkpoints", 40)

@@ -65,7 +65,7 @@ from omegaconf import OmegaConf
 from afm_core.launch.plan import compose, make_plan
 cfg = OmegaConf.to_container(compose("sft", ["model=tiny-llama", "+cluster.checkpoint_write_gb_s=1"]), resolve=False)
 assert make_plan(cfg, "sft")["total_params"] > 0
-import afm_core.models.bridge, afm_core.train.trainer, afm_core.train.core, afm_core.rl.policy_trainer
+import afm_core.models.bridge, afm_core.train.trainer, afm_core.engine.core, afm_core.rl.policy_trainer
 import megatron.core.jit, megatron.core.fusions.fused_bias_geglu
 from afm_core.utils.import_hooks import deferred_compile
 assert megatron.core.jit.jit_fuser is deferred_compile

@@ -54,9 +54,9 @@ def run_sft_spawned(overrides: list[str], out: Path, world: int = 1) -> dict:
 def test_run_sft_trains_exports_and_resumes_into_a_new_run(tmp_path, capfd):
     from transformers import AutoModelForCausalLM
 
+    from afm_core.engine.checkpoint_dirs import complete_checkpoints
+    from afm_core.engine.metrics import read_metrics
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.train.checkpoint_dirs import complete_checkpoints
-    from afm_core.train.metrics import read_metrics
 
     first_dir = tmp_path / "first"
     first = run_sft_spawned([*OVERRIDES, f"run_dir={first_dir}", "trainer.max_steps=2"], tmp_path / "first.json")
@@ -122,7 +122,7 @@ def test_a_two_layer_qwen3_at_published_width_trains_one_sft_step(tmp_path, prec
     """Qwen3-0.6B's width (hidden 1024, 16 heads x head_dim 128 = 2048-wide q, 8 KV heads, SwiGLU 3072, QK-norm,
     tied embeddings) with 2 layers and random weights (SmolLM2's tokenizer and vocabulary: Qwen3's tokenizer is not
     available offline) trains one step of the real SFT job on CPU, in fp32 and in bf16."""
-    from afm_core.train.metrics import read_metrics
+    from afm_core.engine.metrics import read_metrics
 
     overrides = [
         "model=qwen3-0.6b",
@@ -181,8 +181,8 @@ def test_tiny_llama3_trains_one_sft_step_and_exports_its_llama3_rope_scaling(tmp
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from afm_core.engine.metrics import read_metrics
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.train.metrics import read_metrics
 
     overrides = [
         "model=tiny-llama3",

@@ -156,8 +156,8 @@ def test_a_requeued_sft_job_continues_its_wandb_and_tensorboard_runs_and_profile
 
     import torch
 
-    from afm_core.train.checkpoint_dirs import checkpoint_dir_name
-    from afm_core.train.metrics import read_metrics
+    from afm_core.engine.checkpoint_dirs import checkpoint_dir_name
+    from afm_core.engine.metrics import read_metrics
     from tests.test_sft_run import OVERRIDES, run_sft_spawned
 
     run_dir = tmp_path / "run"

@@ -178,9 +178,9 @@ def init_by_global_key(model) -> None:
 def train_worker(rank: int, world: int, port: int, spec: dict) -> None:
     """Train the tiny model per ``spec`` and dump the final weights of this rank under spec['out']."""
     set_rank_env(rank, world, port)
-    from afm_core.train.core import build_model_chunks
-    from afm_core.train.distributed import destroy_distributed, init_distributed
-    from afm_core.train.preemption import Preemption
+    from afm_core.engine.core import build_model_chunks
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
+    from afm_core.engine.preemption import Preemption
     from afm_core.train.trainer import SFTTrainer
 
     cfg = OmegaConf.create(spec["cfg"])
@@ -228,7 +228,7 @@ def _crash_on_save(nth: int) -> None:
     """Make the nth dist_checkpointing save die half-way (after writing some shards)."""
     from megatron.core import dist_checkpointing
 
-    from afm_core.train import checkpoint
+    from afm_core.engine import checkpoint
 
     real_save, calls = dist_checkpointing.save, []
 
@@ -271,8 +271,8 @@ def loss_worker(rank: int, world: int, port: int, spec: dict) -> None:
     import torch.nn.functional as F
 
     set_rank_env(rank, world, port)
-    from afm_core.train.core import build_model_chunks
-    from afm_core.train.distributed import destroy_distributed, init_distributed
+    from afm_core.engine.core import build_model_chunks
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.train.loss import reduce_reports
     from afm_core.train.trainer import SFTTrainer
 
@@ -366,7 +366,7 @@ def test_exact_resume_after_two_preemption_signals(tmp_path, straight_run):
     """Stopped at step 3, resumed and stopped again at step 5 (a resume of a resumed run), resumed to the end:
     the same run as the straight one. On Slurm the requeue path is preempted once per test
     (tests/slurm/test_slurm_two_nodes.py)."""
-    from afm_core.train.checkpoint_dirs import complete_checkpoints
+    from afm_core.engine.checkpoint_dirs import complete_checkpoints
 
     run_dir = tmp_path / "run"
     first = run(tmp_path, "first", world=2, run_dir=run_dir, cfg=cfg_with(**RESUME_CFG), stop_at_step=3)
@@ -386,7 +386,7 @@ def test_exact_resume_after_two_preemption_signals(tmp_path, straight_run):
 
 @pytest.mark.slow
 def test_crash_during_checkpoint_write_keeps_previous(tmp_path, straight_run):
-    from afm_core.train.checkpoint_dirs import (
+    from afm_core.engine.checkpoint_dirs import (
         COMPLETE_MARKER,
         complete_checkpoints,
         directory_bytes,

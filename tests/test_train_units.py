@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from afm_core.train.checkpoint_dirs import (
+from afm_core.engine.checkpoint_dirs import (
     COMPLETE_MARKER,
     complete_checkpoints,
     latest_complete_checkpoint,
     stage_checkpoint,
 )
+from afm_core.engine.metrics import plot_losses, read_metrics
 from afm_core.train.loss import masked_token_loss, reduce_reports
-from afm_core.train.metrics import plot_losses, read_metrics
 from afm_core.utils.paths import repo_root
 from afm_core.utils.tracking import MetricsLog
 
@@ -55,7 +55,7 @@ def test_masked_token_loss_rejects_mismatched_shapes():
 def test_warmup_then_cosine_to_min_lr():
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from afm_core.train.optim import warmup_steps
+    from afm_core.engine.optim import warmup_steps
 
     assert warmup_steps(0.1, 150) == 15 and warmup_steps(0.1, 5) == 1 and warmup_steps(0.5, 1) == 0
     param = torch.nn.Parameter(torch.zeros(1))
@@ -179,7 +179,7 @@ def test_resolve_max_steps_and_eval_batches():
 
 
 def test_training_dtype_auto_is_bf16_only_where_it_is_fast_and_warns_on_bf16_emulated(monkeypatch, caplog):
-    from afm_core.train.distributed import training_dtype
+    from afm_core.engine.distributed import training_dtype
     from afm_core.utils import hardware
 
     for gpu, native, forced, auto, warns in (
@@ -223,11 +223,11 @@ def test_the_machine_summary_names_this_cpu_its_speed_flags_and_the_precision_au
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the shims apply only without CUDA")
 def test_cpu_shims_in_a_fresh_process():
     """Idempotent; device="cuda" lands on the CPU; `with torch.device("meta")` still applies (primed cache);
-    megatron's gradient clipping on torch's foreach kernels (afm_core.train.multi_tensor): the same norm as its
+    megatron's gradient clipping on torch's foreach kernels (afm_core.engine.multi_tensor): the same norm as its
     fallback's, left on the device, and the grads scaled in place."""
     code = """
 import torch
-from afm_core.train.cpu_shims import apply_cpu_shims
+from afm_core.engine.cpu_shims import apply_cpu_shims
 assert apply_cpu_shims() and apply_cpu_shims()
 assert torch.ones(2, device="cuda").device.type == "cpu"
 assert torch.zeros(2).to("cuda").device.type == "cpu"
@@ -240,7 +240,7 @@ torch.cuda.manual_seed(7); a = torch.rand(1); torch.manual_seed(7); assert torch
 from megatron.core import utils
 from megatron.core.optimizer import clip_grads
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
-from afm_core.train import multi_tensor
+from afm_core.engine import multi_tensor
 multi_tensor.use_foreach_kernels(); multi_tensor.use_foreach_kernels()
 assert clip_grads.l2_norm_impl is multi_tensor.multi_tensor_l2_norm
 assert clip_grads.multi_tensor_scale_impl is multi_tensor.multi_tensor_scale
@@ -264,7 +264,7 @@ print("ok")
 
 def test_a_preemption_signal_during_the_boundary_all_reduce_is_kept_for_the_next_boundary(monkeypatch):
     """SIGUSR2 can land while the ranks all-reduce the flags; the request must survive to the next boundary."""
-    from afm_core.train.preemption import Preemption
+    from afm_core.engine.preemption import Preemption
 
     preemption = Preemption()  # a loop's own: nothing process-wide to reset
 
@@ -283,24 +283,24 @@ def test_a_preemption_signal_during_the_boundary_all_reduce_is_kept_for_the_next
 def test_the_jobs_preemption_hook_reaches_the_jobs_preemption_and_loops_default_to_it(monkeypatch):
     """``on_preempt`` of jobs.sft / jobs.rl (:func:`request_checkpoint`) sets the job's :class:`Preemption`, the one
     an SFT loop reads when it is handed none; a loop handed its own never sees the job's."""
+    from afm_core.engine import preemption
     from afm_core.launch.submit import run_training_job
-    from afm_core.train import preemption
     from afm_core.train.loop import SFTLoop
 
     job = preemption.Preemption()
     monkeypatch.setattr(preemption, "JOB_PREEMPTION", job)  # this test's stand-in for the process's
     preemption.request_checkpoint()  # what the relay of the job's SIGUSR2 calls
     assert job.stop_requested() and not preemption.Preemption().stop_requested()
-    assert "afm_core.train.preemption.request_checkpoint" in inspect.getsource(run_training_job)
+    assert "afm_core.engine.preemption.request_checkpoint" in inspect.getsource(run_training_job)
     assert inspect.signature(SFTLoop.__init__).parameters["preemption"].default is None
 
 
 def test_training_flops_count_every_matrix_product_and_causal_pairs():
     from transformers import AutoModelForCausalLM
 
+    from afm_core.engine.flops import causal_pairs, datasheet_peak_tflops, matmul_params, mfu, training_flops
     from afm_core.models.arch import hf_config_from_arch
     from afm_core.models.presets import load_preset
-    from afm_core.train.flops import causal_pairs, datasheet_peak_tflops, matmul_params, mfu, training_flops
 
     # Qwen2.5-1.5B's shape (GQA, q/k/v biases, tied output layer) with 2 of its 28 layers
     arch = dataclasses.replace(load_preset("qwen2.5-1.5b-instruct").arch, num_layers=2)

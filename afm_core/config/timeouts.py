@@ -2,7 +2,7 @@
 
 Read by the RL schema's check (:class:`afm_core.config.rl.RLConfig`), by ``jobs.rl`` (which sets
 ``parallel.collective_timeout_min`` when the config leaves it null) and by the process-group setup
-(:func:`afm_core.train.distributed.init_distributed`, its default).
+(:func:`afm_core.engine.distributed.init_distributed`, its default).
 """
 
 from __future__ import annotations

@@ -384,7 +384,7 @@ def stage_metrics(job: str, directory: Path) -> dict[str, Any]:
     accuracy and margin); RL: first and last rollout step's reward, accuracy, format validity, tool calls per
     trajectory, and the simulated observations written.
     """
-    from afm_core.train.metrics import read_metrics
+    from afm_core.engine.metrics import read_metrics
 
     if job == "eval" and (directory / "metrics.json").is_file():
         metrics = json.loads((directory / "metrics.json").read_text(encoding="utf-8"))

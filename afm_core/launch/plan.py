@@ -3,7 +3,7 @@ cost, computed before the queue (``python -m jobs.plan``; every ``cluster=slurm`
 :mod:`afm_core.launch.plan_gate`).
 
 Model states come from the model built on the meta device in a fake process group of the job's world size, and
-activations from the per-layer formula (:mod:`afm_core.train.memory`). For RL the colocated vLLM engine adds its
+activations from the per-layer formula (:mod:`afm_core.engine.memory`). For RL the colocated vLLM engine adds its
 share: at start vLLM claims ``engine.gpu_memory_utilization`` of each GPU (weights ``2 N / engine TP`` in bf16, the
 rest KV cache, which must hold at least one sequence of ``max_model_len`` tokens, vLLM's own start check), and
 while the trainer runs it sleeps (``colocation.sleep_level`` 1: weights to host memory, KV cache dropped;

@@ -4,8 +4,8 @@ as a mapping).
 
 Nothing here reads a file, probes a disk or sets up a process group when imported, and only
 :func:`training_plan` does anything beyond arithmetic when called: it builds the model on the meta device in a fake
-process group of the job's world size (:func:`afm_core.train.memory.model_state`), touching no device and no
-network. The activations come from the per-layer formula (:func:`afm_core.train.memory.activations`).
+process group of the job's world size (:func:`afm_core.engine.memory.model_state`), touching no device and no
+network. The activations come from the per-layer formula (:func:`afm_core.engine.memory.activations`).
 
 Units: bytes unless a name says GiB (``2**30``) or GB (``1e9``, as disks and GPUs are sold).
 """
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from afm_core.train.memory import Activations, StageState
+    from afm_core.engine.memory import Activations, StageState
 
 GIB = 1024**3
 # CUDA context, NCCL and cuBLAS workspaces, allocator slack (not modelled). Measured on an H200 at world size 1
@@ -61,7 +61,7 @@ class Layout:
     num_microbatches: int
     gpu_gb: float
     # GPU jobs run transformer-engine's layer spec and cross entropy (requirements/gpu.txt); False: a GPU install
-    # without it (megatron's local spec and native fused cross entropy: afm_core.train.memory.activations)
+    # without it (megatron's local spec and native fused cross entropy: afm_core.engine.memory.activations)
     transformer_engine: bool = True
     # RL's trainer.max_tokens_per_micro_batch: a micro batch is at most this many tokens packed (one row of that
     # length to the activation formula) instead of micro_batch_size x seq_length; None: counted micro batches
@@ -96,8 +96,8 @@ def training_plan(hf_config: Any, layout: Layout) -> list[dict[str, Any]]:
     ``micro_batch_size`` x ``seq_length`` tokens, or of ``max_tokens_per_micro_batch`` when set)."""
     import torch
 
+    from afm_core.engine.memory import activations, model_state
     from afm_core.models.arch import arch_from_hf_config
-    from afm_core.train.memory import activations, model_state
 
     arch = arch_from_hf_config(hf_config)
     dtype = torch.bfloat16 if layout.bf16 else torch.float32

@@ -15,11 +15,11 @@ from typing import Any
 def write_speed(cfg: Mapping[str, Any], checkpoint_bytes: int) -> tuple[float, str]:
     """GB/s one node writes to the run dir's file system, and where the figure comes from: ``cluster.
     checkpoint_write_gb_s`` when set ("configured"); else the run's own latest checkpoint when the run dir has one
-    (a resubmitted or requeued run: :func:`afm_core.train.checkpoint_dirs.measured_write_speed`); else a probe
+    (a resubmitted or requeued run: :func:`afm_core.engine.checkpoint_dirs.measured_write_speed`); else a probe
     (:func:`probe_write_speed`) of ``min(plan.write_probe_mib, checkpoint size)`` MiB into the run dir's nearest
     existing folder. The probe writes from one process of the submitting node; a node's ranks write in parallel,
     so on a parallel file system it is a lower bound (the lead it asks for errs long)."""
-    from afm_core.train.checkpoint_dirs import measured_write_speed
+    from afm_core.engine.checkpoint_dirs import measured_write_speed
 
     configured = cfg["cluster"].get("checkpoint_write_gb_s")
     if configured:

@@ -4,10 +4,10 @@ A run is a directory with ``logs/job.json`` (:mod:`afm_core.launch.records`). It
 
 - the scheduler state: Slurm's from ``sacct`` (``squeue`` for jobs sacct does not know yet), a local job's from its
   controller process (RUNNING while alive) and its last event;
-- progress from ``metrics.jsonl`` (last train step and loss, last held-out loss; see ``afm_core.train.metrics``)
+- progress from ``metrics.jsonl`` (last train step and loss, last held-out loss; see ``afm_core.engine.metrics``)
   and ``trainer.max_steps`` from ``.hydra/config.yaml``;
 - the latest complete checkpoint ``checkpoints/step_N`` (holding the ``COMPLETE`` marker; found by
-  ``afm_core.train.checkpoint_dirs``, which imports no torch);
+  ``afm_core.engine.checkpoint_dirs``, which imports no torch);
 - restarts: ``start`` events after the first (requeues after preemption or timeout, and external requeues);
 - the nodes of the job's latest start (``start.nodelist`` in ``job.json``, written by rank 0).
 """
@@ -18,9 +18,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from afm_core.engine.checkpoint_dirs import latest_complete_checkpoint
+from afm_core.engine.metrics import read_metrics
 from afm_core.launch.records import current_start, read_events, read_job_record
-from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
-from afm_core.train.metrics import read_metrics
 
 TERMINAL_STATES = {
     "COMPLETED",

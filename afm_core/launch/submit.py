@@ -110,7 +110,7 @@ def run_training_job(
     plan a ``cluster=slurm`` job (:mod:`afm_core.launch.plan_gate`: one that does not fit its GPUs exits with
     status 3 before ``sbatch``, naming the numbers and the overrides that would fit; ``+plan.force=true`` submits
     anyway), :func:`submit` ``fn`` with the trainer's checkpoint-and-requeue hook
-    (:func:`afm_core.train.preemption.request_checkpoint`) and ``load_cfg`` (the dotted path of what makes ``fn``'s
+    (:func:`afm_core.engine.preemption.request_checkpoint`) and ``load_cfg`` (the dotted path of what makes ``fn``'s
     config on each rank, see :func:`submit`), and print rank 0's summary as JSON when waiting."""
     import json
     import sys
@@ -142,7 +142,7 @@ def run_training_job(
         print(f"jobs.{job_name}: not submitted: {err}", file=sys.stderr)
         raise SystemExit(3) from None
     summary = submit(
-        fn, cfg, on_preempt="afm_core.train.preemption.request_checkpoint", job_name=job_name, load_cfg=load_cfg
+        fn, cfg, on_preempt="afm_core.engine.preemption.request_checkpoint", job_name=job_name, load_cfg=load_cfg
     )
     if summary is not None:
         print(json.dumps(summary, indent=2, default=str))

@@ -2,8 +2,8 @@
 
 One optimizer step (one mini-batch) of the actor runs ``get_forward_backward_func()(forward_step_func=
 policy_forward_step(config, temperature=...), ...)`` over the mini-batch's micro batches, with the model
-wrapped by the one trainer core (:class:`afm_core.train.core.MegatronTrainer`: Megatron DDP with
-``TransformerConfig.calculate_per_token_loss=True``; the step is :meth:`~afm_core.train.core.MegatronTrainer.step`). In that mode megatron sums the micro-batch losses,
+wrapped by the one trainer core (:class:`afm_core.engine.core.MegatronTrainer`: Megatron DDP with
+``TransformerConfig.calculate_per_token_loss=True``; the step is :meth:`~afm_core.engine.core.MegatronTrainer.step`). In that mode megatron sums the micro-batch losses,
 all-reduces the returned token counts over data-parallel ranks and divides the gradients by the total
 (``megatron/core/distributed/finalize_model_grads.py``), so :func:`megatron_policy_loss` returns the masked
 token SUM and the local token count, and the result is DAPO's token-mean over the global mini-batch. The other

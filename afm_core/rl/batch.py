@@ -346,7 +346,7 @@ def minibatch_updates(
 ) -> Updates:
     """The one PPO mini-batch loop of the policy and the critic: ``algorithm.ppo_epochs`` x one optimizer step per
     mini-batch (``plan``: this DP rank's micro batches of each, as sample indices, :func:`micro_batch_plan`), on
-    :meth:`~afm_core.train.core.MegatronTrainer.step` with ``forward_step``'s loss.
+    :meth:`~afm_core.engine.core.MegatronTrainer.step` with ``forward_step``'s loss.
 
     Args:
         extra: a micro batch's per-response-token inputs of the loss (old logprobs, advantages, returns...).

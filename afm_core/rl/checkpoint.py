@@ -122,7 +122,7 @@ class Checkpointer:
         policy: the :class:`~afm_core.rl.policy_trainer.PolicyTrainer` (``save(step, common)``).
         handover: the :class:`~afm_core.rl.colocation.Handover` (a save is the trainer's turn).
         state: the run's :class:`RLState`, saved as the checkpoint's ``common``.
-        preemption: the job's :class:`~afm_core.train.preemption.Preemption`.
+        preemption: the job's :class:`~afm_core.engine.preemption.Preemption`.
         checkpoint: the settings (``save_interval``; ``signal_delay_s``, the lead :class:`StopLead` checks).
         max_steps: ``trainer.max_steps`` (rollout steps).
         on_gpu: the ranks' device (the flags' reduction runs there).

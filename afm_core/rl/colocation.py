@@ -26,7 +26,7 @@ The GPU of a colocated rank is handed back and forth (:class:`Handover`, verl's 
 ``verl/workers/sharding_manager/megatron_vllm.py`` and ``verl/workers/megatron_workers.py``): the engine's turn
 (generation, validation) begins with its weights woken and, when the trainer stepped since, synced; then the
 trainer's parameters, gradient buffers and optimizer state leave the GPU (``colocation.offload_trainer``:
-:func:`afm_core.train.offload.offload_training_state`) before the KV cache wakes; the trainer's turn (old
+:func:`afm_core.engine.offload.offload_training_state`) before the KV cache wakes; the trainer's turn (old
 logprobs, updates, checkpoints, the HF export) begins with the engine asleep and the trainer's state back. The
 engine starts beside the resident trainer (its ``gpu_memory_utilization`` share is claimed at start), which is
 the peak ``jobs.plan`` counts as "generation".
@@ -161,7 +161,7 @@ class Handover:
 
     Args:
         actor: this rank's :class:`~afm_core.rl.rollout_actor.RolloutActor`.
-        trainers: the :class:`~afm_core.train.core.MegatronTrainer` s whose state is offloaded (the policy's;
+        trainers: the :class:`~afm_core.engine.core.MegatronTrainer` s whose state is offloaded (the policy's;
             PPO's critic's). The frozen KL reference stays (no gradients or optimizer state; its parameters are
             a bf16 copy of the policy's).
         offload: move the trainers' state off the device during the engine's turn (``Colocation.offload_trainer``).
@@ -191,7 +191,7 @@ class Handover:
         times: dict[str, float] = {}
 
         def offload() -> None:
-            from afm_core.train.offload import offload_training_state
+            from afm_core.engine.offload import offload_training_state
 
             if not self.offload:
                 return

@@ -3,7 +3,7 @@
 The value model is the policy's own build (:func:`afm_core.rl.policy_model.build_policy_model`: the same
 ``GPTModel`` chunks and HF weights) whose output layer is replaced by a scalar head (``hidden -> 1``, no
 bias; verl ``verl/models/mcore/model_initializer.py`` builds its Megatron critic the same way with
-``LinearForLastLayer``), trained by the one trainer core (:class:`afm_core.train.core.MegatronTrainer`:
+``LinearForLastLayer``), trained by the one trainer core (:class:`afm_core.engine.core.MegatronTrainer`:
 Megatron DDP, its own AdamW and schedule, per-token loss) with the clipped value loss of
 :func:`afm_core.rl.losses.value_loss`. Per rollout step (verl ``verl/trainer/ppo/ray_trainer.py::fit``):
 
@@ -174,8 +174,8 @@ class Critic:
         params_dtype: torch.dtype,
         load_weights: bool = True,
     ):
-        from afm_core.train.core import MegatronTrainer
-        from afm_core.train.distributed import activation_memory_overrides
+        from afm_core.engine.core import MegatronTrainer
+        from afm_core.engine.distributed import activation_memory_overrides
 
         critic, t = policy.critic, policy.trainer
         self.config, self.layout = policy, layout
@@ -216,9 +216,9 @@ class Critic:
         every rank returns all of them, in sample order)."""
         from megatron.core import parallel_state as ps
 
+        from afm_core.engine.distributed import gather_objects
         from afm_core.rl.batch import group_micro_batches, local_micro_batches, response_values, token_micro_batches
         from afm_core.rl.logprobs import forward_only
-        from afm_core.train.distributed import gather_objects
 
         t = self.config.trainer
         dp, dp_rank = self.layout.dp, self.layout.dp_rank

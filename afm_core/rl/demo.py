@@ -72,8 +72,8 @@ def rl_demo_report(run_dir: Path, stages: Sequence[Mapping[str, Any]]) -> dict[s
         KeyError: a stage of :data:`STAGES` is missing from ``stages``.
         FileNotFoundError: a stage's output is missing.
     """
+    from afm_core.engine.metrics import read_metrics
     from afm_core.eval.report import compare_scores
-    from afm_core.train.metrics import read_metrics
     from afm_core.utils.hardware import machine_summary
 
     by_name = {s["name"]: s for s in stages}
@@ -124,11 +124,11 @@ def rl_demo_report(run_dir: Path, stages: Sequence[Mapping[str, Any]]) -> dict[s
 
 def _rl_precision(rl_dir: Path) -> str:
     """The precision the RL stage trained in: its ``trainer.precision`` (``.hydra/config.yaml``) as its trainer
-    resolves it on this machine (:func:`afm_core.train.distributed.training_dtype`)."""
+    resolves it on this machine (:func:`afm_core.engine.distributed.training_dtype`)."""
     import torch
     from omegaconf import OmegaConf
 
-    from afm_core.train.distributed import training_dtype
+    from afm_core.engine.distributed import training_dtype
 
     precision = str(OmegaConf.load(rl_dir / ".hydra" / "config.yaml").trainer.precision)
     return "bf16" if training_dtype(precision, warn=False) == torch.bfloat16 else "fp32"

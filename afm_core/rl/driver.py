@@ -36,12 +36,12 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from afm_core.config.rl import RLConfig
+from afm_core.engine.preemption import JOB_PREEMPTION, Preemption
 from afm_core.rl.checkpoint import Checkpointer, RLProgress, RLState
 from afm_core.rl.metrics import RLMetricsLog, step_record
 from afm_core.rl.schedule import Stage, build_stages, stage_at, train_seq_length
 from afm_core.rl.train_batch import fill_train_batch
 from afm_core.rl.validation import Validation, naming, validation_benchmarks
-from afm_core.train.preemption import JOB_PREEMPTION, Preemption
 
 
 def run_rl(
@@ -56,9 +56,9 @@ def run_rl(
             :func:`~afm_core.config.rl.rl_config`); each part gets the typed sub-config it reads.
         after_step: called with the rollout step number after each step's metrics are written (before the
             checkpoint decision), e.g. to ``preemption.request``.
-        preemption: where a checkpoint or a stop is asked for (:class:`~afm_core.train.preemption.Preemption`: read
+        preemption: where a checkpoint or a stop is asked for (:class:`~afm_core.engine.preemption.Preemption`: read
             at each step boundary, polled while a round generates or validates); None: the job's
-            (:data:`~afm_core.train.preemption.JOB_PREEMPTION`, what its SIGUSR2 sets).
+            (:data:`~afm_core.engine.preemption.JOB_PREEMPTION`, what its SIGUSR2 sets).
     Returns:
         ``{"step", "max_steps", "stopped_early", "resumed_from", "checkpoint", "hf_dir", "stage", "data_state",
         "run_dir", ...}`` (identical on every rank); ``hf_dir`` is the policy's HF export ``RUN_DIR/hf``
@@ -68,6 +68,9 @@ def run_rl(
         afm_core.rl.dynamic_sampling.DynamicSamplingExhausted: ``max_num_gen_batches`` batches did not fill a
             train batch.
     """
+    from afm_core.engine.checkpoint import rng_state, set_rng_state
+    from afm_core.engine.checkpoint_dirs import find_resume_checkpoint
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.colocation import Handover
     from afm_core.rl.dynamic_sampling import dynamic_sampler
@@ -75,9 +78,6 @@ def run_rl(
     from afm_core.rl.prompts import PromptStream, load_prompts
     from afm_core.rl.rollout_actor import start_rollout_actor
     from afm_core.rollout.factory import load_tokenizer
-    from afm_core.train.checkpoint import rng_state, set_rng_state
-    from afm_core.train.checkpoint_dirs import find_resume_checkpoint
-    from afm_core.train.distributed import destroy_distributed, init_distributed
 
     preemption = JOB_PREEMPTION if preemption is None else preemption
     t, a, r, ckpt = config.trainer, config.algorithm, config.rollout, config.checkpoint

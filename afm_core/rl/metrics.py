@@ -93,7 +93,7 @@ PLOT_INTERVAL_S = 30.0
 
 def plot_rl(metrics_path: Path, png_path: Path) -> None:
     """Reward, accuracy and mean response length against the rollout step (``rl.png``)."""
-    from afm_core.train.metrics import plot_panels
+    from afm_core.engine.metrics import plot_panels
 
     plot_panels(
         metrics_path,

@@ -13,7 +13,7 @@ back, zeros on the padding; the selected rows' logits (``loss_mask``: the policy
 same order as the padded batch's selection (row by row, position by position), which is the order
 :func:`afm_core.rl.logprobs.response_logprobs` reads them in.
 
-Packing needs an attention that reads ``thd`` params (:func:`afm_core.train.trainer.reads_packed_seq_params`), no
+Packing needs an attention that reads ``thd`` params (:func:`afm_core.engine.core.reads_packed_seq_params`), no
 pipeline stages (their activations are sent with one fixed ``[S, b]`` shape) and no sequence parallelism; elsewhere
 the padded batch runs (:func:`packs`).
 """
@@ -40,7 +40,7 @@ def packs(model: torch.nn.Module) -> bool:
         from megatron.core import parallel_state as ps
         from megatron.core.utils import get_model_config
 
-        from afm_core.train.trainer import reads_packed_seq_params
+        from afm_core.engine.core import reads_packed_seq_params
 
         known = (
             reads_packed_seq_params([model])

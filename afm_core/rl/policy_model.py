@@ -1,7 +1,7 @@
 """The Megatron policy (or reference) model of an RL run: this rank's GPTModel chunks with the HF weights loaded.
 
 The same build as the SFT engine (``afm_core.train.sft``): ``mcore_config_from_hf`` -> ``build_gpt_model`` per
-virtual stage (``afm_core.train.core.build_model_chunks``) -> ``afm_core.models.bridge.load_hf_weights``.
+virtual stage (``afm_core.engine.core.build_model_chunks``) -> ``afm_core.models.bridge.load_hf_weights``.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ def build_policy_model(
     """This rank's model chunks of the HF checkpoint ``hf_dir``, on ``layout.device``.
 
     ``torch.distributed`` and megatron's parallel state must be initialised
-    (:func:`afm_core.train.distributed.init_distributed`). Collective when ``load_weights`` (TP rank 0 reads
+    (:func:`afm_core.engine.distributed.init_distributed`). Collective when ``load_weights`` (TP rank 0 reads
     and scatters).
 
     Args:
         hf_dir: an HF checkpoint directory (``afm_core.models.hf_checkpoint.ensure_hf_checkpoint``).
-        layout: :class:`afm_core.train.distributed.ParallelLayout` of this rank.
+        layout: :class:`afm_core.engine.distributed.ParallelLayout` of this rank.
         params_dtype: parameter dtype (fp32 for logprob checks on CPU, bf16 on GPU).
         load_weights: load the HF weights (False: random init, e.g. before a checkpoint load).
         config_overrides: extra ``TransformerConfig`` fields (recompute, sequence parallel...).
@@ -37,8 +37,8 @@ def build_policy_model(
     """
     from transformers import AutoConfig
 
+    from afm_core.engine.core import build_model
     from afm_core.models.bridge import load_hf_weights
-    from afm_core.train.core import build_model
 
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     chunks = build_model(hf_config, layout, params_dtype=params_dtype, **config_overrides)

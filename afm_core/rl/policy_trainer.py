@@ -1,5 +1,5 @@
 """The trainer side of an RL run: the policy on the one trainer core
-(:class:`~afm_core.train.core.MegatronTrainer`), the PPO critic (``algorithm.adv_estimator=gae``) and the frozen
+(:class:`~afm_core.engine.core.MegatronTrainer`), the PPO critic (``algorithm.adv_estimator=gae``) and the frozen
 reference policy (``algorithm.kl_coef`` > 0), with the two calls of each rollout step::
 
     advantages = policy.advantages(samples, seq_length)      # GRPO / Dr. GRPO over groups, or critic -> GAE
@@ -52,9 +52,9 @@ def check_batch_split(
 def build_policy_trainer(
     policy: PolicyConfig, layout: Any, chunks: list[torch.nn.Module], run_dir: Path, max_optimizer_steps: int
 ) -> Any:
-    """The policy chunks on :class:`~afm_core.train.core.MegatronTrainer` (``optim``, ``trainer.grad_clip``,
+    """The policy chunks on :class:`~afm_core.engine.core.MegatronTrainer` (``optim``, ``trainer.grad_clip``,
     ``trainer.keep_last``; checkpoints in ``run_dir/checkpoints``)."""
-    from afm_core.train.core import MegatronTrainer
+    from afm_core.engine.core import MegatronTrainer
 
     return MegatronTrainer(
         layout,
@@ -97,10 +97,10 @@ class PolicyTrainer:
     def __init__(
         self, policy: PolicyConfig, layout: Any, hf_dir: Path, run_dir: Path, pad_id: int, *, load_weights: bool
     ):
+        from afm_core.engine.distributed import activation_memory_overrides, training_dtype
         from afm_core.models.arch import arch_from_hf_config
         from afm_core.rl.critic import Critic
         from afm_core.rl.policy_model import build_policy_model, build_reference_model
-        from afm_core.train.distributed import activation_memory_overrides, training_dtype
 
         a, t = policy.algorithm, policy.trainer
         self.config, self.layout, self.pad_id = policy, layout, pad_id
@@ -199,7 +199,7 @@ def policy_update(
     the global mini-batch either way.
 
     Args:
-        trainer: the policy's :class:`~afm_core.train.core.MegatronTrainer`.
+        trainer: the policy's :class:`~afm_core.engine.core.MegatronTrainer`.
         samples: :class:`~afm_core.rl.grading.Sample` s.
         advantages: ``[N]`` one per sample (GRPO: broadcast over its response tokens), or per-token lists as
             long as each response (GAE).
@@ -370,7 +370,7 @@ def phase_throughput(
     peak_tflops: float | None = None,
 ) -> dict[str, float | None]:
     """Tokens/s, model TFLOP/s and MFU of this rank's logprob and train phases, as the SFT job reports its step's
-    (:mod:`afm_core.train.flops`): the real tokens of its trajectories (``lengths``, prompt + response: padding
+    (:mod:`afm_core.engine.flops`): the real tokens of its trajectories (``lengths``, prompt + response: padding
     is not model work), ``epochs`` forward + backward passes over them in training, ``logprob_passes`` forward
     passes (a third of a training pass) to recompute logprobs; per device (over TP x PP ranks); MFU against
     ``peak_tflops`` (``trainer.peak_tflops``, else the CUDA device's datasheet peak; None on CPU).
@@ -379,7 +379,7 @@ def phase_throughput(
         ``train_tokens_per_s``, ``train_tflops``, ``train_mfu``, ``logprob_tokens_per_s``, ``logprob_tflops``
         (the FLOP figures None without ``arch``).
     """
-    from afm_core.train.flops import causal_pairs, datasheet_peak_tflops, mfu, training_flops
+    from afm_core.engine.flops import causal_pairs, datasheet_peak_tflops, mfu, training_flops
 
     tokens = sum(lengths)
     out: dict[str, float | None] = {

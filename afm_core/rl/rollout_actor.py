@@ -23,18 +23,18 @@ from typing import Any
 import torch
 
 from afm_core.config.rl import ActorConfig, ValConfig
+from afm_core.engine.distributed import gather_objects
+from afm_core.engine.preemption import JOB_PREEMPTION, Preemption
 from afm_core.rl.grading import Sample, grade_rollout
 from afm_core.rl.rollout_buffer import Group
 from afm_core.rl.schedule import Stage
-from afm_core.train.distributed import gather_objects
-from afm_core.train.preemption import JOB_PREEMPTION, Preemption
 from afm_core.utils.rng import python_random_kept
 
 STOP_POLL_S = 0.05  # how often a generation round looks for a stop request (SIGUSR2 / preemption)
 
 
 class RolloutAborted(RuntimeError):
-    """A stop was requested (SIGUSR2 / preemption: :class:`afm_core.train.preemption.Preemption`) while a
+    """A stop was requested (SIGUSR2 / preemption: :class:`afm_core.engine.preemption.Preemption`) while a
     generation round ran: its requests were aborted in vLLM and its trajectories dropped; the rollout step restarts
     on resume."""
 
@@ -88,8 +88,8 @@ class RolloutActor:
         colocation: this rank's engine layout (:mod:`afm_core.rl.colocation`); None: a vLLM ``AsyncLLM`` of its
             own (``colocation.mode=async``).
         lockstep: the :class:`~afm_core.rollout.vllm_engine.Lockstep` of this rank's vLLM TP group (TP > 1).
-        preemption: where a stop is asked for (:class:`~afm_core.train.preemption.Preemption`), polled while a
-            round generates; None: the job's (:data:`~afm_core.train.preemption.JOB_PREEMPTION`).
+        preemption: where a stop is asked for (:class:`~afm_core.engine.preemption.Preemption`), polled while a
+            round generates; None: the job's (:data:`~afm_core.engine.preemption.JOB_PREEMPTION`).
     """
 
     def __init__(
@@ -152,7 +152,7 @@ class RolloutActor:
             "max_model_len": int(max_model_len),
             "worker_extension_cls": EXTENSION,
         }
-        from afm_core.train.distributed import training_dtype
+        from afm_core.engine.distributed import training_dtype
 
         if self.config.engine.dtype == "auto":  # the colocation's overrides leave the dtype
             # the engine computes in the trainer's dtype on every machine (the policy warns about an emulated bf16):

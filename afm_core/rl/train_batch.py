@@ -80,8 +80,8 @@ def fill_train_batch(
     Raises:
         afm_core.rl.dynamic_sampling.DynamicSamplingExhausted: ``max_num_gen_batches`` rounds did not fill it.
     """
+    from afm_core.engine.checkpoint import rng_state, set_rng_state
     from afm_core.rl.rollout_actor import RolloutAborted, RoundTarget
-    from afm_core.train.checkpoint import rng_state, set_rng_state
 
     partial = partial or PartialConfig()
     progress, stream, sampler, buffer = state.progress, state.stream, state.sampler, state.buffer

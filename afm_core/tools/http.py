@@ -27,7 +27,7 @@ RETRYABLE = frozenset({"connect", "timeout", "http_5xx", "rate_limited", "bad_js
 
 
 #: The backoff jitter's own generator: the process-wide ``random`` is the trainer's, seeded and checkpointed
-#: (``afm_core.train.checkpoint.rng_state``), and how many retries a run meets depends on the machine's load, so a
+#: (``afm_core.engine.checkpoint.rng_state``), and how many retries a run meets depends on the machine's load, so a
 #: draw from it would make a resumed run's RNG state differ from the uninterrupted run's.
 _JITTER = random.Random()
 

@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from afm_core.data.loader import full_micro_batches
-from afm_core.train.checkpoint import rng_state, set_rng_state
-from afm_core.train.checkpoint_dirs import (
+from afm_core.engine.checkpoint import rng_state, set_rng_state
+from afm_core.engine.checkpoint_dirs import (
     checkpoint_dir_name,
     on_rank0,
     publish_checkpoint,
@@ -50,10 +50,10 @@ from afm_core.train.checkpoint_dirs import (
     stage_checkpoint,
     staging_dir,
 )
-from afm_core.train.distributed import ParallelLayout, set_num_threads, training_dtype
+from afm_core.engine.distributed import ParallelLayout, set_num_threads, training_dtype
+from afm_core.engine.optim import build_lr_scheduler
 from afm_core.train.loop import MicroBatchSource, Progress, SFTLoop
 from afm_core.train.loss import masked_token_loss, reduce_reports
-from afm_core.train.optim import build_lr_scheduler
 from afm_core.utils.atomic import atomic_dir, atomic_path
 from afm_core.utils.paths import repo_root
 from afm_core.utils.tracking import flatten
@@ -173,7 +173,7 @@ def init_deepspeed_distributed(
     """Join the process group through DeepSpeed (NCCL on GPU, gloo on CPU): one data-parallel group.
 
     Reads the ``env://`` variables RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (LOCAL_WORLD_SIZE
-    optional), as :func:`afm_core.train.distributed.init_distributed` does. On a machine without CUDA it sets
+    optional), as :func:`afm_core.engine.distributed.init_distributed` does. On a machine without CUDA it sets
     ``DS_ACCELERATOR=cpu`` before DeepSpeed is imported.
 
     Raises:
@@ -411,7 +411,7 @@ class DeepSpeedSFTTrainer(SFTLoop):
         """Write ``checkpoints/step_N`` atomically (every rank calls it): DeepSpeed's ZeRO shards (model and
         optimizer), the step counters and LR scheduler (DeepSpeed ``client_state``), and ``rank_*.pt`` with
         this rank's RNG and data-loader state; ``COMPLETE`` last, then a rename from ``.tmp-step_N``.
-        The layout is :mod:`afm_core.train.checkpoint_dirs`, so its ``latest_complete_checkpoint`` finds them."""
+        The layout is :mod:`afm_core.engine.checkpoint_dirs`, so its ``latest_complete_checkpoint`` finds them."""
         root, step = self.run_dir / "checkpoints", self.progress.step
         temp, started = staging_dir(root, step), time.time()
         on_rank0(self.layout.is_rank0, lambda: stage_checkpoint(root, step))  # rank 0's "no space" reaches all

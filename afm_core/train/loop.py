@@ -3,9 +3,9 @@ checkpoint cadence and the run's summary, over an engine that takes the steps (M
 :class:`afm_core.train.trainer.SFTTrainer`, DeepSpeed's :class:`afm_core.train.deepspeed_engine.DeepSpeedSFTTrainer`).
 
 Exact resume: a checkpoint holds the model, optimizer, LR scheduler, step counters, data-loader and RNG
-states (:mod:`afm_core.train.checkpoint`); resuming reproduces the uninterrupted run's losses and weights
+states (:mod:`afm_core.engine.checkpoint`); resuming reproduces the uninterrupted run's losses and weights
 bitwise on CPU, and ``metrics.jsonl`` is cut back to the checkpoint's step. A stop is asked for through the
-:class:`~afm_core.train.preemption.Preemption` the loop is handed: at the next step boundary it checkpoints and
+:class:`~afm_core.engine.preemption.Preemption` the loop is handed: at the next step boundary it checkpoints and
 returns with ``stopped_early``.
 """
 
@@ -20,12 +20,12 @@ from typing import Any, Protocol
 import torch
 from tqdm import tqdm
 
+from afm_core.engine.checkpoint_dirs import find_resume_checkpoint
+from afm_core.engine.distributed import ParallelLayout
+from afm_core.engine.flops import batch_attention_pairs, datasheet_peak_tflops, mfu, training_flops
+from afm_core.engine.metrics import plot_losses, read_metrics
+from afm_core.engine.preemption import JOB_PREEMPTION, Preemption
 from afm_core.models.arch import ModelArch
-from afm_core.train.checkpoint_dirs import find_resume_checkpoint
-from afm_core.train.distributed import ParallelLayout
-from afm_core.train.flops import batch_attention_pairs, datasheet_peak_tflops, mfu, training_flops
-from afm_core.train.metrics import plot_losses, read_metrics
-from afm_core.train.preemption import JOB_PREEMPTION, Preemption
 from afm_core.utils.atomic import atomic_write_text
 from afm_core.utils.profiling import StepProfiler
 from afm_core.utils.tracking import Tracker
@@ -69,8 +69,8 @@ class SFTLoop(ABC):
         run_dir: ``RUN_DIR`` (metrics.jsonl, loss.png, checkpoints/).
         max_steps: optimizer steps of the whole run.
         resume_from: another run's RUN_DIR to resume from when ``run_dir`` has no complete checkpoint.
-        preemption: where a stop is asked for (:mod:`afm_core.train.preemption`); None: the job's
-            (:data:`~afm_core.train.preemption.JOB_PREEMPTION`, what its SIGUSR2 sets).
+        preemption: where a stop is asked for (:mod:`afm_core.engine.preemption`); None: the job's
+            (:data:`~afm_core.engine.preemption.JOB_PREEMPTION`, what its SIGUSR2 sets).
     Raises:
         ValueError: ``trainer.global_batch_size`` is not divisible by ``trainer.micro_batch_size * dp``.
     """
@@ -143,7 +143,7 @@ class SFTLoop(ABC):
         self._attention_pairs += batch_attention_pairs(batch, self.seq_length)
 
     def _throughput(self, seconds: float) -> dict[str, float | None]:
-        """``tflops`` (model TFLOP/s per device, :mod:`afm_core.train.flops`) and ``mfu`` (against
+        """``tflops`` (model TFLOP/s per device, :mod:`afm_core.engine.flops`) and ``mfu`` (against
         ``self.peak_tflops``; None without one) of the step just taken in ``seconds``; both None without the
         model's architecture. Every data-parallel rank trains ``global_batch_size / dp`` sequences like this one's."""
         if self.arch is None or seconds <= 0:

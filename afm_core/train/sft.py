@@ -100,10 +100,10 @@ def _data_module(cfg: DictConfig, hf_dir: Path):
 def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_steps: int) -> dict[str, Any]:
     from transformers import AutoConfig
 
+    from afm_core.engine.checkpoint_dirs import find_resume_checkpoint
+    from afm_core.engine.core import build_model
+    from afm_core.engine.distributed import activation_memory_overrides, training_dtype
     from afm_core.models.bridge import load_hf_weights, save_hf_checkpoint
-    from afm_core.train.checkpoint_dirs import find_resume_checkpoint
-    from afm_core.train.core import build_model
-    from afm_core.train.distributed import activation_memory_overrides, training_dtype
     from afm_core.train.trainer import SFTTrainer
 
     t, p = cfg.trainer, cfg.parallel
@@ -138,9 +138,9 @@ def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_s
 def run_sft(cfg: DictConfig) -> dict[str, Any]:
     """Train ``cfg.model`` on ``cfg.data`` with ``cfg.trainer`` / ``cfg.optim`` / ``cfg.parallel``; every rank calls it.
 
-    The distributed env variables must be set (see :mod:`afm_core.train.distributed`). Resumes exactly from the
+    The distributed env variables must be set (see :mod:`afm_core.engine.distributed`). Resumes exactly from the
     latest complete checkpoint of ``cfg.run_dir`` (else of ``cfg.resume``); returns early with
-    ``stopped_early: True`` after :func:`afm_core.train.preemption.request_checkpoint`.
+    ``stopped_early: True`` after :func:`afm_core.engine.preemption.request_checkpoint`.
 
     Returns:
         The summary (identical on every rank): ``eval_loss_before`` / ``eval_loss_after`` (held-out masked
@@ -153,8 +153,8 @@ def run_sft(cfg: DictConfig) -> dict[str, Any]:
     Raises:
         ValueError: a bad config value (the message names the field).
     """
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.train.distributed import destroy_distributed, init_distributed
     from afm_core.utils.host_memory import configure_allocator
 
     configure_allocator()  # freed activations leave the resident set (afm_core.utils.host_memory)

@@ -1,11 +1,11 @@
 """SFT on megatron-core: :class:`SFTTrainer`, the SFT loop (:class:`~afm_core.train.loop.SFTLoop`) over the one trainer
-core (:class:`~afm_core.train.core.MegatronTrainer`, which it holds as RL's policy does) with the SFT objective.
+core (:class:`~afm_core.engine.core.MegatronTrainer`, which it holds as RL's policy does) with the SFT objective.
 
 One optimizer step consumes ``global_batch_size`` packed sequences: ``num_microbatches = global_batch_size /
 (micro_batch_size * dp)`` micro batches on each DP rank, run through ``get_forward_backward_func()`` (no
 pipelining for PP=1, 1F1B for PP>1, interleaved 1F1B with virtual stages), gradients accumulated in megatron
 DDP's fp32 buffers, reduced over DP, scaled by 1 / (unmasked tokens of the global batch) (see
-:mod:`afm_core.train.loss`), clipped, and applied by megatron's AdamW (:mod:`afm_core.train.optim`). The loss is
+:mod:`afm_core.train.loss`), clipped, and applied by megatron's AdamW (:mod:`afm_core.engine.optim`). The loss is
 the ``trainer.objective``'s (:mod:`afm_core.train.objective`): observation-masked SFT by default, or AutoCoA's
 contrastive pair loss (then scaled by 1 / pairs of the global batch).
 
@@ -36,12 +36,12 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from afm_core.data.loader import StepMicroBatches
 from afm_core.data.packing import block_causal_attention_mask, thd_offsets
+from afm_core.engine.core import MegatronTrainer, reads_packed_seq_params
+from afm_core.engine.distributed import ParallelLayout
+from afm_core.engine.preemption import Preemption
 from afm_core.models.local_spec import compile_transformer_layers, set_compiled_elementwise
-from afm_core.train.core import MegatronTrainer
-from afm_core.train.distributed import ParallelLayout
 from afm_core.train.loop import MicroBatchSource, Progress, SFTLoop
 from afm_core.train.objective import Objective, build_objective
-from afm_core.train.preemption import Preemption
 
 
 def thd_packed_seq_params(cu_seqlens: list[torch.Tensor], seq_length: int, device: torch.device) -> PackedSeqParams:
@@ -58,21 +58,6 @@ def thd_packed_seq_params(cu_seqlens: list[torch.Tensor], seq_length: int, devic
     from afm_core.models.attention import PackedDocuments
 
     return PackedDocuments.from_offsets(thd_offsets(cu_seqlens, seq_length), device)
-
-
-def reads_packed_seq_params(chunks: list[torch.nn.Module]) -> bool:
-    """Whether every attention of the model chunks reads ``thd`` ``PackedSeqParams``: transformer-engine's
-    ``TEDotProductAttention`` or :class:`~afm_core.models.attention.SDPAttention` (megatron's local
-    ``DotProductAttention`` rejects them)."""
-    from afm_core.models.attention import SDPAttention
-
-    kinds = [
-        isinstance(m, SDPAttention) or type(m).__name__ == "TEDotProductAttention"
-        for chunk in chunks
-        for m in chunk.modules()
-        if type(m).__name__.endswith("DotProductAttention") or isinstance(m, SDPAttention)
-    ]
-    return bool(kinds) and all(kinds)
 
 
 class SFTTrainer(SFTLoop):

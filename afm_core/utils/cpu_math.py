@@ -17,7 +17,7 @@ computed other values than the same step elsewhere: the SFT step's first loss mo
 
 :func:`warm_vml` calls each such op once on one element, in the calling thread, so every dispatch is resolved before
 any concurrent use (what the upstream fix does inside ATen). Every training rank calls it
-(:func:`afm_core.train.distributed.set_num_threads`), and every vLLM process through its general-plugin entry point
+(:func:`afm_core.engine.distributed.set_num_threads`), and every vLLM process through its general-plugin entry point
 (``vllm.general_plugins`` in ``pyproject.toml``), before the engine builds its RoPE cache.
 """
 

@@ -1,5 +1,5 @@
 """Import megatron-core 0.16.1 and mbridge 0.15.1 without what their package imports pull in and our processes never
-use; :func:`install` (called by ``afm_core.models``, ``.train`` and ``.rl``, whose modules import both) hooks the
+use; :func:`install` (called by ``afm_core.models``, ``.engine``, ``.train`` and ``.rl``, whose modules import both) hooks the
 execution of five of their modules before their first import. Why each hook is safe is said with it below; what it
 saves is measured by ``benchmarks/startup.py`` (benchmarks/README.md: a training rank's and ``jobs.plan``'s
 imports, side by side with d3e7e1b).
@@ -36,6 +36,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
@@ -145,6 +146,10 @@ _FINDER = _HookFinder()
 
 
 def install() -> None:
-    """Put the hooks first on ``sys.meta_path`` (once per process; cheap: no third-party import)."""
+    """Put the hooks first on ``sys.meta_path`` (once per process; cheap: no third-party import), and silence the two
+    import-time warnings megatron-core and mbridge give on every machine without transformer-engine / apex (all CPU
+    machines) and about a cuda-graph default: expected here, they would bury the progress bar."""
     if _FINDER not in sys.meta_path:
+        warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not installed", category=UserWarning)
+        warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
         sys.meta_path.insert(0, _FINDER)

@@ -161,8 +161,8 @@ def _stop_at_tokens(round_: int, tokens: int, preemption, record: dict) -> None:
 def _rl_rank(rank: int, world: int, port: int, cfg: dict, stop_after, stop_in_round, setup, out: str,
              stop_at_tokens=None) -> None:  # fmt: skip
     from afm_core.config.rl import rl_config as checked
+    from afm_core.engine.preemption import Preemption
     from afm_core.rl.driver import run_rl
-    from afm_core.train.preemption import Preemption
     from tests.gloo_env import set_rank_env
 
     set_rank_env(rank, world, port)

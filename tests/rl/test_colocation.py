@@ -111,8 +111,8 @@ def test_the_handover_syncs_offloads_the_trainer_before_the_kv_cache_wakes_and_s
     """The device goes to the engine (weights woken, the trained weights synced, the trainer's state offloaded,
     then the KV cache woken) and back (engine asleep, state reloaded), as verl's sharding manager orders it; the
     offload runs whenever the engine sleeps (GPU), or when forced (CPU)."""
+    import afm_core.engine.offload as offload
     import afm_core.rl.weight_sync as weight_sync
-    import afm_core.train.offload as offload
     from afm_core.rl.colocation import Handover
 
     monkeypatch.setattr(weight_sync, "hf_weight_buckets", lambda chunks, size: iter([[("w", torch.zeros(2))]]))
@@ -174,7 +174,7 @@ def test_a_rounds_io_leaves_the_trainers_python_rng_as_it_found_it():
     import aiohttp
     from aiohttp import web
 
-    from afm_core.train.preemption import Preemption
+    from afm_core.engine.preemption import Preemption
     from tests.tools.conftest import serve_app
 
     async def requests_to_two_servers_through_one_connection() -> list[str]:

@@ -290,9 +290,9 @@ def test_the_rl_jobs_sampler_drops_a_group_of_equal_accuracy_whose_overlong_shap
 def test_the_rl_phases_report_tokens_per_s_tflops_and_mfu_of_the_real_tokens():
     from types import SimpleNamespace
 
+    from afm_core.engine.flops import matmul_params
     from afm_core.models.presets import load_preset
     from afm_core.rl.policy_trainer import phase_throughput
-    from afm_core.train.flops import matmul_params
 
     arch = load_preset("tiny-llama").arch
     lengths = [100, 300]  # prompt + response tokens of this rank's two trajectories

@@ -334,7 +334,7 @@ def test_the_final_rl_checkpoint_exports_to_hf_in_its_precision_with_the_megatro
 ):
     """``jobs.export``'s body on the RL run's checkpoint: the export keeps the checkpoint's dtype and its logits
     match the Megatron model's within that dtype's tolerance (fp32 1e-3; bf16 one rounding of the logits)."""
-    from afm_core.train.export import PARITY_TOLERANCE, export_checkpoint
+    from afm_core.engine.export import PARITY_TOLERANCE, export_checkpoint
     from tests.test_export import weights
 
     run_dir, straight, precision = uninterrupted
@@ -451,7 +451,7 @@ def test_a_policy_that_writes_code_gets_the_plugged_in_tools_observation_graded_
 def test_the_mid_run_rl_checkpoint_exports_to_hf_with_the_megatron_models_logits(interrupted, tmp_path, monkeypatch):
     """``jobs.export``'s body (:func:`export_checkpoint`) run here: a process of its own would spend ~12 s
     importing Megatron and transformers again; the CLI around it is tested in tests/test_export.py."""
-    from afm_core.train.export import export_checkpoint
+    from afm_core.engine.export import export_checkpoint
     from tests.test_export import weights
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -481,13 +481,13 @@ def test_the_profiled_rollout_step_leaves_a_torch_profiler_trace(interrupted):
 # -- the policy update ------------------------------------------------------------------------------------
 def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
     set_rank_env(rank, world, port)
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.batch import response_values, sample_micro_batches
     from afm_core.rl.grading import Sample
     from afm_core.rl.logprobs import compute_logprobs
     from afm_core.rl.policy_model import build_policy_model
     from afm_core.rl.policy_trainer import build_policy_trainer, policy_update
-    from afm_core.train.distributed import destroy_distributed, init_distributed
 
     layout = init_distributed(OmegaConf.create(cfg["parallel"]), seed=1, num_threads=1)
     try:
@@ -680,12 +680,12 @@ class StuckPolicy:
 
 
 def test_sigusr2_while_a_round_generates_or_validates_aborts_every_request_of_the_round_at_once(tmp_path):
+    from afm_core.engine.preemption import Preemption
     from afm_core.eval.benchmarks import Benchmark
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.rollout_actor import RolloutAborted
     from afm_core.rollout import AgentTask
     from afm_core.rollout.factory import load_tokenizer
-    from afm_core.train.preemption import Preemption
 
     preemption = Preemption()  # the actor's own: nothing process-wide is set, nothing to reset
     relay = signal.signal(signal.SIGUSR2, lambda signum, frame: preemption.request())  # as jobs.rl's relay

@@ -42,13 +42,13 @@ def _worker(rank: int, world: int, port: int) -> None:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     from omegaconf import OmegaConf
 
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.advantages import broadcast_to_tokens
     from afm_core.rl.batch import rollout_micro_batch
     from afm_core.rl.logprobs import compute_logprobs
     from afm_core.rl.losses import PolicyLossConfig, reduce_stats
     from afm_core.rl.policy_model import build_policy_model
-    from afm_core.train.distributed import destroy_distributed, init_distributed
 
     layout = init_distributed(OmegaConf.create({"tp": world, "pp": 1}), seed=1, num_threads=1)
     try:

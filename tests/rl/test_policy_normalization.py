@@ -42,11 +42,11 @@ def _worker(rank: int, world: int, port: int, spec: dict) -> None:
     set_rank_env(rank, world, port)
     from megatron.core import parallel_state as ps
 
+    from afm_core.engine.core import build_model_chunks
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.rl.actor import policy_forward_step
     from afm_core.rl.logprobs import response_logprobs
     from afm_core.rl.losses import PolicyLossConfig, policy_loss, reduce_stats
-    from afm_core.train.core import build_model_chunks
-    from afm_core.train.distributed import destroy_distributed, init_distributed
     from afm_core.train.trainer import SFTTrainer
 
     cfg = OmegaConf.create(spec["cfg"])
@@ -113,11 +113,11 @@ def _modes_worker(rank: int, world: int, port: int, spec: dict) -> None:
     set_rank_env(rank, world, port)
     from megatron.core import parallel_state as ps
 
+    from afm_core.engine.core import build_model_chunks
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.rl.actor import policy_forward_step
     from afm_core.rl.logprobs import response_logprobs
     from afm_core.rl.losses import PolicyLossConfig, policy_loss, reduce_stats
-    from afm_core.train.core import build_model_chunks
-    from afm_core.train.distributed import destroy_distributed, init_distributed
     from afm_core.train.trainer import SFTTrainer
 
     cfg = OmegaConf.create(spec["cfg"])

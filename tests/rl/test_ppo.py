@@ -74,9 +74,9 @@ def test_gae_gives_a_trajectory_without_model_tokens_zero_advantage():
 def _critic_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
     set_rank_env(rank, world, port)
     from afm_core.config.rl import rl_config as as_rl_config
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.critic import Critic
-    from afm_core.train.distributed import destroy_distributed, init_distributed
 
     layout = init_distributed(OmegaConf.create(cfg["parallel"]), seed=1, num_threads=1)
     try:
@@ -182,9 +182,9 @@ def test_the_policy_its_critic_and_its_reference_are_built_with_the_jobs_recompu
     """RL applies ``parallel.recompute`` / ``parallel.sequence_parallel`` as SFT does (it built its models without
     them: at 32B and 32k tokens the activations did not fit). One rank, tiny-llama, all three models."""
     from afm_core.config.rl import rl_config as as_rl_config
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.policy_trainer import PolicyTrainer
-    from afm_core.train.distributed import destroy_distributed, init_distributed
 
     set_rank_env_for_test(monkeypatch, free_port())
     cfg = _config(tmp_path / "run", "parallel.recompute=full", "algorithm.adv_estimator=gae", "algorithm.kl_coef=0.1")

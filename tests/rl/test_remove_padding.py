@@ -16,6 +16,7 @@ def _worker(rank: int, port: int) -> None:
     set_rank_env(rank, 1, port)
     from omegaconf import OmegaConf
 
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.advantages import broadcast_to_tokens
     from afm_core.rl.batch import rollout_micro_batch
@@ -23,7 +24,6 @@ def _worker(rank: int, port: int) -> None:
     from afm_core.rl.logprobs import compute_logprobs, forward_only
     from afm_core.rl.losses import PolicyLossConfig
     from afm_core.rl.policy_model import build_policy_model
-    from afm_core.train.distributed import destroy_distributed, init_distributed
 
     layout = init_distributed(OmegaConf.create({"tp": 1, "pp": 1}), seed=1, num_threads=1)
     try:

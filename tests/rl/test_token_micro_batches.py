@@ -185,11 +185,11 @@ def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
     from omegaconf import OmegaConf
 
     import afm_core.rl.batch as batch_module
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.critic import Critic
     from afm_core.rl.policy_model import build_policy_model
     from afm_core.rl.policy_trainer import build_policy_trainer, policy_update
-    from afm_core.train.distributed import destroy_distributed, init_distributed
 
     layout = init_distributed(OmegaConf.create(cfg["parallel"]), seed=1, num_threads=1)
     try:

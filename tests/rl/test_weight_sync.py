@@ -83,10 +83,10 @@ def _sync_worker(rank: int, world: int, port: int, spec: dict) -> None:
     set_rank_env(rank, world, port)
     from omegaconf import OmegaConf
 
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.policy_model import build_policy_model
     from afm_core.rl.weight_sync import sync_weights
-    from afm_core.train.distributed import destroy_distributed, init_distributed
 
     layout = init_distributed(OmegaConf.create({"tp": spec["tp"], "pp": 1}), seed=1, num_threads=1)
     llm = None
@@ -117,10 +117,10 @@ def _async_worker(rank: int, world: int, port: int, spec: dict) -> None:
     set_rank_env(rank, world, port)
     from omegaconf import OmegaConf
 
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.policy_model import build_policy_model
     from afm_core.rl.weight_sync import fp32_sync_engine_args, sync_weights_async
-    from afm_core.train.distributed import destroy_distributed, init_distributed
 
     layout = init_distributed(OmegaConf.create({"tp": 1, "pp": 1}), seed=1, num_threads=1)
     hf_dir = ensure_hf_checkpoint(spec["model"])

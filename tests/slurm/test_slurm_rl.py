@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from afm_core.engine.metrics import read_metrics
 from afm_core.launch.records import read_job_record
-from afm_core.train.metrics import read_metrics
 from afm_core.utils.paths import repo_root, shared_data_dir
 from tests.slurm.tiny_sft import events_of, wait_finished, wait_until
 
@@ -62,7 +62,7 @@ def steps(run_dir: Path) -> list[int]:
 def last_checkpoint_common(run_dir: Path) -> dict:
     from megatron.core.dist_checkpointing import load_common_state_dict
 
-    from afm_core.train.checkpoint_dirs import latest_complete_checkpoint
+    from afm_core.engine.checkpoint_dirs import latest_complete_checkpoint
 
     path = latest_complete_checkpoint(run_dir / "checkpoints")
     assert path is not None, f"no complete checkpoint in {run_dir}"

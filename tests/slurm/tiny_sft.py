@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from afm_core.engine.metrics import read_metrics
 from afm_core.launch.records import read_events, read_job_record
 from afm_core.launch.status import TERMINAL_STATES, collect, slurm_states
-from afm_core.train.metrics import read_metrics
 from afm_core.utils.paths import repo_root
 
 TINY = [  # tiny-llama on a 114-trajectory slice of the real traces (its own cache dir, prepared once)

@@ -9,7 +9,7 @@ Layout of ``RUN_DIR/checkpoints/``::
 A save stages everything in ``.tmp-step_N`` (:func:`stage_checkpoint`), then rank 0 publishes it
 (:func:`publish_checkpoint`): ``COMPLETE`` written and fsynced, the directory renamed to ``step_N``, the oldest
 complete checkpoints beyond ``keep_last`` removed. A crash at any point leaves the previous complete checkpoint
-as the latest one. What an engine writes inside is its own (:mod:`afm_core.train.checkpoint` for Megatron,
+as the latest one. What an engine writes inside is its own (:mod:`afm_core.engine.checkpoint` for Megatron,
 :mod:`afm_core.train.deepspeed_engine` for DeepSpeed); ``COMPLETE``'s ``engine`` field says which.
 """
 

@@ -1,7 +1,7 @@
 """Any complete training checkpoint (SFT or RL, any step) as an HF checkpoint: ``python -m jobs.export``.
 
 Like verl's ``model_merger`` and slime's ``convert_torch_dist_to_hf``: the ``torch_dist`` checkpoint
-(:mod:`afm_core.train.checkpoint`, written at any TP/PP layout) is loaded by ``dist_checkpointing`` into one
+(:mod:`afm_core.engine.checkpoint`, written at any TP/PP layout) is loaded by ``dist_checkpointing`` into one
 process's TP=1, PP=1 model (the shards are merged by the load: dist_checkpointing reshards), then written by the
 trainers' own HF writer (:func:`afm_core.models.bridge.save_hf_checkpoint`: safetensors, config, tokenizer). The
 export is loaded back with ``transformers`` and its logits on a fixed prompt are compared with the Megatron
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from afm_core.train.checkpoint_dirs import COMPLETE_MARKER, checkpoint_dir_name, complete_checkpoints, read_marker
+from afm_core.engine.checkpoint_dirs import COMPLETE_MARKER, checkpoint_dir_name, complete_checkpoints, read_marker
 
 #: Max |logit difference| between the Megatron model and its HF export, by export dtype. fp32: the two
 #: implementations differ only in op order; bf16: one bf16 rounding of logits of order 10.
@@ -94,7 +94,7 @@ def _init_single_process() -> Any:
     """
     from omegaconf import OmegaConf
 
-    from afm_core.train.distributed import init_distributed
+    from afm_core.engine.distributed import init_distributed
     from afm_core.utils.ports import free_port
 
     os.environ.update(
@@ -137,10 +137,10 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
     from megatron.core import dist_checkpointing
     from transformers import AutoConfig
 
+    from afm_core.engine.core import build_model
+    from afm_core.engine.distributed import destroy_distributed
     from afm_core.models.bridge import save_hf_checkpoint
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.train.core import build_model
-    from afm_core.train.distributed import destroy_distributed
 
     path = find_checkpoint(run_dir, step)
     marker = read_marker(path)

@@ -6,7 +6,7 @@ caller's loss, and checkpoints.
 One optimizer step runs the caller's micro batches through ``get_forward_backward_func()`` (no pipelining for PP=1,
 1F1B for PP>1, interleaved 1F1B with virtual stages); gradients accumulate in megatron DDP's fp32 buffers, are
 reduced over DP, scaled by 1 / (the token count the loss reports) (``calculate_per_token_loss``, see
-:mod:`afm_core.train.loss`), clipped, and applied by megatron's AdamW (:mod:`afm_core.train.optim`).
+:mod:`afm_core.train.loss`), clipped, and applied by megatron's AdamW (:mod:`afm_core.engine.optim`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 from omegaconf import DictConfig, OmegaConf
 
-from afm_core.train.checkpoint import Checkpointer
-from afm_core.train.distributed import ParallelLayout
-from afm_core.train.optim import build_optimizer
+from afm_core.engine.checkpoint import Checkpointer
+from afm_core.engine.distributed import ParallelLayout
+from afm_core.engine.optim import build_optimizer
 from afm_core.utils.host_memory import populate_for_write, zero_by_release
 
 
 def ddp_config(*, distributed_optimizer: bool, on_gpu: bool, dp: int) -> DistributedDataParallelConfig:
-    """Megatron DDP settings of the trainer (and of :mod:`afm_core.train.memory`'s plan, which must size the same
+    """Megatron DDP settings of the trainer (and of :mod:`afm_core.engine.memory`'s plan, which must size the same
     buffers): fp32 gradient buffers; on GPU with DP > 1 the gradient reduce overlapped with backward, and with the
     distributed optimizer the parameter all-gather with the next forward (Megatron-LM's ``--overlap-grad-reduce``
     / ``--overlap-param-gather``; overlapping also buckets the buffers, which changes their padding). CPU (gloo):
@@ -153,9 +153,9 @@ class MegatronTrainer:
     """The one Megatron trainer core that SFT (:class:`afm_core.train.trainer.SFTTrainer`), the RL policy
     (:mod:`afm_core.rl.policy_trainer`) and the PPO critic (:mod:`afm_core.rl.critic`) each hold: this rank's model
     chunks wrapped as Megatron-LM wraps them (Float16Module for bf16, DDP with fp32 grad buffers and per-token
-    loss), AdamW and its LR schedule (:mod:`afm_core.train.optim`), one optimizer step over micro batches with a
-    caller's loss (:meth:`step`), and checkpoints (:meth:`save` / :meth:`load`, :mod:`afm_core.train.checkpoint`).
-    The requeue check is :meth:`afm_core.train.preemption.Preemption.boundary_flags`, the loops'.
+    loss), AdamW and its LR schedule (:mod:`afm_core.engine.optim`), one optimizer step over micro batches with a
+    caller's loss (:meth:`step`), and checkpoints (:meth:`save` / :meth:`load`, :mod:`afm_core.engine.checkpoint`).
+    The requeue check is :meth:`afm_core.engine.preemption.Preemption.boundary_flags`, the loops'.
 
     Args:
         layout: this rank's parallel layout.
@@ -332,3 +332,18 @@ class MegatronTrainer:
         common, rank_state = self.checkpointer.load(path, self.model, self.optimizer)
         self.scheduler.load_state_dict(common["scheduler"])
         return common, rank_state
+
+
+def reads_packed_seq_params(chunks: list[torch.nn.Module]) -> bool:
+    """Whether every attention of the model chunks reads ``thd`` ``PackedSeqParams``: transformer-engine's
+    ``TEDotProductAttention`` or :class:`~afm_core.models.attention.SDPAttention` (megatron's local
+    ``DotProductAttention`` rejects them)."""
+    from afm_core.models.attention import SDPAttention
+
+    kinds = [
+        isinstance(m, SDPAttention) or type(m).__name__ == "TEDotProductAttention"
+        for chunk in chunks
+        for m in chunk.modules()
+        if type(m).__name__.endswith("DotProductAttention") or isinstance(m, SDPAttention)
+    ]
+    return bool(kinds) and all(kinds)

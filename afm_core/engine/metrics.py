@@ -3,7 +3,7 @@
 Each line holds at least ``step``, ``split`` ("train" | "eval"), ``loss`` (masked token-mean CE), ``lr``,
 ``tokens`` (unmasked target tokens in that step) and ``tokens_per_s``; train lines add ``grad_norm``,
 ``input_tokens_per_s`` (all positions), ``tflops`` (model TFLOP/s per device) and ``mfu`` (against the device's
-datasheet bf16 peak, ``trainer.peak_tflops``; null on CPU: :mod:`afm_core.train.flops`), ``elapsed_s``... and
+datasheet bf16 peak, ``trainer.peak_tflops``; null on CPU: :mod:`afm_core.engine.flops`), ``elapsed_s``... and
 ``time`` (unix seconds when the line was written, added by :class:`afm_core.utils.tracking.MetricsLog`). Lines are
 appended and flushed one by one, so a crash loses at most the line being written.
 On resume, lines past the checkpoint's step are dropped (atomic rewrite), so after any number of restarts

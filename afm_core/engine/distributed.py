@@ -195,8 +195,8 @@ def init_distributed(
     """
     from megatron.core import parallel_state as ps
 
-    from afm_core.train.cpu_shims import apply_cpu_shims
-    from afm_core.train.multi_tensor import use_foreach_kernels
+    from afm_core.engine.cpu_shims import apply_cpu_shims
+    from afm_core.engine.multi_tensor import use_foreach_kernels
 
     rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
     _env_int("MASTER_PORT")

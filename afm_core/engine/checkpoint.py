@@ -1,7 +1,7 @@
 """Atomic, resumable training checkpoints in megatron-core's ``dist_checkpointing`` format.
 
 One checkpoint directory (``RUN_DIR/checkpoints`` and its stage/publish protocol:
-:mod:`afm_core.train.checkpoint_dirs`)::
+:mod:`afm_core.engine.checkpoint_dirs`)::
 
     step_00000100/
         metadata.json, common.pt, __*.distcp   dist_checkpointing (torch_dist): model + optimizer shards,
@@ -35,8 +35,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import unwrap_model
 
-from afm_core.models.bridge import finish_param_gather
-from afm_core.train.checkpoint_dirs import (
+from afm_core.engine.checkpoint_dirs import (
     checkpoint_dir_name,
     on_rank0,
     publish_checkpoint,
@@ -44,7 +43,8 @@ from afm_core.train.checkpoint_dirs import (
     stage_checkpoint,
     staging_dir,
 )
-from afm_core.train.distributed import ParallelLayout
+from afm_core.engine.distributed import ParallelLayout
+from afm_core.models.bridge import finish_param_gather
 from afm_core.utils.atomic import atomic_path
 
 log = logging.getLogger(__name__)

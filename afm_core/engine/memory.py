@@ -4,7 +4,7 @@
 Model states are not estimated, they are built: :func:`model_state` constructs each pipeline stage's
 ``GPTModel`` chunks on the ``meta`` device inside a fake process group of the job's world size
 (``torch.testing._internal.distributed.fake_pg``: no memory, no communication), wraps them in megatron-core's
-``DistributedDataParallel`` with the trainer's settings (:func:`afm_core.train.core.ddp_config`) and reads the
+``DistributedDataParallel`` with the trainer's settings (:func:`afm_core.engine.core.ddp_config`) and reads the
 byte counts off the result:
 
   * parameters: this rank's tensors in the training dtype (with the distributed optimizer, megatron's padded
@@ -88,7 +88,7 @@ def fake_world(world_size: int, rank: int, *, tp: int, pp: int, cp: int = 1, vpp
     from megatron.core import parallel_state as ps
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from afm_core.train.distributed import model_parallel_groups
+    from afm_core.engine.distributed import model_parallel_groups
 
     if dist.is_initialized():
         raise RuntimeError("fake_world: torch.distributed is already initialised in this process")
@@ -147,8 +147,8 @@ def model_state(
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.transformer.module import Float16Module
 
+    from afm_core.engine.core import ddp_config
     from afm_core.models.bridge import build_gpt_model, mcore_config_from_hf
-    from afm_core.train.core import ddp_config
 
     if world_size % (tp * pp * cp):
         raise ValueError(f"world size {world_size} is not a multiple of tp * pp * cp = {tp} * {pp} * {cp}")

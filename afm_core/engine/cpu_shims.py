@@ -29,14 +29,14 @@ Patches (in the order :func:`apply_cpu_shims` installs them):
    generator. Prevents ``AssertionError: Torch not compiled with CUDA enabled`` in
    ``model_parallel_cuda_manual_seed`` -> ``CudaRNGStatesTracker.add``. Side effect:
    ``model_parallel_cuda_manual_seed(seed)`` re-seeds the CPU generator, and the tracker's states are CPU
-   generator states (checkpointed as such by :mod:`afm_core.train.checkpoint`).
+   generator states (checkpointed as such by :mod:`afm_core.engine.checkpoint`).
 5. ``Tensor.type()`` without arguments reports the ``torch.cuda.*Tensor`` name for CPU float tensors.
    Prevents the bare ``AssertionError`` at ``clip_grads.py`` ``clip_grad_by_total_norm_fp32``
    (``assert param.grad.type() == 'torch.cuda.FloatTensor'``) and ``TypeError: Wrapped parameters must be
    one of torch.cuda.FloatTensor, ...`` when megatron's mixed-precision optimizer wraps bf16 parameters.
 
 Megatron's multi-tensor fallbacks without apex (gradient clipping) are replaced on every device, not here:
-:mod:`afm_core.train.multi_tensor`.
+:mod:`afm_core.engine.multi_tensor`.
 """
 
 from __future__ import annotations
