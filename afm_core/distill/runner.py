@@ -368,11 +368,13 @@ def run_distill(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
         graders = {str(t.meta.get("grader")) for b in benchmarks for t in b.tasks}
         writer = SampleWriter(runs_path)
         try:
-            with tool_servers(cfg, needed_servers(families, graders, cfg["tools"]),
-                              run_dir / "logs" / "tool_servers") as server_urls:  # fmt: skip
+            with tool_servers(needed_servers(families, graders, cfg["tools"]), run_dir / "logs" / "tool_servers",
+                              addresses_file=cfg["tools"]["addresses_file"], **cfg["tool_servers"],
+                              data_dir=cfg.get("data_dir")) as server_urls:  # fmt: skip
                 info = asyncio.run(_distill(cfg, todo, writer, server_urls))
         finally:
             writer.close()
     report = finish(cfg, run_dir, info)
-    log_results(cfg, "distill", {"distill": report})
+    log_results(run_dir, cfg.get("logger") or ["console"], "distill", {"distill": report}, config=cfg,
+                tracking=cfg.get("tracking"))  # fmt: skip
     return {**report, "total": total, "stopped_early": _stop_requested and report["runs"] < total}

@@ -314,8 +314,9 @@ def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
         writer = SampleWriter(samples_path)
         try:
             with tool_servers(
-                cfg, _needed_servers(benchmarks, cfg["tools"]), run_dir / "logs" / "tool_servers"
-            ) as server_urls:
+                _needed_servers(benchmarks, cfg["tools"]), run_dir / "logs" / "tool_servers",
+                addresses_file=cfg["tools"]["addresses_file"], **cfg["tool_servers"], data_dir=cfg.get("data_dir"),
+            ) as server_urls:  # fmt: skip
                 info = asyncio.run(_evaluate(cfg, benchmarks, todo, writer, server_urls))
         finally:
             writer.close()
@@ -333,7 +334,9 @@ def run_eval(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     if skipped:
         atomic_write_json(run_dir / "skipped_records.json", skipped)
     complete = len(records) >= total
-    log_results(cfg, "eval", {f"eval/{name}": values for name, values in metrics.items()})
+    log_results(run_dir, cfg.get("logger") or ["console"], "eval",
+                {f"eval/{name}": values for name, values in metrics.items()},
+                config=cfg, tracking=cfg.get("tracking"))  # fmt: skip
     summary = {"metrics": metrics, "samples": len(records), "total": total, "stopped_early": _stop_requested and not complete,
                "seconds": round(info.get("seconds", 0.0), 1), "run_dir": str(run_dir), "skipped_records": skipped}  # fmt: skip
     return summary

@@ -540,8 +540,8 @@ def start_rollout_actor(
     node, log_dir = this_node(), Path(config.run_dir) / "logs" / "tool_servers"
     if len(set(gather_objects(node))) > 1:  # a job across nodes: one log folder per node
         log_dir /= node
-    servers = {"tool_servers": asdict(config.tool_servers), "tools": tools, "data_dir": config.data_dir}
-    with tool_servers(servers, names if layout.local_rank == 0 else [], log_dir) as local_urls:
+    with tool_servers(names if layout.local_rank == 0 else [], log_dir, addresses_file=config.tools.addresses_file,
+                      **asdict(config.tool_servers), data_dir=config.data_dir) as local_urls:  # fmt: skip
         urls = node_tool_urls(gather_objects((node, layout.local_rank, local_urls())), node)
         colocation = select_colocation(
             config.colocation,

@@ -20,7 +20,21 @@ from typing import Any, ClassVar
 from afm_core.tools.errors import ERROR_KINDS, ToolError, ToolInputError
 from afm_core.tools.http import ToolHttp
 
-__all__ = ["ERROR_KINDS", "Tool", "ToolError", "ToolInputError"]  # the errors live in afm_core.tools.errors
+__all__ = ["ERROR_KINDS", "Tool", "ToolError", "ToolInputError", "search_query"]  # the errors: afm_core.tools.errors
+
+
+def search_query(content: str, tag: str) -> str:
+    """The query of a search call (``<wiki_search>``, ``<web_search>``): the tag's content with each run of
+    whitespace, newlines included, made one space and the ends stripped (the query is also the cache key and the
+    duplicate guard's, so ``"a  b"`` and ``"a\\nb"`` are one query).
+
+    Raises:
+        ToolInputError: the content is empty or only whitespace (the message shows the call to write).
+    """
+    query = " ".join(content.split())
+    if not query:
+        raise ToolInputError(f"empty {tag} query; write <{tag}>your query</{tag}>")
+    return query
 
 
 class Tool(ABC):

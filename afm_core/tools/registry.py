@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -44,6 +45,9 @@ from afm_core.tools.web_search import WebSearchTool
 from afm_core.tools.wiki_search import WikiSearchTool
 from afm_core.utils.plugins import build_plugin, is_plugin
 
+#: The ``tools`` group's keys that are :class:`ToolPool` settings (passed through when given).
+POOL_KEYS = ("connection_limit", "connection_limit_per_host", "fail_fast")
+
 TOOL_CLASSES: dict[str, Callable[..., Tool]] = {
     CodeTool.name: CodeTool,
     WikiSearchTool.name: WikiSearchTool,
@@ -52,14 +56,14 @@ TOOL_CLASSES: dict[str, Callable[..., Tool]] = {
 }
 
 
-def _plain(node: Mapping) -> dict:
+def _plain(node: Mapping[str, Any]) -> dict[str, Any]:
     """A plain dict from a dict or an OmegaConf node (interpolations resolved)."""
     if isinstance(node, DictConfig):
-        return OmegaConf.to_container(node, resolve=True)
+        return cast(dict[str, Any], OmegaConf.to_container(node, resolve=True))
     return dict(node)
 
 
-def build_tools(tools_cfg: Mapping, addresses: Mapping[str, str]) -> tuple[list[Tool], dict[str, ToolLimits]]:
+def build_tools(entries: Mapping[str, Any], addresses: Mapping[str, str]) -> tuple[list[Tool], dict[str, ToolLimits]]:
     """Tools and their limits from the ``tools`` section of the config.
 
     Raises:
@@ -67,7 +71,7 @@ def build_tools(tools_cfg: Mapping, addresses: Mapping[str, str]) -> tuple[list[
             (the message names the tool and the field).
     """
     tools, limits = [], {}
-    for name, entry in _plain(tools_cfg).items():
+    for name, entry in _plain(entries).items():
         if entry is None:  # a tool switched off with `tools.code: null`
             continue
         plugin = is_plugin(entry)
@@ -107,27 +111,27 @@ def build_tools(tools_cfg: Mapping, addresses: Mapping[str, str]) -> tuple[list[
     return tools, limits
 
 
-def build_tool_pool(cfg: Mapping, addresses: Mapping[str, str] | None = None, wait_s: float = 0.0) -> ToolPool:
-    """A :class:`ToolPool` from the tools config (see the module docstring).
+def build_tool_pool(
+    tools_group: Mapping[str, Any], addresses: Mapping[str, str] | None = None, wait_s: float = 0.0
+) -> ToolPool:
+    """A :class:`ToolPool` from the ``tools`` group (see the module docstring; the job's
+    :class:`afm_core.config.tools.ToolsConfig` as a mapping, ``dataclasses.asdict``). The keys it leaves out take
+    the defaults of :class:`ToolPool` and :class:`~afm_core.tools.cache.ToolCache`.
 
     Args:
-        cfg: the tools config.
-        addresses: ``{server: base URL}``; None reads ``cfg["addresses_file"]`` (waiting up to ``wait_s``).
+        tools_group: the ``tools`` group: ``tools`` (the entries :func:`build_tools` reads), and optionally
+            ``addresses_file``, ``cache`` (``{path, max_entries}``; null: no cache), ``connection_limit``,
+            ``connection_limit_per_host``, ``fail_fast``.
+        addresses: ``{server: base URL}``; None reads the group's ``addresses_file`` (waiting up to ``wait_s``).
     """
-    cfg = _plain(cfg)
+    group = _plain(tools_group)
     if addresses is None:
-        addresses = read_addresses(cfg["addresses_file"], wait_s=wait_s)
-    tools, limits = build_tools(cfg["tools"], addresses)
-    cache_cfg = cfg.get("cache")
+        addresses = read_addresses(group["addresses_file"], wait_s=wait_s)
+    tools, limits = build_tools(group["tools"], addresses)
     cache = None
-    if cache_cfg:
-        path = cache_cfg.get("path")
-        cache = ToolCache(Path(path).expanduser() if path else None, max_entries=cache_cfg.get("max_entries", 100_000))
-    return ToolPool(
-        tools,
-        limits,
-        cache=cache,
-        connection_limit=cfg.get("connection_limit", 512),
-        connection_limit_per_host=cfg.get("connection_limit_per_host", 256),
-        fail_fast=bool(cfg.get("fail_fast", False)),
-    )
+    if group.get("cache"):
+        cache_group = dict(group["cache"])
+        path = cache_group.pop("path", None)
+        cache = ToolCache(Path(path).expanduser() if path else None, **cache_group)
+    pool_settings = {key: group[key] for key in POOL_KEYS if key in group}
+    return ToolPool(tools, limits, cache=cache, **pool_settings)

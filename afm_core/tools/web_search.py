@@ -16,7 +16,7 @@ import json
 import os
 from collections.abc import Mapping
 
-from afm_core.tools.base import Tool, ToolError, ToolInputError
+from afm_core.tools.base import Tool, ToolError, search_query
 from afm_core.tools.http import ToolHttp
 from afm_core.tools.wiki_search import REPEATED_SEARCH
 
@@ -52,10 +52,7 @@ class WebSearchTool(Tool):
         self.api_key_env = api_key_env
 
     def parse(self, content: str) -> str:
-        query = " ".join(content.split())
-        if not query:
-            raise ToolInputError("empty web_search query; write <web_search>your query</web_search>")
-        return query
+        return search_query(content, self.coa_tag)
 
     def cache_key(self, args: str, context: Mapping[str, str]) -> str:
         return json.dumps({"query": args, "num": self.num_results}, ensure_ascii=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
-from afm_core.tools.base import Tool, ToolError, ToolInputError
+from afm_core.tools.base import Tool, ToolError, search_query
 from afm_core.tools.http import ToolHttp
 
 #: Upstream's canned answer to a repeated search query in one trajectory (rollout duplicate guard).
@@ -48,10 +48,7 @@ class WikiSearchTool(Tool):
         self.topk = topk
 
     def parse(self, content: str) -> str:
-        query = " ".join(content.split())
-        if not query:
-            raise ToolInputError("empty wiki_search query; write <wiki_search>your query</wiki_search>")
-        return query
+        return search_query(content, self.coa_tag)
 
     def cache_key(self, args: str, context: Mapping[str, str]) -> str:
         return json.dumps({"query": args, "topk": self.topk}, ensure_ascii=False)

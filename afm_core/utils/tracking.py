@@ -30,7 +30,7 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -312,17 +312,27 @@ class Tracker:
                 backend.close()
 
 
-def log_results(cfg: Mapping[str, Any], job_type: str, results: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+def log_results(
+    run_dir: str | Path,
+    loggers: Sequence[str],
+    job_type: str,
+    results: Mapping[str, Mapping[str, Any]],
+    *,
+    config: Mapping[str, Any],
+    tracking: Mapping[str, Any] | None,
+) -> dict[str, str]:
     """A job without training steps (eval, distill) logs its results once, at its end, at step 0: each
-    ``results[split]`` (nested values flattened to ``a.b``) to ``cfg.logger``'s backends and
-    ``RUN_DIR/metrics.jsonl``, continuing the runs of an earlier start of the same run dir (``tracking.json``).
+    ``results[split]`` (nested values flattened to ``a.b``) to the backends of ``loggers`` (the job's ``logger``)
+    and ``RUN_DIR/metrics.jsonl``, continuing the runs of an earlier start of the same run dir
+    (``tracking.json``). ``config`` (the job's resolved config, plain containers) and ``tracking`` (its
+    ``tracking`` group) are as :class:`Tracker` takes them.
 
     Returns:
         The backends' run ids.
     """
-    run_dir = Path(cfg["run_dir"])
-    tracker = Tracker(run_dir, list(cfg.get("logger") or ["console"]), config=cfg, job_type=job_type,
-                      tracking=cfg.get("tracking"), run_ids=read_run_ids(run_dir))  # fmt: skip
+    run_dir = Path(run_dir)
+    tracker = Tracker(run_dir, list(loggers), config=config, job_type=job_type, tracking=tracking,
+                      run_ids=read_run_ids(run_dir))  # fmt: skip
     try:
         for split, values in results.items():
             tracker.write({**flatten(values), "step": 0, "split": split})
