@@ -6,7 +6,7 @@ waits on (Python layer code, autograd, dispatch), measured on CPU for each way o
 
 The GPU step of Qwen2.5-1.5B (``benchmarks/sft_gpu.py``, ``--profile``) keeps the device busy for ~70% of its wall
 time: the rest is the host launching ~4,600 kernels through megatron's Python layer code. Here the model is
-megatron's GPTModel with our layer spec (:func:`afm_core.models.bridge.build_gpt_model`) at the tiny-llama
+megatron's GPTModel with our layer spec (:func:`afm_core.models.gpt.build_gpt_model`) at the tiny-llama
 preset's shape with ``--layers`` layers, the width cut to 64 (4 heads, 2 groups) and the vocabulary to 1024, the
 CUDA fusions that run on a CPU on (megatron's compiled bias-dropout-add), one sequence of ``--tokens`` tokens,
 fp32, one thread: each operation's arithmetic is a few microseconds, so the step time is the host's work.
@@ -43,7 +43,7 @@ def measure(variant: str, layers: int, tokens: int, warmup: int, steps: int) -> 
 
     from afm_core.engine.distributed import destroy_distributed
     from afm_core.models.arch import hf_config_from_arch
-    from afm_core.models.bridge import build_gpt_model, mcore_config_from_hf
+    from afm_core.models.gpt import build_gpt_model, mcore_config_from_hf
     from afm_core.models.local_spec import compile_transformer_layers, set_compiled_elementwise
     from afm_core.models.presets import load_preset
     from benchmarks.sft_throughput import join_single_process_group
@@ -60,7 +60,7 @@ def measure(variant: str, layers: int, tokens: int, warmup: int, steps: int) -> 
         )
         hf_config = hf_config_from_arch(arch)
         config = mcore_config_from_hf(hf_config, tp=1, params_dtype=torch.float32)
-        config.bias_dropout_fusion = True  # as on CUDA (bridge.platform_fusions)
+        config.bias_dropout_fusion = True  # as on CUDA (gpt.platform_fusions)
         model = build_gpt_model(hf_config, config, pre_process=True, post_process=True)
         set_compiled_elementwise(variant == "elementwise")
         if variant == "layers":

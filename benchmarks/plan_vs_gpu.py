@@ -195,7 +195,7 @@ def measure(
     mem = Memory()
     chunks = build_model(hf_config, layout, params_dtype=training_dtype(t.precision), **activation_memory_overrides(p))
     if hf_dir is not None:
-        from afm_core.models.bridge import load_hf_weights
+        from afm_core.models.hf_weights import load_hf_weights
 
         load_hf_weights(chunks, hf_dir)
     built = mem.allocated()
@@ -314,7 +314,7 @@ def report(model: str, recompute: str, adamw: str, pred: dict[str, Any], meas: d
 
 def run_one(args: argparse.Namespace, model: str, recompute: str) -> dict[str, Any]:
     from afm_core.engine.distributed import destroy_distributed
-    from afm_core.models.bridge import transformer_engine_available
+    from afm_core.models.gpt import transformer_engine_available
 
     with tempfile.TemporaryDirectory(prefix="afm-plan-vs-gpu-") as run_dir:
         cfg = compose_config(

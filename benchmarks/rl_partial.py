@@ -118,7 +118,8 @@ def build(args: argparse.Namespace) -> dict[str, Any]:
     from afm_core.rl.rollout_actor import RolloutActor
     from afm_core.rollout import AgentTask
     from afm_core.rollout.factory import load_tokenizer
-    from afm_core.rollout.vllm_engine import VLLMConfig, VLLMEngine
+    from afm_core.rollout.vllm_engine import VLLMEngine
+    from afm_core.rollout.vllm_settings import VLLMConfig
     from afm_core.utils.paths import shared_data_dir
     from benchmarks.rl_step import one_rank_env
 

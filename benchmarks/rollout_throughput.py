@@ -81,7 +81,9 @@ async def run_engine(
     """One round of one engine setting: start, warm up, raw and agent phases, close."""
     from afm_core.data.tokenize import encode_prompt
     from afm_core.rollout import AgentConfig, AgentLoop, SamplingConfig
-    from afm_core.rollout.vllm_engine import VLLMConfig, VLLMEngine, engine_args
+    from afm_core.rollout.vllm_engine import VLLMEngine
+    from afm_core.rollout.vllm_platform import engine_args
+    from afm_core.rollout.vllm_settings import VLLMConfig
 
     fields, env = ENGINES[name]
     settings = {"cpu_kv_cache_gib": args.kv_cache_gib, **fields}

@@ -288,7 +288,7 @@ def ours(args: argparse.Namespace, data: PackedSequences, hf_dir: Path, engine: 
     the device's matmul rate."""
     from afm_core.engine.distributed import destroy_distributed, training_dtype
     from afm_core.models.attention import SDPAttention
-    from afm_core.models.bridge import transformer_engine_available
+    from afm_core.models.gpt import transformer_engine_available
     from afm_core.models.local_spec import _compiled
     from benchmarks import plan_vs_gpu
 

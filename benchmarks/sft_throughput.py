@@ -178,12 +178,8 @@ def megatron_step(
 
     from afm_core.engine.core import build_model_chunks
     from afm_core.engine.distributed import activation_memory_overrides
-    from afm_core.models.bridge import (
-        build_gpt_model,
-        load_hf_weights,
-        mcore_config_from_hf,
-        transformer_engine_available,
-    )
+    from afm_core.models.gpt import build_gpt_model, mcore_config_from_hf, transformer_engine_available
+    from afm_core.models.hf_weights import load_hf_weights
     from afm_core.train.trainer import SFTTrainer
 
     layout = join_single_process_group(cfg, threads)
@@ -203,7 +199,7 @@ def megatron_step(
     stream = train_stream(data, t, dense_mask=False)
     trainer = SFTTrainer(cfg, layout, chunks, stream, [], cfg.run_dir, max_steps)
     if not trainer.thd_packing:
-        raise RuntimeError("the model's attention does not read cu_seqlens: not the layer spec of models/bridge.py")
+        raise RuntimeError("the model's attention does not read cu_seqlens: not the layer spec of models/gpt.py")
     attention = (
         "transformer-engine fused, thd (cu_seqlens)"
         if transformer_engine_available()

@@ -127,7 +127,7 @@ def _worker(rank: int, tp: int, port: int, recompute: bool) -> None:
     from afm_core.engine.cpu_shims import apply_cpu_shims
     from afm_core.models import attention
     from afm_core.models.arch import hf_config_from_arch
-    from afm_core.models.bridge import build_gpt_model, mcore_config_from_hf
+    from afm_core.models.gpt import build_gpt_model, mcore_config_from_hf
     from afm_core.models.local_spec import compile_transformer_layers
     from afm_core.models.presets import load_preset
 
@@ -141,7 +141,7 @@ def _worker(rank: int, tp: int, port: int, recompute: bool) -> None:
         arch = load_preset("tiny-llama").arch
         hf_config = hf_config_from_arch(arch)
         config = mcore_config_from_hf(hf_config, tp=tp, params_dtype=torch.float32)
-        config.bias_dropout_fusion = True  # as on CUDA (bridge.platform_fusions): megatron's compiled bias-dropout-add
+        config.bias_dropout_fusion = True  # as on CUDA (gpt.platform_fusions): megatron's compiled bias-dropout-add
         if recompute:  # megatron's full activation recomputation: each layer's forward run again in backward
             config.recompute_granularity, config.recompute_method, config.recompute_num_layers = "full", "uniform", 1
         model = build_gpt_model(hf_config, config, pre_process=True, post_process=True)

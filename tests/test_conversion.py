@@ -52,13 +52,8 @@ def _worker(rank: int, world_size: int, tp: int, pp: int, port: int, hf_dir: str
     from transformers import AutoConfig
 
     from afm_core.engine.cpu_shims import apply_cpu_shims
-    from afm_core.models.bridge import (
-        build_gpt_model,
-        export_hf_weights,
-        load_hf_weights,
-        mcore_config_from_hf,
-        save_hf_checkpoint,
-    )
+    from afm_core.models.gpt import build_gpt_model, mcore_config_from_hf
+    from afm_core.models.hf_weights import export_hf_weights, load_hf_weights, save_hf_checkpoint
 
     apply_cpu_shims()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -253,7 +248,7 @@ def test_smollm2_round_trip_tp3(tmp_path):
 def test_tp_must_split_heads_and_kv_heads():
     from transformers import AutoConfig
 
-    from afm_core.models.bridge import mcore_config_from_hf
+    from afm_core.models.gpt import mcore_config_from_hf
 
     smol = AutoConfig.from_pretrained(ensure_hf_checkpoint("smollm2-135m"))
     with pytest.raises(

@@ -60,7 +60,7 @@ def _packed_training_step(model, sample, sync_free: bool) -> tuple[torch.Tensor,
     it (megatron's plain ``PackedSeqParams``: offsets and labelled rows read back from the model's tensors)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from afm_core.models.bridge import OutputRows
+    from afm_core.models.gpt import OutputRows
     from afm_core.train.trainer import thd_packed_seq_params
 
     params = thd_packed_seq_params([sample["cu_seqlens"]], SEQ, torch.device("cpu"))
@@ -94,11 +94,8 @@ def _worker(rank: int, world: int, port: int, hf_dir: str, out: str) -> None:
 
     from afm_core.engine.cpu_shims import apply_cpu_shims
     from afm_core.models.attention import SDPAttention
-    from afm_core.models.bridge import (
-        build_gpt_model,
-        load_hf_weights,
-        mcore_config_from_hf,
-    )
+    from afm_core.models.gpt import build_gpt_model, mcore_config_from_hf
+    from afm_core.models.hf_weights import load_hf_weights
     from afm_core.train.trainer import thd_packed_seq_params
 
     apply_cpu_shims()

@@ -1,6 +1,6 @@
 """B3: with the distributed optimizer and ``overlap_param_gather`` each DP rank updates only its shard of the
 parameters at ``optimizer.step()``; the rest arrive with the next forward. What reads the weights in between (the
-weight sync to vLLM, an RL checkpoint, the HF export: :func:`afm_core.models.bridge.export_hf_weights`) must see
+weight sync to vLLM, an RL checkpoint, the HF export: :func:`afm_core.models.hf_weights.export_hf_weights`) must see
 every rank's update. Real gloo world of DP=2, Megatron DDP + DistributedOptimizer with the GPU settings
 (overlapped reduce and gather) forced on, as a GPU job with DP > 1 runs them."""
 
@@ -19,7 +19,7 @@ def _worker(rank: int, world: int, port: int, run_dir: str, out: dict) -> None:
     set_rank_env(rank, world, port)
     from afm_core.engine import core as core_module
     from afm_core.engine.distributed import destroy_distributed, init_distributed
-    from afm_core.models.bridge import export_hf_weights
+    from afm_core.models.hf_weights import export_hf_weights
     from afm_core.train import trainer as trainer_module
 
     gpu_settings = core_module.ddp_config

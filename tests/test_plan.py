@@ -35,7 +35,7 @@ def measure_worker(rank: int, world: int, port: int, spec: dict, out: dict) -> N
     set_rank_env(rank, world, port)
     from afm_core.engine.core import build_model_chunks
     from afm_core.engine.distributed import destroy_distributed, init_distributed
-    from afm_core.models.bridge import build_gpt_model, mcore_config_from_hf
+    from afm_core.models.gpt import build_gpt_model, mcore_config_from_hf
     from afm_core.train.trainer import SFTTrainer
 
     conf = repo_root() / "conf"

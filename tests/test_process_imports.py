@@ -58,25 +58,27 @@ import jobs.sft, jobs.rl, jobs.eval, afm_core.launch.submit, afm_core.data.prepa
 
 def test_building_the_model_imports_megatron_and_mbridge_core_only_and_autobridge_still_has_every_family():
     """``make_plan`` builds the model on the meta device as a training rank does (megatron-core, mbridge's core,
-    our bridge), and the rank's trainer modules are imported: no wandb or tensorboard (no tracker is configured), no
-    ``torch._inductor`` (megatron's fusions are compiled at their first call) and no mbridge family module."""
+    our model and HF weight modules), and the rank's trainer modules are imported: no wandb or tensorboard (no
+    tracker is configured), no ``torch._inductor`` (megatron's fusions are compiled at their first call) and no
+    mbridge family module."""
     code = """
 from omegaconf import OmegaConf
 from afm_core.launch.plan import compose, make_plan
 cfg = OmegaConf.to_container(compose("sft", ["model=tiny-llama", "+cluster.checkpoint_write_gb_s=1"]), resolve=False)
 assert make_plan(cfg, "sft")["total_params"] > 0
-import afm_core.models.bridge, afm_core.train.trainer, afm_core.engine.core, afm_core.rl.policy_trainer
+import afm_core.models.gpt, afm_core.models.hf_weights
+import afm_core.train.trainer, afm_core.engine.core, afm_core.rl.policy_trainer
 import megatron.core.jit, megatron.core.fusions.fused_bias_geglu
 from afm_core.utils.import_hooks import deferred_compile
 assert megatron.core.jit.jit_fuser is deferred_compile
 """
     loaded = loaded_after(code)
-    assert {"megatron.core", "mbridge.core.llm_bridge", "afm_core.models.bridge"} <= set(loaded)
+    assert {"megatron.core", "mbridge.core.llm_bridge", "afm_core.models.hf_weights"} <= set(loaded)
     assert of_packages(loaded, ("wandb", "tensorboard", "vllm")) == []
     hidden = ("torch._inductor.compile_fx", "torch.utils.tensorboard", "mbridge.models")
     assert [m for m in loaded if m.startswith(hidden)] == []
 
-    code = "import afm_core.models.bridge, mbridge\nfrom mbridge import AutoBridge\nassert mbridge.__version__"
+    code = "import afm_core.models.hf_weights, mbridge\nfrom mbridge import AutoBridge\nassert mbridge.__version__"
     code += "\nfrom mbridge.core.bridge import _MODEL_REGISTRY\nassert {'llama', 'qwen2', 'deepseek_v3'} <= set(_MODEL_REGISTRY)"
     assert "mbridge.models.deepseek_v3" in loaded_after(code)
 

@@ -113,7 +113,7 @@ def tiny_provider(layout, *, params_dtype=torch.float32):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer import TransformerConfig
 
-    from afm_core.models.bridge import gpt_layer_spec
+    from afm_core.models.gpt import gpt_layer_spec
 
     config = TransformerConfig(
         num_layers=LAYERS,

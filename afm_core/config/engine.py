@@ -1,5 +1,5 @@
 """The schema of the RL job's ``engine`` group (``conf/engine/vllm.yaml``, the recipes' ``engine:`` overrides): the
-vLLM engine each rank of ``jobs.rl`` runs beside its trainer (:class:`afm_core.rollout.vllm_engine.VLLMConfig`
+vLLM engine each rank of ``jobs.rl`` runs beside its trainer (:class:`afm_core.rollout.vllm_settings.VLLMConfig`
 less what the colocation imposes at run time: ``in_process``, ``distributed_executor_backend``,
 ``enable_sleep_mode``, ``afm_core.rl.colocation.Colocation.engine_overrides``)."""
 
@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from afm_core.config.checks import at_least_one, require
-from afm_core.rollout.vllm_engine import VLLMSettings
+from afm_core.rollout.vllm_settings import VLLMSettings
 
 
 @dataclass
 class VLLMEngineConfig(VLLMSettings):
     """``engine`` of the RL job (``backend: vllm``): the engine's settings
-    (:class:`afm_core.rollout.vllm_engine.VLLMSettings`, declared there once) and the backend, which must be vLLM.
+    (:class:`afm_core.rollout.vllm_settings.VLLMSettings`, declared there once) and the backend, which must be vLLM.
 
     Raises:
         ConfigError: ``backend`` other than ``vllm`` (the RL engine runs in the job: the trainer's weights are

@@ -44,7 +44,7 @@ from afm_core.engine.checkpoint_dirs import (
     staging_dir,
 )
 from afm_core.engine.distributed import ParallelLayout
-from afm_core.models.bridge import finish_param_gather
+from afm_core.models.hf_weights import finish_param_gather
 from afm_core.utils.atomic import atomic_path
 
 log = logging.getLogger(__name__)

@@ -124,13 +124,13 @@ def build_model(
     hf_config: Any, layout: ParallelLayout, *, params_dtype: torch.dtype, **config_overrides: Any
 ) -> list[torch.nn.Module]:
     """This rank's randomly initialised ``GPTModel`` chunks shaped like ``hf_config`` (a transformers Llama/Qwen2/Qwen3
-    config), on ``layout.device``: :func:`afm_core.models.bridge.mcore_config_from_hf` with this rank's TP/PP/VPP
+    config), on ``layout.device``: :func:`afm_core.models.gpt.mcore_config_from_hf` with this rank's TP/PP/VPP
     and ``config_overrides`` (recompute, sequence parallel...), then :func:`build_model_chunks`. Every floating
     parameter is in ``params_dtype``: megatron's norms (the final layernorm among them) are built in fp32 whatever
     ``params_dtype`` says, and Megatron-LM's ``Float16Module`` casts them only in training
     (``megatron/core/transformer/module.py``), so an unwrapped bf16 model (the export, a reference policy) would
     otherwise carry one fp32 tensor. Megatron's parallel state must be initialised."""
-    from afm_core.models.bridge import build_gpt_model, mcore_config_from_hf
+    from afm_core.models.gpt import build_gpt_model, mcore_config_from_hf
 
     config = mcore_config_from_hf(
         hf_config,
@@ -243,7 +243,7 @@ class MegatronTrainer:
     def sync_params(self) -> None:
         """Finish the pending parameter all-gather of the distributed optimizer (``overlap_param_gather``), so the
         weights are complete before an eval, a checkpoint or an export (Megatron-LM's ``force_param_sync``)."""
-        from afm_core.models.bridge import finish_param_gather
+        from afm_core.models.hf_weights import finish_param_gather
 
         finish_param_gather(self.model)
 

@@ -115,7 +115,7 @@ def activation_memory_overrides(parallel: Any) -> dict[str, Any]:
         ValueError: an unknown ``parallel.recompute``, or ``parallel.sequence_parallel`` without
             transformer-engine (GPU); the message names the field.
     """
-    from afm_core.models.bridge import transformer_engine_available
+    from afm_core.models.gpt import transformer_engine_available
 
     recompute, sp = parallel.get("recompute"), bool(parallel.get("sequence_parallel"))
     if recompute not in RECOMPUTE_CONFIG:

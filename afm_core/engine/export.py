@@ -3,7 +3,7 @@
 Like verl's ``model_merger`` and slime's ``convert_torch_dist_to_hf``: the ``torch_dist`` checkpoint
 (:mod:`afm_core.engine.checkpoint`, written at any TP/PP layout) is loaded by ``dist_checkpointing`` into one
 process's TP=1, PP=1 model (the shards are merged by the load: dist_checkpointing reshards), then written by the
-trainers' own HF writer (:func:`afm_core.models.bridge.save_hf_checkpoint`: safetensors, config, tokenizer). The
+trainers' own HF writer (:func:`afm_core.models.hf_weights.save_hf_checkpoint`: safetensors, config, tokenizer). The
 export is loaded back with ``transformers`` and its logits on a fixed prompt are compared with the Megatron
 model's (the parity check); an export that fails it is removed.
 
@@ -139,8 +139,8 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
 
     from afm_core.engine.core import build_model
     from afm_core.engine.distributed import destroy_distributed
-    from afm_core.models.bridge import save_hf_checkpoint
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.models.hf_weights import save_hf_checkpoint
 
     path = find_checkpoint(run_dir, step)
     marker = read_marker(path)

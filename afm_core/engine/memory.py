@@ -148,7 +148,7 @@ def model_state(
     from megatron.core.transformer.module import Float16Module
 
     from afm_core.engine.core import ddp_config
-    from afm_core.models.bridge import build_gpt_model, mcore_config_from_hf
+    from afm_core.models.gpt import build_gpt_model, mcore_config_from_hf
 
     if world_size % (tp * pp * cp):
         raise ValueError(f"world size {world_size} is not a multiple of tp * pp * cp = {tp} * {pp} * {cp}")
@@ -265,7 +265,7 @@ def cross_entropy_kind(*, on_gpu: bool, tp: int, transformer_engine: bool) -> st
     """Which output layer + cross entropy the last stage runs (module docstring): ``"te"`` (transformer-engine's
     ``parallel_cross_entropy``), ``"native"`` (megatron's fused one), ``"unfused"`` (megatron's
     ``vocab_parallel_cross_entropy``) or ``"chunked"`` (:func:`afm_core.models.cross_entropy.linear_cross_entropy`), as
-    :func:`afm_core.models.bridge.platform_fusions` and ``_GPTModel._postprocess`` choose it."""
+    :func:`afm_core.models.gpt.platform_fusions` and ``_GPTModel._postprocess`` choose it."""
     if on_gpu:
         return "te" if transformer_engine else "native"
     return "unfused" if tp > 1 else "chunked"

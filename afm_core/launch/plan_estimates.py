@@ -220,7 +220,7 @@ def slurm_mem_bytes(mem: Any) -> int | None:
 
 def weight_sync_plan(hf_config: Any, tp: int, pp: int, vpp: int | None) -> list[dict[str, Any]]:
     """Every HF tensor once: name, shape, the pipeline stage that owns it and how its TP shards are split (the
-    gather in :func:`afm_core.models.bridge.export_hf_weights`: TP all-gather, then a broadcast from the owning
+    gather in :func:`afm_core.models.hf_weights.export_hf_weights`: TP all-gather, then a broadcast from the owning
     stage over the PP group; TP rank 0 of that stage holds the full tensor first).
 
     ``tp_split``: 0 (rows: q/k/v, gate/up, embedding and output vocab), 1 (columns: o_proj, down_proj) or None

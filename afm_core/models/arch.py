@@ -4,7 +4,7 @@
 its fields is declared once, with the HF config attribute it maps to and its meaning (the field's ``metadata``:
 ``hf``, ``doc``); everything else is derived from that declaration: :data:`HF_FIELD_NAMES`,
 :func:`arch_from_hf_config` (HF -> arch), :func:`hf_config_from_arch` (arch -> HF), the Megatron
-``TransformerConfig`` (``models/bridge.py`` ``mcore_config_from_hf``), the preset file checks
+``TransformerConfig`` (``models/gpt.py`` ``mcore_config_from_hf``), the preset file checks
 (``models/presets.py``: the field types) and the Hydra schema ``model`` (``config/sft.py`` ``ModelConfig``).
 
 Families (:data:`FAMILY_SPECS`, the HF ``model_type``): ``llama`` (transformers ``models/llama``; Llama 2/3.x,

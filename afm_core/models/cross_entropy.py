@@ -1,5 +1,5 @@
 """The output layer and its cross entropy in one op: per-row CE of ``hidden @ weight.T`` without the ``[rows, vocab]``
-logits, for the model's fused output layer (:class:`afm_core.models.bridge._GPTModel`).
+logits, for the model's fused output layer (:class:`afm_core.models.gpt._GPTModel`).
 
 Kept with the model (as Megatron-core keeps its fused cross entropy in ``megatron/core/fusions``): the trainers'
 losses (:mod:`afm_core.train.loss`) sum what it returns per row.

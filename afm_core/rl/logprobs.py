@@ -69,7 +69,7 @@ def response_logprobs(
 
     Args:
         output: the policy's output for ``model(tokens, position_ids, None, loss_mask=rows)``: the selected rows'
-            logits ``[1, n, V / tp]`` (``afm_core.models.bridge._GPTModel``), or the full ``[b, s, V / tp]``
+            logits ``[1, n, V / tp]`` (``afm_core.models.gpt._GPTModel``), or the full ``[b, s, V / tp]``
             where the model computed every row (the rows are then selected here).
         labels: ``[b, s]`` int64 target ids.
         rows: ``[b, s]``, nonzero where a value is wanted (the response mask: the model's own tokens).
@@ -191,7 +191,7 @@ def forward_only(
         keys: the names ``per_token`` returns.
         per_token: ``(output of the last stage, the micro batch on the model's device) -> {key: [b, s] tensor}``.
         rows_key: a ``[b, s]`` entry of the micro batches passed to the model as ``loss_mask``: the output layer
-            then computes those rows only (``afm_core.models.bridge._GPTModel``); ``per_token`` must accept that
+            then computes those rows only (``afm_core.models.gpt._GPTModel``); ``per_token`` must accept that
             output (:func:`response_logprobs`). None: the full output.
         remove_padding: the model sees each micro batch's trajectories packed, without their padding, where it
             can (:func:`afm_core.rl.packed.rollout_forward`); the values come back in the padded layout.

@@ -1,7 +1,7 @@
 """The Megatron policy (or reference) model of an RL run: this rank's GPTModel chunks with the HF weights loaded.
 
 The same build as the SFT engine (``afm_core.train.sft``): ``mcore_config_from_hf`` -> ``build_gpt_model`` per
-virtual stage (``afm_core.engine.core.build_model_chunks``) -> ``afm_core.models.bridge.load_hf_weights``.
+virtual stage (``afm_core.engine.core.build_model_chunks``) -> ``afm_core.models.hf_weights.load_hf_weights``.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def build_policy_model(
     from transformers import AutoConfig
 
     from afm_core.engine.core import build_model
-    from afm_core.models.bridge import load_hf_weights
+    from afm_core.models.hf_weights import load_hf_weights
 
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     chunks = build_model(hf_config, layout, params_dtype=params_dtype, **config_overrides)

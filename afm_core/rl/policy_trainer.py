@@ -173,7 +173,7 @@ class PolicyTrainer:
 
     def export_hf(self, hf_dir: Path, out_dir: Path) -> Path:
         """The policy as an HF checkpoint in ``out_dir`` (safetensors + config + ``hf_dir``'s tokenizer)."""
-        from afm_core.models.bridge import save_hf_checkpoint
+        from afm_core.models.hf_weights import save_hf_checkpoint
 
         self.trainer.sync_params()
         return save_hf_checkpoint(self.trainer.model, self.hf_config, hf_dir, out_dir)

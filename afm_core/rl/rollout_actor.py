@@ -87,7 +87,7 @@ class RolloutActor:
         engine: an already started :class:`~afm_core.rollout.engine.GenerationEngine` to use instead of vLLM.
         colocation: this rank's engine layout (:mod:`afm_core.rl.colocation`); None: a vLLM ``AsyncLLM`` of its
             own (``colocation.mode=async``).
-        lockstep: the :class:`~afm_core.rollout.vllm_engine.Lockstep` of this rank's vLLM TP group (TP > 1).
+        lockstep: the :class:`~afm_core.rollout.vllm_inproc.Lockstep` of this rank's vLLM TP group (TP > 1).
         preemption: where a stop is asked for (:class:`~afm_core.engine.preemption.Preemption`), polled while a
             round generates; None: the job's (:data:`~afm_core.engine.preemption.JOB_PREEMPTION`).
     """
@@ -197,7 +197,7 @@ class RolloutActor:
         Raises:
             RolloutAborted: a stop was requested before the round ended (looked for every :data:`STOP_POLL_S`
                 seconds, between engine steps) and not ``keep_on_stop``: every trajectory of the round is
-                cancelled, its request aborted in vLLM (:meth:`~afm_core.rollout.vllm_engine.InprocVLLMEngine.idle`
+                cancelled, its request aborted in vLLM (:meth:`~afm_core.rollout.vllm_inproc.InprocVLLMEngine.idle`
                 waits for that), its tool calls and grading too. With ``keep_on_stop`` the engine is paused
                 instead and the round returns with ``stopped`` set.
         """

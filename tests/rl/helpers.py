@@ -49,7 +49,7 @@ def vllm_engine(hf_dir, *, seed: int = 0, max_model_len: int = 512):
     from vllm import LLM
 
     from afm_core.rl.weight_sync import fp32_sync_engine_args
-    from afm_core.rollout.vllm_engine import modules_hidden_from_vllms_kernel_scan
+    from afm_core.rollout.vllm_platform import modules_hidden_from_vllms_kernel_scan
 
     set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
     with modules_hidden_from_vllms_kernel_scan():
@@ -93,7 +93,7 @@ def _stop_during_round(round_: int, aborts: list[bool], preemption) -> None:
     import signal
 
     from afm_core.rl.rollout_actor import STOP_POLL_S, RolloutAborted, RolloutActor
-    from afm_core.rollout.vllm_engine import InprocVLLMEngine
+    from afm_core.rollout.vllm_inproc import InprocVLLMEngine
 
     signal.signal(signal.SIGUSR2, lambda signum, frame: preemption.request())
     rounds, generate, engine_generate = [0], RolloutActor.generate, InprocVLLMEngine.generate

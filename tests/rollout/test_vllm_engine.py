@@ -34,7 +34,8 @@ def tiny_llama():
 def loop_and_engine(tiny_llama):
     """One event loop and one engine for the module (an AsyncLLM is bound to the loop that made it)."""
     from afm_core.rollout.factory import load_tokenizer
-    from afm_core.rollout.vllm_engine import VLLMConfig, VLLMEngine
+    from afm_core.rollout.vllm_engine import VLLMEngine
+    from afm_core.rollout.vllm_settings import VLLMConfig
 
     loop = asyncio.new_event_loop()
     engine = loop.run_until_complete(VLLMEngine.start(VLLMConfig(model=str(tiny_llama), max_model_len=1024, seed=0)))
@@ -63,13 +64,14 @@ def test_the_engine_core_runs_the_worker_with_one_openmp_thread_per_core_this_jo
 def test_cpu_engine_settings_bf16_only_where_native_eager_by_default_and_a_users_binding_wins(monkeypatch):
     import os
 
-    from afm_core.rollout import vllm_engine
-    from afm_core.rollout.vllm_engine import VLLMConfig, engine_args
+    from afm_core.rollout import vllm_platform
+    from afm_core.rollout.vllm_platform import engine_args
+    from afm_core.rollout.vllm_settings import VLLMConfig
     from afm_core.utils import hardware
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.setattr(vllm_engine, "_bind_set_here", None)
-    monkeypatch.setattr(vllm_engine, "cuda_available", lambda: False)
+    monkeypatch.setattr(vllm_platform, "_bind_set_here", None)
+    monkeypatch.setattr(vllm_platform, "cuda_available", lambda: False)
     for native, forced, dtype in ((True, "", "bfloat16"), (False, "", "float32"), (False, "1", "bfloat16"),
                                   (True, "0", "float32")):  # fmt: skip
         monkeypatch.setenv("AFM_CPU_BF16", forced)
@@ -182,7 +184,8 @@ def test_a_dead_engine_stops_the_agent_loop_instead_of_recording_error_trajector
 
     from afm_core.rollout import EngineDead
     from afm_core.rollout.factory import load_tokenizer
-    from afm_core.rollout.vllm_engine import VLLMConfig, VLLMEngine
+    from afm_core.rollout.vllm_engine import VLLMEngine
+    from afm_core.rollout.vllm_settings import VLLMConfig
 
     loop = asyncio.new_event_loop()
     before = {p.pid for p in multiprocessing.active_children()}
@@ -210,7 +213,7 @@ def test_a_pause_returns_each_requests_tokens_so_far_through_asyncllms_own_pause
     after the resume the engine generates again."""
     from vllm.inputs import TokensPrompt
 
-    from afm_core.rollout.vllm_engine import sampling_params
+    from afm_core.rollout.vllm_requests import sampling_params
 
     loop, engine, tokenizer = loop_and_engine
     prompt = encode_prompt(tokenizer, "Count to one thousand.")

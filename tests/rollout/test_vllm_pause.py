@@ -24,7 +24,8 @@ def setup():
     """One event loop and one in-process engine for the module."""
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rollout.factory import load_tokenizer
-    from afm_core.rollout.vllm_engine import InprocVLLMEngine, VLLMConfig
+    from afm_core.rollout.vllm_inproc import InprocVLLMEngine
+    from afm_core.rollout.vllm_settings import VLLMConfig
 
     hf_dir = ensure_hf_checkpoint("smollm2-135m")
     loop = asyncio.new_event_loop()
@@ -56,7 +57,7 @@ class Recording:
 def test_streamed_outputs_give_what_the_final_output_gave(setup):
     from vllm.inputs import TokensPrompt
 
-    from afm_core.rollout.vllm_engine import sampling_params, to_generation
+    from afm_core.rollout.vllm_requests import sampling_params, to_generation
 
     loop, engine, tokenizer = setup
     prompt = encode_prompt(tokenizer, "Name three colours and say why you like them.")

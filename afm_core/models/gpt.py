@@ -1,55 +1,41 @@
-"""HF transformers <-> Megatron-core GPTModel for the Llama, Qwen2 and Qwen3 families.
+"""The Megatron-core ``GPTModel`` of an HF Llama, Qwen2 or Qwen3 config: its ``TransformerConfig``, its layer spec,
+and the model class whose output layer computes the loss or the logits of selected rows only.
 
 GQA, q/k/v bias (Qwen2), QK-norm (Qwen3: an RMSNorm over each head's q and k before RoPE, megatron's
-``qk_layernorm``; HF ``self_attn.q_norm`` / ``k_norm`` <-> ``self_attention.q_layernorm`` / ``k_layernorm``), a
-``head_dim`` independent of ``hidden_size / num_attention_heads`` (megatron's ``kv_channels``), tied or untied
-embeddings, RMSNorm, SwiGLU and RoPE (base from the HF config).
-The weight name mapping, the q/k/v and gate/up (un)fusing and the TP split/merge are mbridge's
-(``mbridge.core.LLMBridge``, 0.15.1); this module adds what it lacks for our use:
+``qk_layernorm``), a ``head_dim`` independent of ``hidden_size / num_attention_heads`` (megatron's ``kv_channels``),
+tied or untied embeddings, RMSNorm, SwiGLU and RoPE (base from the HF config). The config and the model are built
+here, not by mbridge (its builders hard-code the transformer-engine layer spec and read ``hf_config.rope_theta``,
+which transformers 5.x moved to ``rope_parameters``); the weights are read and written by
+:mod:`afm_core.models.hf_weights`.
 
-- the Megatron ``TransformerConfig`` and ``GPTModel`` are built here, not by mbridge (its builders hard-code
-  the transformer-engine layer spec and read ``hf_config.rope_theta``, which transformers 5.x moved to
-  ``rope_parameters``);
 - on the local (non-TE) layer spec the RMSNorms are fused into ``linear_qkv`` / ``linear_fc1`` as on the TE spec
   (:mod:`afm_core.models.local_spec`), so both specs have the same parameter names and mbridge's mapping;
-- tied embeddings for Llama as for Qwen2 (the last pipeline stage's ``output_layer.weight`` is
-  ``model.embed_tokens.weight``), without mutating mbridge's class-level mappings;
-- HF checkpoint export that is sharded, atomic and written by rank 0 only;
 - on the local spec, :class:`~afm_core.models.attention.SDPAttention` as ``core_attention`` (fused SDPA, packed
   documents by ``cu_seqlens``), the lean norm/SwiGLU modules of :mod:`afm_core.models.local_spec`, and at TP=1
-  the output layer and per-token loss fused, in chunks of rows.
+  the output layer and per-token loss fused, in chunks of rows (:class:`_GPTModel`).
 
-Megatron's fused QKV layout per query group g is ``[q_g (heads/groups * head_dim rows), k_g, v_g]``;
-TP ranks hold whole query groups, so TP must divide both the attention heads and the KV heads.
+TP ranks hold whole query groups, so TP must divide both the attention heads and the KV heads
+(:func:`check_model_parallel_sizes`).
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import logging
-import os
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from mbridge.core import LLMBridge
-from mbridge.core.parallel_states import ParallelStates
-from mbridge.core.util import unwrap_model
+from megatron.core.models.common.language_module import language_module
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 from megatron.core.transformer import TransformerConfig
-from megatron.core.utils import get_model_config
 
 from afm_core.models.arch import ModelArch, arch_from_hf_config, mcore_config_fields, mcore_model_args
-from afm_core.utils.atomic import atomic_dir
+from afm_core.models.attention import SDPAttention
+from afm_core.models.cross_entropy import linear_cross_entropy
+from afm_core.models.local_spec import local_layer_spec
 
-log = logging.getLogger(__name__)
-
-DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # bytes per safetensors shard on export
 # The local spec's core attention (SDPAttention) reads packed_seq_params: packed micro batches need no dense mask.
 LOCAL_ATTENTION_READS_CU_SEQLENS = True
 
@@ -59,7 +45,7 @@ def transformer_engine_available() -> bool:
     if importlib.util.find_spec("transformer_engine") is None:
         return False
     try:
-        import transformer_engine.pytorch  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401  (the probe itself: TE may be absent or broken)
     except (ImportError, OSError, RuntimeError):  # a broken TE install (e.g. no CUDA) behaves as absent
         return False
     return True
@@ -102,8 +88,6 @@ def platform_fusions() -> dict[str, Any]:
     te = cuda and transformer_engine_available()
     te_cross_entropy = False
     if te:  # defined only by TE versions that have it (megatron-core extensions/transformer_engine.py)
-        from megatron.core.models.common.language_module import language_module
-
         te_cross_entropy = language_module.te_parallel_cross_entropy is not None
     return {
         "masked_softmax_fusion": cuda,
@@ -216,13 +200,8 @@ def gpt_layer_spec(qk_layernorm: bool = False) -> Any:
     else megatron's local spec made lean in activation memory (:func:`afm_core.models.local_spec.local_layer_spec`)
     with :class:`~afm_core.models.attention.SDPAttention` as ``core_attention`` (both read ``packed_seq_params``).
     """
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
     if transformer_engine_available():
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
-    from afm_core.models.attention import SDPAttention
-    from afm_core.models.local_spec import local_layer_spec
-
     return local_layer_spec(SDPAttention, qk_layernorm=qk_layernorm)
 
 
@@ -309,8 +288,6 @@ class _GPTModel(GPTModel):
         ):
             labels = None if labels is None else labels.clamp(min=0)  # megatron's cross entropy: ids in [0, V)
             return super()._postprocess(hidden_states=hidden_states, labels=labels, **kwargs)
-        from afm_core.models.cross_entropy import linear_cross_entropy
-
         weight = (
             self.shared_embedding_or_output_weight()
             if self.share_embeddings_and_output_weights
@@ -363,176 +340,3 @@ def _sequence_major(index: torch.Tensor, s: int, b: int) -> torch.Tensor:
     """Positions ``row * s + column`` of a ``[b, s]`` batch as rows of megatron's ``[s, b]`` layout flattened
     (``column * b + row``), in the same order."""
     return index if b == 1 else (index % s) * b + index // s
-
-
-class _HFBridge(LLMBridge):
-    """mbridge's Llama/Qwen2/Qwen3 mapping on a TransformerConfig built by us, for the TE and the local layer spec
-    (both name the RMSNorm weights ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``).
-
-    mbridge's LLaMABridge, Qwen2Bridge and Qwen3Bridge (``mbridge/models/qwen3.py``) share the base
-    ``LLMBridge`` name mappings (which include ``q_layernorm`` / ``k_layernorm`` <-> ``q_norm`` / ``k_norm``, kept
-    whole on every TP rank, and the q/k/v (un)fusing by ``head_dim``); they differ in config building (replaced
-    here) and in tied embeddings (handled here for all, on the instance).
-    """
-
-    _DIRECT_MAPPING: dict[str, str]  # mbridge's class attribute (typed here: mbridge is not analysed)
-
-    def __init__(self, hf_config: Any, transformer_config: TransformerConfig):
-        self._transformer_config = transformer_config
-        super().__init__(
-            hf_config, dtype=transformer_config.params_dtype, parallel_states=ParallelStates.get_parallel_state()
-        )
-
-    def _build_config(self) -> TransformerConfig:
-        return self._transformer_config
-
-    def _adjust_mapping_for_shared_weights(self) -> None:
-        if getattr(self.hf_config, "tie_word_embeddings", False):
-            self._DIRECT_MAPPING = {**self._DIRECT_MAPPING, "output_layer.weight": "model.embed_tokens.weight"}
-
-    def _get_actual_hf_path(self, weight_path: str) -> str:
-        return str(weight_path)  # local directories only: never resolve through the hub
-
-
-def _mcore_as_hf_config(model: GPTModel) -> SimpleNamespace:
-    """The HF config fields mbridge's export reads, taken from the Megatron model itself."""
-    config = model.config
-    return SimpleNamespace(
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_query_groups,
-        hidden_size=config.hidden_size,
-        head_dim=config.kv_channels,
-        tie_word_embeddings=model.share_embeddings_and_output_weights,
-    )
-
-
-def load_hf_weights(models: Sequence[torch.nn.Module], hf_dir: str | os.PathLike) -> None:
-    """Copy an HF safetensors checkpoint into this rank's model chunks (one per virtual pipeline stage).
-
-    Collective over the tensor parallel group: TP rank 0 reads the tensors of its pipeline stage from disk,
-    fuses q/k/v and gate/up, and scatters the TP shards. Weights are cast to the models' ``params_dtype``.
-    ``torch.distributed`` and megatron ``parallel_state`` must be initialised (a 1-rank gloo group for TP=1).
-
-    Raises:
-        ValueError: a tensor the model needs is missing from the checkpoint.
-        NotImplementedError: the HF config describes an unsupported variant.
-    """
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
-    arch_from_hf_config(hf_config)  # rejects unsupported variants before touching weights
-    models = unwrap_model(list(models))
-    _HFBridge(hf_config, models[0].config).load_weights(models, str(hf_dir))
-
-
-def finish_param_gather(models: Sequence[torch.nn.Module]) -> None:
-    """Complete the distributed optimizer's deferred parameter all-gather of megatron-DDP-wrapped ``models``
-    (``overlap_param_gather``: after ``optimizer.step()`` each rank has updated only its shard; the others arrive
-    with the next forward's pre-hooks). Every reader of the weights outside a forward (the weight sync to vLLM,
-    a checkpoint, an HF export) must call it first, else it reads ~(DP-1)/DP stale parameters (Megatron-LM's
-    ``force_param_sync`` before a save). A no-op for unwrapped models and without ``overlap_param_gather``.
-    Collective over the data-parallel group when it gathers."""
-    for chunk in models:
-        ddp_config = getattr(chunk, "ddp_config", None)
-        if ddp_config is not None and ddp_config.overlap_param_gather:
-            chunk.start_param_sync(force_sync=True)
-
-
-def export_hf_weights(models: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(HF tensor name, full tensor)`` for the whole model, on every rank.
-
-    Finishes a pending distributed-optimizer parameter gather first (:func:`finish_param_gather`), gathers TP
-    shards (all-gather) and pipeline stages (broadcast over the PP group), then un-fuses q/k/v and gate/up to HF
-    layout. Every rank of the model-parallel group must exhaust the iterator (it runs
-    collectives). Tied embeddings are yielded once, as ``model.embed_tokens.weight``. The tensors have the
-    models' ``params_dtype`` and may be views of the live parameters: copy them to keep them.
-    """
-    finish_param_gather(models)
-    models = unwrap_model(list(models))
-    bridge = _HFBridge(_mcore_as_hf_config(models[0]), models[0].config)
-    seen: set[str] = set()
-    for name, tensor in bridge.export_weights(models):
-        if name in seen:  # the last stage's tied output layer, already yielded from the embedding
-            continue
-        seen.add(name)
-        yield name, tensor.detach()
-
-
-def save_hf_checkpoint(
-    models: Sequence[torch.nn.Module],
-    hf_config: Any,
-    tokenizer_dir: str | os.PathLike,
-    out_dir: str | os.PathLike,
-    *,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-) -> Path:
-    """Write the models as an HF checkpoint: safetensors (sharded above ``max_shard_bytes`` bytes, with
-    ``model.safetensors.index.json``), ``config.json`` (``dtype`` = the params dtype), the tokenizer and
-    ``generation_config.json`` copied from ``tokenizer_dir``.
-
-    Collective: every rank calls it (see :func:`export_hf_weights`); global rank 0 writes, atomically
-    (a temporary sibling directory renamed onto ``out_dir``, replacing an older export), and all ranks
-    return after the directory is complete.
-
-    Returns:
-        ``out_dir`` as a Path.
-    """
-    out = Path(out_dir)
-    is_writer = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-    tensors = export_hf_weights(models)
-    if not is_writer:
-        for _ in tensors:
-            pass
-    else:
-        with atomic_dir(out) as tmp:
-            _write_safetensors(tensors, tmp, max_shard_bytes)
-            _write_config_and_tokenizer(hf_config, get_model_config(models[0]).params_dtype, Path(tokenizer_dir), tmp)
-        log.info("saved HF checkpoint to %s", out)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-    return out
-
-
-def _write_safetensors(tensors: Iterator[tuple[str, torch.Tensor]], out: Path, max_shard_bytes: int) -> None:
-    from safetensors.torch import save_file
-
-    shards: list[list[str]] = []
-    pending: dict[str, torch.Tensor] = {}
-    pending_bytes = 0
-    total_bytes = 0
-
-    def flush() -> None:
-        nonlocal pending, pending_bytes
-        save_file(pending, out / f"shard-{len(shards):05d}.safetensors", metadata={"format": "pt"})
-        shards.append(list(pending))
-        pending, pending_bytes = {}, 0
-
-    for name, tensor in tensors:
-        size = tensor.numel() * tensor.element_size()
-        if pending and pending_bytes + size > max_shard_bytes:
-            flush()
-        pending[name] = tensor.to("cpu").contiguous().clone()
-        pending_bytes += size
-        total_bytes += size
-    flush()
-    if len(shards) == 1:
-        os.rename(out / "shard-00000.safetensors", out / "model.safetensors")
-        return
-    weight_map = {}
-    for i, names in enumerate(shards):
-        filename = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        os.rename(out / f"shard-{i:05d}.safetensors", out / filename)
-        weight_map.update(dict.fromkeys(names, filename))
-    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _write_config_and_tokenizer(hf_config: Any, dtype: torch.dtype, tokenizer_dir: Path, out: Path) -> None:
-    from transformers import AutoTokenizer, GenerationConfig
-
-    config = type(hf_config).from_dict(hf_config.to_dict())
-    config.dtype = dtype
-    config.save_pretrained(out)
-    AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True).save_pretrained(out)
-    if (tokenizer_dir / "generation_config.json").is_file():
-        GenerationConfig.from_pretrained(tokenizer_dir, local_files_only=True).save_pretrained(out)
