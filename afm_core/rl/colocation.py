@@ -3,14 +3,14 @@
 ``colocation.mode`` (``conf/rl.yaml``):
 
 - ``inprocess`` (``auto`` on CPU and GPU): the engine core runs inside every training rank
-  (:class:`afm_core.rollout.vllm_engine.InprocVLLMEngine`) on vLLM's ``external_launcher`` executor, which
+  (:class:`afm_core.rollout.vllm_inproc.InprocVLLMEngine`) on vLLM's ``external_launcher`` executor, which
   joins the job's ``torch.distributed`` world instead of spawning workers (vLLM
   ``examples/offline_inference/rlhf_colocate.py`` and ``torchrun_example.py``; verl
   ``verl/workers/rollout/vllm_rollout/vllm_rollout_spmd.py`` colocates the same way). vLLM's tensor-parallel
   groups are runs of ``engine.tensor_parallel_size`` consecutive ranks (``vllm/distributed/parallel_state.py::
   initialize_model_parallel``), so each group of ranks holds one engine whose TP shards live in those ranks
   (SPMD); its first rank runs the agent loop and the others follow it step by step
-  (:class:`~afm_core.rollout.vllm_engine.Lockstep`). The rollout prompts are split over the groups. A weight
+  (:class:`~afm_core.rollout.vllm_inproc.Lockstep`). The rollout prompts are split over the groups. A weight
   sync hands the gathered HF tensors to the rank's own worker by reference, bucket by bucket (on GPU no second
   full copy of the model is made). On GPU the engine is created with sleep mode: after generating it sleeps
   (``sleep(level)``: level 1 offloads its weights to CPU memory and drops the KV cache) so the trainer has the
@@ -93,7 +93,7 @@ class Colocation:
         return self.on_gpu and self.mode == "inprocess" and self.sleep_level > 0
 
     def engine_overrides(self) -> dict[str, Any]:
-        """The ``engine`` settings this layout imposes (:class:`afm_core.rollout.vllm_engine.VLLMConfig`)."""
+        """The ``engine`` settings this layout imposes (:class:`afm_core.rollout.vllm_settings.VLLMConfig`)."""
         if self.mode == "async":
             return {"in_process": False, "distributed_executor_backend": None, "enable_sleep_mode": False}
         return {
@@ -136,11 +136,11 @@ def select_colocation(
 
 
 def lockstep_group(colocation: Colocation) -> Any:
-    """The :class:`~afm_core.rollout.vllm_engine.Lockstep` of this rank's engine (None at vLLM TP=1).
+    """The :class:`~afm_core.rollout.vllm_inproc.Lockstep` of this rank's engine (None at vLLM TP=1).
 
     Collective over the whole world (every rank creates every group's gloo group, in the same order).
     """
-    from afm_core.rollout.vllm_engine import Lockstep
+    from afm_core.rollout.vllm_inproc import Lockstep
 
     if colocation.mode != "inprocess" or colocation.engine_tp == 1:
         return None
