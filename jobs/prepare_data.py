@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 
 import hydra
 from omegaconf import DictConfig
@@ -33,16 +34,17 @@ register_schemas()  # `- prepare_data_schema` in conf/prepare_data.yaml's defaul
 @hydra.main(version_base="1.3", config_path="../conf", config_name="prepare_data")
 def main(cfg: DictConfig) -> None:
     try:
-        check_config(cfg, PrepareDataConfig)
+        config = check_config(cfg, PrepareDataConfig)
     except ConfigError as err:
         print(f"jobs.prepare_data: bad config: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    source = PrepareInput(format=cfg.input.format, path=cfg.input.path, task=cfg.input.task)
-    out_dir = ensure_prepared(cfg.data, source=source, strict=cfg.strict, force=cfg.force)
+    source = PrepareInput(format=config.input.format, path=config.input.path, task=config.input.task)
+    out_dir = ensure_prepared(asdict(config.data), source=source, strict=config.strict, force=config.force)
     report = read_report(out_dir)
+    assert report is not None, out_dir  # ensure_prepared wrote it
     summary = {"out_dir": str(out_dir), **{k: report[k] for k in ("sources", "filters", "split")}}
-    if cfg.export:
-        summary["export_dir"] = str(export_prepared(out_dir, cfg.export, cfg.export_dir))
+    if config.export:
+        summary["export_dir"] = str(export_prepared(out_dir, config.export, config.export_dir))
     print(json.dumps(summary, indent=2, ensure_ascii=False))
 
 

@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
 from afm_core.coa.trajectory import Trajectory
 from afm_core.data.converters import CONVERTERS
 from afm_core.data.converters.base import Conversion
@@ -93,16 +95,11 @@ def split_by_task(
 # Config
 
 
-def _plain(cfg: Any) -> Any:
-    """A DictConfig (or any mapping) as plain dicts/lists."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(cfg, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf ships with hydra-core
-        pass
-    return cfg
+def _plain(node: Mapping[str, Any] | None) -> Any:
+    """An OmegaConf node as plain dicts and lists (interpolations resolved); a plain mapping, or None, as is."""
+    if isinstance(node, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
 
 
 @dataclass(frozen=True)
@@ -131,10 +128,11 @@ class PrepareInput:
 
 def resolve_out_dir(data_cfg: Mapping[str, Any]) -> Path:
     """``data_cfg.out_dir``, or ``$AFM_CACHE/data/<data_cfg.name>`` when it is null."""
-    data_cfg = _plain(data_cfg)
-    if data_cfg.get("out_dir"):
-        return Path(data_cfg["out_dir"]).expanduser()
-    return cache_dir() / "data" / str(data_cfg.get("name") or "coa_traces")
+    data = _plain(data_cfg)
+    out_dir = data.get("out_dir")
+    if out_dir:
+        return Path(out_dir).expanduser()
+    return cache_dir() / "data" / str(data.get("name") or "coa_traces")
 
 
 def normalize_sources(sources: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
