@@ -23,6 +23,11 @@ def at_least_one(key: str, value: Any) -> None:
     require(isinstance(value, int) and value >= 1, key, value, "an integer >= 1")
 
 
+def positive(key: str, value: Any) -> None:
+    """Raise ``ConfigError`` unless ``value`` is a number > 0 (a rate, a duration, a clip range)."""
+    require(value is not None and value > 0, key, value, "a positive number")
+
+
 def divisors(n: int) -> list[int]:
     """The positive divisors of ``n``, ascending (the valid TP/PP sizes for ``n`` heads or layers)."""
     return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,11 +1,12 @@
-"""The schema of ``conf/rl.yaml`` (``python -m jobs.rl``): data, rollout, reward, algorithm, critic, trainer and the
-shared groups (model, parallel, optim, cluster), with the checks across them.
+"""The schema of ``conf/rl.yaml`` (``python -m jobs.rl``): the composed :class:`RLConfig` with the checks across its
+groups, the trainer side's groups (``algorithm``, ``critic``, ``trainer``, ``weight_sync``, ``val``), and the
+run-time views its parts receive (:attr:`RLConfig.policy`, ``.actor``, ``.checkpoint``, ``.validation``). The
+rollout side's groups are :mod:`afm_core.config.rl_rollout`'s, the policy-loss settings (``algorithm.clip_ratio_*``,
+``tis_cap``, ``kl_coef`` ...) and their bounds :mod:`afm_core.config.policy_loss`'s.
 
-The value ranges are those DAPO and verl use (Yu et al. 2025, "DAPO", eq. 10-11: ``clip_ratio_low/high`` in
-``(0, 1)`` ... decoupled clip bounds ``1 - eps_low``, ``1 + eps_high``; dual clip ``c > 1``, Ye et al. 2020;
-verl ``verl/trainer/config/actor/actor.yaml`` ``clip_ratio_c`` default 3.0). Dynamic sampling keeps a group when
-its ``algorithm.filter_groups_metric`` varies over the group's samples: ``acc`` (the task's 0/1 correctness, DAPO
-eq. 11 and verl's recipe ``algorithm.filter_groups.metric=acc``) or ``score`` (the shaped reward).
+Dynamic sampling keeps a group when its ``algorithm.filter_groups_metric`` varies over the group's samples: ``acc``
+(the task's 0/1 correctness, DAPO eq. 11 and verl's recipe ``algorithm.filter_groups.metric=acc``) or ``score``
+(the shaped reward).
 """
 
 from __future__ import annotations
@@ -16,9 +17,22 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import MISSING
 
-from afm_core.config.checks import at_least_one, divisors, instantiate, require
+from afm_core.config.checks import at_least_one, divisors, instantiate, positive, require
 from afm_core.config.cluster import ClusterConfig, cluster_schema
 from afm_core.config.engine import VLLMEngineConfig
+from afm_core.config.policy_loss import PolicyLossConfig, has_off_policy_correction
+from afm_core.config.rl_rollout import REWARD_MODES as REWARD_MODES  # re-exported: rl.reward_shaping reads it here
+from afm_core.config.rl_rollout import (
+    ColocationConfig,
+    JudgeConfig,
+    RewardConfig,
+    RLDataConfig,
+    RolloutConfig,
+    ToolServersConfig,
+    check_context_length,
+)
+from afm_core.config.rl_rollout import ContextStage as ContextStage  # re-exported: the RL schema's name
+from afm_core.config.rl_rollout import PartialConfig as PartialConfig  # re-exported: rl.train_batch reads it here
 from afm_core.config.sampling import SamplingConfig
 from afm_core.config.sft import ModelConfig, OptimConfig, ParallelConfig, check_plan_options
 from afm_core.config.timeouts import collective_timeout_min, rollout_wait_s
@@ -32,164 +46,16 @@ else:  # OmegaConf has no union of structured configs: the group is checked by i
     ClusterField = Any
 
 ADVANTAGE_ESTIMATORS = ("grpo", "drgrpo", "gae")
-REWARD_MODES = ("score_x_format", "score", "score_minus_format_penalty")
-ENVIRONMENTS = ("real", "simulated")
-TOOL_SERVER_START = ("auto", "always", "never")  # afm_core.tools.job_servers
-COLOCATION_MODES = ("auto", "inprocess", "async")  # colocation.mode: afm_core.rl.colocation
 #: algorithm.filter_groups_metric -> the field of the sample (afm_core.rl.grading.Sample) a kept group varies in
 FILTER_METRICS = {"acc": "score", "score": "reward"}
-#: algorithm.loss_agg_mode: verl ``verl/trainer/ppo/core_algos.py::agg_loss`` (afm_core.rl.losses.policy_loss,
-#: which holds the same tuples: it imports no config)
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-#: algorithm.kl_loss_type: verl ``core_algos.py::kl_penalty_forward`` names, aliases included (k1 = kl, k2 = mse,
-#: k3 = low_var_kl); verl's straight-through ``+`` variants and ``full`` are not offered
-KL_LOSS_TYPES = ("low_var_kl", "k3", "k1", "kl", "k2", "mse", "abs")
-
-
-def _positive(key: str, value: Any) -> None:
-    require(value is not None and value > 0, key, value, "a positive number")
 
 
 @dataclass
-class RLDataConfig:
-    presets: list[str] = field(default_factory=list)
-    files: list[str] = field(default_factory=list)
-    skip: int = 0
-    limit: int | None = None
-    max_calculator_steps: int | None = None
-    max_prompt_len: int = 1024
+class AlgorithmConfig(PolicyLossConfig):
+    """``algorithm``: the advantage estimator, the batch sizes, dynamic sampling, GAE's ``gamma`` / ``lam`` and
+    the policy-loss settings it extends (:class:`~afm_core.config.policy_loss.PolicyLossConfig`: the same
+    ``algorithm.*`` keys, declared and bounded there, and what :func:`afm_core.rl.losses.policy_loss` reads)."""
 
-    def __post_init__(self) -> None:
-        require(self.skip >= 0, "data.skip", self.skip, "an integer >= 0")
-        if self.limit is not None:
-            at_least_one("data.limit", self.limit)
-        at_least_one("data.max_prompt_len", self.max_prompt_len)
-
-
-@dataclass
-class SimulatorConfig:
-    model: str | None = None
-    max_tokens: int = 256
-    temperature: float | None = None
-
-    def __post_init__(self) -> None:
-        at_least_one("rollout.simulator.max_tokens", self.max_tokens)
-        if self.temperature is not None:
-            require(self.temperature >= 0, "rollout.simulator.temperature", self.temperature, ">= 0, or null")
-
-
-STALE_ACTIONS = ("mask", "drop")  # rollout.partial.stale: afm_core.rl.rollout_buffer
-STOP_ACTIONS = ("keep", "restart")  # rollout.partial.on_stop: afm_core.rl.train_batch
-
-
-@dataclass
-class PartialConfig:
-    """``rollout.partial``: partial rollouts, the staleness bound and what a stop during generation keeps
-    (:mod:`afm_core.rl.rollout_buffer`, :mod:`afm_core.rl.train_batch`).
-
-    Attributes:
-        enable: a generation round stops once the dynamic sampler can fill the train batch (or
-            ``max_tokens_per_step`` is spent); its unfinished trajectories are paused into the rollout buffer and
-            continued first, oldest first, in the next rollout step under the new weights.
-        max_staleness: the largest lag (policy versions between a token's sampling and its training) allowed.
-        stale: what happens past it: ``mask`` (the token leaves the loss) or ``drop`` (the trajectory is
-            regenerated from its prompt when it would be resumed).
-        max_tokens_per_step: a round also stops once this many tokens were sampled in the rollout step (per
-            engine); None: no token budget.
-        on_stop: a stop (USR2, preemption) during generation: ``keep`` (the round's finished groups go to the
-            sampler, its trajectories in flight are paused into the buffer, both saved in the checkpoint and
-            continued on resume) or ``restart`` (the round is thrown away and the state from before it saved:
-            a resumed run is bitwise the uninterrupted one; for tests and debugging). With
-            ``rollout.environment=simulated`` a stop restarts the round (the simulated observations come from the
-            policy's own engine, which a pause would cut short).
-    """
-
-    enable: bool = False
-    max_staleness: int = 1
-    stale: str = "mask"
-    max_tokens_per_step: int | None = None
-    on_stop: str = "keep"
-
-    def __post_init__(self) -> None:
-        p = "rollout.partial."
-        require(self.max_staleness >= 0, p + "max_staleness", self.max_staleness, "an integer >= 0")
-        require(self.stale in STALE_ACTIONS, p + "stale", self.stale, "mask or drop")
-        require(self.on_stop in STOP_ACTIONS, p + "on_stop", self.on_stop, "keep or restart")
-        if self.max_tokens_per_step is not None:
-            at_least_one(p + "max_tokens_per_step", self.max_tokens_per_step)
-
-
-@dataclass
-class ContextStage:
-    max_response_len: int = MISSING
-    until_step: int | None = None
-
-
-@dataclass
-class RolloutConfig:
-    n: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_response_len: int = 4096
-    context_schedule: list[ContextStage] = field(default_factory=list)
-    max_turns: int = 16
-    max_tool_calls: int = 8
-    timeout_s: float = 600
-    concurrency: int = 64
-    environment: str = "real"
-    simulator: SimulatorConfig = field(default_factory=SimulatorConfig)
-    partial: PartialConfig = field(default_factory=PartialConfig)
-
-    def __post_init__(self) -> None:
-        for key in ("n", "max_response_len", "max_turns", "concurrency"):
-            at_least_one(f"rollout.{key}", getattr(self, key))
-        require(self.max_tool_calls >= 0, "rollout.max_tool_calls", self.max_tool_calls, "an integer >= 0")
-        require(self.temperature >= 0, "rollout.temperature", self.temperature, ">= 0")
-        require(0 < self.top_p <= 1, "rollout.top_p", self.top_p, "in (0, 1]")
-        require(self.top_k == -1 or self.top_k >= 1, "rollout.top_k", self.top_k, "-1 (off) or >= 1")
-        _positive("rollout.timeout_s", self.timeout_s)
-        require(self.environment in ENVIRONMENTS, "rollout.environment", self.environment, "real or simulated")
-        last = 0  # a stage runs for the rollout steps from the previous stage's until_step to its own (exclusive)
-        for i, stage in enumerate(self.context_schedule):
-            key = f"rollout.context_schedule[{i}]"
-            at_least_one(f"{key}.max_response_len", stage.max_response_len)
-            if stage.until_step is not None:
-                valid = f"increasing: above the previous stage's ({last})" if i else "an integer >= 1"
-                require(stage.until_step > last, f"{key}.until_step", stage.until_step, valid)
-                last = stage.until_step
-            else:
-                require(i == len(self.context_schedule) - 1, f"{key}.until_step", None, "only the last stage has none")
-
-    @property
-    def longest_response(self) -> int:
-        """The largest stage's ``max_response_len`` (tokens): ``max_response_len`` is the only stage when the
-        schedule is empty, and unused otherwise (as ``afm_core.rl.schedule.build_stages`` reads them)."""
-        return (
-            max(s.max_response_len for s in self.context_schedule) if self.context_schedule else self.max_response_len
-        )
-
-
-@dataclass
-class RewardConfig:
-    mode: str = "score_x_format"
-    format_penalty: float = 1.0
-    overlong_buffer_len: int = 0
-    overlong_penalty_factor: float = 1.0
-    test_timeout_s: float = 10
-
-    def __post_init__(self) -> None:
-        require(self.mode in REWARD_MODES, "reward.mode", self.mode, f"one of {', '.join(REWARD_MODES)}")
-        require(self.format_penalty >= 0, "reward.format_penalty", self.format_penalty, ">= 0")
-        require(self.overlong_buffer_len >= 0, "reward.overlong_buffer_len", self.overlong_buffer_len, ">= 0 tokens")
-        require(
-            self.overlong_penalty_factor >= 0, "reward.overlong_penalty_factor", self.overlong_penalty_factor, ">= 0"
-        )
-        _positive("reward.test_timeout_s", self.test_timeout_s)
-
-
-@dataclass
-class AlgorithmConfig:
     adv_estimator: str = "grpo"
     train_batch_size: int = 16
     gen_batch_size: int = 16
@@ -199,19 +65,6 @@ class AlgorithmConfig:
     filter_groups_metric: str = "acc"
     max_num_gen_batches: int = 10
     allow_partial: bool = False
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float | None = None
-    tis_cap: float | None = None
-    icepop_low: float | None = None
-    icepop_high: float | None = None
-    geo_mask_low: float | None = None
-    geo_mask_high: float | None = None
-    loss_agg_mode: str = "token-mean"
-    loss_scale_factor: float | None = None
-    entropy_coeff: float = 0.0
-    kl_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
     gamma: float = 1.0
     lam: float = 1.0
 
@@ -237,60 +90,9 @@ class AlgorithmConfig:
             self.filter_groups_metric,
             "acc (the task's correctness, DAPO eq. 11) or score (the shaped reward)",
         )
-        for key in ("clip_ratio_low", "clip_ratio_high"):
-            value = getattr(self, key)
-            require(0 < value < 1, a + key, value, "in (0, 1): the PPO ratio is clipped to [1 - low, 1 + high]")
-        if self.clip_ratio_c is not None:
-            require(self.clip_ratio_c > 1, a + "clip_ratio_c", self.clip_ratio_c, "> 1 (dual clip), or null")
-        if self.tis_cap is not None:
-            require(self.tis_cap >= 1, a + "tis_cap", self.tis_cap, ">= 1, or null")
-        for name in ("icepop", "geo_mask"):  # windows on pi_old / pi_rollout: per token; a sequence's geometric mean
-            low, high = getattr(self, name + "_low"), getattr(self, name + "_high")
-            if (low is None) != (high is None):
-                unset, other = ("_low", "_high") if low is None else ("_high", "_low")
-                require(False, a + name + unset, None, f"set with {a}{name}{other}: a window has both bounds")
-            if low is not None:
-                require(0 <= low <= 1, a + name + "_low", low, "in [0, 1]: the window holds ratio 1 (on-policy)")
-                require(high >= 1 and high > low, a + name + "_high", high, f">= 1 and > {a}{name}_low={low}")
-        require(
-            self.loss_agg_mode in LOSS_AGG_MODES,
-            a + "loss_agg_mode",
-            self.loss_agg_mode,
-            f"one of {', '.join(LOSS_AGG_MODES)}",
-        )
-        if self.loss_agg_mode == "seq-mean-token-sum-norm":
-            require(
-                self.loss_scale_factor is not None and self.loss_scale_factor > 0,
-                a + "loss_scale_factor",
-                self.loss_scale_factor,
-                "a positive constant with loss_agg_mode=seq-mean-token-sum-norm (Dr. GRPO's: the generation "
-                "budget in tokens, the stage's max_response_len, which verl's default worker divides by)",
-            )
-        else:
-            require(
-                self.loss_scale_factor is None,
-                a + "loss_scale_factor",
-                self.loss_scale_factor,
-                "null unless loss_agg_mode=seq-mean-token-sum-norm (the only mode that reads it)",
-            )
-        require(
-            self.kl_loss_type in KL_LOSS_TYPES,
-            a + "kl_loss_type",
-            self.kl_loss_type,
-            f"one of {', '.join(KL_LOSS_TYPES)}",
-        )
-        for key in ("entropy_coeff", "kl_coef"):
-            require(getattr(self, key) >= 0, a + key, getattr(self, key), ">= 0")
+        super().__post_init__()  # the policy-loss bounds
         for key in ("gamma", "lam"):
             require(0 <= getattr(self, key) <= 1, a + key, getattr(self, key), "in [0, 1]")
-
-
-def has_off_policy_correction(algorithm: AlgorithmConfig) -> bool:
-    """Whether the policy loss corrects for rollouts sampled off the trainer's policy (pi_rollout != pi_old):
-    token TIS (``algorithm.tis_cap``), IcePop's token mask (``algorithm.icepop_low/high``) or the sequence-level
-    geometric-mean mask (``algorithm.geo_mask_low/high``); see :func:`afm_core.rl.losses.policy_loss`. Rollouts
-    continued across weight updates (partial rollouts) are refused without one."""
-    return algorithm.tis_cap is not None or algorithm.icepop_low is not None or algorithm.geo_mask_low is not None
 
 
 @dataclass
@@ -300,7 +102,7 @@ class CriticOptimConfig:
     warmup_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        _positive("critic.optim.lr", self.lr)
+        positive("critic.optim.lr", self.lr)
         require(0 <= self.min_lr <= self.lr, "critic.optim.min_lr", self.min_lr, f"in [0, critic.optim.lr={self.lr}]")
         require(0 <= self.warmup_ratio <= 1, "critic.optim.warmup_ratio", self.warmup_ratio, "in [0, 1]")
 
@@ -312,7 +114,7 @@ class CriticConfig:
     grad_clip: float = 1.0
 
     def __post_init__(self) -> None:
-        _positive("critic.clip_range_value", self.clip_range_value)
+        positive("critic.clip_range_value", self.clip_range_value)
         require(self.grad_clip >= 0, "critic.grad_clip", self.grad_clip, ">= 0")
 
 
@@ -346,62 +148,6 @@ class WeightSyncConfig:
 
     def __post_init__(self) -> None:
         at_least_one("weight_sync.bucket_mb", self.bucket_mb)
-
-
-@dataclass
-class ColocationConfig:
-    mode: str = "auto"
-    sleep_level: int = 1
-    offload_trainer: bool | None = None
-
-    def __post_init__(self) -> None:
-        require(self.mode in COLOCATION_MODES, "colocation.mode", self.mode, f"one of {', '.join(COLOCATION_MODES)}")
-        require(self.sleep_level in (0, 1, 2), "colocation.sleep_level", self.sleep_level, "0, 1 or 2")
-
-
-@dataclass
-class JudgeConfig:
-    url: str | None = None
-    model: str | None = None
-    api_key_env: str | None = None
-
-    def __post_init__(self) -> None:
-        require(
-            self.url is None or bool(self.model), "judge.model", self.model, "the judge's model name (judge.url is set)"
-        )
-
-
-@dataclass
-class ToolServersConfig:
-    start: str = "auto"
-    wait_s: float = 0
-    servers: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        require(self.start in TOOL_SERVER_START, "tool_servers.start", self.start, "auto, always or never")
-        require(self.wait_s >= 0, "tool_servers.wait_s", self.wait_s, "seconds >= 0")
-
-
-def check_context_length(model: Any, max_prompt_len: int, longest_response: int) -> None:
-    """The rollout engine's context, ``data.max_prompt_len`` + the largest stage's ``max_response_len`` (vLLM's
-    ``max_model_len``), must fit the model's positions: vLLM refuses a longer ``max_model_len`` at start, after the
-    queue (it allows more only with RoPE scaling such as YaRN, which the Megatron conversion does not reproduce:
-    :func:`afm_core.models.arch.hf_rope_scaling`).
-
-    Raises:
-        ConfigError: naming the three numbers and what to lower.
-    """
-    limit = int(model.max_position_embeddings)
-    total = max_prompt_len + longest_response
-    require(
-        total <= limit,
-        "rollout.max_response_len",
-        longest_response,
-        f"data.max_prompt_len + the largest stage's max_response_len = {max_prompt_len} + {longest_response} = "
-        f"{total} tokens (vLLM max_model_len) > model.max_position_embeddings = {limit} of {model.name}; lower "
-        f"rollout.max_response_len / rollout.context_schedule to at most {limit - max_prompt_len} or "
-        f"data.max_prompt_len",
-    )
 
 
 def check_token_budget(max_tokens: int, max_prompt_len: int, longest_response: int, pp: int) -> None:

@@ -30,77 +30,24 @@ over DP ranks while this mode's ``agg_loss`` branch, unlike the others, does not
 Statistics are returned as sums over this micro batch's valid tokens (``*_sum``), counts and maxima
 (``*_max``), so that :func:`reduce_stats` can add them over micro batches and ranks and divide once; sums over
 sequences (``*_seq_sum``) are divided by the count of sequences with a trained token (``seqs``).
+
+The file is one thing, the RL losses and their statistics: every loss here returns its micro batch's ``*_sum`` /
+``*_max`` / ``*_seq_sum`` tensors and :func:`reduce_stats` is the one reader of those names, so the convention and
+its reduction stay together. The policy loss's settings are declared and bounded once, outside it:
+:class:`afm_core.config.policy_loss.PolicyLossConfig` (the ``algorithm.*`` keys; the RL job passes its checked
+``AlgorithmConfig``, which extends it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 
+from afm_core.config.policy_loss import KL_LOSS_TYPES, PolicyLossConfig
+
 LOG_RATIO_CLAMP = 20.0  # verl clamps log(pi/pi_old) to +-20 before exp
 KL_CLAMP = 10.0  # verl clamps the k3 estimate to +-10
-# the values of algorithm.loss_agg_mode / kl_loss_type (afm_core.config.rl checks them at submit; this module
-# imports no config: tests/test_import_graph.py)
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_LOSS_TYPES = ("low_var_kl", "k3", "k1", "kl", "k2", "mse", "abs")
-
-
-@dataclass(frozen=True)
-class PolicyLossConfig:
-    """Policy loss settings (field names follow verl's actor config; each is the same-named ``algorithm.*`` field).
-
-    clip_ratio_low / clip_ratio_high: the ratio is clipped to ``[1 - low, 1 + high]`` (DAPO clip-higher:
-        0.2 / 0.28).
-    clip_ratio_c: dual-clip bound for negative advantages (verl default 3.0, DAPO recipe and AFM web agent 10.0);
-        None disables it.
-    kl_coef: coefficient of the KL loss against the reference policy; 0 = no KL (DAPO).
-    kl_loss_type: its per-token estimator, :func:`kl_penalty` (verl ``kl_loss_type``; default ``low_var_kl``, k3).
-    tis_cap: truncated importance sampling cap C on ``pi_old(trainer) / pi_rollout(vLLM)``; None disables it.
-    icepop_low / icepop_high: IcePop's token window ``[a, b]`` on that ratio (IcePop's ``[0.5, 5]``); None: off.
-    geo_mask_low / geo_mask_high: the window on a sequence's geometric-mean ratio (NeMo-RL ``seq-mask-tis``
-        ``[0.999, 1.002]``, SkyRL ``[0.99, 1.01]``); None: off.
-    loss_agg_mode: ``token-mean`` (DAPO) or a verl ``seq-mean-*`` mode (module docstring).
-    loss_scale_factor: the constant of ``seq-mean-token-sum-norm`` (verl ``loss_scale_factor``).
-    entropy_coeff: entropy bonus coefficient (0 in DAPO).
-    """
-
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float | None = None
-    kl_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
-    tis_cap: float | None = None
-    icepop_low: float | None = None
-    icepop_high: float | None = None
-    geo_mask_low: float | None = None
-    geo_mask_high: float | None = None
-    loss_agg_mode: str = "token-mean"
-    loss_scale_factor: float | None = None
-    entropy_coeff: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.clip_ratio_low < 1 and self.clip_ratio_high >= 0):
-            raise ValueError(f"clip ratios low={self.clip_ratio_low} (in [0, 1)), high={self.clip_ratio_high} (>= 0)")
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
-            raise ValueError(f"clip_ratio_c={self.clip_ratio_c}: the dual-clip bound must be > 1")
-        if self.tis_cap is not None and self.tis_cap <= 0:
-            raise ValueError(f"tis_cap={self.tis_cap}: must be positive")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef={self.kl_coef}: must be >= 0")
-        if self.kl_loss_type not in KL_LOSS_TYPES:
-            raise ValueError(f"kl_loss_type={self.kl_loss_type!r}: one of {', '.join(KL_LOSS_TYPES)}")
-        for name in ("icepop", "geo_mask"):
-            low, high = getattr(self, name + "_low"), getattr(self, name + "_high")
-            if (low is None) != (high is None) or (low is not None and not 0 <= low <= 1 <= high):
-                raise ValueError(f"{name}_low={low}, {name}_high={high}: both None, or 0 <= low <= 1 <= high")
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r}: one of {', '.join(LOSS_AGG_MODES)}")
-        if self.loss_agg_mode == "seq-mean-token-sum-norm" and not (self.loss_scale_factor or 0) > 0:
-            raise ValueError(
-                f"loss_scale_factor={self.loss_scale_factor}: seq-mean-token-sum-norm needs a constant > 0"
-            )
 
 
 def _check_shapes(reference: torch.Tensor, **tensors: torch.Tensor | None) -> None:
@@ -155,7 +102,7 @@ def policy_loss(
     response_mask: torch.Tensor,
     *,
     global_num_tokens: float | torch.Tensor,
-    config: PolicyLossConfig = PolicyLossConfig(),
+    config: PolicyLossConfig | None = None,
     ref_log_prob: torch.Tensor | None = None,
     rollout_log_prob: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
@@ -202,7 +149,8 @@ def policy_loss(
         global_num_tokens: the divisor: the mini-batch's valid tokens over all micro batches and DP ranks
             (``token-mean``), its sequences (``seq-mean-token-mean/sum``), the DP size (``-norm``); 1 returns the
             micro batch's aggregate (Megatron per-token-loss mode, :func:`afm_core.rl.actor.megatron_policy_loss`).
-        config: :class:`PolicyLossConfig`.
+        config: the ``algorithm.*`` loss settings (:class:`~afm_core.config.policy_loss.PolicyLossConfig`, which
+            the job's :class:`~afm_core.config.rl.AlgorithmConfig` is); None: the defaults.
         ref_log_prob: ``[B, T]`` reference-policy logprobs; required when ``config.kl_coef > 0``.
         rollout_log_prob: ``[B, T]`` the inference engine's logprobs of the sampled tokens (after temperature);
             required when ``config.tis_cap``, the IcePop or the geometric window is set; when given, the
@@ -223,6 +171,7 @@ def policy_loss(
     Raises:
         ValueError: shapes differ, or an input that the config needs is missing.
     """
+    config = PolicyLossConfig() if config is None else config
     _check_shapes(
         response_mask,
         log_prob=log_prob,
@@ -331,7 +280,7 @@ def _aggregate(per_token: torch.Tensor, mask: torch.Tensor, config: PolicyLossCo
     if mode == "seq-mean-token-mean":
         return (per_token.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)).sum()
     if mode == "seq-mean-token-sum-norm":
-        assert config.loss_scale_factor is not None  # PolicyLossConfig checks it
+        assert config.loss_scale_factor is not None  # PolicyLossConfig checks it (afm_core.config.policy_loss)
         return per_token.sum() / config.loss_scale_factor
     return per_token.sum()  # token-mean and seq-mean-token-sum: the same numerator, different divisors
 

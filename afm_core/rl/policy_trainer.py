@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -229,7 +229,7 @@ def policy_update(
         response_values,
     )
     from afm_core.rl.logprobs import compute_logprobs
-    from afm_core.rl.losses import PolicyLossConfig, logprob_gap_stats, reduce_stats
+    from afm_core.rl.losses import logprob_gap_stats, reduce_stats
 
     a, t = policy.algorithm, policy.trainer
     layout = trainer.layout
@@ -296,7 +296,6 @@ def policy_update(
 
     # mini-batch updates
     start = time.perf_counter()
-    loss_cfg = PolicyLossConfig(**{f.name: getattr(a, f.name) for f in fields(PolicyLossConfig)})  # algorithm.*
 
     def extra(share: Sequence[int]) -> dict[str, list[list[float]]]:
         inputs = {"old_log_prob": [old[i] for i in share], "advantages": [token_adv[i] for i in share]}
@@ -304,7 +303,8 @@ def policy_update(
             inputs["ref_log_prob"] = [ref[i] for i in share]
         return inputs
 
-    forward_step = policy_forward_step(loss_cfg, temperature=temperature, remove_padding=remove_padding)
+    # the loss reads the checked algorithm group itself (AlgorithmConfig extends config.policy_loss.PolicyLossConfig)
+    forward_step = policy_forward_step(a, temperature=temperature, remove_padding=remove_padding)
     done = minibatch_updates(trainer, samples, plan, forward_step, extra, policy, seq_length, pad_to, pad_id,
                              stats_key=STATS_KEY, what="policy update {step} of this rollout step")  # fmt: skip
     reduced = reduce_stats(done.stats, ps.get_data_parallel_group()) if done.stats else {}

@@ -1,15 +1,14 @@
 """verl's loss aggregations and KL estimators, IcePop's token mask and the geometric-mean sequence mask, each
-against values computed by hand on small batches; their settings' checks (``algorithm.*``)."""
+against values computed by hand on small batches; the ``algorithm`` group as the loss's settings (their bounds:
+``tests/test_config_policy_loss.py``)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import fields
 
 import pytest
 import torch
 
-from afm_core.config.checks import ConfigError
 from afm_core.config.rl import AlgorithmConfig, has_off_policy_correction
 from afm_core.rl.losses import PolicyLossConfig, kl_penalty, policy_loss, reduce_stats
 
@@ -122,39 +121,20 @@ def test_each_loss_agg_mode_equals_its_hand_computed_aggregate(mode, divisor, lo
     assert float(grad[2].abs().sum()) == 0
 
 
-# -- the algorithm group's checks -------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    ("settings", "field"),
-    [
-        ({"icepop_low": 0.5}, "algorithm.icepop_high"),
-        ({"geo_mask_high": 1.01}, "algorithm.geo_mask_low"),
-        ({"icepop_low": 1.5, "icepop_high": 5.0}, "algorithm.icepop_low"),
-        ({"geo_mask_low": 0.99, "geo_mask_high": 0.999}, "algorithm.geo_mask_high"),
-        ({"loss_agg_mode": "seq-mean"}, "algorithm.loss_agg_mode"),
-        ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "algorithm.loss_scale_factor"),
-        ({"loss_scale_factor": 4096.0}, "algorithm.loss_scale_factor"),
-        ({"kl_loss_type": "full"}, "algorithm.kl_loss_type"),
-    ],
-)
-def test_bad_loss_settings_are_refused_naming_the_field(settings, field):
-    with pytest.raises(ConfigError, match=field.replace(".", r"\.") + "="):
-        AlgorithmConfig(**settings)
-
-
-def test_the_policy_loss_config_is_built_from_the_same_named_algorithm_fields():
-    algorithm = AlgorithmConfig(
-        icepop_low=0.5, icepop_high=5.0, geo_mask_low=0.999, geo_mask_high=1.002, kl_loss_type="k2",
-        loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=4096.0,
-    )  # fmt: skip
-    config = PolicyLossConfig(**{f.name: getattr(algorithm, f.name) for f in fields(PolicyLossConfig)})
-    assert (config.icepop_high, config.geo_mask_low, config.loss_scale_factor) == (5.0, 0.999, 4096.0)
-
-
-def test_the_config_and_the_loss_know_the_same_modes_and_estimators():
-    from afm_core.config import rl
+# -- the algorithm group is the loss's config ------------------------------------------------------------------
+def test_the_loss_reads_the_checked_algorithm_group_itself():
+    """One declaration: the ``algorithm`` group is the loss's config (no copy built from same-named fields), and the
+    loss module names the one declaration (``afm_core.config.policy_loss``)."""
+    from afm_core.config import policy_loss as declared
     from afm_core.rl import losses
 
-    assert (rl.LOSS_AGG_MODES, rl.KL_LOSS_TYPES) == (losses.LOSS_AGG_MODES, losses.KL_LOSS_TYPES)
+    algorithm = AlgorithmConfig(icepop_low=0.5, icepop_high=5.0)
+    assert isinstance(algorithm, PolicyLossConfig) and losses.PolicyLossConfig is declared.PolicyLossConfig
+    advantages, mask = [[1.0, -2.0, 0.5]], [[1, 1, 0]]
+    log_k = [[0.1, 2.0, 0.0]]  # the second token is outside IcePop's window (e^2 > 5)
+    as_group = _run(advantages, mask, divisor=2, config=algorithm, log_k=log_k)
+    as_loss = _run(advantages, mask, divisor=2, config=PolicyLossConfig(icepop_low=0.5, icepop_high=5.0), log_k=log_k)
+    assert as_group[0] == as_loss[0] and torch.equal(as_group[2], as_loss[2])
 
 
 def test_an_off_policy_correction_is_tis_icepop_or_the_geometric_mask():
