@@ -17,6 +17,10 @@ re-tokenized. SFT tokenizes a trajectory the same way, segment by segment
 This follows the multi-turn rollout of upstream AFM's verl fork (``verl/workers/rollout`` tool agent:
 stop at a tool's closing tag, call, append ``\\n<observation>…</observation>\\n\\n``, generate on) and
 slime's token-level ``Sample`` contract.
+
+One module, past 400 lines: the turns, tool calls, limits and pauses all act on one private per-trajectory state
+(``_State``, carried into and out of a :class:`~afm_core.rollout.types.PausedTrajectory`), which a split would
+have to expose.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
+
+from tqdm import tqdm
 
 from afm_core.coa import TOOL_TAGS, TagGrammarError, Trajectory, parse_steps, parse_tool_calls, stop_strings
 from afm_core.coa.grammar import validate_text
@@ -131,22 +137,26 @@ class _State:
 
     @classmethod
     def resumed(cls, paused: PausedTrajectory, version: int) -> _State:
-        return cls(
-            prompt_ids=list(paused.prompt_ids),
-            version=version,
-            response_ids=list(paused.response_ids),
-            response_mask=list(paused.response_mask),
-            logprobs=list(paused.logprobs),
-            versions=list(paused.versions),
-            text_parts=list(paused.text_parts),
-            tool_calls=[replace(call) for call in paused.tool_calls],
-            turns=paused.turns,
-            turn_ids=list(paused.turn_ids),
-            turn_logprobs=list(paused.turn_logprobs),
-            turn_versions=list(paused.turn_versions),
-            rolled_back=paused.rolled_back_tokens,
-            pauses=paused.pauses,
-        )
+        """The state of a paused trajectory, to continue with policy ``version``."""
+        return cls(version=version, rolled_back=paused.rolled_back_tokens, **_carried(paused))
+
+    def paused(self, task_id: str, sample: int, base_seed: int, seconds: float) -> PausedTrajectory:
+        """This state as a :class:`~afm_core.rollout.types.PausedTrajectory` (copied: the state may go on)."""
+        return PausedTrajectory(task_id=task_id, sample=sample, base_seed=base_seed, seconds=seconds,
+                                rolled_back_tokens=self.rolled_back, **_carried(self))  # fmt: skip
+
+
+#: The fields a pause carries from a trajectory's :class:`_State` into its ``PausedTrajectory`` and back (lists).
+_CARRIED_LISTS = ("prompt_ids", "response_ids", "response_mask", "logprobs", "versions", "text_parts", "turn_ids",
+                  "turn_logprobs", "turn_versions")  # fmt: skip
+
+
+def _carried(source: _State | PausedTrajectory) -> dict[str, Any]:
+    """The fields :class:`_State` and ``PausedTrajectory`` share, copied from ``source`` (lists, tool calls,
+    turns and pauses: the rolled-back count is named differently in each)."""
+    out: dict[str, Any] = {name: list(getattr(source, name)) for name in _CARRIED_LISTS}
+    out.update(tool_calls=[replace(call) for call in source.tool_calls], turns=source.turns, pauses=source.pauses)
+    return out
 
 
 def kept_at_pause(tokenizer: Any, ids: Sequence[int], stop: Sequence[str]) -> int:
@@ -424,25 +434,7 @@ class AgentLoop:
         text = "".join(state.text_parts)
         paused = None
         if state.finish == FinishReason.PAUSED:  # not parsed nor validated: the trajectory has not ended
-            paused = PausedTrajectory(
-                task_id=task.id,
-                sample=sample,
-                base_seed=base_seed,
-                prompt_ids=list(state.prompt_ids),
-                response_ids=list(state.response_ids),
-                response_mask=list(state.response_mask),
-                logprobs=list(state.logprobs),
-                versions=list(state.versions),
-                turn_ids=list(state.turn_ids),
-                turn_logprobs=list(state.turn_logprobs),
-                turn_versions=list(state.turn_versions),
-                text_parts=list(state.text_parts),
-                tool_calls=[replace(call) for call in state.tool_calls],
-                turns=state.turns,
-                seconds=seconds,
-                rolled_back_tokens=state.rolled_back,
-                pauses=state.pauses,
-            )
+            paused = state.paused(task.id, sample, base_seed, seconds)
         issues = [] if paused else [issue.code for issue in validate_text(text)]
         trajectory = None
         if task.task in TASKS and paused is None:
@@ -501,8 +493,6 @@ class AgentLoop:
         Returns:
             The rollouts in the order of ``items``.
         """
-        from tqdm import tqdm
-
         items = list(items)
         slots = asyncio.Semaphore(max(1, concurrency))
         bar = tqdm(total=len(items), desc=progress, unit="traj", disable=progress is None, dynamic_ncols=True)
