@@ -11,17 +11,14 @@ import pytest
 
 from afm_core.coa.prompts import user_prompt
 from afm_core.coa.trajectory import Step, Trajectory
-from afm_core.data.filters import (
-    PAPER_PRESET,
-    DataFilters,
-    apply_filters,
+from afm_core.data.filters import PAPER_PRESET, DataFilters, apply_filters, upsampled_rows
+from afm_core.data.prepare import prepare
+from afm_core.data.trajectory_checks import (
     double_check_score,
     format_violations,
     is_double_check_correction,
     redundant_tool_inputs,
-    upsampled_rows,
 )
-from afm_core.data.prepare import prepare
 from afm_core.rewards import Graders
 from afm_core.utils.paths import shared_data_dir
 

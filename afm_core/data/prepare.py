@@ -39,16 +39,16 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from afm_core.coa.trajectory import Trajectory
 from afm_core.data.converters import CONVERTERS
 from afm_core.data.converters.base import Conversion
-from afm_core.data.filters import (  # noqa: F401 - DataFilters, filter_trajectories, is_error_correction: re-exported
+from afm_core.data.filters import (  # noqa: F401 - DataFilters, filter_trajectories: re-exported
     DataFilters,
     filter_trajectories,
     filters_report,
-    is_error_correction,
     run_filters,
     upsampled_rows,
 )
 from afm_core.data.formats import alpaca_converter, rl_task_from_trajectory, to_alpaca, write_rl_tasks
 from afm_core.data.schema import PREPARED_SCHEMA, read_prepared, row_trajectory, task_id, write_prepared
+from afm_core.data.trajectory_checks import is_error_correction  # noqa: F401 - re-exported
 from afm_core.utils.atomic import atomic_dir
 from afm_core.utils.paths import cache_dir, shared_data_dir
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from afm_core.coa.grammar import TAG_RE
 from afm_core.coa.parse import format_code_query, parse_code_query, parse_tool_calls
-from afm_core.data.filters import double_check_score
+from afm_core.data.trajectory_checks import double_check_score
 
 ROLES = ("planner", "thinker", "search", "crawl", "code", "reflection", "verifier")
 """Role names; ``teachers``/``roles`` in the config map each to a teacher."""
@@ -229,5 +229,5 @@ def suggested_answer(reply: str) -> str:
 
 
 def verifier_score(reply: str) -> int | None:
-    """The 1-4 score of a verifier reply (:func:`afm_core.data.filters.double_check_score`)."""
+    """The 1-4 score of a verifier reply (:func:`afm_core.data.trajectory_checks.double_check_score`)."""
     return double_check_score(reply)

@@ -35,7 +35,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from afm_core.coa.grammar import validate_steps
-from afm_core.data.filters import DataFilters, build_graders, grade_trajectory
+from afm_core.data.filters import DataFilters, build_graders
+from afm_core.data.trajectory_checks import grade_trajectory
 from afm_core.distill.convert import NotConverted, convert_run, convert_runs
 from afm_core.distill.mas import MASConfig, MultiAgentSystem, RoleTeacher
 from afm_core.distill.roles import ROLES
