@@ -27,9 +27,8 @@ it stopped. A finished stage whose spec has changed since is an error (its succe
 
 Before the first stage runs, every stage's config is composed (and an SFT stage's checked against its schema), so a
 bad override fails at once, not hours later. At the end ``RUN_DIR/summary.md`` / ``summary.json`` hold each stage's
-wall time and headline metrics (:func:`stage_metrics`); a ``report`` (a dotted path of a function
-``report(run_dir, stages) -> dict``, e.g. :func:`afm_core.rl.demo.rl_demo_report`) adds its keys to
-``summary.json``.
+wall time and headline metrics (:mod:`afm_core.launch.pipeline_report`); a ``report`` (a dotted path of a function
+``report(run_dir, stages) -> dict``, e.g. :func:`afm_core.rl.demo.rl_demo_report`) adds its keys to ``summary.json``.
 """
 
 from __future__ import annotations
@@ -47,8 +46,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from afm_core.launch.pipeline_report import report_function, stage_metrics, summary_table
 from afm_core.launch.teardown import STOP_BOUND_S, stop_children_on_interrupt
 from afm_core.utils.atomic import atomic_write_json, atomic_write_text
+from afm_core.utils.paths import repo_root
 
 JOBS = {"sft": "jobs.sft", "rl": "jobs.rl", "eval": "jobs.eval", "filter_rl": "jobs.filter_rl"}
 TRAINING_JOBS = ("sft", "rl")
@@ -177,8 +178,6 @@ def run_subprocess(command: list[str]) -> int:
     """Run a stage's job in the foreground from the repository root (its output goes to this process's stdout and
     stderr; the job's own logs to its run dir); returns the exit status. SIGTERM or Ctrl-C passes SIGINT on to the
     stage, which stops its own job, and waits for it (bounded: :mod:`afm_core.launch.teardown`)."""
-    from afm_core.utils.paths import repo_root
-
     print(f"[pipeline] $ {' '.join(command)}", flush=True)
     with stop_children_on_interrupt(grace_s=STOP_BOUND_S + 5.0):  # the stage's own teardown first
         return subprocess.Popen(command, cwd=repo_root()).wait()
@@ -355,93 +354,8 @@ def _run_stages(
     last_training = next((s.name for s in reversed(specs) if s.job in TRAINING_JOBS), None)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "stages": results, "hf_dir": exports.get(last_training or "")}
     if report:
-        summary.update(_import(report)(run_dir, results))
+        summary.update(report_function(report)(run_dir, results))
     atomic_write_json(run_dir / "summary.json", summary)
     atomic_write_text(run_dir / "summary.md", summary_table(results))
     print(summary_table(results), flush=True)
     return summary
-
-
-def _import(dotted: str) -> Callable[..., Any]:
-    """The function at ``package.module.name``.
-
-    Raises:
-        ValueError: not importable (names the path).
-    """
-    import importlib
-
-    module, _, name = dotted.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"report={dotted!r}: not an importable function ({err})") from None
-
-
-def stage_metrics(job: str, directory: Path) -> dict[str, Any]:
-    """Headline metrics of a finished stage from its ``metrics.jsonl``.
-
-    SFT: held-out loss at the first and the last eval (and, for the contrastive objective, held-out preference
-    accuracy and margin); RL: first and last rollout step's reward, accuracy, format validity, tool calls per
-    trajectory, and the simulated observations written.
-    """
-    from afm_core.engine.metrics import read_metrics
-
-    if job == "eval" and (directory / "metrics.json").is_file():
-        metrics = json.loads((directory / "metrics.json").read_text(encoding="utf-8"))
-        return {bench: {key: value for key, value in m.items() if key.startswith(("avg@", "pass@")) or key == "n"}
-                for bench, m in metrics.items() if isinstance(m, dict)}  # fmt: skip
-    if job == "filter_rl" and (directory / "filter_report.json").is_file():
-        report = json.loads((directory / "filter_report.json").read_text(encoding="utf-8"))
-        return {"kept": report["counts"].get("kept", 0), "written": report["counts"].get("written", 0),
-                "sampled": report["counts"].get("sampled", 0)}  # fmt: skip
-    path = directory / "metrics.jsonl"
-    if not path.is_file():
-        return {}
-    records = read_metrics(path)
-    out: dict[str, Any] = {}
-    if job == "sft":
-        evals = [r for r in records if r.get("split") == "eval"]
-        train = [r for r in records if r.get("split") == "train"]
-        if evals:
-            first, last = evals[0], evals[-1]
-            out.update(steps=last["step"], eval_loss=[first["loss"], last["loss"]])
-            if "pref_acc" in last:
-                out.update(pref_acc=[first["pref_acc"], last["pref_acc"]], margin=[first["margin"], last["margin"]])
-                out["eval_pairs"] = last.get("pairs")
-        if train:
-            out["train_s"] = round(train[-1].get("elapsed_s", 0.0), 1)
-        return out
-    steps = [r for r in records if r.get("split") == "train"]
-    if steps:
-        first, last = steps[0], steps[-1]
-        out["steps"] = last["step"]
-        for key in ("reward_mean_generated", "accuracy", "format_ok", "tool_calls_per_traj"):
-            if key in last:
-                out[key] = [first[key], last[key]]
-        sim = [((r.get("tool_metrics") or {}).get("simulated") or {}).get("calls", 0) for r in steps]
-        if any(sim):
-            out["simulated_observations"] = sum(sim)
-        out["environment"] = last.get("environment")
-    return out
-
-
-def summary_table(results: Sequence[Mapping[str, Any]]) -> str:
-    """A markdown table: one row per stage with its wall time, load average and headline metrics."""
-
-    def pair(value: Any) -> str:
-        if isinstance(value, list) and len(value) == 2:
-            return " -> ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in value)
-        return "" if value is None else str(value)
-
-    lines = [
-        "| stage | job | steps | wall (s) | load 1-min (start/end) | metrics (first -> last) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        m = dict(r.get("metrics") or {})
-        steps = m.pop("steps", "")
-        m.pop("train_s", None)
-        shown = "; ".join(f"{k} {pair(v)}" for k, v in m.items() if v is not None)
-        load = f"{r['loadavg_before'][0]:.1f} / {r['loadavg_after'][0]:.1f}" if r.get("loadavg_before") else ""
-        lines.append(f"| {r['name']} | {r['job']} | {steps} | {r['seconds']:.0f} | {load} | {shown} |")
-    return "\n".join(lines) + "\n"
