@@ -14,6 +14,9 @@ loss is ``(per_token_loss * loss_mask).sum() / loss_mask.sum()`` (megatron ``los
 -100 is safe in megatron's vocab-parallel cross entropy (an out-of-partition id gives a zero target
 logit, and the loss mask drops it); HF models, which shift internally, need the unshifted
 ``PackedSequences.labels`` instead.
+
+One module, past 400 lines: the data module and what it serves (the step's micro-batch plan, the resumable train
+iterator, the collate with the label shift above) are one path from parquet to batches, each part read by the next.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from afm_core.data.io import DataFormatError
 from afm_core.data.packing import PackedSequences, block_causal_attention_mask, pack_examples, pad_examples
@@ -122,8 +125,6 @@ class SFTDataModule:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer (loaded from its directory on first use)."""
         if isinstance(self._tokenizer, (str, Path)):
-            from transformers import AutoTokenizer
-
             return AutoTokenizer.from_pretrained(self._tokenizer, local_files_only=True)
         return self._tokenizer
 

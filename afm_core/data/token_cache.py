@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from afm_core.data import packing, tokenize
 from afm_core.data.packing import PackedSequences
 from afm_core.utils.atomic import atomic_dir
 
@@ -66,8 +67,6 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 def code_fingerprint() -> str:
     """sha256 of the source of the tokenization and packing modules, so that a change to either rebuilds."""
-    from afm_core.data import packing, tokenize
-
     return hashlib.sha256("".join(inspect.getsource(m) for m in (tokenize, packing)).encode()).hexdigest()
 
 
@@ -100,7 +99,7 @@ def cached_packed(
     Returns:
         ``(memory-mapped sequences, whether this call built them)``.
     """
-    from afm_core.data.prepare import dir_lock
+    from afm_core.data.prepare import dir_lock  # prepare loads the converters and graders: a rank only reads data
 
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
     entry = Path(root) / key

@@ -345,7 +345,7 @@ def hf_config_from_arch(arch: ModelArch, **extra: Any):
     Raises:
         ValueError: ``qkv_bias`` / ``qk_layernorm`` other than the family's (:func:`check_family_traits`).
     """
-    import transformers
+    import transformers  # 1-2 s: the job layer reads presets and checks configs without it
 
     check_family_traits(arch)
     spec = FAMILY_SPECS[arch.family]

@@ -40,6 +40,9 @@ deterministic (:func:`deterministic_sdpa_backends`): with ``warn_only=True`` tha
 torch then only warns about the cuDNN, flash and memory-efficient backwards ("... defaults to a non-deterministic
 algorithm") and runs them as they are; ``varlen_attn`` and FlexAttention are not used then. The CPU path is
 unchanged.
+
+One module, past 400 lines: one ``core_attention`` (:class:`SDPAttention`) and the kernels it picks between for
+packed documents, which all read the same host-side document layout (:class:`PackedDocuments`).
 """
 
 from __future__ import annotations
@@ -179,7 +182,7 @@ def varlen_causal_kwargs(
 def _varlen_attn() -> Callable[..., Any] | None:
     """torch's ``varlen_attn`` (torch >= 2.10), or None."""
     try:
-        from torch.nn.attention.varlen import varlen_attn
+        from torch.nn.attention.varlen import varlen_attn  # torch >= 2.10 only
     except ImportError:
         return None
     return varlen_attn
@@ -203,7 +206,7 @@ def document_causal_mask_mod(cu_seqlens: torch.Tensor, t: int) -> Callable[..., 
 def _compiled_flex_attention() -> Callable[..., Any] | None:
     """``torch.compile(flex_attention)`` (FlexAttention runs as one fused kernel only compiled), or None."""
     try:
-        from torch.nn.attention.flex_attention import flex_attention
+        from torch.nn.attention.flex_attention import flex_attention  # loads torch's higher-order ops: where used
     except ImportError:
         return None
     return torch.compile(flex_attention)
@@ -215,7 +218,7 @@ _BLOCK_MASK: list[tuple[torch.Tensor, tuple[int, int], Any]] = []
 
 def _document_block_mask(cu_seqlens: torch.Tensor, t: int) -> Any:
     """FlexAttention's block mask of :func:`document_causal_mask_mod`, built once per micro batch."""
-    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.nn.attention.flex_attention import create_block_mask  # as in _compiled_flex_attention
 
     key = (cu_seqlens._version, t)
     if _BLOCK_MASK and _BLOCK_MASK[0][0] is cu_seqlens and _BLOCK_MASK[0][1] == key:
@@ -450,7 +453,7 @@ class SDPAttention(MegatronModule):
         q, k, v = (_heads_first(x) for x in (query, key, value))  # [1, n, t, hn]
         gqa = self.num_heads != self.num_groups
         if torch.compiler.is_compiling():  # traced into the compiled layer, its block mask built there
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention  # as above
 
             mask_mod = document_causal_mask_mod(cu_seqlens, t)
             block_mask = create_block_mask(mask_mod, None, None, t, t, device=cu_seqlens.device)

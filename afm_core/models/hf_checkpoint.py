@@ -31,6 +31,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from afm_core.models.arch import hf_config_from_arch
 from afm_core.models.presets import ModelPreset, PresetError, check_against_hf_config, load_preset
 from afm_core.utils.atomic import atomic_dir
 from afm_core.utils.paths import cache_dir
@@ -82,7 +83,7 @@ def ensure_hf_checkpoint(name_or_cfg: str | Mapping[str, Any]) -> Path:
     else:
         path = _ensure_cached(preset)
 
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # 1-2 s: the job layer imports this module to find checkpoints only
 
     hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
     check_against_hf_config(preset, hf_config, path / "config.json")
@@ -168,7 +169,7 @@ def _is_complete(path: Path) -> bool:
 
 def _convert_gguf(preset: ModelPreset, out: Path) -> None:
     """Dequantize the package's GGUF (transformers' GGUF loader) and save it as a clean float32 checkpoint."""
-    import torch
+    import torch  # torch and transformers only where a checkpoint is built (as in ensure_hf_checkpoint)
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -201,10 +202,8 @@ def _convert_gguf(preset: ModelPreset, out: Path) -> None:
 def _build_random(preset: ModelPreset, out: Path) -> None:
     """A model of the preset's shape with seeded random weights (transformers' default init) and the SmolLM2
     tokenizer (vocab 49152: the preset's vocab_size must be at least that)."""
-    import torch
+    import torch  # torch and transformers only where a checkpoint is built (as in ensure_hf_checkpoint)
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
-    from afm_core.models.arch import hf_config_from_arch
 
     path = gguf_path(TOKENIZER_GGUF)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

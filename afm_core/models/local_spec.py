@@ -48,6 +48,9 @@ biases on the MLP and other activations are not covered (the module raises, or f
 
 Shapes: ``[s, b, h]`` (or ``[t, 1, h]`` for packed ``thd`` micro batches); ``h`` the hidden size, ``f`` the
 FFN size, ``p`` the TP size.
+
+One module, past 400 lines: the spec's modules and their hand-written backward passes share the private
+elementwise kernels (norm, SwiGLU, rotation) and the one switch that compiles them, so they sit together.
 """
 
 from __future__ import annotations
@@ -58,13 +61,17 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings import rope_utils
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+from megatron.core.transformer import attention as megatron_attention
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from afm_core.utils.host_memory import populate_for_write
 
@@ -447,8 +454,6 @@ def lean_apply_rotary_pos_emb(
 ) -> torch.Tensor:
     """Megatron's ``apply_rotary_pos_emb`` (same arguments and values) for plain RoPE over the whole head
     dimension; the module docstring says what differs and what is passed on to megatron's function."""
-    from megatron.core.models.common.embeddings import rope_utils
-
     plain = (
         not config.apply_rope_fusion
         and not config.rotary_interleaved
@@ -501,9 +506,6 @@ def compile_transformer_layers(chunks: list[torch.nn.Module]) -> int:
     Returns:
         the number of layers compiled.
     """
-    from megatron.core.transformer.transformer_block import TransformerBlock
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
     layers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TransformerLayer)]
     for layer in layers:
         layer.compile()
@@ -540,8 +542,6 @@ def local_layer_spec(core_attention: type, qk_layernorm: bool = False) -> Module
     ``linear_fc2`` (:class:`SwiGLUMLP`), and ``core_attention`` as the attention kernel. Also points megatron's
     attention at :func:`lean_apply_rotary_pos_emb` (for the whole process: only the local spec is built where
     transformer-engine is absent)."""
-    from megatron.core.transformer import attention as megatron_attention
-
     if not any(isinstance(f, _KnownMLPFilter) for f in _TRANSFORMER_LAYER_LOG.filters):
         _TRANSFORMER_LAYER_LOG.addFilter(_KnownMLPFilter())
     megatron_attention.apply_rotary_pos_emb = lean_apply_rotary_pos_emb  # type: ignore[assignment]

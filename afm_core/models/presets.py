@@ -17,9 +17,11 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import yaml
+from omegaconf import DictConfig, OmegaConf
 
 from afm_core.models.arch import (
     ARCH_FIELD_TYPES,
@@ -110,13 +112,8 @@ def load_preset(name_or_cfg: str | Mapping[str, Any]) -> ModelPreset:
 
 
 def _to_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # pragma: no cover - omegaconf comes with hydra-core
-        pass
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)
     return dict(cfg)
 
 
@@ -155,8 +152,6 @@ def _validate(values: dict[str, Any], where, origin: str) -> ModelPreset:
     if scaling is not None:
         if not isinstance(scaling, dict) or "rope_type" not in scaling:
             fail("rope_scaling", "null or a mapping with rope_type (HF rope_parameters), e.g. {rope_type: llama3}")
-        from types import SimpleNamespace
-
         try:
             values["rope_scaling"] = hf_rope_scaling(SimpleNamespace(rope_parameters=dict(scaling)))
         except NotImplementedError as err:

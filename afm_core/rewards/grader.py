@@ -18,6 +18,7 @@ from afm_core.rewards.format import grade_format
 from afm_core.rewards.judge import LLMJudge
 from afm_core.rewards.math import grade_math
 from afm_core.rewards.qa import grade_qa
+from afm_core.utils.plugins import build_plugin
 
 GRADER_KINDS = ("math", "code", "qa", "judge")
 
@@ -115,8 +116,6 @@ def custom_reward(entry: Any, key: str = "reward_fn") -> Callable[..., Any] | No
     Raises:
         afm_core.utils.plugins.PluginError: the target cannot be imported.
     """
-    from afm_core.utils.plugins import build_plugin
-
     if not entry:
         return None
     return build_plugin(entry, key, _partial_=True)

@@ -51,7 +51,7 @@ def math_equal(prediction: str, gold: str, timeout_s: int = 5) -> bool:
         return False
     if _normalize(prediction) == _normalize(gold):
         return True
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # sympy: paid by the calls past the string comparison only
 
     gold_text = gold if _BOXED_RE.search(gold) else f"\\boxed{{{gold}}}"
     pred_text = prediction if ("\\boxed" in prediction or "$" in prediction) else f"\\boxed{{{prediction}}}"

@@ -159,7 +159,7 @@ def unlink_cpu_shm_files() -> list[str]:
     suite run on one machine). Every rank has mapped every segment once the engine exists (vLLM joins them
     between two barriers), so the names can go: the mappings stay valid, and nothing is left on the node.
     """
-    try:
+    try:  # vLLM-CPU's communicator: absent from a CUDA build of vLLM
         from _posixshmem import shm_unlink
 
         from vllm.distributed import parallel_state

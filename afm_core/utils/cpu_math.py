@@ -40,7 +40,7 @@ def warm_vml() -> None:
     global _WARMED
     if _WARMED:
         return
-    import torch
+    import torch  # utils loads no heavy package at import (the job layer imports utils without torch)
 
     if torch.backends.mkl.is_available():
         for dtype in (torch.float32, torch.float64):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import platform
 import socket
 
 #: The environment variable that overrides the CPU's bf16 decision: ``1`` (bf16), ``0`` (fp32), unset (detect).
@@ -23,7 +24,7 @@ CPU_BF16_ENV = "AFM_CPU_BF16"
 
 def cuda_available() -> bool:
     """Whether torch sees a CUDA device (imports torch on first use, not at module import)."""
-    import torch
+    import torch  # utils loads no heavy package at import: the job layer uses this module without torch
 
     return torch.cuda.is_available()
 
@@ -31,7 +32,7 @@ def cuda_available() -> bool:
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively: AVX512-BF16 or AMX tiles (``torch.cpu`` capability checks,
     torch ``torch/cpu/__init__.py``)."""
-    import torch
+    import torch  # as in cuda_available
 
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
@@ -78,9 +79,7 @@ def machine_summary() -> dict[str, object]:
     Raises:
         ValueError: ``AFM_CPU_BF16`` is set to something other than 0 or 1.
     """
-    import platform
-
-    import torch
+    import torch  # as in cuda_available
 
     info: dict[str, str] = {}
     try:

@@ -35,6 +35,7 @@ import functools
 import importlib
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -91,7 +92,6 @@ def _without_backends(module: ModuleType, run: Callable[[ModuleType], None]) -> 
 
 def _lazy_mbridge(module: ModuleType, run: Callable[[ModuleType], None]) -> None:
     """What ``mbridge/__init__.py`` (0.15.1) does, its imports on first access; ``run`` (the file) is not run."""
-    from importlib.metadata import version
 
     def __getattr__(name: str) -> Any:  # PEP 562: called for a name the module lacks
         if name not in ("models", "utils", "AutoBridge"):
@@ -101,7 +101,7 @@ def _lazy_mbridge(module: ModuleType, run: Callable[[ModuleType], None]) -> None
         module.__dict__["AutoBridge"] = importlib.import_module("mbridge.core.auto_bridge").AutoBridge
         return module.__dict__[name]
 
-    module.__dict__.update(__version__=version("mbridge"), __getattr__=__getattr__)
+    module.__dict__.update(__version__=importlib.metadata.version("mbridge"), __getattr__=__getattr__)
 
 
 HOOKS: dict[str, Callable[[ModuleType, Callable[[ModuleType], None]], None]] = {

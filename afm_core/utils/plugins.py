@@ -64,7 +64,7 @@ def build_plugin(entry: Mapping[str, Any], key: str, **kwargs: Any) -> Any:
     Raises:
         PluginError: the target cannot be imported, or calling it with those arguments failed.
     """
-    from hydra.errors import InstantiationException
+    from hydra.errors import InstantiationException  # hydra only when a plug-in is built (a rank needs none)
     from hydra.utils import instantiate
 
     spec = {**dict(entry), "_target_": dotted_target(str(entry["_target_"]), key)}

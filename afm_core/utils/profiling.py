@@ -51,7 +51,7 @@ class StepProfiler:
         if not self.enabled or not self.first <= step <= self.last:
             yield
             return
-        import torch
+        import torch  # only when profiling: utils loads no heavy package at import
         from torch.profiler import ProfilerActivity, profile, record_function, tensorboard_trace_handler
 
         if self._profiler is None:
@@ -81,7 +81,7 @@ class StepProfiler:
         if self._profiler is None:
             return
         if self.on_gpu:
-            import torch
+            import torch  # as in step
 
             torch.cuda.profiler.stop()
         self._profiler.stop()
