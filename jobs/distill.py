@@ -16,36 +16,28 @@ settings its runs were drawn under: a resume under other teachers, roles, sampli
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from afm_core.config import ConfigError, check_config
 from afm_core.config.eval import DistillConfig
-from afm_core.launch.submit import submit
+from afm_core.distill.runner import check_resume
+from afm_core.launch.submit import check_job_config, submit
+
+LOAD_CFG = "afm_core.config.eval.distill_config"  # each rank's DistillConfig
 
 
 @hydra.main(config_path="../conf", config_name="distill", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
-    try:
-        check_config(cfg, DistillConfig)
-    except ConfigError as err:
-        print(f"jobs.distill: bad config: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    from afm_core.distill.runner import check_resume
-
-    try:  # before the queue: runs drawn under other settings are not mixed with new ones in one run dir
-        check_resume(OmegaConf.to_container(cfg, resolve=True))
-    except ValueError as err:
-        print(f"jobs.distill: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    # before the queue: a bad value fails here, and runs drawn under other settings are not mixed with new ones
+    check_job_config(cfg, "distill", DistillConfig, check_inputs=check_resume, load_cfg=LOAD_CFG)
     report = submit(
         "afm_core.distill.runner.run_distill",
         cfg,
         on_preempt="afm_core.distill.runner.request_stop",
         job_name="distill",
+        load_cfg=LOAD_CFG,
     )
     if report is not None:
         shown = {k: report[k] for k in ("runs", "total", "converted", "not_converted", "graded_correct",

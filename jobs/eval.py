@@ -20,46 +20,34 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from afm_core.config import ConfigError, check_config
 from afm_core.config.eval import EvalConfig
-from afm_core.launch.submit import submit
+from afm_core.eval.report import compare_runs, markdown_table
+from afm_core.eval.runner import check_inputs
+from afm_core.launch.submit import check_job_config, submit
+
+LOAD_CFG = "afm_core.config.eval.eval_config"  # each rank's EvalConfig
 
 
 @hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
-    try:
-        check_config(cfg, EvalConfig)
-    except ConfigError as err:
-        print(f"jobs.eval: bad config: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    from afm_core.eval.runner import check_resume, describe_plan, load_benchmarks
-    from afm_core.utils.plugins import check_plugins
-
-    try:  # before the queue: a missing file or an unknown preset fails here, and the user sees what will run
-        plan = OmegaConf.to_container(cfg, resolve=True)
-        benchmarks = load_benchmarks(plan)
-        print(describe_plan(plan, benchmarks), flush=True)
-        check_resume(plan, benchmarks)  # a run dir's samples drawn under other settings are not mixed with new ones
-        check_plugins(plan)  # a plug-in (reward_fn, a tool) that does not import fails here too
-    except (ValueError, FileNotFoundError) as err:
-        print(f"jobs.eval: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    # before the queue: a bad value, a missing file or an unknown preset fails here, and the user sees what will run
+    check_job_config(cfg, "eval", EvalConfig, check_inputs=check_inputs, load_cfg=LOAD_CFG)
     summary = submit(
-        "afm_core.eval.runner.run_eval", cfg, on_preempt="afm_core.eval.runner.request_stop", job_name="eval"
+        "afm_core.eval.runner.run_eval",
+        cfg,
+        on_preempt="afm_core.eval.runner.request_stop",
+        job_name="eval",
+        load_cfg=LOAD_CFG,
     )
     if summary is not None:
-        from afm_core.eval.report import markdown_table
-
         print(markdown_table(summary["metrics"]))
         print(json.dumps({k: v for k, v in summary.items() if k != "metrics"}, indent=2, default=str))
     return summary
 
 
 def compare(argv: list[str]) -> int:
-    from afm_core.eval.report import compare_runs
-
     if len(argv) != 2:
         print("usage: python -m jobs.eval compare RUN_A RUN_B", file=sys.stderr)
         return 2

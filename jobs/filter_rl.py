@@ -12,31 +12,30 @@ The run dir holds ``candidates.parquet``, ``samples.jsonl`` (the resume log), th
 from __future__ import annotations
 
 import json
-import sys
 from typing import Any
 
 import hydra
 from omegaconf import DictConfig
 
-from afm_core.config import ConfigError, check_config
 from afm_core.config.eval import FilterRLConfig
-from afm_core.launch.submit import submit
+from afm_core.eval.filter_rl import report_table
+from afm_core.launch.submit import check_job_config, submit
+
+LOAD_CFG = "afm_core.config.eval.filter_rl_config"  # each rank's FilterRLConfig
 
 
 @hydra.main(config_path="../conf", config_name="filter_rl", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
-    try:
-        check_config(cfg, FilterRLConfig)
-    except ConfigError as err:
-        print(f"jobs.filter_rl: bad config: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
+    check_job_config(cfg, "filter_rl", FilterRLConfig)  # before the queue: a bad value exits with status 2 here
     summary = submit(
-        "afm_core.eval.filter_rl.run_filter", cfg, on_preempt="afm_core.eval.runner.request_stop", job_name="filter_rl"
+        "afm_core.eval.filter_rl.run_filter",
+        cfg,
+        on_preempt="afm_core.eval.runner.request_stop",
+        job_name="filter_rl",
+        load_cfg=LOAD_CFG,
     )
     if summary is not None:
         if summary.get("report"):
-            from afm_core.eval.filter_rl import report_table
-
             print(report_table(summary["report"]))
         print(json.dumps({k: v for k, v in summary.items() if k != "report"}, indent=2, default=str))
     return summary

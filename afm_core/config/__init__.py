@@ -42,11 +42,16 @@ def register_schemas() -> None:
     Called by the job entry points (``jobs/sft.py``, ``jobs/rl.py``, ``jobs/prepare_data.py``,
     ``jobs/pipeline.py``) at import, before ``@hydra.main`` composes, and by whatever composes an app's config
     with Hydra's compose API (:func:`afm_core.launch.plan.compose`, tests, benchmarks); without it, composing
-    ``conf/sft.yaml`` fails with "Could not find 'sft_schema'".
+    ``conf/sft.yaml`` fails with "Could not find 'sft_schema'". ``eval_schema``, ``filter_rl_schema`` and
+    ``distill_schema`` are stored for configs that compose onto them; ``conf/eval.yaml``, ``conf/filter_rl.yaml``
+    and ``conf/distill.yaml`` do not name them, so that a bad override there exits with status 2 at the jobs'
+    gate (:func:`afm_core.launch.submit.check_job_config`) rather than in Hydra's composition.
     """
+    # importing the package (ConfigError, check_config) loads neither Hydra's ConfigStore nor any schema module
     from hydra.core.config_store import ConfigStore
 
     from afm_core.config.data import PrepareDataConfig
+    from afm_core.config.eval import DistillConfig, EvalConfig, FilterRLConfig
     from afm_core.config.rl import RLConfig
     from afm_core.config.sft import SFTConfig
 
@@ -54,6 +59,9 @@ def register_schemas() -> None:
     store.store(name="sft_schema", node=SFTConfig)
     store.store(name="rl_schema", node=RLConfig)
     store.store(name="prepare_data_schema", node=PrepareDataConfig)
+    store.store(name="eval_schema", node=EvalConfig)
+    store.store(name="filter_rl_schema", node=FilterRLConfig)
+    store.store(name="distill_schema", node=DistillConfig)
 
 
 def check_config(cfg: DictConfig, schema: type[T]) -> T:

@@ -9,8 +9,9 @@
   :mod:`afm_core.data.filters`.
 """
 
+from afm_core.config.eval import MASConfig
 from afm_core.distill.convert import NotConverted, convert_run, convert_runs
-from afm_core.distill.mas import MASConfig, MultiAgentSystem, RoleTeacher
+from afm_core.distill.mas import MultiAgentSystem, RoleTeacher
 from afm_core.distill.teacher import ChatEndpointTeacher, ChatReply, ChatSampling, EngineTeacher, Teacher
 
 __all__ = [

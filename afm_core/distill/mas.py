@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from afm_core.coa.prompts import TASK_TOOLS
+from afm_core.config.eval import MASConfig
 from afm_core.distill import roles
 from afm_core.distill.roles import Event
 from afm_core.distill.teacher import ChatSampling, Teacher
@@ -36,41 +37,6 @@ from afm_core.rollout import AgentTask, observation_error_kind, sample_seed
 from afm_core.rollout.agent_loop import ToolRunner
 
 RECORD_VERSION = 1
-
-
-@dataclass(frozen=True)
-class MASConfig:
-    """Limits and policy of one run (``mas`` in ``conf/distill.yaml``).
-
-    Attributes:
-        max_tool_calls: tool calls per run (the paper's evaluation allows 12).
-        max_steps: thinking-agent calls per run (bounds a run whose tool agents keep failing).
-        max_replans: new plans after a low verifier score.
-        max_plan_steps: steps the planner is asked for.
-        accept_score: the lowest verifier score that ends the run (the CoA rule: <= 2 re-plans, so 3).
-        reflect_every: a reflection after every this many tool calls (0: only before each suggestion).
-        obs_chars: characters of each observation shown to the roles (the trajectory keeps it whole).
-        context_events: transcript entries shown to the roles (the latest ones).
-    """
-
-    max_tool_calls: int = 8
-    max_steps: int = 12
-    max_replans: int = 1
-    max_plan_steps: int = 4
-    accept_score: int = 3
-    reflect_every: int = 2
-    obs_chars: int = 600
-    context_events: int = 12
-
-    def __post_init__(self) -> None:
-        for name in ("max_tool_calls", "max_steps", "max_plan_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"mas.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_replans", "reflect_every", "obs_chars", "context_events"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"mas.{name} must be >= 0, got {getattr(self, name)}")
-        if not 1 <= self.accept_score <= 4:
-            raise ValueError(f"mas.accept_score must be in 1..4, got {self.accept_score}")
 
 
 @dataclass(frozen=True)
@@ -105,7 +71,7 @@ class MultiAgentSystem:
     Args:
         teachers: the :class:`RoleTeacher` of every role in :data:`afm_core.distill.roles.ROLES`.
         tools: a started :class:`~afm_core.tools.ToolPool` (anything with its ``call``/``end_trajectory``).
-        config: :class:`MASConfig`.
+        config: the run's limits and policy (``mas``: :class:`afm_core.config.eval.MASConfig`).
 
     Raises:
         ValueError: a role without a teacher.

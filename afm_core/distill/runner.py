@@ -32,19 +32,26 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from tqdm import tqdm
 
 from afm_core.coa.grammar import validate_steps
+from afm_core.config.data import DataConfig
+from afm_core.config.eval import DistillConfig, RoleConfig
 from afm_core.data.filters import DataFilters, build_graders
+from afm_core.data.prepare import prepare, read_report
 from afm_core.data.trajectory_checks import grade_trajectory
 from afm_core.distill.convert import NotConverted, convert_run, convert_runs
-from afm_core.distill.mas import MASConfig, MultiAgentSystem, RoleTeacher
+from afm_core.distill.mas import MultiAgentSystem, RoleTeacher
 from afm_core.distill.roles import ROLES
-from afm_core.distill.teacher import ChatSampling, Teacher, build_teacher, teacher_sampling, teacher_settings
+from afm_core.distill.teacher import ChatSampling, Teacher, build_teacher, teacher_sampling
 from afm_core.eval.benchmarks import Benchmark, load_sources
+from afm_core.eval.runner import job_tool_servers
 from afm_core.eval.samples import SampleKey, SampleWriter, check_sample_settings, read_samples, sample_key, samples_todo
+from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
 from afm_core.rollout import AgentTask
-from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
+from afm_core.rollout.factory import build_engine, load_tokenizer
+from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg
+from afm_core.tools.registry import build_tool_pool
 from afm_core.utils.aio import run_with_tools
 from afm_core.utils.atomic import atomic_path, atomic_write_json
 from afm_core.utils.run_config import open_run
@@ -66,60 +73,50 @@ def request_stop() -> None:
     _stop_requested = True
 
 
-def load_tasks(cfg: Mapping[str, Any]) -> list[Benchmark]:
+def load_tasks(config: DistillConfig) -> list[Benchmark]:
     """Benchmark presets (``benchmarks``) then files (``benchmark_files``), each cut to ``distill.limit``.
 
     Raises:
         ValueError: no task source, or two with the same name.
     """
     benchmarks = load_sources(
-        cfg.get("benchmarks"),
-        cfg.get("benchmark_files"),
-        cfg.get("data_dir"),
+        config.benchmarks,
+        config.benchmark_files,
+        config.data_dir,
         empty="no tasks: set benchmarks=[gsm8k_train,...] and/or benchmark_files=[my_tasks.parquet]",
     )
-    limit = cfg["distill"].get("limit")
+    limit = config.distill.limit
     for bench in benchmarks:
         if limit is not None:
-            bench.tasks = bench.tasks[: int(limit)]
+            bench.tasks = bench.tasks[:limit]
     return benchmarks
 
 
-def role_specs(cfg: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """``roles`` checked: every role of :data:`afm_core.distill.roles.ROLES` names a teacher of ``teachers``.
+def role_specs(config: DistillConfig) -> dict[str, RoleConfig]:
+    """``roles``, one per role of :data:`afm_core.distill.roles.ROLES` (each names a teacher of ``teachers``:
+    :class:`~afm_core.config.eval.DistillConfig` checks that).
 
     Raises:
-        ValueError: a missing or unknown role, an unknown teacher or key (named).
+        ValueError: a missing or unknown role (named).
     """
-    teachers = cfg.get("teachers") or {}
-    for name, spec in teachers.items():
-        teacher_settings(name, spec)
-    specs = {}
-    given = cfg.get("roles") or {}
-    if unknown := sorted(set(given) - set(ROLES)):
+    if unknown := sorted(set(config.roles) - set(ROLES)):
         raise ValueError(f"roles.{unknown[0]}: unknown role; roles: {', '.join(ROLES)}")
-    for role in ROLES:
-        spec = dict(given.get(role) or {})
-        if unknown := sorted(set(spec) - {"teacher", "max_tokens", "temperature"}):
-            raise ValueError(f"roles.{role}.{unknown[0]}: unknown key; known: teacher, max_tokens, temperature")
-        if spec.get("teacher") not in teachers:
-            raise ValueError(f"roles.{role}.teacher: {spec.get('teacher')!r} is not in teachers ({sorted(teachers)})")
-        specs[role] = spec
-    return specs
+    if missing := [role for role in ROLES if role not in config.roles]:
+        raise ValueError(f"roles.{missing[0]}.teacher: None is not in teachers ({sorted(config.teachers)})")
+    return {role: config.roles[role] for role in ROLES}
 
 
-def _needs_engine(cfg: Mapping[str, Any], specs: Mapping[str, Mapping[str, Any]]) -> bool:
-    return any(teacher_settings(s["teacher"], cfg["teachers"][s["teacher"]])["backend"] == "engine"
-               for s in specs.values())  # fmt: skip
+def _needs_engine(config: DistillConfig, specs: Mapping[str, RoleConfig]) -> bool:
+    return any(config.teachers[str(s.teacher)].backend == "engine" for s in specs.values())
 
 
-def role_sampling(cfg: Mapping[str, Any], spec: Mapping[str, Any]) -> ChatSampling:
+def role_sampling(config: DistillConfig, spec: RoleConfig) -> ChatSampling:
     """A role's sampling: its teacher's, with the role's own ``max_tokens`` / ``temperature`` where set."""
-    own = {key: value for key, value in spec.items() if key != "teacher" and value is not None}
-    return teacher_sampling({**cfg["teachers"][spec["teacher"]], **own})
+    return teacher_sampling(config.teachers[str(spec.teacher)], temperature=spec.temperature,
+                            max_tokens=spec.max_tokens)  # fmt: skip
 
 
-def distill_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
+def distill_settings(config: DistillConfig) -> dict[str, Any]:
     """What decides a run of this distillation (:func:`check_resume` guards ``runs.jsonl`` with it): each role's
     teacher, that teacher's backend and model (the job's ``model`` for ``backend=engine``) and the role's sampling;
     the MAS limits (``mas``: tool calls, steps, re-plans, observation characters, ...); the engine's seed and
@@ -130,30 +127,29 @@ def distill_settings(cfg: Mapping[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: bad teachers, roles or MAS settings (the key is named).
     """
-    specs = role_specs(cfg)
-    job_model = cfg["model"].get("hf_path") or cfg["model"].get("name")
+    specs = role_specs(config)
     roles = {}
     for role, spec in specs.items():
-        teacher = teacher_settings(spec["teacher"], cfg["teachers"][spec["teacher"]])
-        sampling = role_sampling(cfg, spec)
+        teacher = config.teachers[str(spec.teacher)]
+        sampling = role_sampling(config, spec)
         roles[role] = {
-            "teacher": spec["teacher"],
-            "backend": teacher["backend"],
-            "model": job_model if teacher["backend"] == "engine" else teacher.get("model"),
+            "teacher": spec.teacher,
+            "backend": teacher.backend,
+            "model": config.model_name if teacher.backend == "engine" else teacher.model,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "max_tokens": sampling.max_tokens,
         }
-    engine = cfg.get("engine") or {}
+    engine = config.engine
     return {
         "roles": roles,
-        "mas": asdict(MASConfig(**(cfg.get("mas") or {}))),
-        "engine": {"seed": engine.get("seed"), "dtype": engine.get("dtype")} if _needs_engine(cfg, specs) else None,
+        "mas": asdict(config.mas),
+        "engine": {"seed": engine.get("seed"), "dtype": engine.get("dtype")} if _needs_engine(config, specs) else None,
     }
 
 
-def check_resume(cfg: Mapping[str, Any], *, record: bool = False) -> set[SampleKey]:
-    """The runs already in ``cfg.run_dir/runs.jsonl``; with some, the job's :func:`distill_settings` must be those
+def check_resume(config: DistillConfig, *, record: bool = False) -> set[SampleKey]:
+    """The runs already in ``run_dir/runs.jsonl``; with some, the job's :func:`distill_settings` must be those
     they were drawn under, else the converted trajectories would mix the two. The check is eval's
     (:func:`afm_core.eval.samples.check_sample_settings`, ``sample_settings.json`` beside the log); ``jobs.distill``
     checks before the queue, :func:`run_distill` again and records the settings.
@@ -162,36 +158,28 @@ def check_resume(cfg: Mapping[str, Any], *, record: bool = False) -> set[SampleK
         ValueError: the settings differ (names the file and each field, old -> new); bad teachers, roles or MAS
             settings.
     """
-    run_dir = Path(cfg["run_dir"])
+    run_dir = Path(config.run_dir)
     done = {sample_key(r) for r in read_samples(run_dir / RUNS_FILE)}
-    check_sample_settings(run_dir, distill_settings(cfg), resuming=bool(done), record=record, what="runs")
+    check_sample_settings(run_dir, distill_settings(config), resuming=bool(done), record=record, what="runs")
     return done
 
 
-def _data_cfg(cfg: Mapping[str, Any], run_dir: Path) -> dict[str, Any]:
-    """The data config of ``sft_data/``: the ``data`` group with ``sources.trajectories`` = this run's trajectories."""
-    data = dict(cfg["data"])
-    data["sources"] = {"trajectories": {"limit": None, "path": str(run_dir / TRAJECTORIES_FILE)}}
-    data["out_dir"] = data.get("out_dir") or str(run_dir / SFT_DIR)
-    return data
+def _data_cfg(data: DataConfig, run_dir: Path) -> dict[str, Any]:
+    """The data config of ``sft_data/`` (as :func:`afm_core.data.prepare.prepare` reads it): the ``data`` group with
+    ``sources.trajectories`` = this run's trajectories."""
+    return {**asdict(data), "sources": {"trajectories": {"limit": None, "path": str(run_dir / TRAJECTORIES_FILE)}},
+            "out_dir": data.out_dir or str(run_dir / SFT_DIR)}  # fmt: skip
 
 
-async def _distill(cfg: Mapping[str, Any], todo: list[tuple[AgentTask, int]], writer: SampleWriter,
+async def _distill(config: DistillConfig, todo: list[tuple[AgentTask, int]], writer: SampleWriter,
                    server_urls: Callable[[], dict[str, str]]) -> dict[str, Any]:  # fmt: skip
-    from tqdm import tqdm
-
-    from afm_core.tools.registry import build_tool_pool
-
-    specs = role_specs(cfg)
-    filters = DataFilters.from_config(cfg["data"].get("filters"))
+    specs = role_specs(config)
+    filters = DataFilters.from_config(config.data.filters)
     engine, tokenizer = None, None
-    if _needs_engine(cfg, specs):
-        from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-        from afm_core.rollout.factory import build_engine, load_tokenizer
-
-        hf_dir = ensure_hf_checkpoint(cfg["model"])
+    if _needs_engine(config, specs):
+        hf_dir = ensure_hf_checkpoint(asdict(config.model))
         tokenizer = load_tokenizer(hf_dir)
-        engine = await build_engine(cfg["engine"], hf_dir, tokenizer)  # the tool servers start meanwhile
+        engine = await build_engine(config.engine, hf_dir, tokenizer)  # the tool servers start meanwhile
     try:
         urls = server_urls()
     except BaseException:
@@ -199,14 +187,14 @@ async def _distill(cfg: Mapping[str, Any], todo: list[tuple[AgentTask, int]], wr
             await engine.close()
         raise
     teachers: dict[str, Teacher] = {name: build_teacher(name, spec, engine, tokenizer)
-                                    for name, spec in cfg["teachers"].items()}  # fmt: skip
-    role_teachers = {role: RoleTeacher(teachers[spec["teacher"]], role_sampling(cfg, spec))
+                                    for name, spec in config.teachers.items()}  # fmt: skip
+    role_teachers = {role: RoleTeacher(teachers[str(spec.teacher)], role_sampling(config, spec))
                      for role, spec in specs.items()}  # fmt: skip
-    tools_cfg = reachable_tools_cfg(cfg["tools"], urls)
+    tools_cfg = reachable_tools_cfg(asdict(config.tools), urls)  # the tool layer's mapping
     pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
     graders = build_graders(filters, urls.get("sandbox"))
-    mas = MultiAgentSystem(role_teachers, pool, MASConfig(**(cfg.get("mas") or {})))
-    verification = bool(cfg["distill"].get("verification", True))
+    mas = MultiAgentSystem(role_teachers, pool, config.mas)
+    verification = config.distill.verification
     counts: Counter[str] = Counter()
 
     async def one(task: AgentTask, sample: int, slots: asyncio.Semaphore, bar: Any) -> None:
@@ -228,7 +216,7 @@ async def _distill(cfg: Mapping[str, Any], todo: list[tuple[AgentTask, int]], wr
             bar.update(1)
 
     async def all_runs() -> None:
-        slots = asyncio.Semaphore(int(cfg["distill"]["concurrency"]))
+        slots = asyncio.Semaphore(config.distill.concurrency)
         bar = tqdm(total=len(todo), desc="distill", unit="run", dynamic_ncols=True)
         try:
             await asyncio.gather(*(one(task, sample, slots, bar) for task, sample in todo))
@@ -266,7 +254,7 @@ def usage(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 def plot_filters(filters_report: Mapping[str, Any], png_path: Path) -> None:
     """The filter funnel: trajectories entering the filters, kept after each stage, and train rows after upsampling."""
-    import matplotlib
+    import matplotlib  # here: only the plot needs it (jobs.distill imports this module to check a resume)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -296,17 +284,15 @@ def _run_order(record: Mapping[str, Any]) -> tuple[str, int, str, int]:
     return record["benchmark"], len(pid), pid, int(record["sample"])
 
 
-def finish(cfg: Mapping[str, Any], run_dir: Path, info: Mapping[str, Any]) -> dict[str, Any]:
+def finish(config: DistillConfig, run_dir: Path, info: Mapping[str, Any]) -> dict[str, Any]:
     """Convert every recorded run (in :func:`_run_order`), write ``trajectories.jsonl``, filter and split into
     ``sft_data/``, and write ``report.json`` and ``filters.png``; returns the report."""
-    from afm_core.data.prepare import prepare, read_report
-
     records = sorted(read_samples(run_dir / RUNS_FILE), key=_run_order)
-    trajectories, not_converted = convert_runs(records, verification=bool(cfg["distill"].get("verification", True)))
+    trajectories, not_converted = convert_runs(records, verification=config.distill.verification)
     with atomic_path(run_dir / TRAJECTORIES_FILE) as tmp:
         tmp.write_text("".join(json.dumps(t.to_dict(), ensure_ascii=False) + "\n" for t in trajectories),
                        encoding="utf-8")  # fmt: skip
-    data_cfg = _data_cfg(cfg, run_dir)
+    data_cfg = _data_cfg(config.data, run_dir)
     sft_dir = prepare(data_cfg)
     prepared = read_report(sft_dir) or {}
     by_bench: dict[str, Counter[str]] = defaultdict(Counter)
@@ -341,8 +327,9 @@ def finish(cfg: Mapping[str, Any], run_dir: Path, info: Mapping[str, Any]) -> di
     return report
 
 
-def run_distill(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
-    """Distill ``cfg.benchmarks`` + ``cfg.benchmark_files`` into ``cfg.run_dir`` (see the module docstring).
+def run_distill(config: DistillConfig) -> dict[str, Any]:
+    """Distill ``config.benchmarks`` + ``config.benchmark_files`` into ``config.run_dir`` (see the module
+    docstring).
 
     Returns:
         The report (``report.json``) with ``stopped_early`` and ``total`` added.
@@ -353,11 +340,10 @@ def run_distill(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """
     global _stop_requested
     _stop_requested = False
-    cfg, run_dir = open_run(cfg)
-    done = check_resume(cfg, record=True)  # checks the teachers, roles and MAS settings too
-    DataFilters.from_config(cfg["data"].get("filters"))
-    benchmarks = load_tasks(cfg)
-    samples = int(cfg["distill"].get("samples", 1))
+    run_dir = open_run(config.run_dir)
+    done = check_resume(config, record=True)  # checks the roles too
+    benchmarks = load_tasks(config)
+    samples = config.distill.samples
     runs_path = run_dir / RUNS_FILE
     todo = samples_todo(benchmarks, lambda _: samples, done)
     total = sum(len(b.tasks) for b in benchmarks) * samples
@@ -369,13 +355,12 @@ def run_distill(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
         graders = {str(t.meta.get("grader")) for b in benchmarks for t in b.tasks}
         writer = SampleWriter(runs_path)
         try:
-            with tool_servers(needed_servers(families, graders, cfg["tools"]), run_dir / "logs" / "tool_servers",
-                              addresses_file=cfg["tools"]["addresses_file"], **cfg["tool_servers"],
-                              data_dir=cfg.get("data_dir")) as server_urls:  # fmt: skip
-                info = asyncio.run(_distill(cfg, todo, writer, server_urls))
+            names = needed_servers(families, graders, asdict(config.tools))  # the tool layer's mapping
+            with job_tool_servers(config, names, run_dir / "logs" / "tool_servers") as server_urls:
+                info = asyncio.run(_distill(config, todo, writer, server_urls))
         finally:
             writer.close()
-    report = finish(cfg, run_dir, info)
-    log_results(run_dir, cfg.get("logger") or ["console"], "distill", {"distill": report}, config=cfg,
-                tracking=cfg.get("tracking"))  # fmt: skip
+    report = finish(config, run_dir, info)
+    log_results(run_dir, config.logger or ["console"], "distill", {"distill": report}, config=asdict(config),
+                tracking=asdict(config.tracking))  # fmt: skip
     return {**report, "total": total, "stopped_early": _stop_requested and report["runs"] < total}

@@ -9,15 +9,8 @@
   (``tokenizer.apply_chat_template(..., add_generation_prompt=True)``) and the sampled ids decoded; the same
   token-in/token-out path the agent loop uses, so no second engine is started.
 
-Config (``teachers.<name>`` in ``conf/distill.yaml``)::
-
-    backend: engine | chat
-    url: http://host:8000/v1          # chat only
-    model: gpt-4.1-mini               # chat only: the served model name
-    api_key_env: OPENAI_API_KEY       # chat only: environment variable holding the key (null: none)
-    temperature, top_p, max_tokens    # default sampling (a role may lower max_tokens)
-    concurrency: 16                   # requests in flight to this teacher
-    timeout_s, retries                # chat only: per request; attempts after HTTP 429/5xx or a dropped connection
+Config: ``teachers.<name>`` in ``conf/distill.yaml``, :class:`afm_core.config.eval.TeacherConfig` (``backend``;
+``url``, ``model``, ``api_key_env``, ``timeout_s``, ``retries`` for ``chat``; the default sampling; ``concurrency``).
 """
 
 from __future__ import annotations
@@ -31,12 +24,9 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from afm_core.config.eval import TeacherConfig
 from afm_core.rollout.engine import EngineError, GenerationEngine, SamplingConfig
 from afm_core.utils.openai_api import EndpointError, auth_headers, endpoint, post_json
-
-TEACHER_BACKENDS = ("engine", "chat")
-TEACHER_KEYS = ("backend", "url", "model", "api_key_env", "temperature", "top_p", "max_tokens", "concurrency",
-                "timeout_s", "retries")  # fmt: skip
 
 Message = Mapping[str, str]
 
@@ -200,43 +190,26 @@ class EngineTeacher:
         """The engine belongs to the job; it is closed there."""
 
 
-def teacher_settings(name: str, spec: Mapping[str, Any]) -> dict[str, Any]:
-    """``teachers.<name>`` checked: known keys, a known backend, a URL and model for ``chat``.
-
-    Raises:
-        ValueError: the message names the key (``teachers.strong.url``).
-    """
-    spec = dict(spec)
-    if unknown := sorted(set(spec) - set(TEACHER_KEYS)):
-        raise ValueError(f"teachers.{name}.{unknown[0]}: unknown key; known: {', '.join(TEACHER_KEYS)}")
-    backend = spec.get("backend", "engine")
-    if backend not in TEACHER_BACKENDS:
-        raise ValueError(f"teachers.{name}.backend must be one of {', '.join(TEACHER_BACKENDS)}, got {backend!r}")
-    if backend == "chat":
-        for key in ("url", "model"):
-            if not spec.get(key):
-                raise ValueError(f"teachers.{name}.{key}: required for backend=chat (an OpenAI-compatible endpoint)")
-    return {"backend": backend, **spec}
-
-
-def build_teacher(name: str, spec: Mapping[str, Any], engine: GenerationEngine | None, tokenizer: Any) -> Teacher:
-    """A :class:`Teacher` from its checked settings (:func:`teacher_settings`); ``engine`` for ``backend=engine``.
+def build_teacher(name: str, spec: TeacherConfig, engine: GenerationEngine | None, tokenizer: Any) -> Teacher:
+    """The :class:`Teacher` of ``teachers.<name>`` (checked by :class:`afm_core.config.eval.DistillConfig`);
+    ``engine`` for ``backend=engine``. ``concurrency`` null: 16 requests in flight to an endpoint, 64 to the engine
+    (vLLM batches them).
 
     Raises:
         ValueError: ``backend=engine`` without an engine.
     """
-    spec = teacher_settings(name, spec)
-    if spec["backend"] == "chat":
-        return ChatEndpointTeacher(name, spec["url"], spec["model"], spec.get("api_key_env"),
-                                   concurrency=int(spec.get("concurrency") or 16),
-                                   timeout_s=float(spec.get("timeout_s") or 300.0),
-                                   retries=int(spec.get("retries", 3) or 0))  # fmt: skip
+    if spec.backend == "chat":
+        assert spec.url and spec.model  # DistillConfig requires both for backend=chat
+        return ChatEndpointTeacher(name, spec.url, spec.model, spec.api_key_env, concurrency=spec.concurrency or 16,
+                                   timeout_s=spec.timeout_s, retries=spec.retries)  # fmt: skip
     if engine is None:
         raise ValueError(f"teachers.{name}: backend=engine needs the job's engine (engine section)")
-    return EngineTeacher(name, engine, tokenizer, concurrency=int(spec.get("concurrency") or 64))
+    return EngineTeacher(name, engine, tokenizer, concurrency=spec.concurrency or 64)
 
 
-def teacher_sampling(spec: Mapping[str, Any]) -> ChatSampling:
-    """The default :class:`ChatSampling` of a teacher's settings."""
-    return ChatSampling(temperature=float(spec.get("temperature", 0.7)), top_p=float(spec.get("top_p", 1.0)),
-                        max_tokens=int(spec.get("max_tokens", 256)))  # fmt: skip
+def teacher_sampling(
+    spec: TeacherConfig, *, temperature: float | None = None, max_tokens: int | None = None
+) -> ChatSampling:
+    """A teacher's :class:`ChatSampling`, with a role's own ``temperature`` / ``max_tokens`` where not None."""
+    return ChatSampling(temperature=spec.temperature if temperature is None else temperature, top_p=spec.top_p,
+                        max_tokens=spec.max_tokens if max_tokens is None else max_tokens)  # fmt: skip

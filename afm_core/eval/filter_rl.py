@@ -33,15 +33,18 @@ import logging
 import random
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
-
+from afm_core.config.eval import FilterConfig, FilterRLConfig
 from afm_core.data.formats import RLTask, write_rl_tasks
-from afm_core.data.schema import task_id
+from afm_core.data.schema import read_prepared, task_id
+from afm_core.eval.benchmarks import load_file
+from afm_core.eval.runner import eval_benchmarks, run_eval
+from afm_core.eval.samples import read_samples
 from afm_core.utils.atomic import atomic_write_json
-from afm_core.utils.run_config import plain_config
+from afm_core.utils.run_config import open_run
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +63,6 @@ def sft_question_ids(paths: Iterable[str | Path]) -> dict[str, str]:
         FileNotFoundError: a path that does not exist, or a directory without ``train.parquet``.
         afm_core.data.io.DataFormatError: a file that is not a prepared parquet (names the column).
     """
-    from afm_core.data.schema import read_prepared
-
     files: list[Path] = []
     for entry in paths:
         path = Path(entry).expanduser()
@@ -153,15 +154,15 @@ def pass_rates(records: Iterable[Mapping[str, Any]], k: int) -> dict[str, tuple[
     return out
 
 
-def decide(correct: int, samples: int, rule: Mapping[str, Any]) -> str:
+def decide(correct: int, samples: int, rule: FilterConfig) -> str:
     """``kept`` or why not: ``too_easy`` (r_q > ``max_pass_rate``), ``all_correct`` (``drop_all_correct`` and
     every sample correct), ``too_hard`` (r_q < ``min_pass_rate``)."""
     rate = correct / samples
-    if rule.get("drop_all_correct") and correct == samples:
+    if rule.drop_all_correct and correct == samples:
         return "all_correct"
-    if rule.get("max_pass_rate") is not None and rate > float(rule["max_pass_rate"]) + 1e-12:
+    if rule.max_pass_rate is not None and rate > rule.max_pass_rate + 1e-12:
         return "too_easy"
-    if rule.get("min_pass_rate") is not None and rate < float(rule["min_pass_rate"]) - 1e-12:
+    if rule.min_pass_rate is not None and rate < rule.min_pass_rate - 1e-12:
         return "too_hard"
     return "kept"
 
@@ -185,34 +186,23 @@ def report_table(report: Mapping[str, Any]) -> str:
 # ----------------------------------------------------------------------------------------------------------
 # The job
 # ----------------------------------------------------------------------------------------------------------
-def run_filter(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
-    """Filter ``cfg.benchmarks`` + ``cfg.benchmark_files`` by pass rate into ``cfg.filter.out`` (see the module
-    docstring). Every rank of the job calls it; it runs on one.
+def run_filter(config: FilterRLConfig) -> dict[str, Any]:
+    """Filter ``config.benchmarks`` + ``config.benchmark_files`` by pass rate into ``config.filter.out`` (see the
+    module docstring; the rule's values are checked by :class:`~afm_core.config.eval.FilterConfig`). Every rank of
+    the job calls it; it runs on one.
 
     Returns:
         ``{"stopped_early", "out", "counts", "report", "run_dir", ...}``; on a stop (preemption) nothing is
         written but the samples, and ``stopped_early`` is True.
     Raises:
-        ValueError: no candidate left, or a bad ``filter`` value (names the field).
+        ValueError: no candidate left.
         FileNotFoundError: a missing input or SFT file.
     """
-    from afm_core.eval.benchmarks import load_file
-    from afm_core.eval.runner import load_benchmarks, run_eval
-    from afm_core.eval.samples import read_samples
-
-    cfg = plain_config(cfg)
-    run_dir = Path(cfg["run_dir"])
-    run_dir.mkdir(parents=True, exist_ok=True)
-    rule = dict(cfg["filter"])
-    k = int(cfg["eval"]["k"])
-    for key in ("max_pass_rate", "min_pass_rate"):
-        if rule.get(key) is not None and not 0 <= float(rule[key]) <= 1:
-            raise ValueError(f"filter.{key}={rule[key]}: a pass rate in [0, 1] (or null)")
-    if k < 1:
-        raise ValueError(f"eval.k={k}: samples per prompt must be >= 1")
-
-    sft_ids = sft_question_ids(rule.get("sft_data") or [])
-    rows, counts = select_candidates(load_benchmarks(cfg), sft_ids)
+    run_dir = open_run(config.run_dir)
+    rule = config.filter
+    k = config.eval.k
+    sft_ids = sft_question_ids(rule.sft_data)
+    rows, counts = select_candidates(eval_benchmarks(config), sft_ids)
     if not rows:
         raise ValueError(f"no candidate prompt left ({counts}): check benchmarks / benchmark_files / filter.sft_data")
     candidates_path = run_dir / f"{CANDIDATES}.parquet"
@@ -220,9 +210,9 @@ def run_filter(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     print(f"[filter_rl] {counts['candidates']} candidate prompts ({counts['loaded']} loaded, {counts['sft_overlap']} "
           f"SFT questions and {counts['duplicates']} duplicates dropped) x {k} samples", flush=True)  # fmt: skip
 
-    eval_cfg = {**cfg, "benchmarks": [], "benchmark_files": [str(candidates_path)],
-                "eval": {**cfg["eval"], "limit": None, "per_benchmark": {}}}  # fmt: skip
-    summary = run_eval(eval_cfg)
+    on_candidates = replace(config, benchmarks=[], benchmark_files=[str(candidates_path)],
+                            eval=replace(config.eval, limit=None, per_benchmark={}))  # fmt: skip
+    summary = run_eval(on_candidates)
     if summary["stopped_early"]:
         return {
             "stopped_early": True,
@@ -250,9 +240,9 @@ def run_filter(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
             row.extra_info.update(pass_rate=correct / n, correct=correct, samples=n)
             kept.append(row)
     chosen = kept
-    if rule.get("sample_size") is not None and len(kept) > int(rule["sample_size"]):
+    if rule.sample_size is not None and len(kept) > rule.sample_size:
         order = {row.index: i for i, row in enumerate(kept)}
-        chosen = random.Random(int(rule.get("seed") or 0)).sample(kept, int(rule["sample_size"]))
+        chosen = random.Random(rule.seed).sample(kept, rule.sample_size)
         chosen.sort(key=lambda row: order[row.index])
     for row in chosen:
         bench = per[row.extra_info["benchmark"]]
@@ -260,7 +250,7 @@ def run_filter(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     leaked = [row.index for row in chosen if task_id(row.extra_info["question"]) in sft_ids]
     if leaked:  # select_candidates excluded them: a failure here is a bug, never a silent overlap
         raise RuntimeError(f"{len(leaked)} filtered prompts are SFT questions: {leaked[:5]}")
-    out: Path | None = Path(rule.get("out") or run_dir / "rl_data.parquet")
+    out: Path | None = Path(rule.out or run_dir / "rl_data.parquet")
     if chosen:
         assert out is not None
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -272,12 +262,13 @@ def run_filter(cfg: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
 
     report = {
         "rule": {
-            key: rule.get(key) for key in ("max_pass_rate", "min_pass_rate", "drop_all_correct", "sample_size", "seed")
+            key: getattr(rule, key)
+            for key in ("max_pass_rate", "min_pass_rate", "drop_all_correct", "sample_size", "seed")
         },
         "samples_per_prompt": k,
-        "temperature": cfg["eval"]["temperature"],
-        "model": cfg["model"].get("hf_path") or cfg["model"]["name"],
-        "sft_data": [str(p) for p in rule.get("sft_data") or []],
+        "temperature": config.eval.temperature,
+        "model": config.model_name,
+        "sft_data": [str(p) for p in rule.sft_data],
         "sft_questions": len(sft_ids),
         "counts": {
             **{key: counts[key] for key in ("loaded", "sft_overlap", "duplicates", "candidates")},

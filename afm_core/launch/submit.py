@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
 
+from afm_core.config import ConfigError, check_config
 from afm_core.launch import sweep
 from afm_core.launch.distributed import without_rendezvous_env
 from afm_core.launch.executor import make_executor, world_size
 from afm_core.launch.follow import wait_streaming
+from afm_core.launch.plan_gate import PlanRefused, check_before_submit
 from afm_core.launch.records import job_record, write_job_record
 from afm_core.launch.requeue import RequeueableJob
 from afm_core.launch.teardown import stop_children_on_interrupt
@@ -93,51 +98,65 @@ def _announce(
     )
 
 
+def check_job_config(
+    cfg: DictConfig,
+    job_name: str,
+    schema: type,
+    *,
+    check_inputs: Callable[[Any], object] | None = None,
+    load_cfg: str | None = None,
+) -> Any:
+    """The config gate of every job (``jobs.sft``, ``jobs.rl``, ``jobs.eval``, ``jobs.distill``,
+    ``jobs.filter_rl``), run before anything is built or submitted.
+
+    ``cfg`` is checked against its typed ``schema`` (:func:`afm_core.config.check_config`): an unknown key, a value
+    of the wrong type or a failed range or cross-field check exits with status 2 and one line,
+    ``jobs.<job_name>: bad config: <key>=<value>: <valid values>``. Then the config is made as the ranks will get it
+    (``load_cfg``'s result, e.g. ``afm_core.config.rl.rl_config``; None: the resolved plain dicts and lists) and
+    handed to ``check_inputs`` (data files, plug-ins, a resumed run dir's settings): a ValueError or
+    FileNotFoundError it raises exits with status 2 and its message.
+
+    Returns:
+        The config as the ranks get it (None without ``check_inputs``: nothing made).
+    Raises:
+        SystemExit: status 2, after the message on stderr.
+    """
+    try:
+        check_config(cfg, schema)
+    except ConfigError as err:
+        print(f"jobs.{job_name}: bad config: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if check_inputs is None:
+        return None
+    try:
+        config = get_method(load_cfg)(cfg) if load_cfg is not None else OmegaConf.to_container(cfg, resolve=True)
+        check_inputs(config)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"jobs.{job_name}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return config
+
+
 def run_training_job(
     fn: str,
     cfg: DictConfig,
     *,
     job_name: str,
-    schema: type | None = None,
-    check_inputs: Callable[[Any], None] | None = None,
+    schema: type,
+    check_inputs: Callable[[Any], object] | None = None,
     load_cfg: str | None = None,
 ) -> dict[str, Any] | None:
-    """The body of a training app (``jobs.sft``, ``jobs.rl``): check ``cfg`` against its typed ``schema``
-    (:func:`afm_core.config.check_config`; a bad value exits with status 2 and one line naming the key, before
-    anything is built or submitted), then its inputs (``check_inputs(config)``, the config as the ranks will get it:
-    ``load_cfg``'s result, else the resolved plain dicts and lists; data files, plug-ins; a ValueError or
-    FileNotFoundError exits with status 2 and its message),
-    plan a ``cluster=slurm`` job (:mod:`afm_core.launch.plan_gate`: one that does not fit its GPUs exits with
-    status 3 before ``sbatch``, naming the numbers and the overrides that would fit; ``+plan.force=true`` submits
-    anyway), :func:`submit` ``fn`` with the trainer's checkpoint-and-requeue hook
-    (:func:`afm_core.engine.preemption.request_checkpoint`) and ``load_cfg`` (the dotted path of what makes ``fn``'s
-    config on each rank, see :func:`submit`), and print rank 0's summary as JSON when waiting."""
-    import json
-    import sys
-
-    if schema is not None:
-        from afm_core.config import ConfigError, check_config
-
-        try:
-            check_config(cfg, schema)
-        except ConfigError as err:
-            print(f"jobs.{job_name}: bad config: {err}", file=sys.stderr)
-            raise SystemExit(2) from None
-    if check_inputs is not None:
-        try:
-            if load_cfg is not None:
-                from hydra.utils import get_method
-
-                check_inputs(get_method(load_cfg)(cfg))
-            else:
-                check_inputs(OmegaConf.to_container(cfg, resolve=True))
-        except (ValueError, FileNotFoundError) as err:
-            print(f"jobs.{job_name}: {err}", file=sys.stderr)
-            raise SystemExit(2) from None
-    from afm_core.launch.plan_gate import PlanRefused, check_before_submit
-
+    """The body of a training app (``jobs.sft``, ``jobs.rl``): the config gate (:func:`check_job_config`: ``cfg``
+    against its typed ``schema``, then ``check_inputs`` on the config as the ranks will get it; exit status 2 and
+    one line naming the key or the input), the plan of a ``cluster=slurm`` job (:mod:`afm_core.launch.plan_gate`:
+    one that does not fit its GPUs exits with status 3 before ``sbatch``, naming the numbers and the overrides that
+    would fit; ``+plan.force=true`` submits anyway), then :func:`submit` ``fn`` with the trainer's
+    checkpoint-and-requeue hook (:func:`afm_core.engine.preemption.request_checkpoint`) and ``load_cfg`` (the dotted
+    path of what makes ``fn``'s config on each rank, see :func:`submit`), and print rank 0's summary as JSON when
+    waiting."""
+    check_job_config(cfg, job_name, schema, check_inputs=check_inputs, load_cfg=load_cfg)
     try:
-        check_before_submit(cfg, job_name)  # cluster=slurm: the plan first; exit 3 when it does not fit
+        check_before_submit(check_config(cfg, schema))  # cluster=slurm: the plan first; exit 3 if it does not fit
     except PlanRefused as err:
         print(f"jobs.{job_name}: not submitted: {err}", file=sys.stderr)
         raise SystemExit(3) from None

@@ -338,7 +338,7 @@ class RolloutActor:
             self.engine.follow()
             return {}
         work = validate(self.engine, self.tokenizer, self.tool_runner(), self.graders, list(benchmarks),
-                        asdict(settings))  # fmt: skip
+                        settings)  # fmt: skip
         return dict(self._round(work, "validation: its requests were aborted"))
 
     def _round(

@@ -7,7 +7,6 @@ engine 0 with the live weights, logged as a ``split: val`` record (verl's ``test
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from typing import Any
 
 from afm_core.config.rl import ValidationConfig
@@ -30,8 +29,7 @@ def validation_benchmarks(validation: ValidationConfig) -> list[Any]:
         raise ValueError("trainer.val_before_train / trainer.test_freq: set trainer.val_benchmarks=[gsm8k_test,...] "
                          "and/or val.benchmark_files=[my.jsonl]")  # fmt: skip
     try:
-        return load_benchmarks({"benchmarks": v.presets, "benchmark_files": v.benchmark_files,
-                                "data_dir": v.data_dir, "eval": asdict(v.eval)})  # fmt: skip
+        return load_benchmarks(v.presets, v.benchmark_files, v.data_dir, v.eval)
     except (ValueError, FileNotFoundError) as err:
         raise naming(f"trainer.val_benchmarks={v.presets} / val.benchmark_files={v.benchmark_files}", err) from None
 

@@ -10,10 +10,10 @@ import json
 import pyarrow.parquet as pq
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from afm_core.coa.grammar import validate_text
 from afm_core.config import check_config, register_schemas
+from afm_core.config.eval import distill_config
 from afm_core.config.sft import SFTConfig
 from afm_core.data.prepare import is_prepared, recorded_config, resolve_out_dir
 from afm_core.data.schema import read_prepared
@@ -45,7 +45,7 @@ def _config(run_dir, url, data_dir, *extra):
             "mas.context_events=100", "data.heldout_fraction=0", "tools.cache=null",
             "tool_servers.start=always", "+tool_servers.servers.sandbox.max_concurrency=2", *extra,
         ])  # fmt: skip
-    return OmegaConf.to_container(cfg, resolve=True)
+    return distill_config(cfg)
 
 
 @pytest.fixture(scope="module")

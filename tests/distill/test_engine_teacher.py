@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from afm_core.config.eval import TeacherConfig
 from afm_core.data.tokenize import encode_prompt
 from afm_core.distill.teacher import ChatSampling, EngineTeacher, build_teacher
 
@@ -27,7 +28,7 @@ def test_the_engine_answers_chat_messages_through_the_chat_template():
     async def main():
         engine = await VLLMEngine.start(VLLMConfig(model=str(hf_dir), max_model_len=256, cpu_kv_cache_gib=0.25))
         try:
-            teacher = build_teacher("main", {"backend": "engine"}, engine, tokenizer)
+            teacher = build_teacher("main", TeacherConfig(backend="engine"), engine, tokenizer)
             assert isinstance(teacher, EngineTeacher)
             messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hi."}]
             assert teacher.prompt_ids(messages[1:]) == encode_prompt(tokenizer, "Say hi.")  # the SFT/rollout prompt

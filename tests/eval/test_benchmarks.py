@@ -31,23 +31,24 @@ def test_max_calculator_steps_outside_gsm8k_names_the_file_and_field(tmp_path, m
 
 
 def test_benchmark_files_replace_the_default_presets_unless_benchmarks_are_named(tmp_path, data_dir):
+    from afm_core.config.sampling import SamplingConfig
     from afm_core.eval.runner import describe_plan, load_benchmarks
 
     tasks = tmp_path / "mine.jsonl"
     record = {"data_source": "gsm8k", "prompt": [{"role": "user", "content": "1+1?"}], "ability": "math",
               "reward_model": {"ground_truth": "2"}, "extra_info": {"index": "0"}}  # fmt: skip
     tasks.write_text(json.dumps(record) + "\n{broken\n")
-    cfg = {"data_dir": str(data_dir), "benchmarks": None, "benchmark_files": [str(tasks)], "eval": {"k": 4}}
-    assert [b.name for b in load_benchmarks(cfg)] == ["mine"]
-    assert describe_plan(cfg, load_benchmarks(cfg)).splitlines() == [
+    files, data, sampling = [str(tasks)], str(data_dir), SamplingConfig(k=4)
+    assert [b.name for b in load_benchmarks(None, files, data, sampling)] == ["mine"]
+    assert describe_plan(sampling, load_benchmarks(None, files, data, sampling)).splitlines() == [
         "[eval] will run 1 benchmark(s), 1 problems, 4 samples:",
         f"  mine: 1 problems x k=4 = 4 samples (file {tasks}, 1 malformed records skipped)",
     ]
-    assert [b.name for b in load_benchmarks({**cfg, "benchmark_files": []})] == ["gsm8k_test"]
-    both = load_benchmarks({**cfg, "benchmarks": ["gsm8k_test"], "eval": {"k": 1, "limit": 3}})
+    assert [b.name for b in load_benchmarks(None, [], data, sampling)] == ["gsm8k_test"]
+    both = load_benchmarks(["gsm8k_test"], files, data, SamplingConfig(k=1, limit=3))
     assert [(b.name, len(b.tasks)) for b in both] == [("gsm8k_test", 3), ("mine", 1)]
     with pytest.raises(ValueError, match="nothing to evaluate"):
-        load_benchmarks({**cfg, "benchmarks": [], "benchmark_files": []})
+        load_benchmarks([], [], data, sampling)
 
 
 def test_jobs_eval_refuses_a_missing_benchmark_file_before_submitting(tmp_path):

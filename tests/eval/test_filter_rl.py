@@ -17,17 +17,19 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
+from afm_core.config.eval import FilterConfig
 from afm_core.data.schema import PREPARED_SCHEMA, task_id, write_prepared
 from afm_core.eval.filter_rl import decide, histogram, pass_rates, report_table, select_candidates, sft_question_ids
 from afm_core.utils.paths import repo_root, shared_data_dir
 
-WEB = {"max_pass_rate": 0.3, "min_pass_rate": None, "drop_all_correct": False}
-CODE = {"max_pass_rate": None, "min_pass_rate": None, "drop_all_correct": True}
+WEB = FilterConfig(max_pass_rate=0.3, min_pass_rate=None, drop_all_correct=False)
+CODE = FilterConfig(max_pass_rate=None, min_pass_rate=None, drop_all_correct=True)
 needs_data = pytest.mark.skipif(not shared_data_dir().is_dir(), reason=f"no shared data at {shared_data_dir()}")
 
 
@@ -36,7 +38,7 @@ def test_the_web_rule_keeps_pass_rates_up_to_0_3_and_the_code_rule_drops_the_all
     assert [decide(c, 32, WEB) for c in (0, 9, 10, 32)] == ["kept", "kept", "too_easy", "too_easy"]
     assert decide(3, 10, WEB) == "kept"  # exactly 0.3
     assert [decide(c, 8, CODE) for c in (0, 7, 8)] == ["kept", "kept", "all_correct"]
-    assert decide(0, 8, {**CODE, "min_pass_rate": 0.1}) == "too_hard"
+    assert decide(0, 8, replace(CODE, min_pass_rate=0.1)) == "too_hard"
 
 
 def test_pass_rates_count_correct_samples_of_complete_problems_only():
