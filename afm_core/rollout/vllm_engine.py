@@ -144,7 +144,8 @@ class VLLMEngine:
         await self.llm.reset_prefix_cache()
 
     async def sleep(self, level: int = 1) -> None:
-        """No-op: ``AsyncLLM`` engines are not put to sleep here (see :class:`~afm_core.rollout.vllm_inproc.InprocVLLMEngine`)."""
+        """No-op: ``AsyncLLM`` engines are not put to sleep here (see
+        :class:`~afm_core.rollout.vllm_inproc.InprocVLLMEngine`)."""
 
     async def wake_up(self, tags: list[str] | None = None) -> None:
         """No-op (see :meth:`sleep`)."""

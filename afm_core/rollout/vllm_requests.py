@@ -35,7 +35,8 @@ def sampling_params(sampling: SamplingConfig, per_request_seeds: bool, delta: bo
 
 def to_generation(final: Any, sampling: SamplingConfig, request_id: str, paused: bool = False) -> Generation:
     """A finished vLLM ``RequestOutput`` (``FINAL_ONLY``: every token) as a
-    :class:`~afm_core.rollout.engine.Generation`; ``paused``: an abort that :meth:`~afm_core.rollout.vllm_engine.VLLMEngine.pause` caused.
+    :class:`~afm_core.rollout.engine.Generation`; ``paused``: an abort that
+    :meth:`~afm_core.rollout.vllm_engine.VLLMEngine.pause` caused.
 
     Raises:
         EngineError: vLLM returned no output.
