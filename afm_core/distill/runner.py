@@ -190,8 +190,8 @@ async def _distill(config: DistillConfig, todo: list[tuple[AgentTask, int]], wri
                                     for name, spec in config.teachers.items()}  # fmt: skip
     role_teachers = {role: RoleTeacher(teachers[str(spec.teacher)], role_sampling(config, spec))
                      for role, spec in specs.items()}  # fmt: skip
-    tools_cfg = reachable_tools_cfg(asdict(config.tools), urls)  # the tool layer's mapping
-    pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
+    reachable = reachable_tools_cfg(asdict(config.tools), urls)  # the tool layer's mapping
+    pool = build_tool_pool(reachable, addresses=dict(urls)) if reachable["tools"] else None
     graders = build_graders(filters, urls.get("sandbox"))
     mas = MultiAgentSystem(role_teachers, pool, config.mas)
     verification = config.distill.verification

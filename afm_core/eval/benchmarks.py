@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
 import yaml
 
 from afm_core.coa.prompts import TASKS, user_prompt
@@ -115,8 +117,6 @@ def _records(path: Path, skipped: list[str]) -> Iterator[tuple[Where, dict[str, 
     """Records of a ``.jsonl``/``.jsonl.gz``/``.json``/``.parquet`` file; malformed lines go to ``skipped``."""
     name = path.name.lower()
     if name.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
         for index, row in enumerate(pq.read_table(path).to_pylist()):
             yield Where(path, record=index), row
     elif name.endswith(".json"):
@@ -191,8 +191,6 @@ def split_problems(tasks: list[AgentTask], split: str, heldout_size: int, seed: 
     Raises:
         ValueError: ``heldout_size`` leaves no train problem.
     """
-    import random
-
     first: dict[str, AgentTask] = {}
     for task in tasks:
         first.setdefault(question_key(task.question), task)

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from afm_core.eval.metrics import standard_error
+from afm_core.eval.samples import read_samples
 from afm_core.utils.atomic import atomic_path, atomic_write_json, atomic_write_text
 
 
@@ -50,7 +52,7 @@ def write_report(run_dir: Path, metrics: Mapping[str, Mapping[str, Any]], info: 
 
 def plot_metrics(metrics: Mapping[str, Mapping[str, Any]], png_path: Path) -> None:
     """Two panels: avg@k / pass@k / maj@k per benchmark, and finish reasons per benchmark (stacked)."""
-    import matplotlib
+    import matplotlib  # here: only the plot needs it (jobs.eval imports the runner, and so this module, to submit)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -97,9 +99,6 @@ def compare_scores(run_a: Path, run_b: Path) -> list[dict[str, Any]]:
     Raises:
         FileNotFoundError: a run has no ``samples.jsonl``.
     """
-    from afm_core.eval.metrics import standard_error
-    from afm_core.eval.samples import read_samples
-
     per: list[dict[tuple[str, str], list[float]]] = []
     for run in (run_a, run_b):
         path = Path(run) / "samples.jsonl"

@@ -250,8 +250,8 @@ async def _evaluate(config: EvalConfig, benchmarks: list[Benchmark], todo: list[
     engine = await build_engine(config.engine, hf_dir, tokenizer)  # the tool servers start meanwhile
     try:
         urls = server_urls()
-        tools_cfg = reachable_tools_cfg(asdict(config.tools), urls)  # the tool layer's mapping
-        pool = build_tool_pool(tools_cfg, addresses=dict(urls)) if tools_cfg["tools"] else None
+        reachable = reachable_tools_cfg(asdict(config.tools), urls)  # the tool layer's mapping
+        pool = build_tool_pool(reachable, addresses=dict(urls)) if reachable["tools"] else None
         judge = config.judge
         graders = Graders(
             custom=custom_reward(config.reward_fn),
