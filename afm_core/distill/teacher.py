@@ -22,11 +22,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import aiohttp
-
 from afm_core.config.eval import TeacherConfig
+from afm_core.rewards.judge import ChatEndpoint
 from afm_core.rollout.engine import EngineError, GenerationEngine, SamplingConfig
-from afm_core.utils.openai_api import EndpointError, auth_headers, endpoint, post_json
+from afm_core.utils.openai_api import EndpointError
 
 Message = Mapping[str, str]
 
@@ -72,53 +71,35 @@ class Teacher(Protocol):
 
 
 @dataclass
-class ChatEndpointTeacher:
-    """An OpenAI-compatible chat-completions endpoint.
+class ChatEndpointTeacher(ChatEndpoint):
+    """An OpenAI-compatible chat-completions endpoint (:class:`afm_core.rewards.judge.ChatEndpoint`: ``url``,
+    ``model``, ``api_key_env``, ``timeout_s``, the session), as the LLM judge's.
 
     Args:
-        name: the teacher's name in the config.
-        url: base URL (``http://host:8000`` or ``http://host:8000/v1``).
-        model: the served model name.
-        api_key_env: environment variable holding the API key (None: no ``Authorization`` header).
+        name: the teacher's name in the config (keyword).
         concurrency: requests in flight at once.
-        timeout_s: seconds per request.
         retries: further attempts after HTTP 429/5xx or a connection error (exponential backoff from 0.5 s).
     """
 
-    name: str
-    url: str
-    model: str
-    api_key_env: str | None = None
-    concurrency: int = 16
     timeout_s: float = 300.0
+    name: str = field(kw_only=True)
+    concurrency: int = 16
     retries: int = 3
-    _session: aiohttp.ClientSession | None = field(default=None, repr=False)
-    _slots: asyncio.Semaphore | None = field(default=None, repr=False)
-
-    @property
-    def endpoint(self) -> str:
-        return endpoint(self.url, "chat/completions")
+    _slots: asyncio.Semaphore | None = field(default=None, repr=False, kw_only=True)
 
     async def chat(self, messages: Sequence[Message], sampling: ChatSampling, request_id: str) -> ChatReply:
         """POST the messages; retries on 429/5xx and connection errors; never raises for a failed request."""
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.concurrency)
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": [dict(m) for m in messages],
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "max_tokens": sampling.max_tokens,
-        }
+        params: dict[str, Any] = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                  "max_tokens": sampling.max_tokens}  # fmt: skip
         if sampling.seed is not None:
-            body["seed"] = sampling.seed
-        headers = {"X-Request-Id": request_id, **auth_headers(self.api_key_env)}
+            params["seed"] = sampling.seed
         started = time.monotonic()
         async with self._slots:
             try:
-                payload = await post_json(self._session, self.endpoint, body, headers, retries=self.retries)
+                payload = await self.chat_completion(messages, retries=self.retries,
+                                                     headers={"X-Request-Id": request_id}, **params)  # fmt: skip
             except EndpointError as e:
                 return ChatReply("", "error", seconds=time.monotonic() - started, error=str(e))
         return self._reply(payload, time.monotonic() - started)
@@ -128,15 +109,11 @@ class ChatEndpointTeacher:
             choice = payload["choices"][0]
             text = choice["message"].get("content") or ""
         except (KeyError, IndexError, TypeError, AttributeError) as e:
-            error = f"{self.endpoint}: malformed chat completion ({e.__class__.__name__}: {e})"
+            error = f"{self.chat_url}: malformed chat completion ({e.__class__.__name__}: {e})"
             return ChatReply("", "error", seconds=seconds, error=error)
         usage = payload.get("usage") or {}
         return ChatReply(text, choice.get("finish_reason") or "stop", usage.get("prompt_tokens"),
                          usage.get("completion_tokens"), seconds)  # fmt: skip
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
 
 
 @dataclass
@@ -200,8 +177,8 @@ def build_teacher(name: str, spec: TeacherConfig, engine: GenerationEngine | Non
     """
     if spec.backend == "chat":
         assert spec.url and spec.model  # DistillConfig requires both for backend=chat
-        return ChatEndpointTeacher(name, spec.url, spec.model, spec.api_key_env, concurrency=spec.concurrency or 16,
-                                   timeout_s=spec.timeout_s, retries=spec.retries)  # fmt: skip
+        return ChatEndpointTeacher(spec.url, spec.model, spec.api_key_env, spec.timeout_s, name=name,
+                                   concurrency=spec.concurrency or 16, retries=spec.retries)  # fmt: skip
     if engine is None:
         raise ValueError(f"teachers.{name}: backend=engine needs the job's engine (engine section)")
     return EngineTeacher(name, engine, tokenizer, concurrency=spec.concurrency or 64)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -56,8 +58,9 @@ def parse_verdict(text: str) -> tuple[bool, str]:
 
 
 @dataclass
-class LLMJudge:
-    """Grades an answer against the labelled answer with an LLM.
+class ChatEndpoint:
+    """An OpenAI-compatible ``/v1/chat/completions`` endpoint and the HTTP session to it: what the LLM judge and
+    the distillation teachers (:class:`afm_core.distill.teacher.ChatEndpointTeacher`) share.
 
     Requests go through :func:`afm_core.utils.openai_api.post_json` (retries on HTTP 429/5xx, a dropped
     connection, a timeout or a reply that is not JSON, with exponential backoff from 0.5 s).
@@ -66,43 +69,61 @@ class LLMJudge:
         url: base URL of an OpenAI-compatible server (with or without the trailing ``/v1``).
         model: the served model name.
         api_key_env: environment variable holding the API key (None: no key).
-        attempts: tries per question (upstream: 3).
         timeout_s: seconds per request.
     """
 
     url: str
     model: str
     api_key_env: str | None = None
-    attempts: int = 3
     timeout_s: float = 120.0
+    _session: aiohttp.ClientSession | None = field(default=None, repr=False, kw_only=True)
+
+    @property
+    def chat_url(self) -> str:
+        return endpoint(self.url, "chat/completions")
+
+    async def chat_completion(self, messages: Sequence[Mapping[str, str]], *, retries: int,
+                              headers: Mapping[str, str] | None = None, **sampling: Any) -> Any:  # fmt: skip
+        """POST ``{"model", "messages", **sampling}`` (the session opened at the first call) with ``headers`` and the
+        API key's; the decoded JSON reply.
+
+        Raises:
+            afm_core.utils.openai_api.EndpointError: a status not worth retrying, or every attempt failed.
+        """
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        body = {"model": self.model, "messages": [dict(m) for m in messages], **sampling}
+        return await post_json(self._session, self.chat_url, body, {**(headers or {}), **auth_headers(self.api_key_env)},
+                               retries=retries)  # fmt: skip
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+@dataclass
+class LLMJudge(ChatEndpoint):
+    """Grades an answer against the labelled answer with an LLM (:class:`ChatEndpoint`: ``url``, ``model``,
+    ``api_key_env``, ``timeout_s``).
+
+    Args:
+        attempts: tries per question (upstream: 3).
+        temperature: the judge's sampling temperature.
+    """
+
+    attempts: int = 3
     temperature: float = 0.0
     failures: int = 0
-    _session: aiohttp.ClientSession | None = field(default=None, repr=False)
 
     async def judge(self, question: str, gold: str, prediction: str) -> Grade:
         """``correct`` (1.0) / ``wrong`` (0.0); a request that fails for good, or a reply without a verdict, gives
         ``judge_error`` with ``error=True`` (counted in :attr:`failures`)."""
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        body = {
-            "model": self.model,
-            "messages": [
-                {"role": "system", "content": JUDGE_SYSTEM},
-                {
-                    "role": "user",
-                    "content": JUDGE_PROMPT.format(question=question, gt_answer=gold, pred_answer=prediction),
-                },
-            ],
-            "temperature": self.temperature,
-        }
+        messages = [
+            {"role": "system", "content": JUDGE_SYSTEM},
+            {"role": "user", "content": JUDGE_PROMPT.format(question=question, gt_answer=gold, pred_answer=prediction)},
+        ]
         try:
-            reply = await post_json(
-                self._session,
-                endpoint(self.url, "chat/completions"),
-                body,
-                auth_headers(self.api_key_env),
-                retries=self.attempts - 1,
-            )
+            reply = await self.chat_completion(messages, retries=self.attempts - 1, temperature=self.temperature)
             correct, rationale = parse_verdict(reply["choices"][0]["message"]["content"])
         except (EndpointError, KeyError, IndexError, TypeError, ValueError) as e:
             self.failures += 1
@@ -115,7 +136,3 @@ class LLMJudge:
         if answer is None or not answer.strip():
             return Grade(0.0, "no_answer")
         return await self.judge(question, gold, answer)
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
