@@ -115,11 +115,13 @@ def predict(cfg: Any, *, on_gpu: bool, transformer_engine: bool) -> dict[str, An
     or not (its layer spec and cross entropy, :func:`afm_core.engine.memory.activations`), and the layout used."""
     from omegaconf import OmegaConf
 
+    from afm_core.config import check_config
+    from afm_core.config.sft import SFTConfig
     from afm_core.launch.plan import hf_config_of, layout_of
     from afm_core.launch.plan_estimates import GPU_OVERHEAD_BYTES, training_plan
 
     plain = OmegaConf.to_container(cfg, resolve=False)
-    layout = layout_of(plain, "sft")  # it reads the driver's GPU list, which a VM may not expose: set from torch
+    layout = layout_of(check_config(cfg, SFTConfig))  # the driver's GPU list, which a VM may not expose: set from torch
     bf16 = plain["trainer"]["precision"] == "bf16" or (plain["trainer"]["precision"] == "auto" and on_gpu)
     layout = replace(layout, on_gpu=on_gpu, bf16=bf16, transformer_engine=transformer_engine)
     hf_config = hf_config_of(plain["model"])

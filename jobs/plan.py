@@ -7,7 +7,9 @@
 
 Takes the same overrides as ``jobs.sft`` / ``jobs.rl`` (the app is the first argument ``sft`` / ``rl``, else the
 recipe's kind), prints the table of :func:`afm_core.launch.plan_render.render` and writes ``plan.json`` (``plan.out=PATH``
-elsewhere). Exit status 0 when it fits (or is a CPU job), 1 when it does not, 2 for a bad config.
+elsewhere). The composed config is checked as ``jobs.sft`` / ``jobs.rl`` check it
+(:func:`afm_core.launch.plan.plan_config`). Exit status 0 when it fits (or is a CPU job), 1 when it does not, 2 for
+a bad config.
 See :mod:`afm_core.launch.plan`.
 """
 
@@ -15,13 +17,11 @@ from __future__ import annotations
 
 import sys
 
-from omegaconf import OmegaConf
+from afm_core.launch.plan import APPS, infer_app, make_plan, plan_config, suggest
+from afm_core.launch.plan_render import render, write_plan
 
 
 def main(argv: list[str]) -> int:
-    from afm_core.launch.plan import APPS, compose, infer_app, make_plan, suggest
-    from afm_core.launch.plan_render import render, write_plan
-
     app = argv[0] if argv and argv[0] in APPS else None
     overrides = argv[1:] if app else list(argv)
     out = "plan.json"
@@ -31,14 +31,13 @@ def main(argv: list[str]) -> int:
             overrides.remove(item)
     app = app or infer_app(overrides)
     try:
-        cfg = compose(app, overrides)
-        plain = OmegaConf.to_container(cfg, resolve=False)
-        plan = make_plan(plain, app)
+        job = plan_config(app, overrides)  # checked as jobs.sft / jobs.rl check it
+        plan = make_plan(job)
     except ValueError as err:
         print(f"jobs.plan: bad config: {err}", file=sys.stderr)
         return 2
     if plan["fits"] is False:
-        plan["suggestion"] = suggest(plain, app)
+        plan["suggestion"] = suggest(job)
     write_plan(plan, out)
     print(render(plan))
     print(f"wrote {out}")

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from afm_core.engine.memory import activations, model_state
-from afm_core.launch.plan import checkpoint_plan, compose, layout_of, make_plan
+from afm_core.launch.plan import JobConfig, checkpoint_plan, layout_of, make_plan, plan_config
 from afm_core.launch.plan_render import render
 from afm_core.models.arch import hf_config_from_arch
 from afm_core.models.presets import load_preset
@@ -155,12 +155,12 @@ def test_planned_parameter_gradient_and_optimizer_bytes_equal_the_measured_tenso
         assert abs(acts.per_layer_micro_batch / measured - 1) <= 0.2, (name, acts.per_layer_micro_batch, measured)
 
 
-def plain(app: str, *overrides: str) -> dict:
-    return OmegaConf.to_container(compose(app, overrides), resolve=False)
+def job(app: str, *overrides: str) -> JobConfig:
+    return plan_config(app, overrides)
 
 
 def test_qwen25_32b_totals_32_76b_parameters_and_its_sft_recipe_fits_80gb_gpus():
-    plan = make_plan(plain("sft", "recipe=afm_web_sft_32b"), "sft")
+    plan = make_plan(job("sft", "recipe=afm_web_sft_32b"))
     assert abs(plan["total_params"] / 32.76e9 - 1) < 0.005, plan["total_params"]
     stage_params = sum(row["params"] for row in plan["stages"]) * plan["layout"]["tp"]
     assert abs(stage_params / plan["total_params"] - 1) < 1e-3  # the meta-built shards add up to the HF tensors
@@ -171,12 +171,12 @@ def test_qwen3_32b_totals_32_76b_parameters_its_sft_recipe_fits_80gb_gpus_and_ev
     """Qwen3-32B (head_dim 128 with 64 heads: q is 8192 wide at hidden 5120; q/k norms): the published 32.8B."""
     from transformers import AutoModelForCausalLM
 
-    plan = make_plan(plain("sft", "recipe=afm_web_sft_qwen3_32b"), "sft")
+    plan = make_plan(job("sft", "recipe=afm_web_sft_qwen3_32b"))
     assert abs(plan["total_params"] / 32.76e9 - 1) < 0.005, plan["total_params"]
     stage_params = sum(row["params"] for row in plan["stages"]) * plan["layout"]["tp"]
     assert abs(stage_params / plan["total_params"] - 1) < 1e-3  # the meta-built shards (q/k norms too) add up
     assert plan["fits"] is True and plan["gpus"]["80"]["fits"], render(plan)
-    rl = make_plan(plain("rl", "recipe=afm_code_rl_qwen3_32b"), "rl")
+    rl = make_plan(job("rl", "recipe=afm_code_rl_qwen3_32b"))
     planned = {row["name"]: tuple(row["shape"]) for row in rl["weight_sync"]}
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(hf_config_from_arch(load_preset("qwen3-32b").arch))
@@ -189,7 +189,7 @@ def test_qwen3_32b_totals_32_76b_parameters_its_sft_recipe_fits_80gb_gpus_and_ev
 def test_the_weight_sync_plan_names_every_hf_tensor_of_qwen25_32b_once_with_its_shape():
     from transformers import AutoModelForCausalLM
 
-    plan = make_plan(plain("rl", "recipe=afm_code_rl_32b"), "rl")
+    plan = make_plan(job("rl", "recipe=afm_code_rl_32b"))
     planned = {row["name"]: tuple(row["shape"]) for row in plan["weight_sync"]}
     assert len(planned) == len(plan["weight_sync"])
     with torch.device("meta"):  # the HF model itself, no memory
@@ -204,22 +204,22 @@ def test_the_weight_sync_plan_names_every_hf_tensor_of_qwen25_32b_once_with_its_
     # the RL job applies the recipe's full recompute (B2): 160.6 GiB "does not fit" planned without it, 70.4 with it
     assert plan["layout"]["recompute"] == "full" and plan["fits"] is True, render(plan)
     # a 32B RL checkpoint with AdamW state, ~460 GB: 57 s at 1 GB/s per node on 8 nodes, within USR2@120
-    cfg = plain("rl", "recipe=afm_code_rl_32b", "cluster.checkpoint_write_gb_s=1.0")
-    ckpt = checkpoint_plan(cfg, layout_of(cfg, "rl"), plan["total_params"])
+    cfg = job("rl", "recipe=afm_code_rl_32b", "cluster.checkpoint_write_gb_s=1.0")
+    ckpt = checkpoint_plan(cfg.cluster, cfg.run_dir, layout_of(cfg), plan["total_params"])
     assert abs(ckpt["gb"] - 458.7) < 1 and 50 < ckpt["write_s"] < 120 and ckpt["lead_warning"] is None
     assert ckpt["write_speed_source"] == "configured"
     # host memory per node: the 8 GPUs' trainer state while vLLM generates, vLLM's weights while the trainer runs
     state = max(row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"] for row in plan["stages"])
     assert plan["host"]["per_node_bytes"] == {"generation": 8 * state, "training": 8 * plan["vllm"]["weights_bytes"]}
-    small = make_plan(plain("rl", "recipe=afm_code_rl_32b", "cluster.mem=64G"), "rl")
+    small = make_plan(job("rl", "recipe=afm_code_rl_32b", "cluster.mem=64G"))
     assert any("> cluster.mem=64G" in note for note in small["notes"]), small["notes"]
     # unset (the default), the speed is measured: a probe write into the run dir's file system
     assert plan["checkpoint"]["write_speed_source"].startswith("measured: 256 MiB written and fsynced to ")
     assert plan["checkpoint"]["write_s"] == pytest.approx(
         plan["checkpoint"]["bytes"] / (plan["checkpoint"]["write_gb_s_per_node"] * 1e9 * 8)
     )
-    cfg = plain("rl", "recipe=afm_code_rl_32b", "cluster.signal_delay_s=60", "cluster.checkpoint_write_gb_s=0.5")
-    slow = checkpoint_plan(cfg, layout_of(cfg, "rl"), plan["total_params"])
+    cfg = job("rl", "recipe=afm_code_rl_32b", "cluster.signal_delay_s=60", "cluster.checkpoint_write_gb_s=0.5")
+    slow = checkpoint_plan(cfg.cluster, cfg.run_dir, layout_of(cfg), plan["total_params"])
     assert "set cluster.signal_delay_s >= 232" in slow["lead_warning"], slow  # 115 s to write x 1.5 + 60
 
 
@@ -232,8 +232,8 @@ def test_a_resubmitted_run_sizes_the_usr2_lead_by_its_own_last_checkpoint_write(
     (staging / "shard.distcp").write_bytes(b"x" * 3_000_000)
     started = time.time() - 30  # 3 MB in ~30 s by 2 nodes: 5e-5 GB/s per node
     publish_checkpoint(run_dir / "checkpoints", 40, layout={}, engine="megatron", keep_last=1, started=started, nodes=2)
-    cfg = plain("rl", "recipe=afm_code_rl_32b", f"run_dir={run_dir}", "cluster.signal_delay_s=60")
-    ckpt = checkpoint_plan(cfg, layout_of(cfg, "rl"), 32_763_876_352)
+    cfg = job("rl", "recipe=afm_code_rl_32b", f"run_dir={run_dir}", "cluster.signal_delay_s=60")
+    ckpt = checkpoint_plan(cfg.cluster, cfg.run_dir, layout_of(cfg), 32_763_876_352)
     assert ckpt["write_speed_source"] == "measured by this run's step_00000040"
     assert (
         ckpt["write_gb_s_per_node"] == pytest.approx(5e-5, rel=0.05)

@@ -46,11 +46,10 @@ import contextlib, io, runpy, sys
 sys.argv = ["jobs.status", "--help"]
 with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):
     runpy.run_module("jobs.status", run_name="__main__")
-from omegaconf import OmegaConf
-from afm_core.launch.plan import compose, infer_app, layout_of
+from afm_core.launch.plan import infer_app, layout_of, plan_config
 overrides = ["recipe=afm_web_sft_32b"]
 app = infer_app(overrides)
-layout_of(OmegaConf.to_container(compose(app, overrides), resolve=False), app)
+layout_of(plan_config(app, overrides))
 import jobs.sft, jobs.rl, jobs.eval, afm_core.launch.submit, afm_core.data.prepare
 """
     assert of_packages(loaded_after(code), HEAVY) == []
@@ -62,10 +61,9 @@ def test_building_the_model_imports_megatron_and_mbridge_core_only_and_autobridg
     tracker is configured), no ``torch._inductor`` (megatron's fusions are compiled at their first call) and no
     mbridge family module."""
     code = """
-from omegaconf import OmegaConf
-from afm_core.launch.plan import compose, make_plan
-cfg = OmegaConf.to_container(compose("sft", ["model=tiny-llama", "+cluster.checkpoint_write_gb_s=1"]), resolve=False)
-assert make_plan(cfg, "sft")["total_params"] > 0
+from afm_core.launch.plan import make_plan, plan_config
+job = plan_config("sft", ["model=tiny-llama", "cluster=slurm", "cluster.checkpoint_write_gb_s=1"])  # CPU, no probe
+assert make_plan(job)["total_params"] > 0
 import afm_core.models.gpt, afm_core.models.hf_weights
 import afm_core.train.trainer, afm_core.engine.core, afm_core.rl.policy_trainer
 import megatron.core.jit, megatron.core.fusions.fused_bias_geglu

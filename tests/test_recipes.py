@@ -5,10 +5,9 @@ import re
 
 import pytest
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from afm_core.config import register_schemas
-from afm_core.launch.plan import make_plan
+from afm_core.launch.plan import make_plan, plan_config
 from afm_core.launch.plan_render import render
 from afm_core.utils.paths import repo_root
 
@@ -40,7 +39,7 @@ def test_recipe_hyperparameters_and_documented_memory_and_it_fits_its_gpus(recip
     assert world % (cfg.parallel.tp * cfg.parallel.pp) == 0
     text = (repo_root() / "conf" / "recipe" / f"{recipe}.yaml").read_text()
     documented = float(re.search(r"memory: ([\d.]+) GiB/GPU peak on 80 GB GPUs", text).group(1))
-    plan = make_plan(OmegaConf.to_container(cfg, resolve=False), "sft")
+    plan = make_plan(plan_config("sft", [f"recipe={recipe}"]))  # checked as jobs.sft checks it
     assert plan["gpus"]["80"]["peak_gib"] == documented, render(plan)
     assert cfg.cluster.gpu_memory_gb == 80 and plan["fits"] is True, render(plan)
 

@@ -16,20 +16,34 @@ moments (14 bytes per parameter in bf16, 12 in fp32); its write time is its size
 (``cluster.checkpoint_write_gb_s`` when set, else measured: :func:`afm_core.launch.plan_probe.write_speed`, in a
 thread while the model states are built), and it must fit in the ``--signal=USR2@cluster.signal_delay_s`` lead time.
 
-The parts: this module reads a composed config (:func:`compose`, :func:`layout_of`, :func:`hf_config_of`) and
-assembles the plan (:func:`make_plan`, :func:`suggest`); :mod:`~afm_core.launch.plan_estimates` holds the memory
-and size models (arithmetic on plain values), :mod:`~afm_core.launch.plan_probe` the disk write probe,
-:mod:`~afm_core.launch.plan_render` the table and ``plan.json``, :mod:`~afm_core.launch.plan_gate` the refusal
-before ``sbatch``.
+The parts: this module composes and checks a job's config (:func:`compose`, :func:`plan_config`: the job's
+checked :class:`~afm_core.config.sft.SFTConfig` or :class:`~afm_core.config.rl.RLConfig`, as ``jobs.sft`` and
+``jobs.rl`` check it), reads it (:func:`layout_of`, :func:`hf_config_of`) and assembles the plan
+(:func:`make_plan`, :func:`suggest`), handing each estimate the groups it reads;
+:mod:`~afm_core.launch.plan_estimates` holds the memory and size models (arithmetic on plain values),
+:mod:`~afm_core.launch.plan_probe` the disk write probe, :mod:`~afm_core.launch.plan_render` the table and
+``plan.json``, :mod:`~afm_core.launch.plan_gate` the refusal before ``sbatch``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import yaml
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from omegaconf import DictConfig, OmegaConf
+
+from afm_core.config import ConfigError, register_schemas
+from afm_core.config.checks import instantiate
+from afm_core.config.cluster import ClusterConfig, SlurmClusterConfig
+from afm_core.config.rl import RLConfig
+from afm_core.config.sft import ModelConfig, ParallelConfig, SFTConfig
+from afm_core.launch.executor import visible_gpus
 from afm_core.launch.plan_estimates import (
     GPU_OVERHEAD_BYTES,
     REPORTED_GPUS,
@@ -45,31 +59,59 @@ from afm_core.launch.plan_estimates import (
     weight_sync_plan,
 )
 from afm_core.launch.plan_probe import write_speed
+from afm_core.models.arch import arch_from_hf_config, hf_config_from_arch
+from afm_core.models.presets import load_preset
 from afm_core.utils.hardware import bf16_is_fast
+from afm_core.utils.paths import repo_root
 
 APPS = ("sft", "rl")
+#: The checked config of a job the plan reads, by app.
+SCHEMAS: dict[str, type[SFTConfig] | type[RLConfig]] = {"sft": SFTConfig, "rl": RLConfig}
+#: The GPU size (GB, as sold) a local job's verdict is for: a local cluster does not name one
+#: (``cluster.gpu_memory_gb`` is Slurm's); the table reports every size of :data:`REPORTED_GPUS`.
+LOCAL_GPU_GB = 80.0
+
+#: ``data.files`` of an RL config planned without prompts (the schema asks for some; the plan never opens them).
+UNREAD_PROMPTS = "<prompts: not read by jobs.plan>"
+
+JobConfig = SFTConfig | RLConfig
 
 
-def compose(app: str, overrides: Sequence[str]) -> Any:
+def compose(app: str, overrides: Sequence[str]) -> DictConfig:
     """``conf/<app>.yaml`` composed with Hydra ``overrides`` (``run_dir`` left unresolved), the typed schemas
     registered first (:func:`afm_core.config.register_schemas`)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from afm_core.config import register_schemas
-    from afm_core.utils.paths import repo_root
-
     register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         return hydra_compose(config_name=app, overrides=list(overrides))
 
 
+def plan_config(app: str, overrides: Sequence[str]) -> JobConfig:
+    """The checked config of an ``app`` job (:data:`SCHEMAS`) composed with ``overrides``, as ``jobs.sft`` /
+    ``jobs.rl`` check it before submitting. Composed outside a Hydra run, ``run_dir``'s default
+    ``${hydra:runtime.output_dir}`` has no value: the plan then takes the working folder (where its write probe
+    measures; a ``run_dir=`` override is kept). The plan reads no prompts: an RL recipe that leaves them to the
+    command line (``data.files``, ``data.presets``) is planned with :data:`UNREAD_PROMPTS` in their place.
+
+    Raises:
+        afm_core.config.ConfigError: a value the schema refuses (a ValueError; the message names the key).
+    """
+    plain = OmegaConf.to_container(compose(app, overrides), resolve=False)
+    assert isinstance(plain, dict)
+    if "${" in str(plain.get("run_dir")):
+        plain["run_dir"] = "."
+    data = plain.get("data") or {}
+    if app == "rl" and not (data.get("presets") or data.get("files")):
+        plain["data"] = {**data, "files": [UNREAD_PROMPTS]}
+    return instantiate(SCHEMAS[app], plain)
+
+
+def app_of(job: JobConfig) -> str:
+    """``rl`` for an :class:`RLConfig`, else ``sft``."""
+    return "rl" if isinstance(job, RLConfig) else "sft"
+
+
 def infer_app(overrides: Sequence[str]) -> str:
     """``rl`` when the ``recipe=`` override names a recipe with ``rollout`` or ``algorithm`` settings, else ``sft``."""
-    import yaml
-
-    from afm_core.utils.paths import repo_root
-
     for item in overrides:
         if item.startswith("recipe="):
             path = repo_root() / "conf" / "recipe" / f"{item.split('=', 1)[1]}.yaml"
@@ -80,100 +122,104 @@ def infer_app(overrides: Sequence[str]) -> str:
     return "sft"
 
 
-def layout_of(cfg: Mapping[str, Any], app: str) -> Layout:
-    """The plan's view of a composed ``conf/sft.yaml`` or ``conf/rl.yaml`` (a plain mapping). RL's micro batches are
-    ``trainer.micro_batch_size`` trajectories of ``data.max_prompt_len`` + the largest stage's ``max_response_len``
-    tokens, or, with ``trainer.max_tokens_per_micro_batch``, that many tokens packed (as many micro batches as a
-    mini-batch of full-length trajectories fills)."""
-    from afm_core.launch.executor import visible_gpus, world_size
+def layout_of(job: JobConfig, parallel: ParallelConfig | None = None) -> Layout:
+    """The plan's view of a checked SFT or RL config, with ``parallel`` in place of ``job.parallel`` when given
+    (a layout :func:`suggest` tries). RL's micro batches are ``trainer.micro_batch_size`` trajectories of
+    ``data.max_prompt_len`` + the largest stage's ``max_response_len`` tokens, or, with
+    ``trainer.max_tokens_per_micro_batch``, that many tokens packed (as many micro batches as a mini-batch of
+    full-length trajectories fills).
 
-    cluster, p, t = cfg["cluster"], cfg["parallel"], cfg["trainer"]
-    world = world_size(cluster, p)
-    slurm = cluster["name"] == "slurm"
-    on_gpu = int(cluster.get("gpus_per_node") or 0) > 0 if slurm else visible_gpus() > 0
-    tp, pp, cp = int(p["tp"]), int(p["pp"]), int(p.get("cp", 1))
-    dp = world // (tp * pp * cp)
-    mbs = int(t["micro_batch_size"])
-    recompute, sp = p.get("recompute"), bool(p.get("sequence_parallel"))
-    if app == "rl":
-        r, a = cfg["rollout"], cfg["algorithm"]
-        stages = [int(s["max_response_len"]) for s in r.get("context_schedule") or []]
-        seq_length = int(cfg["data"]["max_prompt_len"]) + (max(stages) if stages else int(r["max_response_len"]))
-        samples = int(a["mini_batch_size"]) * int(r["n"])
+    Raises:
+        afm_core.config.ConfigError: the cluster's ranks are not a multiple of ``parallel``'s ``tp * pp``.
+    """
+    cluster, p = job.cluster, parallel or job.parallel
+    world = p.model_parallel * cluster.data_parallel(p.model_parallel)
+    slurm = cluster if isinstance(cluster, SlurmClusterConfig) else None
+    gpus_per_node = slurm.gpus_per_node if slurm else visible_gpus()
+    on_gpu = gpus_per_node > 0
+    dp = world // (p.tp * p.pp * p.cp)
+    mbs = job.trainer.micro_batch_size
+    max_tokens: int | None = None
+    if isinstance(job, RLConfig):
+        t = job.trainer
+        seq_length = job.data.max_prompt_len + job.rollout.longest_response
+        samples = job.algorithm.mini_batch_size * job.rollout.n
         num_microbatches = max(1, samples // (dp * mbs))
-        max_tokens = t.get("max_tokens_per_micro_batch")
-        if max_tokens:  # micro batches by tokens: at most max_tokens packed, as many as full-length samples need
-            max_tokens = int(max_tokens)
+        if t.max_tokens_per_micro_batch:  # micro batches by tokens: at most max_tokens packed, as many as needed
+            max_tokens = t.max_tokens_per_micro_batch
             num_microbatches = max(1, -(-samples * seq_length // (dp * max_tokens)))
     else:
-        seq_length, max_tokens = int(t["seq_length"]), None
-        num_microbatches = max(1, int(t["global_batch_size"]) // (dp * mbs))
-    precision = t.get("precision", "auto")
+        seq_length = job.trainer.seq_length
+        num_microbatches = max(1, job.trainer.global_batch_size // (dp * mbs))
+    precision = job.trainer.precision
     return Layout(
-        app=app,
+        app=app_of(job),
         world_size=world,
-        nodes=int(cluster.get("nodes", 1)) if slurm else 1,
-        gpus_per_node=int(cluster.get("gpus_per_node") or 0) if slurm else visible_gpus(),
+        nodes=slurm.nodes if slurm else 1,
+        gpus_per_node=gpus_per_node,
         on_gpu=on_gpu,
-        tp=tp,
-        pp=pp,
-        vpp=p.get("vpp"),
-        cp=cp,
-        sequence_parallel=sp,
-        recompute=recompute,
-        distributed_optimizer=bool(p.get("distributed_optimizer")),
+        tp=p.tp,
+        pp=p.pp,
+        vpp=p.vpp,
+        cp=p.cp,
+        sequence_parallel=p.sequence_parallel,
+        recompute=p.recompute,
+        distributed_optimizer=p.distributed_optimizer,
         bf16=precision == "bf16" or (precision == "auto" and bf16_is_fast(on_gpu)),  # a CPU job: this host's CPU
         seq_length=seq_length,
         micro_batch_size=mbs,
         num_microbatches=num_microbatches,
-        gpu_gb=float(cluster.get("gpu_memory_gb") or 80),
+        gpu_gb=float(slurm.gpu_memory_gb) if slurm else LOCAL_GPU_GB,
         transformer_engine=on_gpu,
         max_tokens_per_micro_batch=max_tokens,
     )
 
 
-def hf_config_of(model: Mapping[str, Any]) -> Any:
-    """The transformers config of a ``model`` preset (its ``config.json`` when ``hf_path`` has one)."""
-    from afm_core.models.arch import hf_config_from_arch
-    from afm_core.models.presets import load_preset
-
-    hf_path = model.get("hf_path")
+def hf_config_of(model: ModelConfig | Mapping[str, Any]) -> Any:
+    """The transformers config of a ``model`` preset (the checked group, or its plain mapping): its
+    ``config.json`` when ``hf_path`` has one, else the preset's architecture."""
+    preset = dict(model) if isinstance(model, Mapping) else dataclasses.asdict(model)
+    hf_path = preset.get("hf_path")
     if hf_path and (Path(hf_path) / "config.json").is_file():
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # heavy (seconds): only a preset with local HF files reads it
 
         return AutoConfig.from_pretrained(hf_path, local_files_only=True)
-    return hf_config_from_arch(load_preset(dict(model)).arch)
+    return hf_config_from_arch(load_preset(preset).arch)
 
 
-def make_plan(cfg: Mapping[str, Any], app: str) -> dict[str, Any]:
-    """The plan of a composed config (plain mapping): see the module docstring and :func:`render`.
+def make_plan(job: JobConfig, parallel: ParallelConfig | None = None) -> dict[str, Any]:
+    """The plan of a checked config (see the module docstring and :func:`afm_core.launch.plan_render.render`),
+    with ``parallel`` in place of ``job.parallel`` when given.
 
     Raises:
-        ValueError / afm_core.launch.executor.ClusterConfigError: the layout does not split the model or the world.
+        ValueError / afm_core.config.ConfigError: the layout does not split the model or the world.
     """
-    layout = layout_of(cfg, app)
-    hf_config = hf_config_of(cfg["model"])
-    sync = weight_sync_plan(hf_config, layout.tp, layout.pp, layout.vpp)
+    app = app_of(job)
+    layout = layout_of(job, parallel)
+    hf_config = hf_config_of(job.model)
+    arch = arch_from_hf_config(hf_config)
+    sync = weight_sync_plan(arch, layout.tp, layout.pp, layout.vpp)
     total_params = sum(numel(row["shape"]) for row in sync)
     with ThreadPoolExecutor(1) as pool:  # the disk's write probe (mostly waiting on fsync) while the model is built
-        speed = pool.submit(write_speed, cfg, checkpoint_bytes(total_params, layout.bf16))
+        speed = pool.submit(write_speed, checkpoint_bytes(total_params, layout.bf16), job.run_dir,
+                            configured_write_speed(job.cluster))  # fmt: skip
         stages = training_plan(hf_config, layout)
         write = speed.result()
     state_max = max(row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"] for row in stages)
     train_max = max(row["train_bytes"] for row in stages)
     plan: dict[str, Any] = {
         "app": app,
-        "model": cfg["model"]["name"],
+        "model": job.model.name,
         "total_params": total_params,
         "layout": {**layout.__dict__, "dp": layout.dp},
         "stages": stages,
         "notes": [],
     }
     phases: dict[str, dict[str, int]] = {}
-    if app == "rl":
-        engine = vllm_plan(hf_config, cfg, layout.seq_length, total_params)
+    if isinstance(job, RLConfig):
+        engine = vllm_plan(arch, job.engine, job.colocation.sleep_level, layout.seq_length, total_params)
         plan["vllm"] = engine
-        bucket = int(cfg.get("weight_sync", {}).get("bucket_mb", 512)) * 2**20
+        bucket = job.weight_sync.bucket_mb * 2**20
         for gb in REPORTED_GPUS:
             e = engine["per_gpu"][str(gb)]
             phases[str(gb)] = {
@@ -207,40 +253,66 @@ def make_plan(cfg: Mapping[str, Any], app: str) -> dict[str, Any]:
         target = {"peak_bytes": peak, "fits": peak <= gpu_total_bytes(layout.gpu_gb), "why_not": []}
     plan["fits"] = bool(target["fits"]) if layout.on_gpu else None
     plan["weight_sync"] = sync if app == "rl" else []
-    if app == "rl":
-        plan["host"] = host_plan(cfg, layout, state_max, plan["vllm"]["weights_bytes"])
+    if isinstance(job, RLConfig):
+        plan["host"] = rl_host_plan(job, layout, state_max, plan["vllm"]["weights_bytes"])
         if plan["host"]["note"]:
             plan["notes"].append(plan["host"]["note"])
-    ckpt = checkpoint_plan(cfg, layout, total_params, write)
+    ckpt = checkpoint_plan(job.cluster, job.run_dir, layout, total_params, write)
     plan["checkpoint"] = ckpt
     if ckpt["lead_warning"]:
         plan["notes"].append(ckpt["lead_warning"])
     return plan
 
 
+def configured_write_speed(cluster: ClusterConfig) -> float | None:
+    """``cluster.checkpoint_write_gb_s`` (Slurm's; a local cluster has none: measured)."""
+    return cluster.checkpoint_write_gb_s if isinstance(cluster, SlurmClusterConfig) else None
+
+
+def rl_host_plan(job: RLConfig, layout: Layout, trainer_state_bytes: int, engine_weights_bytes: int) -> dict:
+    """:func:`~afm_core.launch.plan_estimates.host_plan` of an RL job: the colocation rank 0 would run
+    (:func:`afm_core.rl.colocation.select_colocation`: whether the trainer's state is offloaded while vLLM
+    generates, whether a sleeping engine keeps its weights in host memory) against Slurm's ``cluster.mem``."""
+    from afm_core.rl.colocation import select_colocation  # imports torch.distributed: the RL plan needs it only
+
+    colocation = select_colocation(job.colocation, job.engine.tensor_parallel_size, on_gpu=layout.on_gpu, rank=0,
+                                   world_size=layout.world_size)  # fmt: skip
+    cluster = job.cluster
+    return host_plan(
+        layout,
+        trainer_state_bytes,
+        engine_weights_bytes,
+        offload_trainer=colocation.offload_trainer,
+        engine_weights_on_host=colocation.sleeps and colocation.sleep_level == 1,
+        mem=cluster.mem if isinstance(cluster, SlurmClusterConfig) else None,
+    )
+
+
 def checkpoint_plan(
-    cfg: Mapping[str, Any], layout: Layout, total_params: int, write: tuple[float, str] | None = None
+    cluster: ClusterConfig,
+    run_dir: str,
+    layout: Layout,
+    total_params: int,
+    write: tuple[float, str] | None = None,
 ) -> dict[str, Any]:
     """The checkpoint's size (bytes; GB = 1e9 bytes) and write time (seconds, at the write speed of
-    :func:`~afm_core.launch.plan_probe.write_speed`), and ``lead_warning``: a note when
+    :func:`~afm_core.launch.plan_probe.write_speed` into ``run_dir``), and ``lead_warning``: a note when
     ``--signal=USR2@cluster.signal_delay_s`` is shorter than the write (a stop then loses the checkpoint), else None
     (:func:`~afm_core.launch.plan_estimates.checkpoint_estimate`). An RL stop during generation costs the write alone
     (the rollouts are aborted); one during training also waits for the step's end, which ``jobs.rl`` measures and
     warns about after each checkpoint (:class:`afm_core.rl.checkpoint.StopLead`). ``write``: ``write_speed``'s
     result when the caller has it already."""
-    speed, source = write or write_speed(cfg, checkpoint_bytes(total_params, layout.bf16))
-    lead = int(cfg["cluster"].get("signal_delay_s", 0))
-    return checkpoint_estimate(total_params, layout.bf16, layout.nodes, lead, speed, source)
+    size = checkpoint_bytes(total_params, layout.bf16)
+    speed, source = write or write_speed(size, run_dir, configured_write_speed(cluster))
+    return checkpoint_estimate(total_params, layout.bf16, layout.nodes, cluster.signal_delay_s, speed, source)
 
 
-def suggest(cfg: Mapping[str, Any], app: str, max_tries: int = 4) -> list[str] | None:
+def suggest(job: JobConfig, max_tries: int = 4) -> list[str] | None:
     """Overrides of ``parallel.*`` that make the job fit its GPUs, or None: the first of up to ``max_tries`` layouts
     (the largest TP within a node first, then the fewest pipeline stages) with full recompute, sequence parallelism
     and the distributed optimizer."""
-    from afm_core.models.arch import arch_from_hf_config
-
-    layout = layout_of(cfg, app)
-    arch = arch_from_hf_config(hf_config_of(cfg["model"]))
+    layout = layout_of(job)
+    arch = arch_from_hf_config(hf_config_of(job.model))
     groups = arch.num_query_groups
     candidates = [
         (tp, pp)
@@ -253,14 +325,17 @@ def suggest(cfg: Mapping[str, Any], app: str, max_tries: int = 4) -> list[str] |
     ]
     candidates.sort(key=lambda c: (-c[0], c[1]))  # TP within a node first, then the fewest pipeline stages
     for tp, pp in candidates[:max_tries]:
-        overrides = {
+        overrides: dict[str, Any] = {
             "tp": tp,
             "pp": pp,
             "recompute": "full",
             "sequence_parallel": tp > 1 and layout.on_gpu,
             "distributed_optimizer": True,
         }
-        trial = {**cfg, "parallel": {**cfg["parallel"], **overrides}}
-        if make_plan(trial, app)["fits"]:
+        try:
+            trial = dataclasses.replace(job.parallel, **overrides)
+        except ConfigError:  # a layout the schema refuses (virtual pipeline stages at pp=1) is never suggested
+            continue
+        if make_plan(job, trial)["fits"]:
             return [f"parallel.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in overrides.items()]
     return None

@@ -1,6 +1,7 @@
 """The pure estimates of ``jobs.plan``: per-rank GPU memory, the colocated vLLM engine, host memory, the weight-sync
-tensors and the checkpoint's size, from plain values (a :class:`Layout`, a transformers config, the composed config
-as a mapping).
+tensors and the checkpoint's size, from plain values (a :class:`Layout`, the model's
+:class:`~afm_core.models.arch.ModelArch` or transformers config, the groups of the checked config each reads:
+the ``engine`` group for the vLLM estimate, numbers for the rest).
 
 Nothing here reads a file, probes a disk or sets up a process group when imported, and only
 :func:`training_plan` does anything beyond arithmetic when called: it builds the model on the meta device in a fake
@@ -12,12 +13,14 @@ Units: bytes unless a name says GiB (``2**30``) or GB (``1e9``, as disks and GPU
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from afm_core.config.engine import VLLMEngineConfig
     from afm_core.engine.memory import Activations, StageState
+    from afm_core.models.arch import ModelArch
 
 GIB = 1024**3
 # CUDA context, NCCL and cuBLAS workspaces, allocator slack (not modelled). Measured on an H200 at world size 1
@@ -94,6 +97,8 @@ def stage_table(stage: StageState, acts: Activations) -> dict[str, Any]:
 def training_plan(hf_config: Any, layout: Layout) -> list[dict[str, Any]]:
     """Per pipeline stage: the model states (built on meta) and the activations of one rank (of micro batches of
     ``micro_batch_size`` x ``seq_length`` tokens, or of ``max_tokens_per_micro_batch`` when set)."""
+    # torch, megatron (engine.memory) and the model modules load here, not when this module is imported: the
+    # estimates import alone (tests/test_plan.py), and a plan that is only read costs no torch import
     import torch
 
     from afm_core.engine.memory import activations, model_state
@@ -137,15 +142,14 @@ def training_plan(hf_config: Any, layout: Layout) -> list[dict[str, Any]]:
     return rows
 
 
-def vllm_plan(hf_config: Any, cfg: Mapping[str, Any], max_model_len: int, total_params: int) -> dict[str, Any]:
+def vllm_plan(
+    arch: ModelArch, engine: VLLMEngineConfig, sleep_level: int, max_model_len: int, total_params: int
+) -> dict[str, Any]:
     """The colocated engine's bytes per GPU: weights, KV cache per token and the sequences of ``max_model_len``
-    its share of each reported GPU size holds, and what sleeping frees."""
-    from afm_core.models.arch import arch_from_hf_config
-
-    arch = arch_from_hf_config(hf_config)
-    etp = int(cfg["engine"].get("tensor_parallel_size", 1))
-    util = float(cfg["engine"].get("gpu_memory_utilization", 0.85))
-    level = int((cfg.get("colocation") or {}).get("sleep_level", 1))
+    its share of each reported GPU size holds, and what sleeping frees. ``engine``: the RL job's ``engine`` group
+    (``tensor_parallel_size``, ``gpu_memory_utilization``); ``sleep_level``: ``colocation.sleep_level``."""
+    etp = engine.tensor_parallel_size
+    util = float(engine.gpu_memory_utilization)
     kv_heads = -(-arch.num_query_groups // etp)  # vLLM replicates KV heads when etp > groups
     kv_per_token = 2 * arch.num_layers * kv_heads * arch.head_dim * 2  # K and V, bf16
     weights = 2 * total_params // etp
@@ -157,7 +161,7 @@ def vllm_plan(hf_config: Any, cfg: Mapping[str, Any], max_model_len: int, total_
             "claimed_bytes": claimed,
             "kv_cache_bytes": kv,
             "sequences_at_max_model_len": kv // (kv_per_token * max_model_len),
-            "asleep_bytes": 0 if level >= 1 else claimed,
+            "asleep_bytes": 0 if sleep_level >= 1 else claimed,
         }
     return {
         "tensor_parallel_size": etp,
@@ -165,49 +169,48 @@ def vllm_plan(hf_config: Any, cfg: Mapping[str, Any], max_model_len: int, total_
         "max_model_len": max_model_len,
         "weights_bytes": weights,
         "kv_bytes_per_token": kv_per_token,
-        "sleep_level": level,
+        "sleep_level": sleep_level,
         "sleep_frees": "weights (to host) and KV cache"
-        if level == 1
+        if sleep_level == 1
         else "weights and KV cache"
-        if level
+        if sleep_level
         else "nothing",
         "per_gpu": per_gpu,
     }
 
 
-def host_plan(cfg: Mapping[str, Any], layout: Layout, trainer_state_bytes: int, engine_weights_bytes: int) -> dict:
+def host_plan(
+    layout: Layout,
+    trainer_state_bytes: int,
+    engine_weights_bytes: int,
+    *,
+    offload_trainer: bool,
+    engine_weights_on_host: bool,
+    mem: str | None,
+) -> dict[str, Any]:
     """Host memory per node that colocation adds on a GPU job (:mod:`afm_core.rl.colocation`): while vLLM generates,
-    each GPU's trainer parameters, gradients and optimizer state wait in host memory (``colocation.offload_trainer``;
-    null: whenever the engine sleeps); while the trainer runs, a level-1 sleeping engine keeps its weights there.
-    ``note`` says when the larger phase exceeds ``cluster.mem`` (Slurm's per-node ``--mem``), else None."""
-    from afm_core.config.rl import ColocationConfig
-    from afm_core.rl.colocation import select_colocation
-
-    colocation = select_colocation(
-        ColocationConfig(**dict(cfg.get("colocation") or {})),
-        int(cfg["engine"].get("tensor_parallel_size") or 1),
-        on_gpu=layout.on_gpu,
-        rank=0,
-        world_size=layout.world_size,
-    )
+    each GPU's trainer parameters, gradients and optimizer state wait in host memory (``offload_trainer``: the
+    colocation's ``offload_trainer``); while the trainer runs, a level-1 sleeping engine keeps its weights there
+    (``engine_weights_on_host``). ``note`` says when the larger phase exceeds ``mem`` (Slurm's per-node ``--mem``,
+    ``cluster.mem``; None: not limited), else None."""
     gpus = max(1, layout.gpus_per_node) if layout.on_gpu else 0
     phases = {
-        "generation": gpus * trainer_state_bytes if colocation.offload_trainer else 0,
-        "training": gpus * engine_weights_bytes if colocation.sleeps and colocation.sleep_level == 1 else 0,
+        "generation": gpus * trainer_state_bytes if offload_trainer else 0,
+        "training": gpus * engine_weights_bytes if engine_weights_on_host else 0,
     }
     peak = max(phases.values())
-    limit = slurm_mem_bytes(cfg["cluster"].get("mem"))
+    limit = slurm_mem_bytes(mem)
     note = None
     if limit is not None and peak > limit:
         what = "trainer state while vLLM generates" if peak == phases["generation"] else "vLLM weights while training"
         note = (
             f"colocation keeps {as_gib(peak)} GiB per node in host memory ({what}) > cluster.mem="
-            f"{cfg['cluster']['mem']}: raise cluster.mem or set colocation.offload_trainer=false"
+            f"{mem}: raise cluster.mem or set colocation.offload_trainer=false"
         )
     return {"per_node_bytes": phases, "peak_gib": as_gib(peak), "mem_limit_bytes": limit, "note": note}
 
 
-def slurm_mem_bytes(mem: Any) -> int | None:
+def slurm_mem_bytes(mem: str | int | None) -> int | None:
     """Bytes of a Slurm ``--mem`` value (``64G``, ``512000``: MB by default, suffixes K/M/G/T), None when unset or 0
     (0: all of the node's memory)."""
     if mem in (None, "", 0, "0"):
@@ -218,18 +221,15 @@ def slurm_mem_bytes(mem: Any) -> int | None:
     return int(float(text[:-1] if scale else text) * (scale or 2**20))
 
 
-def weight_sync_plan(hf_config: Any, tp: int, pp: int, vpp: int | None) -> list[dict[str, Any]]:
-    """Every HF tensor once: name, shape, the pipeline stage that owns it and how its TP shards are split (the
-    gather in :func:`afm_core.models.hf_weights.export_hf_weights`: TP all-gather, then a broadcast from the owning
-    stage over the PP group; TP rank 0 of that stage holds the full tensor first).
+def weight_sync_plan(arch: ModelArch, tp: int, pp: int, vpp: int | None) -> list[dict[str, Any]]:
+    """Every HF tensor of a model of ``arch`` once: name, shape, the pipeline stage that owns it and how its TP
+    shards are split (the gather in :func:`afm_core.models.hf_weights.export_hf_weights`: TP all-gather, then a
+    broadcast from the owning stage over the PP group; TP rank 0 of that stage holds the full tensor first).
 
     ``tp_split``: 0 (rows: q/k/v, gate/up, embedding and output vocab), 1 (columns: o_proj, down_proj) or None
     (replicated: norms, Qwen3's q/k norms). Layers go to stages as megatron splits them (``num_layers / (pp * vpp)``
     per chunk, chunk ``c`` of stage ``s`` holding block ``c * pp + s``).
     """
-    from afm_core.models.arch import arch_from_hf_config
-
-    arch = arch_from_hf_config(hf_config)
     h, f, d = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
     q, kv = arch.num_attention_heads * d, arch.num_query_groups * d
     chunks = vpp or 1

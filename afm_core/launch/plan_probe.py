@@ -7,37 +7,35 @@ existing folder, removed after); the estimates (:mod:`afm_core.launch.plan_estim
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+import tempfile
+import time
 from pathlib import Path
-from typing import Any
+
+from afm_core.engine.checkpoint_dirs import measured_write_speed
+
+#: MiB the probe writes at most (less for a smaller checkpoint).
+WRITE_PROBE_MIB = 256
 
 
-def write_speed(cfg: Mapping[str, Any], checkpoint_bytes: int) -> tuple[float, str]:
-    """GB/s one node writes to the run dir's file system, and where the figure comes from: ``cluster.
-    checkpoint_write_gb_s`` when set ("configured"); else the run's own latest checkpoint when the run dir has one
-    (a resubmitted or requeued run: :func:`afm_core.engine.checkpoint_dirs.measured_write_speed`); else a probe
-    (:func:`probe_write_speed`) of ``min(plan.write_probe_mib, checkpoint size)`` MiB into the run dir's nearest
+def write_speed(
+    checkpoint_bytes: int, run_dir: str | Path, configured: float | None = None, probe_mib: int = WRITE_PROBE_MIB
+) -> tuple[float, str]:
+    """GB/s one node writes to the run dir's file system, and where the figure comes from: ``configured``
+    (``cluster.checkpoint_write_gb_s``) when set ("configured"); else the run's own latest checkpoint when
+    ``run_dir`` has one (a resubmitted or requeued run: :func:`afm_core.engine.checkpoint_dirs.measured_write_speed`);
+    else a probe (:func:`probe_write_speed`) of ``min(probe_mib, checkpoint size)`` MiB into ``run_dir``'s nearest
     existing folder. The probe writes from one process of the submitting node; a node's ranks write in parallel,
     so on a parallel file system it is a lower bound (the lead it asks for errs long)."""
-    from afm_core.engine.checkpoint_dirs import measured_write_speed
-
-    configured = cfg["cluster"].get("checkpoint_write_gb_s")
     if configured:
         return float(configured), "configured"
-    run_dir = _existing_run_dir(cfg)
+    run_dir = Path(run_dir)
     measured = measured_write_speed(run_dir / "checkpoints")
     if measured is not None:
         return measured["gb_s_per_node"], f"measured by this run's {measured['checkpoint']}"
-    probe_mib = int((cfg.get("plan") or {}).get("write_probe_mib", 256))
     size_mib = max(1, min(probe_mib, checkpoint_bytes // 2**20))
     directory = _nearest_existing(run_dir)
     return probe_write_speed(directory, size_mib), f"measured: {size_mib} MiB written and fsynced to {directory}"
-
-
-def _existing_run_dir(cfg: Mapping[str, Any]) -> Path:
-    """The run dir when it is a path (``jobs.plan`` composes without Hydra's run, leaving ``${hydra:...}``)."""
-    run_dir = str(cfg.get("run_dir") or ".")
-    return Path("." if "${" in run_dir else run_dir)
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -51,10 +49,6 @@ def probe_write_speed(directory: str | Path, size_mib: int, block_mib: int = 8) 
     """GB/s (1e9 bytes) of writing ``size_mib`` MiB of random bytes (incompressible) to a temporary file in
     ``directory`` and fsyncing it, as a checkpoint is written (:func:`afm_core.utils.atomic.atomic_path`); the file is
     removed. Raises ``OSError`` when ``directory`` is not writable or full."""
-    import os
-    import tempfile
-    import time
-
     block = os.urandom(min(size_mib, block_mib) * 2**20)
     left = size_mib * 2**20
     fd, name = tempfile.mkstemp(prefix=".afm-write-probe-", dir=directory)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from afm_core.launch.plan_estimates import GPU_OVERHEAD_BYTES, as_gib
+from afm_core.utils.atomic import atomic_write_text
 
 
 def render(plan: Mapping[str, Any]) -> str:
@@ -71,8 +72,6 @@ def render(plan: Mapping[str, Any]) -> str:
 
 def write_plan(plan: Mapping[str, Any], path: str | Path) -> Path:
     """Write ``plan`` as indented JSON to ``path`` (atomic; parent folders made); returns the path."""
-    from afm_core.utils.atomic import atomic_write_text
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps(plan, indent=1, default=str) + "\n")

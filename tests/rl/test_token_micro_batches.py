@@ -307,13 +307,11 @@ def test_a_policy_update_by_tokens_has_the_counted_paths_loss_and_gradients(tmp_
 def test_the_plan_sizes_a_micro_batchs_activations_by_the_token_budget():
     """afm_mhqa_rl (PP=1): micro batches of 2 trajectories of 2048 + 8192 tokens hold what a budget of 20480
     tokens holds; half that budget, half the activations and logits."""
-    from omegaconf import OmegaConf
-
-    from afm_core.launch.plan import compose, layout_of, make_plan
+    from afm_core.launch.plan import layout_of, make_plan, plan_config
 
     def plan(*overrides):
-        cfg = OmegaConf.to_container(compose("rl", ["recipe=afm_mhqa_rl", *overrides]), resolve=False)
-        return layout_of(cfg, "rl"), make_plan(cfg, "rl")["stages"]
+        job = plan_config("rl", ["recipe=afm_mhqa_rl", *overrides])
+        return layout_of(job), make_plan(job)["stages"]
 
     counted_layout, counted = plan()
     same_layout, same = plan("trainer.max_tokens_per_micro_batch=20480")
