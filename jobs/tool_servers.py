@@ -89,7 +89,7 @@ def submit_to_slurm(cfg: DictConfig, plain: dict) -> None:
     The sbatch options come from the ``cluster`` group through :func:`afm_core.launch.executor.make_executor`
     (one node, one task, no GPUs: the servers are CPU services).
     """
-    from afm_core.launch.executor import make_executor
+    from afm_core.launch.executor import make_executor  # imports submitit: the Slurm path only
 
     addresses_file = Path(cfg.addresses_file).absolute()
     addresses_file.unlink(missing_ok=True)  # a stale file from an earlier job must not be mistaken for this one

@@ -42,6 +42,7 @@ class MCPTool(Tool):
         return query
 
     async def call(self, args: Any, http: ToolHttp, context: Mapping[str, str]) -> str:
+        # the MCP SDK and its HTTP client: optional packages, needed by an MCP plug-in tool's calls only
         import httpx2
         from mcp import Client
         from mcp_types import TextContent

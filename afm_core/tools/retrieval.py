@@ -129,7 +129,7 @@ class DenseRetriever:
         batch_size: int = 64,
         max_length: int = 256,
     ) -> None:
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoModel, AutoTokenizer  # heavy: only the dense retriever loads an encoder
 
         self.docs = docs
         self.query_prefix, self.batch_size, self.max_length = query_prefix, batch_size, max_length
@@ -139,7 +139,7 @@ class DenseRetriever:
 
     def encode(self, texts: list[str]) -> np.ndarray:
         """L2-normalised mean-pooled embeddings, float32 ``[len(texts), hidden]``."""
-        import torch
+        import torch  # heavy: only the dense retriever encodes (BM25 needs no torch)
 
         chunks = []
         with torch.inference_mode():

@@ -108,7 +108,7 @@ class TensorBoardBackend:
     run_id: str | None = None
 
     def __init__(self, run_dir: Path, config: Mapping[str, Any], info: Mapping[str, Any], purge_step: int):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # torch and tensorboard: the tensorboard logger only
 
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=purge_step)
         self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```")
@@ -128,7 +128,7 @@ class WandbBackend:
 
     def __init__(self, run_dir: Path, project: str, name: str, config: Mapping[str, Any], info: Mapping[str, Any],
                  run_id: str | None, job_type: str):  # fmt: skip
-        import wandb
+        import wandb  # optional and slow to import: the wandb logger only
 
         self.run = wandb.init(
             project=project,
@@ -146,7 +146,7 @@ class WandbBackend:
         self.run.log(dict(metrics), step=step)
 
     def close(self) -> None:
-        import wandb
+        import wandb  # loaded by __init__ already (the wandb logger only)
 
         self.run.finish()
         # finish() can return before wandb's service has written the run's last records (seen offline, on a
@@ -166,6 +166,7 @@ class MlflowBackend:
 
     def __init__(self, run_dir: Path, project: str, name: str, config: Mapping[str, Any], info: Mapping[str, Any],
                  run_id: str | None, uri: str | None):  # fmt: skip
+        # mlflow: optional and slow to import, the mlflow logger only
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -189,7 +190,7 @@ class MlflowBackend:
         self.client.log_dict(run_id, dict(config), "config.json")
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # loaded by __init__ already (the mlflow logger only)
 
         now = int(time.time() * 1000)
         batch = [Metric(mlflow_key(k), v, now, step) for k, v in metrics.items()]
