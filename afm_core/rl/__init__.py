@@ -1,12 +1,16 @@
 """Agentic RL (DAPO / GRPO / PPO): :func:`afm_core.rl.driver.run_rl` over named parts, one module each.
 
-- :mod:`afm_core.rl.driver`: the loop only (fill a train batch -> advantages -> train -> log -> validate -> save);
+- :mod:`afm_core.rl.driver`: the loop only (fill a train batch -> advantages -> train -> log -> validate -> save)
+  over the run's parts (``RunParts``);
+- :mod:`afm_core.rl.parts`: the ``typing.Protocol`` s of the parts a run swaps (trainer core, critic, policy
+  trainer, handover, rollout side, colocated engine, tools);
 - :mod:`afm_core.rl.train_batch`: generation rounds until the train batch is full; a stop aborts the round and
   puts the run's state back;
 - :mod:`afm_core.rl.validation`: the validation benchmarks, when to validate, the run on engine 0;
 - :mod:`afm_core.rl.schedule`: the staged context length (response budget, trainer sequence length);
 - :mod:`afm_core.rl.prompts`: the RL tasks and the resumable, epoch-shuffled prompt stream;
 - :mod:`afm_core.rl.rollout_actor`: this rank's vLLM engine, tool pool and graders, beside its node's tool servers;
+- :mod:`afm_core.rl.rounds`: a generation round's target and result, and how a stop ends it;
 - :mod:`afm_core.rl.grading`: a rollout graded into the trainer's ``Sample`` (the rollout contract);
 - :mod:`afm_core.rl.reward_shaping`: the reward from score and format, DAPO's overlong penalty;
 - :mod:`afm_core.rl.dynamic_sampling`: the DAPO group filter that keeps generating until the batch is full;

@@ -18,21 +18,25 @@ over the data-parallel group, on the last stage.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from afm_core.rl.logprobs import response_logprobs
 from afm_core.rl.losses import PolicyLossConfig, policy_loss
+from afm_core.rl.packed import rollout_forward
+
+if TYPE_CHECKING:
+    from afm_core.rl.parts import ForwardStep
 
 STATS_KEY = "policy"
 
 
 def megatron_policy_loss(
     batch: dict[str, torch.Tensor], config: PolicyLossConfig, temperature: float, logits: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, dict[str, torch.Tensor]]]:
     """Megatron ``loss_func`` (3-tuple, per-token-loss mode) of one micro batch.
 
     Megatron sums the returned losses over micro batches (and their gradients over DP ranks) and divides the
@@ -65,7 +69,7 @@ def megatron_policy_loss(
     )
     mode, divisor = config.loss_agg_mode, 1
     if mode == "seq-mean-token-sum-norm":
-        from megatron.core import parallel_state as ps
+        from megatron.core import parallel_state as ps  # megatron: loaded only where a model runs
 
         divisor = ps.get_data_parallel_world_size()
     loss_sum, stats = policy_loss(
@@ -91,14 +95,13 @@ def megatron_policy_loss(
 
 def policy_forward_step(
     config: PolicyLossConfig, *, temperature: float = 1.0, remove_padding: bool = True
-) -> Callable[[Iterator[dict[str, torch.Tensor]], torch.nn.Module], tuple[torch.Tensor, Any]]:
+) -> ForwardStep:
     """A megatron ``forward_step_func``: next micro batch -> (logits, loss_func) with :func:`megatron_policy_loss`.
 
     The policy computes the logits of the response rows only (``loss_mask=response_mask``: the output layer and
     the fp32 softmax passes skip the prompt, observation and padding rows, which no loss term reads), over the
     micro batch's trajectories packed without their padding where the model can (``remove_padding``,
     :func:`afm_core.rl.packed.rollout_forward`)."""
-    from afm_core.rl.packed import rollout_forward
 
     def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
         logits, batch = rollout_forward(

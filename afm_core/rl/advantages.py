@@ -9,6 +9,7 @@ and the padding. Nothing here touches positions where the mask is 0 except to wr
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -150,3 +151,15 @@ def gae_advantages(
         if whiten:
             adv = masked_whiten(adv, response_mask)
     return adv.to(torch.float32), returns.to(torch.float32)
+
+
+@dataclass
+class Advantages:
+    """One train batch's advantages: ``values`` ``[N]`` (GRPO, one per trajectory) or per-token lists as long as
+    each response (GAE); for PPO also the critic's ``old_values`` and the ``returns`` (per-token lists); ``times``
+    in seconds (``values_s``)."""
+
+    values: torch.Tensor | list[list[float]]
+    old_values: list[list[float]] | None = None
+    returns: list[list[float]] | None = None
+    times: dict[str, float] = field(default_factory=dict)

@@ -11,15 +11,18 @@ with causal attention leaves the real positions' logits unchanged, so no attenti
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from afm_core.config.rl import PolicyConfig
+    from afm_core.rl.grading import Sample
+    from afm_core.rl.parts import ForwardStep, TrainerCore
 
 MICRO_BATCH_KEYS = ("tokens", "labels", "position_ids", "response_mask")
 
@@ -134,8 +137,6 @@ def karmarkar_karp(lengths: Sequence[int], k: int) -> list[list[int]]:
     Raises:
         ValueError: ``k`` out of range.
     """
-    import heapq
-
     n = len(lengths)
     if not 1 <= k <= n:
         raise ValueError(f"{k} parts of {n} items")
@@ -258,7 +259,7 @@ def local_micro_batches(
 
 
 def sample_micro_batches(
-    samples: Sequence[Any],
+    samples: Sequence[Sample],
     mbs: int,
     seq_length: int | None,
     pad_id: int,
@@ -271,7 +272,7 @@ def sample_micro_batches(
     out = []
     for i in range(0, len(samples), mbs):
         part = samples[i : i + mbs]
-        per_token: dict[str, Any] = {"rollout_log_prob": [s.logprobs for s in part]}
+        per_token: dict[str, Sequence[Sequence[float]]] = {"rollout_log_prob": [s.logprobs for s in part]}
         for key, values in (extra or {}).items():
             per_token[key] = list(values[i : i + mbs])
         out.append(
@@ -288,7 +289,7 @@ def sample_micro_batches(
 
 
 def group_micro_batches(
-    samples: Sequence[Any],
+    samples: Sequence[Sample],
     groups: Sequence[Sequence[int]],
     seq_length: int | None,
     pad_id: int,
@@ -324,17 +325,17 @@ class Updates:
     """What :func:`minibatch_updates` did: each micro batch's loss stats (last pipeline stage), the last step's
     grad norm and lr, and the optimizer steps taken."""
 
-    stats: list[dict[str, Any]] = field(default_factory=list)
+    stats: list[dict[str, torch.Tensor]] = field(default_factory=list)
     grad_norm: float = math.nan
     lr: float = math.nan
     steps: int = 0
 
 
 def minibatch_updates(
-    trainer: Any,
-    samples: Sequence[Any],
+    trainer: TrainerCore,
+    samples: Sequence[Sample],
     plan: Sequence[Sequence[Sequence[int]]],
-    forward_step: Callable,
+    forward_step: ForwardStep,
     extra: Callable[[Sequence[int]], Mapping[str, Sequence[Sequence[float]]]],
     policy: PolicyConfig,
     seq_length: int,

@@ -12,11 +12,20 @@ appears once. A stop requested while a generation round runs saves the rollout b
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from afm_core.config.rl import CheckpointConfig
+from afm_core.engine.preemption import Preemption
+from afm_core.rl.dynamic_sampling import DynamicSampler
+from afm_core.rl.prompts import PromptStream
+from afm_core.rl.rollout_buffer import RolloutBuffer
+from afm_core.rl.schedule import Stage
+
+if TYPE_CHECKING:  # torch: jobs.rl loads this module (the driver) where it only submits
+    from afm_core.rl.parts import Policy, Record, Turns
 
 
 @dataclass
@@ -31,7 +40,7 @@ class RLProgress:
     train_time_s: float = 0.0
     run_ids: dict[str, str] = field(default_factory=dict)  # tracking backends' runs (W&B, MLflow), continued on resume
 
-    def enter_stage(self, stage: Any, *, verbose: bool) -> None:
+    def enter_stage(self, stage: Stage, *, verbose: bool) -> None:
         """The next rollout step runs in ``stage`` (:class:`~afm_core.rl.schedule.Stage`); a new stage is printed
         when ``verbose``."""
         if stage.index != self.stage:
@@ -57,20 +66,14 @@ class RLState:
     (:class:`~afm_core.rl.rollout_buffer.RolloutBuffer`: groups with paused trajectories)."""
 
     progress: RLProgress
-    stream: Any
-    sampler: Any
-    buffer: Any = None
+    stream: PromptStream
+    sampler: DynamicSampler
+    buffer: RolloutBuffer = field(default_factory=RolloutBuffer)
 
-    def __post_init__(self) -> None:
-        if self.buffer is None:
-            from afm_core.rl.rollout_buffer import RolloutBuffer
-
-            self.buffer = RolloutBuffer()
-
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> Record:
         """The checkpoint's ``common``: ``progress``, ``prompts``, ``sampler``, ``buffer``."""
         sampler = self.sampler.state_dict()  # its kept samples as plain dicts (a weights_only load reads them)
-        sampler["kept"] = [(g, [asdict(s) for s in members]) for g, members in sampler["kept"]]
+        sampler["kept"] = [(g, [asdict(s) for s in members]) for g, members in self.sampler.kept]
         return {
             "progress": asdict(self.progress),
             "prompts": self.stream.state_dict(),
@@ -78,13 +81,13 @@ class RLState:
             "buffer": self.buffer.state_dict(),
         }
 
-    def load_state_dict(self, common: dict[str, Any]) -> None:
+    def load_state_dict(self, common: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`'s ``common`` in place (whoever holds ``progress`` sees the restored counters)."""
         loaded = RLProgress(**common["progress"])
         for f in fields(RLProgress):
             setattr(self.progress, f.name, getattr(loaded, f.name))
         self.stream.load_state_dict(common["prompts"])
-        from afm_core.rl.grading import Sample
+        from afm_core.rl.grading import Sample  # imports torch: not where jobs.rl submits
 
         sampler = dict(common["sampler"])
         sampler["kept"] = [(g, [Sample.from_dict(s) if isinstance(s, dict) else s for s in members])
@@ -119,8 +122,10 @@ class Checkpointer:
     with its :class:`StopLead` check; and the state from before a generation round a stop aborted.
 
     Args:
-        policy: the :class:`~afm_core.rl.policy_trainer.PolicyTrainer` (``save(step, common)``).
-        handover: the :class:`~afm_core.rl.colocation.Handover` (a save is the trainer's turn).
+        policy: the :class:`~afm_core.rl.policy_trainer.PolicyTrainer` (:class:`~afm_core.rl.parts.Policy`:
+            ``save(step, common)``).
+        handover: the :class:`~afm_core.rl.colocation.Handover` (:class:`~afm_core.rl.parts.Turns`; a save is the
+            trainer's turn).
         state: the run's :class:`RLState`, saved as the checkpoint's ``common``.
         preemption: the job's :class:`~afm_core.engine.preemption.Preemption`.
         checkpoint: the settings (``save_interval``; ``signal_delay_s``, the lead :class:`StopLead` checks).
@@ -129,8 +134,8 @@ class Checkpointer:
         verbose: this rank prints (rank 0).
     """
 
-    def __init__(self, policy: Any, handover: Any, state: RLState, preemption: Any, checkpoint: CheckpointConfig,
-                 *, max_steps: int, on_gpu: bool, verbose: bool):  # fmt: skip
+    def __init__(self, policy: Policy, handover: Turns, state: RLState, preemption: Preemption,
+                 checkpoint: CheckpointConfig, *, max_steps: int, on_gpu: bool, verbose: bool):  # fmt: skip
         self.policy, self.handover, self.state, self.preemption = policy, handover, state, preemption
         self.save_interval, self.max_steps, self.on_gpu = checkpoint.save_interval, max_steps, on_gpu
         self.verbose = verbose

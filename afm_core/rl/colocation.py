@@ -42,9 +42,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
 
 from afm_core.config.rl import ColocationConfig
+from afm_core.engine import offload as trainer_offload
+from afm_core.rl.parts import EngineHost, TrainerCore
+
+if TYPE_CHECKING:
+    from afm_core.engine.offload import Offloaded
+    from afm_core.rollout.vllm_inproc import Lockstep
 
 
 @dataclass(frozen=True)
@@ -92,7 +100,7 @@ class Colocation:
         """Whether the engine sleeps while the trainer runs (GPU, in-process, ``sleep_level`` > 0)."""
         return self.on_gpu and self.mode == "inprocess" and self.sleep_level > 0
 
-    def engine_overrides(self) -> dict[str, Any]:
+    def engine_overrides(self) -> dict[str, object]:
         """The ``engine`` settings this layout imposes (:class:`afm_core.rollout.vllm_settings.VLLMConfig`)."""
         if self.mode == "async":
             return {"in_process": False, "distributed_executor_backend": None, "enable_sleep_mode": False}
@@ -135,17 +143,15 @@ def select_colocation(
     return replace(placed, offload_trainer=placed.sleeps if offload is None else bool(offload))
 
 
-def lockstep_group(colocation: Colocation) -> Any:
+def lockstep_group(colocation: Colocation) -> Lockstep | None:
     """The :class:`~afm_core.rollout.vllm_inproc.Lockstep` of this rank's engine (None at vLLM TP=1).
 
     Collective over the whole world (every rank creates every group's gloo group, in the same order).
     """
-    from afm_core.rollout.vllm_inproc import Lockstep
+    from afm_core.rollout.vllm_inproc import Lockstep  # imports vLLM: only a layout with vLLM TP groups needs it
 
     if colocation.mode != "inprocess" or colocation.engine_tp == 1:
         return None
-    import torch.distributed as dist
-
     mine = None
     for group in range(colocation.groups):
         ranks = list(range(group * colocation.engine_tp, (group + 1) * colocation.engine_tp))
@@ -168,11 +174,11 @@ class Handover:
         bucket_bytes: the weight sync's bucket size (``weight_sync.bucket_mb``).
     """
 
-    def __init__(self, actor: Any, trainers: Sequence[Any], *, offload: bool, bucket_bytes: int):
+    def __init__(self, actor: EngineHost, trainers: Sequence[TrainerCore], *, offload: bool, bucket_bytes: int):
         self.actor, self.trainers, self.offload, self.bucket_bytes = actor, list(trainers), offload, bucket_bytes
         self.turn = "trainer"
         self.stale = True  # the engine's weights are not the trainer's (the engine started from the HF files)
-        self.handles: list[Any] = []
+        self.handles: list[Offloaded] = []
         self.offloaded_bytes = 0  # of the last offload
 
     def trained(self) -> None:
@@ -191,14 +197,12 @@ class Handover:
         times: dict[str, float] = {}
 
         def offload() -> None:
-            from afm_core.engine.offload import offload_training_state
-
             if not self.offload:
                 return
             start = time.perf_counter()
             for trainer in self.trainers:  # no deferred parameter all-gather may be pending (offload's contract)
                 trainer.sync_params()
-            self.handles = [offload_training_state(trainer, enabled=True) for trainer in self.trainers]
+            self.handles = [trainer_offload.offload_training_state(trainer, enabled=True) for trainer in self.trainers]
             self.offloaded_bytes = sum(handle.bytes for handle in self.handles)
             times.update(offload_s=time.perf_counter() - start, offload_gb=self.offloaded_bytes / 1e9)
 

@@ -23,15 +23,37 @@ two leaves the critic of the actor's previous checkpoint in place.
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from afm_core.config.rl import PolicyConfig
+from afm_core.engine.distributed import ParallelLayout, activation_memory_overrides, gather_objects
+from afm_core.rl.advantages import gae_advantages
+from afm_core.rl.batch import (
+    group_micro_batches,
+    local_micro_batches,
+    micro_batch_plan,
+    minibatch_updates,
+    response_values,
+    token_micro_batches,
+)
+from afm_core.rl.logprobs import forward_only
+from afm_core.rl.losses import reduce_stats, value_loss
+from afm_core.rl.packed import rollout_forward
+from afm_core.rl.policy_model import build_policy_model
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+
+    from afm_core.engine.core import MegatronTrainer
+    from afm_core.rl.grading import Sample
 
 STATS_KEY = "critic"
 
@@ -44,33 +66,33 @@ class ValueHead(torch.nn.Module):
     ``weight`` passed for tied embeddings is ignored.
     """
 
-    def __init__(self, config: Any):
+    def __init__(self, config: TransformerConfig):
         super().__init__()
         self.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
         self.weight = torch.nn.Parameter(torch.empty(1, config.hidden_size, dtype=config.params_dtype))
         config.init_method(self.weight)
 
-    def forward(self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None):
+    def forward(
+        self, hidden_states: torch.Tensor, weight: object = None, runtime_gather_output: object = None
+    ) -> tuple[torch.Tensor, None]:
         if self.sequence_parallel:
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region  # megatron: see values()
 
             hidden_states = gather_from_sequence_parallel_region(hidden_states)
         return torch.nn.functional.linear(hidden_states, self.weight), None
 
 
 def build_value_model(
-    hf_dir: Any,
-    layout: Any,
+    hf_dir: str | os.PathLike,
+    layout: ParallelLayout,
     *,
     params_dtype: torch.dtype = torch.float32,
     load_weights: bool = True,
-    **config_overrides: Any,
+    **config_overrides: object,
 ) -> list[torch.nn.Module]:
     """This rank's value-model chunks: the policy build with HF weights (``config_overrides``: extra
     ``TransformerConfig`` fields, as for the policy), the output layer replaced by a :class:`ValueHead` on the last
     pipeline stage and the embedding no longer tied to it (collective when ``load_weights``)."""
-    from afm_core.rl.policy_model import build_policy_model
-
     chunks, _ = build_policy_model(
         hf_dir, layout, params_dtype=params_dtype, load_weights=load_weights, **config_overrides
     )
@@ -84,13 +106,8 @@ def build_value_model(
 def values_forward_step(clip_range_value: float | None, remove_padding: bool = True):
     """A megatron ``forward_step_func`` for the critic: next micro batch -> (values, value-loss func); the
     trajectories packed without their padding where the model can (:func:`afm_core.rl.packed.rollout_forward`)."""
-    from functools import partial
-
-    from afm_core.rl.packed import rollout_forward
 
     def loss_func(batch: dict[str, torch.Tensor], output: torch.Tensor):
-        from afm_core.rl.losses import value_loss
-
         loss_sum, stats = value_loss(
             output[..., 0],
             batch["old_values"],
@@ -102,7 +119,7 @@ def values_forward_step(clip_range_value: float | None, remove_padding: bool = T
         stats["values_sum"] = torch.where(batch["response_mask"].bool(), output[..., 0].detach().float(), 0.0).sum()
         return loss_sum, batch["response_mask"].to(torch.bool).sum().to(torch.int), {STATS_KEY: stats}
 
-    def forward_step(data_iterator: Any, model: torch.nn.Module):
+    def forward_step(data_iterator: Iterator[dict[str, torch.Tensor]], model: torch.nn.Module):
         values, batch = rollout_forward(model, next(data_iterator), remove_padding=remove_padding)
         return values, partial(loss_func, batch)
 
@@ -110,7 +127,7 @@ def values_forward_step(clip_range_value: float | None, remove_padding: bool = T
 
 
 def gae_per_sample(
-    samples: Sequence[Any], values: Sequence[Sequence[float]], *, gamma: float, lam: float
+    samples: Sequence[Sample], values: Sequence[Sequence[float]], *, gamma: float, lam: float
 ) -> tuple[list[list[float]], list[list[float]]]:
     """GAE advantages and returns of each trajectory over its response tokens (observation tokens skipped).
 
@@ -128,8 +145,6 @@ def gae_per_sample(
     Raises:
         ValueError: values of the wrong length.
     """
-    from afm_core.rl.advantages import gae_advantages
-
     width = max(len(s.response_mask) for s in samples)
     shape = (len(samples), width)
     rewards, vals, mask = torch.zeros(shape), torch.zeros(shape), torch.zeros(shape)
@@ -166,22 +181,21 @@ class Critic:
     def __init__(
         self,
         policy: PolicyConfig,
-        layout: Any,
-        hf_dir: Any,
+        layout: ParallelLayout,
+        hf_dir: str | os.PathLike,
         run_dir: Path,
         max_optimizer_steps: int,
         *,
         params_dtype: torch.dtype,
         load_weights: bool = True,
     ):
-        from afm_core.engine.core import MegatronTrainer
-        from afm_core.engine.distributed import activation_memory_overrides
+        from afm_core.engine.core import MegatronTrainer  # megatron: see values()
 
         critic, t = policy.critic, policy.trainer
         self.config, self.layout = policy, layout
         self.clip_range_value = critic.clip_range_value
         self.remove_padding = t.remove_padding
-        self.trainer = MegatronTrainer(
+        self.trainer: MegatronTrainer = MegatronTrainer(
             layout,
             build_value_model(
                 hf_dir,
@@ -209,16 +223,13 @@ class Critic:
         (``trainer.max_tokens_per_micro_batch``, PP=1) each to its own longest."""
         return seq_length if self.config.trainer.max_tokens_per_micro_batch is None else None
 
-    def values(self, samples: Sequence[Any], seq_length: int, pad_id: int) -> list[list[float]]:
+    def values(self, samples: Sequence[Sample], seq_length: int, pad_id: int) -> list[list[float]]:
         """Old values of every sample's response tokens (each DP rank computes its share: every ``dp``-th sample
         in micro batches of ``trainer.micro_batch_size``, or a token-balanced share in micro batches of at most
         ``trainer.max_tokens_per_micro_batch`` tokens, :func:`~afm_core.rl.batch.token_micro_batches`; gathered, so
         every rank returns all of them, in sample order)."""
+        # megatron: not at the top, so that importing the RL modules (gae_per_sample, the tests) loads none
         from megatron.core import parallel_state as ps
-
-        from afm_core.engine.distributed import gather_objects
-        from afm_core.rl.batch import group_micro_batches, local_micro_batches, response_values, token_micro_batches
-        from afm_core.rl.logprobs import forward_only
 
         t = self.config.trainer
         dp, dp_rank = self.layout.dp, self.layout.dp_rank
@@ -250,7 +261,7 @@ class Critic:
 
     def update(
         self,
-        samples: Sequence[Any],
+        samples: Sequence[Sample],
         old_values: Sequence[Sequence[float]],
         returns: Sequence[Sequence[float]],
         seq_length: int,
@@ -263,10 +274,7 @@ class Critic:
             ``critic/returns``, ``critic/grad_norm`` (last), ``critic/lr``, ``critic/optimizer_steps``,
             ``critic_s``.
         """
-        from megatron.core import parallel_state as ps
-
-        from afm_core.rl.batch import micro_batch_plan, minibatch_updates
-        from afm_core.rl.losses import reduce_stats
+        from megatron.core import parallel_state as ps  # megatron: see values()
 
         start = time.perf_counter()
         t = self.config.trainer

@@ -28,14 +28,17 @@ picklable), so a checkpoint taken mid-step resumes the accumulation exactly.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from afm_core.config.rl import FILTER_METRICS, AlgorithmConfig
 
+if TYPE_CHECKING:
+    from afm_core.rl.grading import Sample
 
-def filter_values(samples: Sequence[Any], metric: str) -> list[float]:
+
+def filter_values(samples: Sequence[Sample], metric: str) -> list[float]:
     """The values a group must vary in to be kept (``algorithm.filter_groups_metric``): ``acc``, the task's
     correctness (each sample's ``score``; DAPO eq. 11, verl's ``algorithm.filter_groups.metric=acc``), or
     ``score``, the shaped reward (``reward``: with the overlong penalty on, a group whose samples are all right or
@@ -123,7 +126,7 @@ class DynamicSampler:
         self.groups_generated = 0
         self.samples_generated = 0
         self.groups_all_equal = 0
-        self.kept: list[tuple[Hashable, list[Any]]] = []  # (group id, its samples), in arrival order
+        self.kept: list[tuple[Hashable, list[Sample]]] = []  # (group id, its samples), in arrival order
         self.seen: set[Hashable] = set()
 
     # -- feeding ---------------------------------------------------------------------------------------
@@ -142,7 +145,7 @@ class DynamicSampler:
         """:meth:`take` may be called: full, or exhausted with ``allow_partial``."""
         return self.is_full or (self.allow_partial and self.exhausted)
 
-    def keeps(self, group: Sequence[Any]) -> bool:
+    def keeps(self, group: Sequence[Sample]) -> bool:
         """Whether :meth:`add_samples` would keep this complete group of graded samples (its metric varies, or
         ``filter_groups`` is off, or it has one sample)."""
         if not self.filter_groups or len(group) < 2:
@@ -150,7 +153,7 @@ class DynamicSampler:
         values = filter_values(group, self.metric)
         return max(values) != min(values)
 
-    def add(self, group_ids: Sequence[Hashable], scores: Sequence[float], samples: Sequence[Any]) -> int:
+    def add(self, group_ids: Sequence[Hashable], scores: Sequence[float], samples: Sequence[Sample]) -> int:
         """Add one generation batch: ``group_ids[i]``, ``scores[i]`` (the filter metric, e.g. the final reward
         or accuracy) and ``samples[i]`` (any object: a trajectory) of each sample.
 
@@ -200,12 +203,12 @@ class DynamicSampler:
             )
         return kept
 
-    def add_samples(self, samples: Sequence[Any]) -> int:
+    def add_samples(self, samples: Sequence[Sample]) -> int:
         """:meth:`add` for graded samples (:class:`~afm_core.rl.grading.Sample`: ``uid``, ``score``, ``reward``),
         grouped by ``uid`` and filtered on :attr:`metric`."""
         return self.add([s.uid for s in samples], filter_values(samples, self.metric), samples)
 
-    def take(self) -> tuple[list[Any], DynamicSamplingStats]:
+    def take(self) -> tuple[list[Sample], DynamicSamplingStats]:
         """The samples of the first ``train_batch_size`` kept groups (group after group, in arrival order) and
         this step's statistics; the sampler is then empty for the next step.
 
@@ -229,7 +232,7 @@ class DynamicSampler:
         return samples, stats
 
     # -- checkpointing ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, object]:
         """Everything needed to resume mid-step (the kept samples by reference: they must be picklable)."""
         return {
             "gen_batches": self.gen_batches,
@@ -240,7 +243,7 @@ class DynamicSampler:
             "seen": list(self.seen),
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.gen_batches = int(state["gen_batches"])
         self.groups_generated = int(state["groups_generated"])
         self.samples_generated = int(state["samples_generated"])

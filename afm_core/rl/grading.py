@@ -10,13 +10,17 @@ and ``format``) and ``finish_reason`` (the rollout's status: ``answer``, ``eos``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from afm_core.rewards.format import grade_format
 from afm_core.rl.reward_shaping import shaped_reward
 
 if TYPE_CHECKING:
     from afm_core.config.rl import RewardConfig
+    from afm_core.rewards.grader import Graders
+    from afm_core.rollout.types import Rollout
 
 
 @dataclass
@@ -44,17 +48,15 @@ class Sample:
     index: int = 0
 
     @classmethod
-    def from_dict(cls, fields: dict[str, Any]) -> Sample:
+    def from_dict(cls, fields: Mapping[str, Any]) -> Sample:
         """A Sample from ``dataclasses.asdict`` of one (how a checkpoint holds it: plain containers, which
         ``torch.load(weights_only=True)`` reads back)."""
         return cls(**{**fields, "tool_calls": [tuple(c) for c in fields.get("tool_calls", [])]})
 
 
-async def grade_rollout(graders: Any, rollout: Any, uid: str, reward: RewardConfig, max_len: int) -> Sample:
+async def grade_rollout(graders: Graders, rollout: Rollout, uid: str, reward: RewardConfig, max_len: int) -> Sample:
     """Grade one :class:`~afm_core.rollout.Rollout` of group ``uid`` (score from its task's grader, format from
     the CoA validator, reward shaped over the stage's ``max_len`` response tokens)."""
-    from afm_core.rewards import grade_format
-
     task = rollout.task
     grade = await graders.grade(
         task.meta["grader"], rollout.response_text, gold=task.answer, question=task.question, meta=task.meta

@@ -14,11 +14,12 @@ temperature), which is what the trainer/engine comparison needs (verl ``rollout.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from typing import Any
 
 import torch
+
+from afm_core.rl.packed import rollout_forward
 
 
 def vocab_parallel_logprobs(
@@ -43,7 +44,7 @@ def vocab_parallel_logprobs(
     Raises:
         ValueError: ``temperature <= 0``.
     """
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # megatron: loaded only where a model runs
 
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0")
@@ -98,7 +99,7 @@ def response_logprobs(
 
 
 def _vocab_parallel_entropy(scaled: torch.Tensor) -> torch.Tensor:
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron: loaded only where a model runs
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
 
     with torch.no_grad():
@@ -201,7 +202,7 @@ def forward_only(
     Raises:
         ValueError: micro batches of different shapes with pipeline parallelism.
     """
-    from megatron.core import parallel_state as ps
+    from megatron.core import parallel_state as ps  # megatron: loaded only where a model runs
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not micro_batches:
@@ -241,10 +242,13 @@ def forward_only(
 
 
 def _forward_step(
-    data_iterator: Any, model: torch.nn.Module, *, per_token: Callable, rows_key: str | None, remove_padding: bool
+    data_iterator: Iterator[dict[str, torch.Tensor]],
+    model: torch.nn.Module,
+    *,
+    per_token: Callable,
+    rows_key: str | None,
+    remove_padding: bool,
 ):
-    from afm_core.rl.packed import rollout_forward
-
     output, batch = rollout_forward(model, next(data_iterator), rows_key=rows_key, remove_padding=remove_padding)
 
     def loss_func(output: torch.Tensor):

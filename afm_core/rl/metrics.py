@@ -8,13 +8,21 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from afm_core.config.rl import RLConfig
+from afm_core.engine.metrics import plot_panels
+from afm_core.rl.checkpoint import RLProgress
 from afm_core.rl.dynamic_sampling import DynamicSamplingStats
+from afm_core.rl.prompts import PromptStream
+from afm_core.rl.schedule import Stage
+from afm_core.utils.tracking import Tracker, flatten
+
+if TYPE_CHECKING:  # torch: jobs.rl loads this module (the driver) where it only submits
+    from afm_core.rl.grading import Sample
 
 
-def rollout_metrics(samples: Sequence[Any], all_generated: Sequence[Any]) -> dict[str, Any]:
+def rollout_metrics(samples: Sequence[Sample], all_generated: Sequence[Sample]) -> dict[str, object]:
     """Reward, accuracy, lengths, finish reasons and tool calls/errors per tool of one rollout step.
 
     ``samples`` are the trained ones; accuracy and tool counts are over everything generated in the step
@@ -45,20 +53,20 @@ def rollout_metrics(samples: Sequence[Any], all_generated: Sequence[Any]) -> dic
 
 
 def step_record(
-    progress: Any,
-    stage: Any,
+    progress: RLProgress,
+    stage: Stage,
     seq_length: int,
     max_prompt_len: int,
-    samples: Sequence[Any],
-    generated: Sequence[Any],
+    samples: Sequence[Sample],
+    generated: Sequence[Sample],
     sampling: DynamicSamplingStats,
-    train: Mapping[str, Any],
+    train: Mapping[str, object],
     times: Mapping[str, float],
-    stream: Any,
-    tool_metrics: Mapping[str, Any] | None,
+    stream: PromptStream,
+    tool_metrics: Mapping[str, object] | None,
     environment: str,
-    partial: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
+    partial: Mapping[str, object] | None = None,
+) -> dict[str, object]:
     """The metrics.jsonl record of the rollout step ``progress.rollout_step`` (``split: train``): stage and
         lengths, :func:`rollout_metrics`, the dynamic sampler's stats (``sampling``, flattened by
         :meth:`~afm_core.rl.dynamic_sampling.DynamicSamplingStats.as_dict`), the trainer's (``train``), the time split
@@ -93,8 +101,6 @@ PLOT_INTERVAL_S = 30.0
 
 def plot_rl(metrics_path: Path, png_path: Path) -> None:
     """Reward, accuracy and mean response length against the rollout step (``rl.png``)."""
-    from afm_core.engine.metrics import plot_panels
-
     plot_panels(
         metrics_path,
         png_path,
@@ -109,10 +115,8 @@ class RLMetricsLog:
     resumed checkpoint's ``progress.run_ids`` holds), ``rl.png`` and the console line; a no-op on the other ranks.
     Every rank's ``progress.run_ids`` is set to rank 0's (collective), so the next checkpoint carries them."""
 
-    def __init__(self, config: RLConfig, progress: Any, enabled: bool):
-        import torch
-
-        from afm_core.utils.tracking import Tracker
+    def __init__(self, config: RLConfig, progress: RLProgress, enabled: bool):
+        import torch.distributed  # not at the top: jobs.rl loads this module (the driver) where it only submits
 
         self.run_dir, self.max_steps = Path(config.run_dir), config.trainer.max_steps
         self.log: Tracker | None = None
@@ -126,7 +130,7 @@ class RLMetricsLog:
         torch.distributed.broadcast_object_list(shared, src=0)
         progress.run_ids = dict(shared[0])
 
-    def write(self, record: Mapping[str, Any]) -> None:
+    def write(self, record: Mapping[str, object]) -> None:
         if self.log is None:
             return
         self.log.write(dict(record))
@@ -141,13 +145,11 @@ class RLMetricsLog:
             flush=True,
         )
 
-    def write_validation(self, step: int, results: Mapping[str, Mapping[str, Any]], seconds: float) -> None:
+    def write_validation(self, step: int, results: Mapping[str, Mapping[str, object]], seconds: float) -> None:
         """One ``split: val`` record at rollout step ``step``: each benchmark's metrics as ``<benchmark>/<key>``
         (the backends show ``val/<benchmark>/avg@k``), and ``val_s``."""
         if self.log is None:
             return
-        from afm_core.utils.tracking import flatten
-
         values = {f"{name}/{key}": value for name, m in results.items() for key, value in flatten(m).items()}
         self.log.write({"step": step, "split": "val", **values, "val_s": seconds})
         scores = ", ".join(f"{name} avg@{m['k']} {m.get('avg@' + str(m['k']))}" for name, m in results.items())

@@ -21,12 +21,11 @@ the padded batch runs (:func:`packs`).
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 import torch
 
 
-def batch_to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+def batch_to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
     """``batch`` with every tensor moved to ``device`` (non-blocking); other values as they are."""
     return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
@@ -36,7 +35,7 @@ def packs(model: torch.nn.Module) -> bool:
     params, there is one pipeline stage and no sequence parallelism (which splits the tokens over TP ranks).
     Read once per model object."""
     known = getattr(model, "_afm_packs", None)
-    if known is None:
+    if known is None:  # megatron: not loaded where the RL modules are imported without a model
         from megatron.core import parallel_state as ps
         from megatron.core.utils import get_model_config
 
@@ -75,11 +74,11 @@ def rollout_forward(
     device = next(model.parameters()).device
     on_device = batch_to_device(batch, device)
     rows = on_device.get(rows_key) if rows_key else None
-    kwargs: dict[str, Any] = {} if rows is None else {"loss_mask": rows}
+    kwargs: dict[str, object] = {} if rows is None else {"loss_mask": rows}
     if not (remove_padding and packs(model)):
         return model(on_device["tokens"], on_device["position_ids"], None, **kwargs), on_device
 
-    from afm_core.models.attention import PackedDocuments
+    from afm_core.models.attention import PackedDocuments  # megatron: as in packs()
 
     b, s = batch["tokens"].shape
     lengths = (batch["prompt_lengths"] + batch["response_lengths"]).clamp(max=s).tolist()  # host values

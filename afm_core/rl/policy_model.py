@@ -7,19 +7,24 @@ virtual stage (``afm_core.engine.core.build_model_chunks``) -> ``afm_core.models
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from afm_core.engine.distributed import ParallelLayout
 
 
 def build_policy_model(
     hf_dir: str | os.PathLike,
-    layout: Any,
+    layout: ParallelLayout,
     *,
     params_dtype: torch.dtype = torch.float32,
     load_weights: bool = True,
-    **config_overrides: Any,
-) -> tuple[list[torch.nn.Module], Any]:
+    **config_overrides: object,
+) -> tuple[list[torch.nn.Module], PretrainedConfig]:
     """This rank's model chunks of the HF checkpoint ``hf_dir``, on ``layout.device``.
 
     ``torch.distributed`` and megatron's parallel state must be initialised
@@ -35,6 +40,7 @@ def build_policy_model(
     Returns:
         ``(chunks, hf_config)``: unwrapped ``GPTModel`` chunks (one per virtual stage) and the HF config.
     """
+    # transformers, megatron, mbridge: not loaded where the RL modules are imported without a model being built
     from transformers import AutoConfig
 
     from afm_core.engine.core import build_model
@@ -48,11 +54,11 @@ def build_policy_model(
 
 
 def build_reference_model(
-    hf_dir: Any, layout: Any, *, params_dtype: torch.dtype, **config_overrides: Any
+    hf_dir: str | os.PathLike, layout: ParallelLayout, *, params_dtype: torch.dtype, **config_overrides: object
 ) -> list[torch.nn.Module]:
     """The frozen reference policy for the KL loss: the policy build (``config_overrides`` as the policy's) on the
     HF weights, in eval mode, no grads."""
-    chunks, _ = build_policy_model(hf_dir, layout, params_dtype=params_dtype, **config_overrides)
+    chunks, _ = build_policy_model(hf_dir, layout, params_dtype=params_dtype, load_weights=True, **config_overrides)
     for chunk in chunks:
         chunk.eval()
         chunk.requires_grad_(False)

@@ -13,13 +13,34 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from afm_core.config.rl import PolicyConfig
+from afm_core.engine.distributed import ParallelLayout, activation_memory_overrides, training_dtype
+from afm_core.engine.flops import causal_pairs, datasheet_peak_tflops, mfu, training_flops
+from afm_core.models.arch import ModelArch, arch_from_hf_config
+from afm_core.rl import advantages as estimators  # looked up at each call: a test negates the estimator
+from afm_core.rl.actor import STATS_KEY, policy_forward_step
+from afm_core.rl.advantages import Advantages
+from afm_core.rl.batch import (
+    group_micro_batches,
+    local_micro_batches,
+    micro_batch_plan,
+    minibatch_updates,
+    response_values,
+)
+from afm_core.rl.critic import Critic, gae_per_sample
+from afm_core.rl.logprobs import compute_logprobs
+from afm_core.rl.losses import logprob_gap_stats, reduce_stats
+from afm_core.rl.parts import Record, TrainerCore, ValueModel
+from afm_core.rl.policy_model import build_policy_model, build_reference_model
+
+if TYPE_CHECKING:
+    from afm_core.rl.grading import Sample
 
 
 def check_batch_split(
@@ -50,11 +71,11 @@ def check_batch_split(
 
 
 def build_policy_trainer(
-    policy: PolicyConfig, layout: Any, chunks: list[torch.nn.Module], run_dir: Path, max_optimizer_steps: int
-) -> Any:
+    policy: PolicyConfig, layout: ParallelLayout, chunks: list[torch.nn.Module], run_dir: Path, max_optimizer_steps: int
+) -> TrainerCore:
     """The policy chunks on :class:`~afm_core.engine.core.MegatronTrainer` (``optim``, ``trainer.grad_clip``,
     ``trainer.keep_last``; checkpoints in ``run_dir/checkpoints``)."""
-    from afm_core.engine.core import MegatronTrainer
+    from afm_core.engine.core import MegatronTrainer  # megatron: check_batch_split and phase_throughput need none
 
     return MegatronTrainer(
         layout,
@@ -66,17 +87,6 @@ def build_policy_trainer(
         checkpoint_dir=Path(run_dir) / "checkpoints",
         keep_last=policy.trainer.keep_last,
     )
-
-
-@dataclass
-class Advantages:
-    """One train batch's advantages: ``values`` ``[N]`` (GRPO, one per trajectory) or per-token lists (GAE); for
-    PPO also the critic's ``old_values`` and the ``returns``; ``times`` in seconds (``values_s``)."""
-
-    values: Any
-    old_values: list[list[float]] | None = None
-    returns: list[list[float]] | None = None
-    times: dict[str, float] = field(default_factory=dict)
 
 
 class PolicyTrainer:
@@ -95,13 +105,15 @@ class PolicyTrainer:
     """
 
     def __init__(
-        self, policy: PolicyConfig, layout: Any, hf_dir: Path, run_dir: Path, pad_id: int, *, load_weights: bool
+        self,
+        policy: PolicyConfig,
+        layout: ParallelLayout,
+        hf_dir: Path,
+        run_dir: Path,
+        pad_id: int,
+        *,
+        load_weights: bool,
     ):
-        from afm_core.engine.distributed import activation_memory_overrides, training_dtype
-        from afm_core.models.arch import arch_from_hf_config
-        from afm_core.rl.critic import Critic
-        from afm_core.rl.policy_model import build_policy_model, build_reference_model
-
         a, t = policy.algorithm, policy.trainer
         self.config, self.layout, self.pad_id = policy, layout, pad_id
         updates = t.max_steps * a.ppo_epochs * (a.train_batch_size // a.mini_batch_size)
@@ -112,7 +124,8 @@ class PolicyTrainer:
         )
         self.trainer = build_policy_trainer(policy, layout, chunks, run_dir, max(1, updates))
         self.arch = arch_from_hf_config(self.hf_config)
-        self.critic = self.reference = None
+        self.critic: ValueModel | None = None
+        self.reference: list[torch.nn.Module] | None = None
         if a.adv_estimator == "gae":  # PPO: a value model with its own optimizer
             self.critic = Critic(
                 policy, layout, hf_dir, run_dir, updates, params_dtype=dtype, load_weights=load_weights
@@ -125,31 +138,30 @@ class PolicyTrainer:
         return self.trainer.model
 
     @property
-    def trainers(self) -> list[Any]:
+    def trainers(self) -> list[TrainerCore]:
         """The trainers with state to offload while the engine generates: the policy's, then the critic's."""
         return [self.trainer] + ([self.critic.trainer] if self.critic is not None else [])
 
-    def advantages(self, samples: Sequence[Any], seq_length: int) -> Advantages:
+    def advantages(self, samples: Sequence[Sample], seq_length: int) -> Advantages:
         """GRPO (``grpo``: group mean and std; ``drgrpo``: group mean) over each prompt's group, or, PPO, the
         critic's old values -> GAE (per token), with the returns its updates need."""
-        from afm_core.rl.advantages import grpo_advantages
-        from afm_core.rl.critic import gae_per_sample
-
         a = self.config.algorithm
         if self.critic is None:
             rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-            return Advantages(grpo_advantages(rewards, [s.uid for s in samples], norm_by_std=a.adv_estimator == "grpo"))
+            return Advantages(
+                estimators.grpo_advantages(rewards, [s.uid for s in samples], norm_by_std=a.adv_estimator == "grpo")
+            )
         start = time.perf_counter()
         old_values = self.critic.values(samples, seq_length, self.pad_id)
         advantages, returns = gae_per_sample(samples, old_values, gamma=a.gamma, lam=a.lam)
         return Advantages(advantages, old_values, returns, {"values_s": time.perf_counter() - start})
 
     def train(
-        self, samples: Sequence[Any], advantages: Advantages, seq_length: int, version: int | None = None
-    ) -> dict[str, Any]:
+        self, samples: Sequence[Sample], advantages: Advantages, seq_length: int, version: int | None = None
+    ) -> Record:
         """The critic's updates (PPO), then the policy's (:func:`policy_update`); their metrics. ``version``: the
         policy version being trained (partial rollouts: the trainer/engine gap is then also reported by lag)."""
-        critic_out: dict[str, Any] = {}
+        critic_out: dict[str, float] = {}
         if self.critic is not None:
             old_values, returns = advantages.old_values or [], advantages.returns or []
             critic_out = self.critic.update(samples, old_values, returns, seq_length, self.pad_id)
@@ -157,14 +169,14 @@ class PolicyTrainer:
                             self.reference, arch=self.arch, version=version)  # fmt: skip
         return {**out, **critic_out}
 
-    def save(self, step: int, common: dict[str, Any]) -> Path:
+    def save(self, step: int, common: Record) -> Path:
         """``checkpoints/step_N`` with ``common`` (collective). A critic is saved first
         (``checkpoints/critic/step_N``), so a complete ``step_N`` always has its critic."""
         if self.critic is not None:
             self.critic.save(step)
         return self.trainer.save(step, common)
 
-    def load(self, path: Path) -> dict[str, Any]:
+    def load(self, path: Path) -> Record:
         """Load ``path`` (and its critic) into the models, optimizers and schedules; returns its ``common``."""
         common, _ = self.trainer.load(path)
         if self.critic is not None:
@@ -173,24 +185,24 @@ class PolicyTrainer:
 
     def export_hf(self, hf_dir: Path, out_dir: Path) -> Path:
         """The policy as an HF checkpoint in ``out_dir`` (safetensors + config + ``hf_dir``'s tokenizer)."""
-        from afm_core.models.hf_weights import save_hf_checkpoint
+        from afm_core.models.hf_weights import save_hf_checkpoint  # mbridge, megatron: only the last step exports
 
         self.trainer.sync_params()
         return save_hf_checkpoint(self.trainer.model, self.hf_config, hf_dir, out_dir)
 
 
 def policy_update(
-    trainer: Any,
-    samples: Sequence[Any],
+    trainer: TrainerCore,
+    samples: Sequence[Sample],
     advantages: torch.Tensor | Sequence[Sequence[float]],
     policy: PolicyConfig,
     seq_length: int,
     pad_id: int,
     reference: Sequence[torch.nn.Module] | None = None,
     *,
-    arch: Any = None,
+    arch: ModelArch | None = None,
     version: int | None = None,
-) -> dict[str, Any]:
+) -> Record:
     """Old-logprob recompute, then ``ppo_epochs`` x (train batch / mini batch) optimizer steps on this DP rank's
     share of each mini-batch. Every rank gets the same ``samples`` (the gathered train batch, grouped by prompt).
     The share and its micro batches (:func:`afm_core.rl.batch.micro_batch_plan`): every ``dp``-th sample in micro
@@ -218,18 +230,7 @@ def policy_update(
             (:func:`check_batch_split`), a trajectory longer than ``trainer.max_tokens_per_micro_batch`` or that
             budget with pipeline stages, or ``kl_coef`` > 0 without ``reference``.
     """
-    from megatron.core import parallel_state as ps
-
-    from afm_core.rl.actor import STATS_KEY, policy_forward_step
-    from afm_core.rl.batch import (
-        group_micro_batches,
-        local_micro_batches,
-        micro_batch_plan,
-        minibatch_updates,
-        response_values,
-    )
-    from afm_core.rl.logprobs import compute_logprobs
-    from afm_core.rl.losses import logprob_gap_stats, reduce_stats
+    from megatron.core import parallel_state as ps  # megatron: check_batch_split and phase_throughput need none
 
     a, t = policy.algorithm, policy.trainer
     layout = trainer.layout
@@ -329,7 +330,7 @@ def policy_update(
 
 
 def logprob_gap_by_lag(
-    samples: Sequence[Any], old: dict[int, list[float]], version: int, group: Any = None
+    samples: Sequence[Sample], old: dict[int, list[float]], version: int, group: object = None
 ) -> dict[str, float]:
     """The trainer/engine mismatch by lag: mean ``|old logprob - rollout logprob|`` over the trained tokens (mask
     1) of each lag (``version`` minus the token's own), over this rank's samples ``old`` holds (index -> the
@@ -346,10 +347,11 @@ def logprob_gap_by_lag(
                 acc = sums.setdefault(version - v, [0.0, 0.0])
                 acc[0] += abs(logp - rollout)
                 acc[1] += 1
-    parts: list[Any] = [sums]
+    parts = [sums]
     if torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
-        parts = [None] * torch.distributed.get_world_size(group)
-        torch.distributed.all_gather_object(parts, sums, group=group)
+        gathered: list[object] = [None] * torch.distributed.get_world_size(group)
+        torch.distributed.all_gather_object(gathered, sums, group=group)
+        parts = cast("list[dict[int, list[float]]]", gathered)
     total: dict[int, list[float]] = {}
     for part in parts:
         for lag, (gap, count) in part.items():
@@ -360,9 +362,9 @@ def logprob_gap_by_lag(
 
 
 def phase_throughput(
-    arch: Any,
+    arch: ModelArch | None,
     lengths: Sequence[int],
-    layout: Any,
+    layout: ParallelLayout,
     epochs: int,
     logprob_passes: int,
     logprob_s: float,
@@ -379,8 +381,6 @@ def phase_throughput(
         ``train_tokens_per_s``, ``train_tflops``, ``train_mfu``, ``logprob_tokens_per_s``, ``logprob_tflops``
         (the FLOP figures None without ``arch``).
     """
-    from afm_core.engine.flops import causal_pairs, datasheet_peak_tflops, mfu, training_flops
-
     tokens = sum(lengths)
     out: dict[str, float | None] = {
         "train_tokens_per_s": epochs * tokens / train_s if train_s > 0 else None,

@@ -6,10 +6,15 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from afm_core.data.tokenize import encode_prompt
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from afm_core.config.rl import RLDataConfig
+    from afm_core.rollout.types import AgentTask
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +67,7 @@ class PromptStream:
         self.epoch, self.offset, self._order = int(state["epoch"]), int(state["offset"]), None
 
 
-def load_prompts(data: RLDataConfig, data_dir: str | None, tokenizer: Any) -> list[Any]:
+def load_prompts(data: RLDataConfig, data_dir: str | None, tokenizer: PreTrainedTokenizerBase) -> list[AgentTask]:
     """The RL tasks: eval presets (``data.presets``) and AFM/verl RL files (``data.files``) read by
     :func:`afm_core.eval.benchmarks.load_sources`, kept to GSM8K references with at most
     ``data.max_calculator_steps`` calculator annotations (when set), cut to ``data.skip`` / ``data.limit`` and
@@ -72,8 +77,7 @@ def load_prompts(data: RLDataConfig, data_dir: str | None, tokenizer: Any) -> li
     Raises:
         ValueError: no data configured, or nothing left after the length filter.
     """
-    from afm_core.data.tokenize import encode_prompt
-    from afm_core.eval.benchmarks import load_sources
+    from afm_core.eval.benchmarks import load_sources  # aiohttp (graders' clients): not where jobs.rl is imported
 
     benches = load_sources(
         data.presets,

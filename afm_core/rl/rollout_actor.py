@@ -9,70 +9,55 @@ runs. ``colocation.mode=async`` instead gives every rank an ``AsyncLLM`` at vLLM
 child process (weights travel as safetensors bytes). The prompts of a generation batch are split over the
 engines (each prompt's ``n`` samples on one engine) and the trajectories gathered
 (:meth:`RolloutActor.generate_gathered`), so every rank feeds the same groups to the dynamic sampler.
+
+One thing over 400 lines: the actor is the one owner of the event loop that its engine, tool pool and graders
+share, and each method is a call the driver's parts make on it (a round, a validation, a weight sync, the
+engine's sleep and wake-up); what a round is and how a stop ends it are :mod:`afm_core.rl.rounds`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 
 from afm_core.config.rl import ActorConfig, ValConfig
-from afm_core.engine.distributed import gather_objects
+from afm_core.engine.distributed import ParallelLayout, gather_objects, training_dtype
 from afm_core.engine.preemption import JOB_PREEMPTION, Preemption
-from afm_core.rl.grading import Sample, grade_rollout
+from afm_core.eval.runner import validate
+from afm_core.rewards.code import SandboxClient
+from afm_core.rewards.grader import Graders, custom_reward
+from afm_core.rewards.judge import LLMJudge
+from afm_core.rl.colocation import Colocation, lockstep_group, select_colocation
+from afm_core.rl.grading import grade_rollout
+from afm_core.rl.parts import ColocatedEngine, ToolBackend
 from afm_core.rl.rollout_buffer import Group
+from afm_core.rl.rounds import RolloutAborted, Round, RoundTarget, Stopped, unless_stopped
 from afm_core.rl.schedule import Stage
+from afm_core.rl.weight_sync import EXTENSION, WeightSyncStats, sync_weights_async
+from afm_core.rollout.agent_loop import AgentConfig, AgentLoop, sample_seed
+from afm_core.rollout.engine import GenerationEngine, SamplingConfig
+from afm_core.rollout.factory import build_engine, load_tokenizer
+from afm_core.rollout.simulated_tools import build_tool_runner
+from afm_core.rollout.types import AgentTask, FinishReason, PausedTrajectory
+from afm_core.tools.job_servers import needed_servers, reachable_tools_cfg, tool_servers
+from afm_core.tools.pool import ToolPool
+from afm_core.tools.registry import build_tool_pool
+from afm_core.utils.hardware import this_node
 from afm_core.utils.rng import python_random_kept
 
-STOP_POLL_S = 0.05  # how often a generation round looks for a stop request (SIGUSR2 / preemption)
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
+    from afm_core.eval.benchmarks import Benchmark
+    from afm_core.rollout.vllm_inproc import Lockstep
 
-class RolloutAborted(RuntimeError):
-    """A stop was requested (SIGUSR2 / preemption: :class:`afm_core.engine.preemption.Preemption`) while a
-    generation round ran: its requests were aborted in vLLM and its trajectories dropped; the rollout step restarts
-    on resume."""
-
-
-@dataclass(frozen=True)
-class RoundTarget:
-    """When a partial-rollout round stops on one engine (:meth:`RolloutActor.generate`): once ``groups`` complete
-    groups that ``keeps`` (the dynamic sampler's filter) accepts are graded, or ``tokens`` tokens were sampled in
-    the round (None: no token budget)."""
-
-    groups: int
-    keeps: Callable[[list[Sample]], bool]
-    tokens: int | None = None
-
-
-@dataclass
-class Round:
-    """What a generation round did: its ``groups`` (filled in place: finished samples graded, unfinished
-    trajectories paused), whether a stop paused it (``stopped``), whether its :class:`RoundTarget` was reached,
-    and its counts: trajectories ``paused`` and ``resumed``, tokens sampled (``sampled_tokens``: the model's,
-    in this round only) and ``regenerated_tokens`` (rolled back at a pause and sampled again)."""
-
-    groups: list[Group]
-    stopped: bool
-    target_reached: bool = False
-    paused: int = 0
-    resumed: int = 0
-    sampled_tokens: int = 0
-    regenerated_tokens: int = 0
-
-    @classmethod
-    def merge(cls, parts: Sequence[Round]) -> Round:
-        """The engines' rounds as one (groups engine by engine, counts added)."""
-        out = cls([g for p in parts for g in p.groups], stopped=any(p.stopped for p in parts))
-        out.target_reached = any(p.target_reached for p in parts)
-        for key in ("paused", "resumed", "sampled_tokens", "regenerated_tokens"):
-            setattr(out, key, sum(getattr(p, key) for p in parts))
-        return out
+T = TypeVar("T")
 
 
 class RolloutActor:
@@ -96,26 +81,21 @@ class RolloutActor:
         self,
         config: ActorConfig,
         hf_dir: Path,
-        tokenizer: Any,
+        tokenizer: PreTrainedTokenizerBase,
         urls: Mapping[str, str],
         max_model_len: int,
-        engine: Any = None,
-        colocation: Any = None,
-        lockstep: Any = None,
+        engine: GenerationEngine | None = None,
+        colocation: Colocation | None = None,
+        lockstep: Lockstep | None = None,
         preemption: Preemption | None = None,
     ):
-        from afm_core.rewards import Graders, LLMJudge, SandboxClient
-        from afm_core.rewards.grader import custom_reward
-        from afm_core.tools.job_servers import reachable_tools_cfg
-        from afm_core.tools.registry import build_tool_pool
-
         self.config, self.hf_dir, self.tokenizer = config, hf_dir, tokenizer
         self.colocation, self.lockstep = colocation, lockstep
         self.preemption = JOB_PREEMPTION if preemption is None else preemption
         self.asleep = False
         self.runner = asyncio.Runner()
         reachable = reachable_tools_cfg(asdict(config.tools), urls)
-        self.pool = build_tool_pool(reachable, addresses=dict(urls)) if reachable["tools"] else None
+        self.pool: ToolPool | None = build_tool_pool(reachable, addresses=dict(urls)) if reachable["tools"] else None
         judge = config.judge
         self.graders = Graders(
             custom=custom_reward(config.reward_fn),  # a plug-in reward (docs/plugins.md) grades every task
@@ -124,15 +104,16 @@ class RolloutActor:
             else None,
             judge=LLMJudge(judge.url, judge.model, judge.api_key_env) if judge.url and judge.model else None,
         )
-        self.engine = engine
-        self.simulator_engine: Any = None  # rollout.simulator.model: a second engine that writes the observations
-        self._tool_runner: Any = None
+        # the layout calls ColocatedEngine's methods only where it has them (sleep mode, lockstep); set below when None
+        self.engine = cast("ColocatedEngine", engine)
+        self.simulator_engine: GenerationEngine | None = None  # rollout.simulator.model: writes the observations
+        self._tool_runner: ToolBackend | None = None
         if self.pool is not None:
             self.run(self.pool.start())
         if engine is None:
             self.start_engine(max_model_len)
 
-    def run(self, coro: Any) -> Any:
+    def run(self, coro: Coroutine[object, object, T]) -> T:
         """Run ``coro`` on this actor's event loop; python's ``random`` comes back as it was
         (:func:`afm_core.utils.rng.python_random_kept`: the aiohttp connections of tool calls draw from it as
         timing has it, and the loop runs only here). Nothing run here needs a draw from it (vLLM samples with
@@ -143,24 +124,19 @@ class RolloutActor:
     def start_engine(self, max_model_len: int) -> None:
         """Start vLLM with context ``max_model_len`` (prompt + the largest stage's response budget: an engine
         argument fixed at construction; each stage then caps every request at its own ``max_response_len``)."""
-        from afm_core.rl.weight_sync import EXTENSION
-        from afm_core.rollout.factory import build_engine
-
-        engine_args = {
+        engine_args: dict[str, object] = {
             **asdict(self.config.engine),
             **(self.colocation.engine_overrides() if self.colocation is not None else {}),
             "max_model_len": int(max_model_len),
             "worker_extension_cls": EXTENSION,
         }
-        from afm_core.engine.distributed import training_dtype
-
         if self.config.engine.dtype == "auto":  # the colocation's overrides leave the dtype
             # the engine computes in the trainer's dtype on every machine (the policy warns about an emulated bf16):
             # in fp32 their logprobs agree to ~1e-5 (TIS, tests); in bf16 each rounds its own way (~1e-3)
             trainer_dtype = training_dtype(self.config.precision, warn=False)
             engine_args["dtype"] = str(trainer_dtype).removeprefix("torch.")
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
-        self.engine = self.run(build_engine(engine_args, self.hf_dir, self.tokenizer))
+        self.engine = cast("ColocatedEngine", self.run(build_engine(engine_args, self.hf_dir, self.tokenizer)))
         set_num_threads(threads)  # vLLM may patch torch's thread setter; the trainer keeps its threads
         if self.lockstep is not None:
             self.engine.lockstep = self.lockstep
@@ -173,7 +149,7 @@ class RolloutActor:
     def generate(
         self,
         groups: Sequence[Group],
-        tasks: Sequence[Any],
+        tasks: Sequence[AgentTask],
         n: int,
         stage: Stage,
         seed: int,
@@ -201,14 +177,9 @@ class RolloutActor:
                 waits for that), its tool calls and grading too. With ``keep_on_stop`` the engine is paused
                 instead and the round returns with ``stopped`` set.
         """
-        from afm_core.rollout import AgentConfig, AgentLoop, SamplingConfig
-
         if self.follower:
             self.engine.follow()
             return Round([], stopped=False)
-        from afm_core.rollout.agent_loop import sample_seed
-        from afm_core.rollout.types import FinishReason
-
         r = self.config.rollout
         agent = AgentConfig(
             max_turns=r.max_turns,
@@ -239,7 +210,7 @@ class RolloutActor:
             now = rollout.paused.num_generated_tokens if rollout.paused else rollout.num_generated_tokens
             result.sampled_tokens += now - before + rollout.rolled_back_tokens - rolled  # rolled back: sampled too
             if rollout.finish_reason is FinishReason.PAUSED:
-                group.paused[sample] = rollout.paused
+                group.paused[sample] = cast("PausedTrajectory", rollout.paused)  # set when paused
                 result.paused += 1
                 return
             group.finished[sample] = await grade_rollout(self.graders, rollout, group.uid, reward_cfg,
@@ -283,7 +254,7 @@ class RolloutActor:
     def generate_gathered(
         self,
         groups: Sequence[Group],
-        tasks: Sequence[Any],
+        tasks: Sequence[AgentTask],
         n: int,
         stage: Stage,
         seed: int,
@@ -322,7 +293,7 @@ class RolloutActor:
             return self.colocation.groups, self.colocation.group
         return torch.distributed.get_world_size(), torch.distributed.get_rank()
 
-    def validate(self, benchmarks: Sequence[Any], settings: ValConfig) -> dict[str, dict[str, Any]]:
+    def validate(self, benchmarks: Sequence[Benchmark], settings: ValConfig) -> dict[str, dict[str, object]]:
         """``benchmarks`` x ``k`` on this rank's engine with the weights it holds now (the trainer's, after a
         sync; nothing reloaded) through :func:`afm_core.eval.runner.validate`: the eval job's agent loop, tools
         and graders; returns ``{benchmark: metrics}`` (``avg@k``, ``pass@k``, ... as in ``metrics.json``). Not
@@ -332,25 +303,29 @@ class RolloutActor:
             RolloutAborted: a stop was requested before the validation ended (as in :meth:`generate`: its
                 requests are aborted in vLLM, the checkpoint need not wait for it).
         """
-        from afm_core.eval.runner import validate
-
         if self.follower:
             self.engine.follow()
             return {}
         work = validate(self.engine, self.tokenizer, self.tool_runner(), self.graders, list(benchmarks),
                         settings)  # fmt: skip
-        return dict(self._round(work, "validation: its requests were aborted"))
+        return dict(cast("dict[str, dict[str, object]]", self._round(work, "validation: its requests were aborted")))
 
     def _round(
-        self, work: Any, during: str, *, keep_on_stop: bool = False, pause_when: Callable[[], bool] | None = None
-    ) -> Any:
+        self,
+        work: Coroutine[object, object, T],
+        during: str,
+        *,
+        keep_on_stop: bool = False,
+        pause_when: Callable[[], bool] | None = None,
+    ) -> T | Stopped:
         """Run ``work`` (a coroutine on this rank's engine) to its end, then release the followers of a vLLM TP
         group. A stop that comes first raises RolloutAborted ("a stop was requested during {during}"), or with
-        ``keep_on_stop`` pauses the engine and returns :data:`STOPPED` once ``work`` has returned what it holds;
-        ``pause_when()`` true pauses the engine too (``work``'s result is returned). The engine is resumed after.
+        ``keep_on_stop`` pauses the engine and returns :data:`~afm_core.rl.rounds.STOPPED` once ``work`` has
+        returned what it holds; ``pause_when()`` true pauses the engine too (``work``'s result is returned). The
+        engine is resumed after.
         """
         try:
-            result = self.run(_unless_stopped(work, self.engine, self.preemption.stop_requested,
+            result = self.run(unless_stopped(work, self.engine, self.preemption.stop_requested,
                                               keep_on_stop=keep_on_stop, pause_when=pause_when))  # fmt: skip
         finally:
             if self.lockstep is not None:
@@ -371,14 +346,12 @@ class RolloutActor:
         model_chunks: Sequence[torch.nn.Module],
         bucket_bytes: int,
         before_kv_cache: Callable[[], None] | None = None,
-    ) -> Any:
+    ) -> WeightSyncStats:
         """Load the trainer's weights into this rank's engine (:func:`afm_core.rl.weight_sync.sync_weights_async`:
         HF-named buckets through the worker extension, by reference to an in-process engine, as safetensors
         bytes to an ``AsyncLLM``; prefix cache reset); returns its stats. A sleeping engine wakes its weights
         before and its KV cache after; ``before_kv_cache`` runs between the sync and the KV cache's wake-up (the
         trainer's state leaves the GPU there: :class:`afm_core.rl.colocation.Handover`)."""
-        from afm_core.rl.weight_sync import sync_weights_async
-
         return self._wake_around(
             lambda: self.run(sync_weights_async(self.engine, model_chunks, bucket_bytes=bucket_bytes)),
             before_kv_cache,
@@ -391,11 +364,11 @@ class RolloutActor:
         Raises:
             RuntimeError: the engine slept at level 2.
         """
-        if self.asleep and self.colocation.sleep_level >= 2:
+        if self.asleep and self.colocation is not None and self.colocation.sleep_level >= 2:
             raise RuntimeError("the engine slept at level 2 (weights dropped): wake it with sync_weights")
         self._wake_around(lambda: None, before_kv_cache)
 
-    def _wake_around(self, work: Callable[[], Any], before_kv_cache: Callable[[], None] | None) -> Any:
+    def _wake_around(self, work: Callable[[], T], before_kv_cache: Callable[[], None] | None) -> T:
         """A sleeping engine's weights woken, ``work()``, ``before_kv_cache()``, then its KV cache woken; returns
         what ``work`` returned."""
         asleep, self.asleep = self.asleep, False
@@ -413,16 +386,14 @@ class RolloutActor:
         """Whether the engine wakes with its own weights (awake, or asleep at level 1)."""
         return not self.asleep or self.colocation is None or self.colocation.sleep_level < 2
 
-    def tool_runner(self) -> Any:
+    def tool_runner(self) -> ToolBackend | None:
         """What answers the calls: the real tool pool, or with ``rollout.environment: simulated`` a model (the
         policy's own engine, or ``rollout.simulator.model``) writing each observation
         (:mod:`afm_core.rollout.simulated_tools`, AutoCoA RL stage 1)."""
-        from afm_core.rollout.factory import build_engine, load_tokenizer
-        from afm_core.rollout.simulated_tools import build_tool_runner
-
         if self._tool_runner is None:
             r = self.config.rollout
-            engine, tokenizer, policy_tokenizer = self.engine, self.tokenizer, None
+            engine: GenerationEngine = self.engine
+            tokenizer, policy_tokenizer = self.tokenizer, None
             if r.environment == "simulated" and r.simulator.model:
                 engine_args = {**asdict(self.config.engine), "max_model_len": self.engine.max_model_len}
                 self.simulator_engine = self.run(build_engine(engine_args, r.simulator.model))
@@ -458,47 +429,6 @@ class RolloutActor:
             self.runner.close()
 
 
-#: What :func:`_unless_stopped` returns when a stop paused the work (``keep_on_stop``).
-STOPPED = object()
-
-
-async def _unless_stopped(
-    work: Any,
-    engine: Any,
-    stop_requested: Callable[[], bool],
-    *,
-    keep_on_stop: bool = False,
-    pause_when: Callable[[], bool] | None = None,
-) -> Any:
-    """``await work``, or None when ``stop_requested()`` turns true first (then ``work`` is cancelled and the
-    engine's aborted requests are settled before returning). With ``keep_on_stop`` a stop pauses the engine
-    instead (its requests return what they sampled; ``work`` ends with them) and :data:`STOPPED` is returned;
-    ``pause_when()`` turning true pauses it too, and ``work``'s result is returned. A paused engine is resumed
-    before returning."""
-    task = asyncio.ensure_future(work)
-    paused = stopped = False
-    try:
-        while not task.done():
-            if not stopped and stop_requested():
-                if not keep_on_stop:
-                    task.cancel()
-                    await asyncio.wait({task})
-                    idle = getattr(engine, "idle", None)  # engines that abort as the cancellation arrives have none
-                    if idle is not None:
-                        await idle()
-                    return None
-                stopped = True
-            if not paused and (stopped or (pause_when is not None and pause_when())):
-                paused = True
-                await engine.pause()  # every request in flight returns its tokens so far
-            await asyncio.wait({task}, timeout=STOP_POLL_S)
-        result = task.result()
-    finally:
-        if paused:
-            await engine.resume()
-    return STOPPED if stopped else result
-
-
 def node_tool_urls(gathered: Sequence[tuple[str, int, dict[str, str]]], node: str) -> dict[str, str]:
     """The tool server URLs that the first rank (local rank 0) of ``node`` started or read, from every rank's
     ``(node, local_rank, urls)``.
@@ -515,10 +445,10 @@ def node_tool_urls(gathered: Sequence[tuple[str, int, dict[str, str]]], node: st
 @contextlib.contextmanager
 def start_rollout_actor(
     config: ActorConfig,
-    layout: Any,
+    layout: ParallelLayout,
     hf_dir: Path,
-    tokenizer: Any,
-    tasks: Sequence[Any],
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: Sequence[AgentTask],
     max_model_len: int,
     preemption: Preemption | None = None,
 ) -> Iterator[RolloutActor]:
@@ -529,14 +459,9 @@ def start_rollout_actor(
     and tells its node's other ranks where they are: no sandbox is exposed to the network, no tool call leaves
     its node. With ``rollout.environment: simulated`` no tool server starts (a model answers the calls).
     """
-    from afm_core.rl.colocation import lockstep_group, select_colocation
-    from afm_core.tools.job_servers import needed_servers, tool_servers
-    from afm_core.utils.hardware import this_node
-
     simulated, tools = config.rollout.environment == "simulated", asdict(config.tools)  # the tool layer's mapping
-    names = needed_servers(
-        () if simulated else {task.task for task in tasks}, {task.meta.get("grader") for task in tasks}, tools
-    )
+    graders = {g for task in tasks if (g := task.meta.get("grader")) is not None}
+    names = needed_servers(() if simulated else {task.task for task in tasks}, graders, tools)
     node, log_dir = this_node(), Path(config.run_dir) / "logs" / "tool_servers"
     if len(set(gather_objects(node))) > 1:  # a job across nodes: one log folder per node
         log_dir /= node

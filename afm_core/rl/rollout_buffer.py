@@ -21,8 +21,14 @@ buffer itself is not versioned: each token is.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from afm_core.rollout.types import PausedTrajectory, ToolCallRecord
+
+if TYPE_CHECKING:
+    from afm_core.rl.grading import Sample
 
 
 @dataclass
@@ -42,8 +48,8 @@ class Group:
 
     uid: str
     index: int
-    finished: dict[int, Any] = field(default_factory=dict)
-    paused: dict[int, Any] = field(default_factory=dict)
+    finished: dict[int, Sample] = field(default_factory=dict)
+    paused: dict[int, PausedTrajectory] = field(default_factory=dict)
     born: int = 0
     rolled_back: dict[int, int] = field(default_factory=dict)
 
@@ -51,7 +57,7 @@ class Group:
         """All ``n`` trajectories are finished and graded."""
         return len(self.finished) == n
 
-    def samples(self) -> list[Any]:
+    def samples(self) -> list[Sample]:
         """The finished samples in sample order."""
         return [self.finished[i] for i in sorted(self.finished)]
 
@@ -72,14 +78,14 @@ class BufferStats:
         return {f"partial/{k}": v for k, v in self.__dict__.items()}
 
 
-def sampled_versions(item: Any) -> list[int]:
+def sampled_versions(item: Sample | PausedTrajectory) -> list[int]:
     """The policy versions of the tokens the model sampled in ``item`` (a graded Sample: ``versions`` and
     ``response_mask`` over its response; a PausedTrajectory: those and its unfinished turn's ``turn_versions``),
     observation tokens left out."""
     return [v for v, m in zip(item.versions, item.response_mask) if m] + list(getattr(item, "turn_versions", []))
 
 
-def oldest_version(item: Any, default: int) -> int:
+def oldest_version(item: Sample | PausedTrajectory, default: int) -> int:
     """The smallest version of ``item``'s sampled tokens (``default`` when it sampled none yet)."""
     return min(sampled_versions(item), default=default)
 
@@ -112,17 +118,17 @@ class RolloutBuffer:
                     stats.dropped_tokens += len(sampled_versions(where.pop(i)))
         return groups
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, list[dict[str, object]]]:
         """The groups as plain containers (dicts, lists, numbers, strings: what ``torch.load(weights_only=True)``
         reads back, as megatron's ``load_common_state_dict`` does)."""
         return {"groups": [_plain(g) for g in self.groups]}
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+    def load_state_dict(self, state: Mapping[str, Any] | None) -> None:
         """Restore :meth:`state_dict` (None: a checkpoint from before the buffer existed, an empty buffer)."""
         self.groups = [_group(g) for g in (state or {}).get("groups", [])]
 
 
-def _plain(group: Group) -> dict[str, Any]:
+def _plain(group: Group) -> dict[str, object]:
     return {
         "uid": group.uid,
         "index": group.index,
@@ -133,11 +139,10 @@ def _plain(group: Group) -> dict[str, Any]:
     }
 
 
-def _group(plain: dict[str, Any]) -> Group:
-    from afm_core.rl.grading import Sample
-    from afm_core.rollout.types import PausedTrajectory, ToolCallRecord
+def _group(plain: Mapping[str, Any]) -> Group:
+    from afm_core.rl.grading import Sample  # imports torch: not where jobs.rl submits
 
-    def paused(fields: dict[str, Any]) -> PausedTrajectory:
+    def paused(fields: Mapping[str, Any]) -> PausedTrajectory:
         return PausedTrajectory(**{**fields, "tool_calls": [ToolCallRecord(**c) for c in fields["tool_calls"]]})
 
     return Group(plain["uid"], plain["index"], {int(i): Sample.from_dict(s) for i, s in plain["finished"].items()},
@@ -145,7 +150,7 @@ def _group(plain: dict[str, Any]) -> Group:
                  {int(i): n for i, n in plain["rolled_back"].items()})  # fmt: skip
 
 
-def mask_stale_tokens(samples: list[Any], version: int, max_staleness: int) -> list[Any]:
+def mask_stale_tokens(samples: list[Sample], version: int, max_staleness: int) -> list[Sample]:
     """``samples`` with every sampled token whose lag (``version`` minus its own) exceeds ``max_staleness`` taken
     out of the loss (its ``response_mask`` 0, as an observation token's); returns new Samples, the inputs are left
     as they are. Count the masked tokens with :func:`lag_histogram` before and after."""
@@ -159,7 +164,7 @@ def mask_stale_tokens(samples: list[Any], version: int, max_staleness: int) -> l
     return out
 
 
-def lag_histogram(samples: list[Any], version: int) -> dict[str, int]:
+def lag_histogram(samples: list[Sample], version: int) -> dict[str, int]:
     """Trained tokens by lag: ``{"0": tokens sampled under ``version``, "1": one version older, ...}``."""
     counts = Counter(version - v for s in samples for v in sampled_versions(s))
     return {str(lag): counts[lag] for lag in sorted(counts)}

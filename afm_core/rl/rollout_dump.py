@@ -15,13 +15,18 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from afm_core.utils.atomic import atomic_write_text
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def dump_rollouts(directory: str | Path, step: int, generated: Sequence[Any], trained: Sequence[Any],
-                  tokenizer: Any) -> Path:  # fmt: skip
+    from afm_core.rl.grading import Sample
+
+
+def dump_rollouts(directory: str | Path, step: int, generated: Sequence[Sample], trained: Sequence[Sample],
+                  tokenizer: PreTrainedTokenizerBase) -> Path:  # fmt: skip
     """Write rollout step ``step``'s ``generated`` :class:`~afm_core.rl.grading.Sample` s to ``<directory>/<step>.jsonl``
     (``trained``: the ones in the train batch); returns the file's path."""
     kept = {(s.uid, s.index) for s in trained}  # the trained copies may have stale tokens masked

@@ -22,14 +22,22 @@ A stop requested while a round generates (USR2, preemption), ``rollout.partial.o
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from afm_core.config.rl import PartialConfig
 from afm_core.rl.checkpoint import RLState
-from afm_core.rl.dynamic_sampling import DynamicSamplingStats
+from afm_core.rl.dynamic_sampling import DynamicSampler, DynamicSamplingStats
 from afm_core.rl.rollout_buffer import BufferStats, Group, lag_histogram, mask_stale_tokens, sampled_versions
+from afm_core.rl.rounds import RolloutAborted, RoundTarget
 from afm_core.rl.schedule import Stage
+
+if TYPE_CHECKING:  # torch, vLLM: jobs.rl imports the driver, and so this module, where it only submits
+    from afm_core.rl.grading import Sample
+    from afm_core.rl.parts import Turns
+    from afm_core.rl.rollout_actor import RolloutActor
+    from afm_core.rollout.types import AgentTask
 
 
 @dataclass
@@ -39,18 +47,18 @@ class TrainBatch:
     ``times`` (seconds: ``generate_s``, ``tools_s`` summed over calls, the engine turns' ``weight_sync_s`` ...) and
     ``partial`` (:func:`partial_metrics`: pauses, lags, tokens never trained or generated twice)."""
 
-    samples: list[Any]
-    generated: list[Any]
+    samples: list[Sample]
+    generated: list[Sample]
     sampling: DynamicSamplingStats
     times: dict[str, float]
-    partial: dict[str, Any] = field(default_factory=dict)
+    partial: dict[str, object] = field(default_factory=dict)
 
 
 def fill_train_batch(
-    actor: Any,
-    handover: Any,
+    actor: RolloutActor,
+    handover: Turns,
     state: RLState,
-    tasks: list[Any],
+    tasks: Sequence[AgentTask],
     stage: Stage,
     *,
     n: int,
@@ -65,7 +73,8 @@ def fill_train_batch(
 
     Args:
         actor: this rank's :class:`~afm_core.rl.rollout_actor.RolloutActor`.
-        handover: the :class:`~afm_core.rl.colocation.Handover` (each round is the engine's turn).
+        handover: the :class:`~afm_core.rl.colocation.Handover` (:class:`~afm_core.rl.parts.Turns`; each round is
+            the engine's turn).
         state: the run's :class:`~afm_core.rl.checkpoint.RLState` (prompt stream, sampler, buffer, counters).
         tasks: the RL tasks the stream's indices point into.
         stage: the rollout step's :class:`~afm_core.rl.schedule.Stage` (response budget: a trajectory paused in an
@@ -80,13 +89,12 @@ def fill_train_batch(
     Raises:
         afm_core.rl.dynamic_sampling.DynamicSamplingExhausted: ``max_num_gen_batches`` rounds did not fill it.
     """
-    from afm_core.engine.checkpoint import rng_state, set_rng_state
-    from afm_core.rl.rollout_actor import RolloutAborted, RoundTarget
+    from afm_core.engine.checkpoint import rng_state, set_rng_state  # megatron: not where jobs.rl submits
 
     partial = partial or PartialConfig()
     progress, stream, sampler, buffer = state.progress, state.stream, state.sampler, state.buffer
     version = progress.rollout_step  # the engine holds the weights of this many updates
-    generated: list[Any] = []
+    generated: list[Sample] = []
     stats, counts = BufferStats(), {"sampled_tokens": 0, "regenerated_tokens": 0, "filtered_tokens": 0}
     # a simulated environment's observations come from the same engine: a pause would cut one short, so a stop
     # there restarts the round (the config refuses partial rollouts with it)
@@ -152,7 +160,7 @@ def fill_train_batch(
     return TrainBatch(samples, generated, sampling, times, report)
 
 
-def _enough(complete: list[Group], sampler: Any) -> list[Group]:
+def _enough(complete: list[Group], sampler: DynamicSampler) -> list[Group]:
     """The first of ``complete`` (in order) up to the one with which ``sampler`` holds its train batch."""
     need = sampler.train_batch_size - len(sampler.kept)
     for i, group in enumerate(complete):
@@ -163,14 +171,14 @@ def _enough(complete: list[Group], sampler: Any) -> list[Group]:
 
 
 def partial_metrics(
-    samples: list[Any],
+    samples: list[Sample],
     version: int,
     stats: BufferStats,
     counts: dict[str, int],
     sampling: DynamicSamplingStats,
     buffered_groups: int,
     generate_s: float,
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """The step's partial-rollout metrics (``partial/*`` in metrics.jsonl): paused / resumed / dropped trajectories,
     the trained tokens by lag (``partial/lag_tokens``: ``{lag: tokens}``), tokens masked as stale, ``never_trained_frac``
     (tokens sampled in the step that no update will train: the groups the filter dropped, the dropped stale

@@ -7,12 +7,19 @@ engine 0 with the live weights, logged as a ``split: val`` record (verl's ``test
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 from afm_core.config.rl import ValidationConfig
+from afm_core.rl.metrics import RLMetricsLog
+from afm_core.rl.rounds import RolloutAborted
+
+if TYPE_CHECKING:  # torch, vLLM: jobs.rl loads this module (the driver) where it only submits
+    from afm_core.eval.benchmarks import Benchmark
+    from afm_core.rl.parts import Turns
+    from afm_core.rl.rollout_actor import RolloutActor
 
 
-def validation_benchmarks(validation: ValidationConfig) -> list[Any]:
+def validation_benchmarks(validation: ValidationConfig) -> list[Benchmark]:
     """The benchmarks validated during training (``trainer.val_benchmarks`` presets + ``val.benchmark_files``, each
     cut to its ``limit``); [] when neither ``trainer.val_before_train`` nor ``trainer.test_freq`` asks for one.
 
@@ -20,7 +27,7 @@ def validation_benchmarks(validation: ValidationConfig) -> list[Any]:
         ValueError: validation asked for with no benchmark named, an unknown preset (the message names the keys).
         FileNotFoundError: a benchmark file or a preset's data file is absent (the message names the keys).
     """
-    from afm_core.eval.runner import load_benchmarks
+    from afm_core.eval.runner import load_benchmarks  # the eval runner: only a run that validates loads it
 
     v = validation
     if not v.asked:
@@ -48,12 +55,13 @@ class Validation:
         benchmarks: :func:`validation_benchmarks`.
         validation: the settings (``val`` holds ``afm_core.eval.runner.validate``'s eval settings).
         actor: this rank's :class:`~afm_core.rl.rollout_actor.RolloutActor`.
-        handover: the :class:`~afm_core.rl.colocation.Handover` (the engine's turn syncs the trained weights).
+        handover: the :class:`~afm_core.rl.colocation.Handover` (:class:`~afm_core.rl.parts.Turns`; the engine's
+            turn syncs the trained weights).
         metrics: the :class:`~afm_core.rl.metrics.RLMetricsLog` the record goes to.
     """
 
-    def __init__(self, benchmarks: list[Any], validation: ValidationConfig, *, max_steps: int, actor: Any,
-                 handover: Any, metrics: Any):  # fmt: skip
+    def __init__(self, benchmarks: list[Benchmark], validation: ValidationConfig, *, max_steps: int,
+                 actor: RolloutActor, handover: Turns, metrics: RLMetricsLog):  # fmt: skip
         self.benchmarks, self.eval_cfg = benchmarks, validation.eval
         self.before_train, self.test_freq, self.max_steps = validation.before_train, validation.test_freq, max_steps
         self.actor, self.handover, self.metrics = actor, handover, metrics
@@ -83,8 +91,6 @@ class Validation:
             trainer offload), for the next rollout step's record: that step generates in the same turn and would
             otherwise log none of them.
         """
-        from afm_core.rl.rollout_actor import RolloutAborted
-
         handover_times = self.handover.to_engine()
         if self.actor.engines[1] != 0:
             return handover_times

@@ -46,12 +46,15 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Generator, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,31 @@ DEFAULT_BUCKET_BYTES = 512 * 1024**2  # slime's --update-weight-buffer-size defa
 TRANSPORTS = ("auto", "tensors", "bytes")
 
 NamedTensors = list[tuple[str, torch.Tensor]]
+#: One request of a sync: an engine method's name and its arguments (:func:`_sync_protocol`).
+Request = tuple[str, tuple[object, ...]]
+
+
+class _ModelRunner(Protocol):
+    """What the extension reads of vLLM's worker's ``model_runner``."""
+
+    def get_model(self) -> torch.nn.Module: ...
+
+
+class WeightReceiver(Protocol):
+    """An engine a sync loads into with coroutines (vLLM's ``AsyncLLM``,
+    :class:`~afm_core.rollout.vllm_engine.VLLMEngine`, :class:`~afm_core.rollout.vllm_inproc.InprocVLLMEngine`)."""
+
+    async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[object]: ...
+
+    async def reset_prefix_cache(self) -> None: ...
+
+
+class BlockingWeightReceiver(Protocol):
+    """An engine a sync loads into with blocking calls (``vllm.LLM``)."""
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[object]: ...
+
+    def reset_prefix_cache(self) -> object: ...
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -81,8 +109,8 @@ class WeightSyncExtension:
         KeyError: a tensor name the vLLM model does not have.
     """
 
-    model_runner: Any  # vLLM's worker attributes (the class this is mixed into)
-    vllm_config: Any
+    model_runner: _ModelRunner  # vLLM's worker attributes (the class this is mixed into)
+    vllm_config: VllmConfig
     _afm_update_open: bool = False
     _afm_loaded_names: set[str] = frozenset()  # type: ignore[assignment]  # per update, set by begin
 
@@ -91,7 +119,7 @@ class WeightSyncExtension:
 
     def afm_begin_weight_update(self) -> None:
         """Phase 1 of ``reload_weights``: every layer to meta, weight loaders wrapped to buffer until complete."""
-        from vllm.config import set_current_vllm_config
+        from vllm.config import set_current_vllm_config  # vLLM: in its worker only (the trainer side runs without it)
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         if self._afm_update_open:
@@ -108,7 +136,7 @@ class WeightSyncExtension:
         """
         if not self._afm_update_open:
             raise RuntimeError("afm_load_weights_*: call afm_begin_weight_update first")
-        from vllm.config import set_current_vllm_config
+        from vllm.config import set_current_vllm_config  # vLLM: in its worker only (the trainer side runs without it)
 
         named_tensors = list(named_tensors)
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
@@ -118,7 +146,7 @@ class WeightSyncExtension:
 
     def afm_load_weights_bytes(self, blob: bytes) -> int:
         """Phase 2 for one bucket serialised with ``safetensors.torch.save`` (engines in another process)."""
-        from safetensors.torch import load
+        from safetensors.torch import load  # only the bytes transport serialises
 
         return self.afm_load_weights_from_tensors(load(blob).items())
 
@@ -132,7 +160,7 @@ class WeightSyncExtension:
         """
         if not self._afm_update_open:
             raise RuntimeError("afm_finish_weight_update: no weight update is open")
-        from vllm.config import set_current_vllm_config
+        from vllm.config import set_current_vllm_config  # vLLM: in its worker only (the trainer side runs without it)
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         model = self._afm_model()
@@ -168,7 +196,7 @@ class _DropMessages(logging.Filter):
         return self.fragment not in record.getMessage()
 
 
-def _retie_output_embedding(model: torch.nn.Module, hf_config: Any) -> None:
+def _retie_output_embedding(model: torch.nn.Module, hf_config: object) -> None:
     """Point a tied ``lm_head`` at the input embedding again and redo its post-load processing (CPU re-pack)."""
     if not getattr(hf_config, "tie_word_embeddings", False):
         return
@@ -212,7 +240,7 @@ def hf_weight_buckets(
     Raises:
         ValueError: ``bucket_bytes`` < 1.
     """
-    from afm_core.models.hf_weights import export_hf_weights
+    from afm_core.models.hf_weights import export_hf_weights  # megatron, mbridge: not where the extension is loaded
 
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes={bucket_bytes}: must be positive")
@@ -234,7 +262,7 @@ EXTENSION = "afm_core.rl.weight_sync.WeightSyncExtension"  # vLLM's worker_exten
 
 def fp32_sync_engine_args(
     model: str | os.PathLike[str], *, max_model_len: int, kv_cache_bytes: int, seed: int = 0
-) -> dict[str, Any]:
+) -> dict[str, object]:
     """Engine arguments of ``vllm.LLM`` / ``vllm.AsyncEngineArgs`` for comparing vLLM's logprobs with the trainer's.
 
     fp32, eager, :data:`EXTENSION` as worker extension and ``logprobs_mode="processed_logprobs"`` (logprobs after
@@ -254,14 +282,15 @@ def fp32_sync_engine_args(
     }
 
 
-def engine_in_process(llm: Any) -> bool:
+def engine_in_process(llm: object) -> bool:
     """Whether ``llm``'s worker runs in this process, so that tensors reach it by reference: a ``vllm.LLM`` with
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (its engine-core client is vLLM's ``InprocClient``), or an engine
     wrapper that says so (``in_process``: :class:`afm_core.rollout.vllm_inproc.InprocVLLMEngine`). ``AsyncLLM``
     always runs the engine core in a child process. Other wrappers holding the engine as ``.llm`` are looked
     into."""
-    if isinstance(getattr(llm, "in_process", None), bool):
-        return llm.in_process
+    in_process = getattr(llm, "in_process", None)
+    if isinstance(in_process, bool):
+        return in_process
     for holder in (llm, getattr(llm, "llm_engine", None), getattr(llm, "llm", None)):
         core = getattr(holder, "engine_core", None)
         if core is not None:
@@ -274,7 +303,7 @@ _RESET = "reset_prefix_cache"
 
 def _sync_protocol(
     in_process: bool | None, model_chunks: Sequence[torch.nn.Module], bucket_bytes: int, transport: str
-) -> Generator[tuple[str, tuple], Any, WeightSyncStats]:
+) -> Generator[Request, object, WeightSyncStats]:
     """The calls of one sync as ``(method, args)`` requests, shared by the blocking and the async driver;
     ``in_process`` None means no engine (gather only)."""
     if transport not in TRANSPORTS:
@@ -292,9 +321,9 @@ def _sync_protocol(
         t0 = time.perf_counter()
         bucket = next(stream, None)
         if bucket is not None and transport == "bytes" and engine:
-            from safetensors.torch import save
+            from safetensors.torch import save  # only the bytes transport serialises
 
-            payload: Any = save({name: t.detach().to("cpu").contiguous() for name, t in bucket})
+            payload: bytes | NamedTensors | None = save({name: t.detach().to("cpu").contiguous() for name, t in bucket})
         else:
             payload = bucket
         gather_s += time.perf_counter() - t0
@@ -314,7 +343,7 @@ def _sync_protocol(
 
 
 def sync_weights(
-    llm: Any,
+    llm: BlockingWeightReceiver | None,
     model_chunks: Sequence[torch.nn.Module],
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -338,7 +367,8 @@ def sync_weights(
     """
     protocol = _sync_protocol(None if llm is None else engine_in_process(llm), model_chunks, bucket_bytes, transport)
 
-    async def call(method: str, args: tuple[Any, ...]) -> Any:  # blocking: the coroutine never suspends
+    async def call(method: str, args: tuple[object, ...]) -> object:  # blocking: the coroutine never suspends
+        assert llm is not None  # no request without an engine
         return llm.reset_prefix_cache() if method == _RESET else llm.collective_rpc(method, args=args)
 
     run = _drive(protocol, call)
@@ -350,7 +380,7 @@ def sync_weights(
 
 
 async def sync_weights_async(
-    engine: Any,
+    engine: WeightReceiver | None,
     model_chunks: Sequence[torch.nn.Module],
     *,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
@@ -363,17 +393,20 @@ async def sync_weights_async(
         None if engine is None else engine_in_process(engine), model_chunks, bucket_bytes, transport
     )
 
-    async def call(method: str, args: tuple[Any, ...]) -> Any:
+    async def call(method: str, args: tuple[object, ...]) -> object:
+        assert engine is not None  # no request without an engine
         return await (engine.reset_prefix_cache() if method == _RESET else engine.collective_rpc(method, args=args))
 
     return await _drive(protocol, call)
 
 
-async def _drive(protocol: Generator[tuple[str, tuple[Any, ...]], Any, WeightSyncStats], call: Any) -> WeightSyncStats:
+async def _drive(
+    protocol: Generator[Request, object, WeightSyncStats], call: Callable[[str, tuple[object, ...]], Awaitable[object]]
+) -> WeightSyncStats:
     """Run the sync ``protocol`` (:func:`_sync_protocol`) to its stats: each ``(method, args)`` it yields goes to
     ``call`` (a coroutine function; the engine's reply is sent back in). One loop for the blocking and the
     coroutine engines: :func:`sync_weights` drives it with a ``call`` that never suspends."""
-    result = None
+    result: object = None
     while True:
         try:
             method, args = protocol.send(result)

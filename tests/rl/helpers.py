@@ -92,7 +92,8 @@ def _stop_during_round(round_: int, aborts: list[bool], preemption) -> None:
     import asyncio
     import signal
 
-    from afm_core.rl.rollout_actor import STOP_POLL_S, RolloutAborted, RolloutActor
+    from afm_core.rl.rollout_actor import RolloutActor
+    from afm_core.rl.rounds import STOP_POLL_S, RolloutAborted
     from afm_core.rollout.vllm_inproc import InprocVLLMEngine
 
     signal.signal(signal.SIGUSR2, lambda signum, frame: preemption.request())

@@ -683,7 +683,7 @@ def test_sigusr2_while_a_round_generates_or_validates_aborts_every_request_of_th
     from afm_core.engine.preemption import Preemption
     from afm_core.eval.benchmarks import Benchmark
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.rl.rollout_actor import RolloutAborted
+    from afm_core.rl.rounds import RolloutAborted
     from afm_core.rollout import AgentTask
     from afm_core.rollout.factory import load_tokenizer
 
