@@ -29,26 +29,63 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from omegaconf import OmegaConf
 
 from afm_core.config.rl import RLConfig
+from afm_core.engine.checkpoint_dirs import find_resume_checkpoint
 from afm_core.engine.preemption import JOB_PREEMPTION, Preemption
+from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
 from afm_core.rl.checkpoint import Checkpointer, RLProgress, RLState
+from afm_core.rl.dynamic_sampling import dynamic_sampler
 from afm_core.rl.metrics import RLMetricsLog, step_record
+from afm_core.rl.prompts import PromptStream, load_prompts
+from afm_core.rl.rollout_dump import dump_rollouts
 from afm_core.rl.schedule import Stage, build_stages, stage_at, train_seq_length
 from afm_core.rl.train_batch import fill_train_batch
 from afm_core.rl.validation import Validation, naming, validation_benchmarks
+from afm_core.rollout.factory import load_tokenizer
+from afm_core.utils.plugins import check_plugins
+from afm_core.utils.profiling import StepProfiler
+
+if TYPE_CHECKING:  # torch, megatron, vLLM: jobs.rl imports this module where it only submits (check_inputs)
+    from transformers import PreTrainedTokenizerBase
+
+    from afm_core.engine.distributed import ParallelLayout
+    from afm_core.eval.benchmarks import Benchmark
+    from afm_core.rl.parts import Policy, Record, Turns
+    from afm_core.rl.rollout_actor import RolloutActor
+    from afm_core.rollout.types import AgentTask
+
+
+@dataclass
+class RunParts:
+    """The parts of one run on this rank, built by :func:`run_rl` and driven by :func:`_loop` (slime's ``train.py``
+    holds its actor and rollout models the same way): where the rank sits (``layout``), the trainer side
+    (``policy``), the rollout side (``actor``), whose turn the device is (``handover``), the prompts (``tasks``,
+    the ``tokenizer`` that dumps them), the validation benchmarks, the response-budget ``stages``, the resumable
+    ``state`` and where a stop is asked for (``preemption``)."""
+
+    layout: ParallelLayout
+    policy: Policy
+    actor: RolloutActor
+    handover: Turns
+    tokenizer: PreTrainedTokenizerBase
+    tasks: list[AgentTask]
+    val_benchmarks: list[Benchmark]
+    stages: list[Stage]
+    state: RLState
+    preemption: Preemption
 
 
 def run_rl(
     config: RLConfig,
     after_step: Callable[[int], None] | None = None,
     preemption: Preemption | None = None,
-) -> dict[str, Any]:
+) -> Record:
     """DAPO with tool rollouts on this rank (see the module docstring); every rank of the job calls it.
 
     Args:
@@ -68,16 +105,12 @@ def run_rl(
         afm_core.rl.dynamic_sampling.DynamicSamplingExhausted: ``max_num_gen_batches`` batches did not fill a
             train batch.
     """
+    # torch, megatron, vLLM: not at the top, where jobs.rl imports this module to submit (check_inputs)
     from afm_core.engine.checkpoint import rng_state, set_rng_state
-    from afm_core.engine.checkpoint_dirs import find_resume_checkpoint
     from afm_core.engine.distributed import destroy_distributed, init_distributed
-    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.colocation import Handover
-    from afm_core.rl.dynamic_sampling import dynamic_sampler
     from afm_core.rl.policy_trainer import PolicyTrainer, check_batch_split
-    from afm_core.rl.prompts import PromptStream, load_prompts
     from afm_core.rl.rollout_actor import start_rollout_actor
-    from afm_core.rollout.factory import load_tokenizer
 
     preemption = JOB_PREEMPTION if preemption is None else preemption
     t, a, r, ckpt = config.trainer, config.algorithm, config.rollout, config.checkpoint
@@ -126,8 +159,10 @@ def run_rl(
                     f"{sync0['weight_sync_s']:.2f} s; trainer offloaded while generating: {offload}; run dir {run_dir}",
                     flush=True,
                 )
-            summary = _loop(config, layout, policy, actor, handover, sync0, tasks, state, stages, after_step,
-                            val_benchmarks, tokenizer, preemption)  # fmt: skip
+            parts = RunParts(
+                layout, policy, actor, handover, tokenizer, tasks, val_benchmarks, stages, state, preemption
+            )
+            summary = _loop(config, parts, sync0, after_step)
             summary["resumed_from"] = str(resume_path) if resume_path else None
             summary["hf_dir"] = None
             if ckpt.export_hf and not summary["stopped_early"]:  # the policy, for python -m jobs.eval
@@ -148,8 +183,7 @@ def check_inputs(config: RLConfig) -> None:
         ValueError: naming the key: an unknown preset, a plug-in that does not import, no prompt source.
         FileNotFoundError: a prompt or benchmark file that is absent.
     """
-    from afm_core.eval.benchmarks import load_sources
-    from afm_core.utils.plugins import check_plugins
+    from afm_core.eval.benchmarks import load_sources  # aiohttp (graders' clients): not where jobs.rl is imported
 
     check_plugins({"reward_fn": config.reward_fn, "tools": asdict(config.tools)})
     validation_benchmarks(config.validation)
@@ -162,45 +196,32 @@ def check_inputs(config: RLConfig) -> None:
 
 
 def _loop(
-    config: RLConfig,
-    layout: Any,
-    policy: Any,
-    actor: Any,
-    handover: Any,
-    carry: dict[str, float],
-    tasks: list[Any],
-    state: RLState,
-    stages: list[Stage],
-    after_step: Callable[[int], None] | None,
-    val_benchmarks: list[Any],
-    tokenizer: Any,
-    preemption: Preemption,
-) -> dict[str, Any]:
-    """The rollout steps from ``state.progress.rollout_step`` to ``trainer.max_steps`` (or a stop ``preemption``
-    asks for); ``carry``: the first sync's times, logged with the first step (as a validation's are with the step
-    after it)."""
-    from afm_core.rl.rollout_dump import dump_rollouts
-    from afm_core.utils.profiling import StepProfiler
-
+    config: RLConfig, parts: RunParts, carry: dict[str, float], after_step: Callable[[int], None] | None
+) -> Record:
+    """The rollout steps from ``parts.state.progress.rollout_step`` to ``trainer.max_steps`` (or a stop
+    ``parts.preemption`` asks for); ``carry``: the first sync's times, logged with the first step (as a
+    validation's are with the step after it)."""
     t, a, r = config.trainer, config.algorithm, config.rollout
+    layout, policy, actor, handover, state = parts.layout, parts.policy, parts.actor, parts.handover, parts.state
     progress, stream = state.progress, state.stream
     run_dir, max_steps, max_prompt_len = Path(config.run_dir), t.max_steps, config.data.max_prompt_len
     metrics = RLMetricsLog(config, progress, enabled=layout.is_rank0)
     profiler = StepProfiler(asdict(config.profile), run_dir, layout.rank, layout.on_gpu)
-    validation = Validation(val_benchmarks, config.validation, max_steps=max_steps, actor=actor, handover=handover,
-                            metrics=metrics)  # fmt: skip
-    checkpoints = Checkpointer(policy, handover, state, preemption, config.checkpoint, max_steps=max_steps,
+    validation = Validation(parts.val_benchmarks, config.validation, max_steps=max_steps, actor=actor,
+                            handover=handover, metrics=metrics)  # fmt: skip
+    checkpoints = Checkpointer(policy, handover, state, parts.preemption, config.checkpoint, max_steps=max_steps,
                                on_gpu=layout.on_gpu, verbose=layout.is_rank0)  # fmt: skip
     carry = {**carry, **validation.before_training(progress.rollout_step)}
     stopped_early = False
+    train: Record  # the step's update metrics ({} when it trained nothing)
     while progress.rollout_step < max_steps:
         step_start = time.perf_counter()
         times, carry = {"generate_s": 0.0, "tools_s": 0.0, "weight_sync_s": 0.0, **carry}, {}
         with profiler.step(progress.rollout_step + 1):  # a no-op outside profile.steps
-            stage = stage_at(stages, progress.rollout_step)
+            stage = stage_at(parts.stages, progress.rollout_step)
             progress.enter_stage(stage, verbose=layout.is_rank0)
-            batch = fill_train_batch(actor, handover, state, tasks, stage, n=r.n, gen_batch_size=a.gen_batch_size,
-                                     seed=t.seed, times=times, partial=r.partial,
+            batch = fill_train_batch(actor, handover, state, parts.tasks, stage, n=r.n,
+                                     gen_batch_size=a.gen_batch_size, seed=t.seed, times=times, partial=r.partial,
                                      simulated=r.environment == "simulated")  # fmt: skip
             if batch is not None:
                 times.update(handover.to_trainer())  # GPU: the engine sleeps, the trainer's state comes back
@@ -219,13 +240,13 @@ def _loop(
             stopped_early = True
             break
         times["step_s"] = time.perf_counter() - step_start
-        progress.step_done(len(batch.samples), int(train.get("optimizer_steps", 0)), times["step_s"])
+        progress.step_done(len(batch.samples), int(cast("int", train.get("optimizer_steps", 0))), times["step_s"])
         tool_metrics = actor.tool_metrics() if layout.is_rank0 else None
         metrics.write(step_record(progress, stage, seq_length, max_prompt_len, batch.samples, batch.generated,
                                   batch.sampling, train, times, stream, tool_metrics,
                                   r.environment, batch.partial))  # fmt: skip
         if t.rollout_data_dir and layout.is_rank0:
-            dump_rollouts(t.rollout_data_dir, progress.rollout_step, batch.generated, batch.samples, tokenizer)
+            dump_rollouts(t.rollout_data_dir, progress.rollout_step, batch.generated, batch.samples, parts.tokenizer)
         carry = validation.after_step(progress.rollout_step)  # its weight sync / offload: the next step's
         if after_step is not None:
             after_step(progress.rollout_step)
