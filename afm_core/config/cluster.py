@@ -11,13 +11,16 @@ from typing import Any, cast
 
 from afm_core.config.checks import ConfigError, instantiate, require
 
+#: ``cluster.gpu_memory_gb``'s default (GB, as sold: H100/A100 80GB); ``jobs.plan`` gives a local job's verdict for it.
+DEFAULT_GPU_MEMORY_GB = 80
 #: ``cluster.container_runtime``: pyxis/enroot (``srun --container-image``), or apptainer/singularity (``exec``).
 CONTAINER_RUNTIMES = ("pyxis", "apptainer", "singularity")
 
 
-def _check_common(cfg: Any) -> None:
-    require(cfg.signal_delay_s >= 0, "cluster.signal_delay_s", cfg.signal_delay_s, "seconds >= 0")
-    require(cfg.max_num_timeout >= 0, "cluster.max_num_timeout", cfg.max_num_timeout, "an integer >= 0")
+def _check_common(cluster: LocalClusterConfig | SlurmClusterConfig) -> None:
+    """The checks both cluster schemas share (the USR2 lead and the requeue count)."""
+    require(cluster.signal_delay_s >= 0, "cluster.signal_delay_s", cluster.signal_delay_s, "seconds >= 0")
+    require(cluster.max_num_timeout >= 0, "cluster.max_num_timeout", cluster.max_num_timeout, "an integer >= 0")
 
 
 @dataclass
@@ -54,7 +57,7 @@ class SlurmClusterConfig:
     nodes: int = 1
     tasks_per_node: int = 1
     gpus_per_node: int = 0
-    gpu_memory_gb: float = 80
+    gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB
     checkpoint_write_gb_s: float | None = None
     cpus_per_task: int = 1
     mem: str | None = None

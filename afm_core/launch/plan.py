@@ -40,7 +40,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from afm_core.config import ConfigError, register_schemas
 from afm_core.config.checks import instantiate
-from afm_core.config.cluster import ClusterConfig, SlurmClusterConfig
+from afm_core.config.cluster import DEFAULT_GPU_MEMORY_GB, ClusterConfig, SlurmClusterConfig
 from afm_core.config.rl import RLConfig
 from afm_core.config.sft import ModelConfig, ParallelConfig, SFTConfig
 from afm_core.launch.executor import visible_gpus
@@ -67,9 +67,6 @@ from afm_core.utils.paths import repo_root
 APPS = ("sft", "rl")
 #: The checked config of a job the plan reads, by app.
 SCHEMAS: dict[str, type[SFTConfig] | type[RLConfig]] = {"sft": SFTConfig, "rl": RLConfig}
-#: The GPU size (GB, as sold) a local job's verdict is for: a local cluster does not name one
-#: (``cluster.gpu_memory_gb`` is Slurm's); the table reports every size of :data:`REPORTED_GPUS`.
-LOCAL_GPU_GB = 80.0
 
 #: ``data.files`` of an RL config planned without prompts (the schema asks for some; the plan never opens them).
 UNREAD_PROMPTS = "<prompts: not read by jobs.plan>"
@@ -169,7 +166,7 @@ def layout_of(job: JobConfig, parallel: ParallelConfig | None = None) -> Layout:
         seq_length=seq_length,
         micro_batch_size=mbs,
         num_microbatches=num_microbatches,
-        gpu_gb=float(slurm.gpu_memory_gb) if slurm else LOCAL_GPU_GB,
+        gpu_gb=float(slurm.gpu_memory_gb if slurm else DEFAULT_GPU_MEMORY_GB),  # a local cluster names no size
         transformer_engine=on_gpu,
         max_tokens_per_micro_batch=max_tokens,
     )
