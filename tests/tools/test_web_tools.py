@@ -14,8 +14,8 @@ import lxml.html
 import pytest
 from aiohttp import web
 
-from afm_core.tools import CrawlPageTool, ToolLimits, ToolPool, WebSearchTool
-from afm_core.tools.base import ToolInputError
+from afm_core.tools import CrawlPageTool, ToolLimits, ToolPool, WebSearchTool, WikiSearchTool
+from afm_core.tools.base import ToolInputError, search_query
 from afm_core.tools.crawl_page import REPEATED_CRAWL, parse_urls
 from afm_core.tools.http import ToolHttp
 from afm_core.tools.launcher import ServerGroup, allow_entry
@@ -152,6 +152,17 @@ def test_parsing_and_formats():
     assert format_results("q", []) == "No results found for query: 'q'. Use a less specific query."
     one = format_results("q", [{"title": "T", "link": "http://l", "snippet": "S", "date": "2020"}])
     assert one == "Found 1 results:\n\n## Web Results\n1. [T](http://l)\nDate published: 2020\nhttp://l\nS"
+
+
+def test_both_search_tools_clean_a_query_with_the_one_cleaner():
+    """``<web_search>`` and ``<wiki_search>`` read their tag's content through :func:`search_query`: runs of
+    whitespace (newlines too) are one space, and an empty query names the call to write."""
+    assert search_query("  capital of\n France ", "web_search") == "capital of France"
+    web, wiki = WebSearchTool("http://x"), WikiSearchTool("http://x")
+    assert web.parse("  capital of\n France ") == wiki.parse("capital  of France") == "capital of France"
+    for tool in (web, wiki):
+        with pytest.raises(ToolInputError, match=f"empty {tool.name} query; write <{tool.name}>your query"):
+            tool.parse(" \n ")
 
 
 def test_summaries_through_an_openai_compatible_endpoint(readability):
