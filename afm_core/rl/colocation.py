@@ -44,14 +44,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
-
 from afm_core.config.rl import ColocationConfig
-from afm_core.engine import offload as trainer_offload
-from afm_core.rl.parts import EngineHost, TrainerCore
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch, vLLM: jobs.plan imports this module (select_colocation) and builds nothing
     from afm_core.engine.offload import Offloaded
+    from afm_core.rl.parts import EngineHost, TrainerCore
     from afm_core.rollout.vllm_inproc import Lockstep
 
 
@@ -148,7 +145,9 @@ def lockstep_group(colocation: Colocation) -> Lockstep | None:
 
     Collective over the whole world (every rank creates every group's gloo group, in the same order).
     """
-    from afm_core.rollout.vllm_inproc import Lockstep  # imports vLLM: only a layout with vLLM TP groups needs it
+    import torch.distributed as dist  # torch, vLLM: only a layout with vLLM TP groups needs them (not jobs.plan)
+
+    from afm_core.rollout.vllm_inproc import Lockstep
 
     if colocation.mode != "inprocess" or colocation.engine_tp == 1:
         return None
@@ -197,6 +196,8 @@ class Handover:
         times: dict[str, float] = {}
 
         def offload() -> None:
+            from afm_core.engine import offload as trainer_offload  # torch: not where jobs.plan imports this module
+
             if not self.offload:
                 return
             start = time.perf_counter()
