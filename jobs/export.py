@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 
 @hydra.main(config_path="../conf", config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any]:
+    # here: torch, megatron and transformers load once Hydra has composed, not for --help or a bad override
     from afm_core.engine.export import ExportError, export_checkpoint, find_checkpoint
 
     try:

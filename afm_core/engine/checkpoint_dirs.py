@@ -95,7 +95,7 @@ def on_rank0(is_rank0: bool, fn: Callable[[], Any]) -> None:
     (``ENOSPC`` from :func:`check_free_space`), else ``RuntimeError``: the other ranks would otherwise wait at the
     next barrier for a rank 0 that has left, until the collective timeout (hours for RL jobs).
     """
-    import torch.distributed as dist
+    import torch.distributed as dist  # here: jobs.status reads checkpoints with this module, without torch
 
     failure: list[Any] = [None]
     if is_rank0:
@@ -200,6 +200,12 @@ def read_marker(path: str | Path) -> dict[str, Any]:
     if not marker.is_file():
         raise FileNotFoundError(f"{path} is not a complete checkpoint (no {COMPLETE_MARKER} marker)")
     return json.loads(marker.read_text())
+
+
+def marker_engine(marker: dict[str, Any]) -> str:
+    """The engine that wrote a checkpoint: its ``COMPLETE`` marker's ``engine`` (``megatron`` for markers written
+    before the field existed)."""
+    return str(marker.get("engine", "megatron"))
 
 
 def find_resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None) -> Path | None:

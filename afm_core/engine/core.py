@@ -12,6 +12,7 @@ reduced over DP, scaled by 1 / (the token count the loss reports) (``calculate_p
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,14 @@ from megatron.core.distributed import (
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
-from omegaconf import DictConfig, OmegaConf
 
-from afm_core.engine.checkpoint import Checkpointer
+from afm_core.config.sft import OptimConfig
+from afm_core.engine.checkpoint import Checkpointer, MegatronShards
 from afm_core.engine.distributed import ParallelLayout
 from afm_core.engine.optim import build_optimizer
+from afm_core.models.attention import SDPAttention
+from afm_core.models.gpt import build_gpt_model, mcore_config_from_hf
+from afm_core.models.hf_weights import finish_param_gather
 from afm_core.utils.host_memory import populate_for_write, zero_by_release
 
 
@@ -130,8 +134,6 @@ def build_model(
     ``params_dtype`` says, and Megatron-LM's ``Float16Module`` casts them only in training
     (``megatron/core/transformer/module.py``), so an unwrapped bf16 model (the export, a reference policy) would
     otherwise carry one fp32 tensor. Megatron's parallel state must be initialised."""
-    from afm_core.models.gpt import build_gpt_model, mcore_config_from_hf
-
     config = mcore_config_from_hf(
         hf_config,
         tp=layout.tp,
@@ -161,7 +163,8 @@ class MegatronTrainer:
         layout: this rank's parallel layout.
         model_chunks: unwrapped GPTModel chunk(s) of this rank (:func:`build_model_chunks`), on ``layout.device``,
             in their training dtype (bf16 or fp32).
-        optim: the ``optim`` config (lr, schedule, weight decay, Adam betas/eps, warmup_ratio, min_lr).
+        optim: the ``optim`` group (lr, schedule, weight decay, Adam betas/eps, warmup_ratio, min_lr), or its
+            fields as a mapping (checked into an :class:`~afm_core.config.sft.OptimConfig`).
         max_steps: optimizer steps of the whole run (the LR schedule's length).
         grad_clip: global gradient-norm clip.
         distributed_optimizer: megatron's distributed optimizer (GPU only).
@@ -179,7 +182,7 @@ class MegatronTrainer:
         layout: ParallelLayout,
         model_chunks: list[torch.nn.Module],
         *,
-        optim: Any,
+        optim: OptimConfig | Mapping[str, Any],
         max_steps: int,
         grad_clip: float,
         distributed_optimizer: bool,
@@ -190,7 +193,7 @@ class MegatronTrainer:
         self.model = self._wrap(model_chunks, bool(distributed_optimizer))
         self.optimizer, self.scheduler = build_optimizer(
             self.model,
-            optim if isinstance(optim, DictConfig) else OmegaConf.create(dict(optim)),
+            optim if isinstance(optim, OptimConfig) else OptimConfig(**optim),
             max_steps=max_steps,
             grad_clip=grad_clip,
             params_dtype=get_model_config(self.model[0]).params_dtype,
@@ -208,6 +211,7 @@ class MegatronTrainer:
             config.param_sync_func = syncs if len(syncs) > 1 else syncs[0]
         self.forward_backward = get_forward_backward_func()
         self.checkpointer = Checkpointer(checkpoint_dir, keep_last, layout)
+        self.shards = MegatronShards(self.model, self.optimizer)
         self.report_groups = [ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()]
 
     # -- setup -----------------------------------------------------------------------------------------
@@ -243,8 +247,6 @@ class MegatronTrainer:
     def sync_params(self) -> None:
         """Finish the pending parameter all-gather of the distributed optimizer (``overlap_param_gather``), so the
         weights are complete before an eval, a checkpoint or an export (Megatron-LM's ``force_param_sync``)."""
-        from afm_core.models.hf_weights import finish_param_gather
-
         finish_param_gather(self.model)
 
     def release_training_state(self) -> None:
@@ -324,12 +326,12 @@ class MegatronTrainer:
         self._release_grad_buffers()
         shared = [{**common, "scheduler": self.scheduler.state_dict()}]
         torch.distributed.broadcast_object_list(shared, src=0)  # dist_checkpointing wants identical commons
-        return self.checkpointer.save(step, self.model, self.optimizer, shared[0], rank_state or {})
+        return self.checkpointer.save(step, self.shards, shared[0], rank_state or {})
 
     def load(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
         """Load the checkpoint ``path`` into the model, optimizer and LR schedule (collective); returns its
         ``(common, this rank's state)``."""
-        common, rank_state = self.checkpointer.load(path, self.model, self.optimizer)
+        common, rank_state = self.checkpointer.load(path, self.shards)
         self.scheduler.load_state_dict(common["scheduler"])
         return common, rank_state
 
@@ -338,8 +340,6 @@ def reads_packed_seq_params(chunks: list[torch.nn.Module]) -> bool:
     """Whether every attention of the model chunks reads ``thd`` ``PackedSeqParams``: transformer-engine's
     ``TEDotProductAttention`` or :class:`~afm_core.models.attention.SDPAttention` (megatron's local
     ``DotProductAttention`` rejects them)."""
-    from afm_core.models.attention import SDPAttention
-
     kinds = [
         isinstance(m, SDPAttention) or type(m).__name__ == "TEDotProductAttention"
         for chunk in chunks

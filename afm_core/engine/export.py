@@ -21,8 +21,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from megatron.core import dist_checkpointing
+from omegaconf import OmegaConf
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from afm_core.engine.checkpoint_dirs import COMPLETE_MARKER, checkpoint_dir_name, complete_checkpoints, read_marker
+from afm_core.engine.checkpoint_dirs import (
+    COMPLETE_MARKER,
+    checkpoint_dir_name,
+    complete_checkpoints,
+    marker_engine,
+    read_marker,
+)
+from afm_core.engine.core import build_model
+from afm_core.engine.distributed import destroy_distributed, init_distributed
+from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+from afm_core.models.hf_weights import save_hf_checkpoint
+from afm_core.utils.ports import free_port
 
 #: Max |logit difference| between the Megatron model and its HF export, by export dtype. fp32: the two
 #: implementations differ only in op order; bf16: one bf16 rounding of logits of order 10.
@@ -63,8 +77,6 @@ def run_config(run_dir: str | Path) -> dict[str, Any]:
     Raises:
         ExportError: neither file exists.
     """
-    from omegaconf import OmegaConf
-
     run_dir = Path(run_dir)
     tracking = run_dir / "tracking.json"
     if tracking.is_file():
@@ -77,8 +89,6 @@ def run_config(run_dir: str | Path) -> dict[str, Any]:
 
 def checkpoint_dtype(path: Path) -> torch.dtype:
     """The dtype the checkpoint's model weights were trained in (its word embedding's)."""
-    from megatron.core import dist_checkpointing
-
     metadata = dist_checkpointing.load_tensors_metadata(str(path))
     for key, tensor in metadata.items():
         if key.endswith("embedding.word_embeddings.weight"):
@@ -92,11 +102,6 @@ def _init_single_process() -> Any:
     The rendezvous variables are overwritten, not defaulted: a process started by another (a test runner, a
     pipeline stage) must not reuse its parent's ``MASTER_PORT``, which that parent may still be listening on.
     """
-    from omegaconf import OmegaConf
-
-    from afm_core.engine.distributed import init_distributed
-    from afm_core.utils.ports import free_port
-
     os.environ.update(
         RANK="0",
         WORLD_SIZE="1",
@@ -111,8 +116,6 @@ def _init_single_process() -> Any:
 def logits_parity(chunks: list[torch.nn.Module], hf_out: Path, dtype: torch.dtype, tokens: int = 32) -> float:
     """Max |logit difference| between the Megatron model and the HF model loaded from ``hf_out`` on the first
     ``tokens`` ids of a fixed prompt (``[1, tokens, vocab]`` logits)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(hf_out)
     text = "Question: what is 17 * 23? <think> 17 * 23 = 391 </think> <answer>391</answer> " * 4
     ids = torch.tensor([tokenizer(text)["input_ids"][:tokens]])
@@ -134,17 +137,9 @@ def export_checkpoint(run_dir: str | Path, out: str | Path, step: int | None = N
         ExportError: see :func:`find_checkpoint`, :func:`run_config`; a DeepSpeed checkpoint; an export whose
             logits differ from the Megatron model's by more than :data:`PARITY_TOLERANCE` (then removed).
     """
-    from megatron.core import dist_checkpointing
-    from transformers import AutoConfig
-
-    from afm_core.engine.core import build_model
-    from afm_core.engine.distributed import destroy_distributed
-    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.models.hf_weights import save_hf_checkpoint
-
     path = find_checkpoint(run_dir, step)
     marker = read_marker(path)
-    if marker.get("engine", "megatron") != "megatron":
+    if marker_engine(marker) != "megatron":
         raise ExportError(f"{path}: a {marker['engine']} checkpoint; export the Megatron engine's checkpoints")
     model_cfg: Mapping[str, Any] = run_config(run_dir)["model"]
     base = ensure_hf_checkpoint(dict(model_cfg))  # architecture, tokenizer and generation config
