@@ -186,6 +186,7 @@ def measure(
     loaded into the model (default: megatron's random initialisation); ``after(trainer, sync) -> dict``: called
     after the measured steps with the :class:`~afm_core.train.trainer.SFTTrainer` and a device sync, its result in
     ``"after"``."""
+    from afm_core.config.sft import sft_config
     from afm_core.engine.core import build_model
     from afm_core.engine.distributed import activation_memory_overrides, training_dtype
     from afm_core.models.arch import arch_from_hf_config
@@ -204,7 +205,7 @@ def measure(
     if data is None:
         data = synthetic_packed(8, int(t.seq_length), docs, arch_from_hf_config(hf_config).vocab_size)
     stream = train_stream(data, t, dense_mask=False)
-    trainer = SFTTrainer(cfg, layout, chunks, stream, [], cfg.run_dir, int(t.max_steps))
+    trainer = SFTTrainer(sft_config(cfg).loop, layout, chunks, stream, [], cfg.run_dir, int(t.max_steps))
     wrapped = mem.allocated()
     if adamw == "foreach":
         for chained in getattr(trainer.optimizer, "chained_optimizers", [trainer.optimizer]):

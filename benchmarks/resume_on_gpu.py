@@ -131,6 +131,7 @@ def child(args: argparse.Namespace) -> int:
     final state; the records go to ``--records``."""
     from omegaconf import OmegaConf
 
+    from afm_core.config.sft import sft_config
     from afm_core.data.loader import TrainIterator
     from afm_core.engine.checkpoint_dirs import read_marker
     from afm_core.engine.core import build_model
@@ -175,7 +176,7 @@ def child(args: argparse.Namespace) -> int:
         heldout = TrainIterator(synthetic_packed(2, int(t.seq_length), args.docs, vocab, seed=1), seed=0,
                                 micro_batch_size=int(t.micro_batch_size), dp_rank=0, dp_size=1, pack=True)  # fmt: skip
         eval_batches = [next(heldout) for _ in range(2 // int(t.micro_batch_size))]
-        trainer = SFTTrainer(cfg, layout, chunks, train, eval_batches, run_dir, int(t.max_steps))
+        trainer = SFTTrainer(sft_config(cfg).loop, layout, chunks, train, eval_batches, run_dir, int(t.max_steps))
         rec["setup_s"] = time.perf_counter() - started
         train_step, evaluate, save, resume = (
             trainer.train_step,

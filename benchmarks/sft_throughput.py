@@ -176,6 +176,7 @@ def megatron_step(
     """Our SFT step (``SFTTrainer.train_step``) on the GPTModel with the HF weights; and its attention kind."""
     from transformers import AutoConfig
 
+    from afm_core.config.sft import sft_config
     from afm_core.engine.core import build_model_chunks
     from afm_core.engine.distributed import activation_memory_overrides
     from afm_core.models.gpt import build_gpt_model, mcore_config_from_hf, transformer_engine_available
@@ -197,7 +198,7 @@ def megatron_step(
     load_hf_weights(chunks, hf_dir)
     t = cfg.trainer
     stream = train_stream(data, t, dense_mask=False)
-    trainer = SFTTrainer(cfg, layout, chunks, stream, [], cfg.run_dir, max_steps)
+    trainer = SFTTrainer(sft_config(cfg).loop, layout, chunks, stream, [], cfg.run_dir, max_steps)
     if not trainer.thd_packing:
         raise RuntimeError("the model's attention does not read cu_seqlens: not the layer spec of models/gpt.py")
     attention = (

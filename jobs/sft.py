@@ -11,9 +11,10 @@ The composed config is checked against its typed schema (:mod:`afm_core.config`)
 submitted: a bad value exits with status 2 and one line naming the key and the valid values. A ``cluster=slurm``
 job is planned first (:mod:`afm_core.launch.plan_gate`, ``RUN_DIR/plan.json``): one that does not fit its GPUs exits
 with status 3 before ``sbatch``, naming the numbers and the overrides that would fit (``+plan.force=true``
-submits anyway). Each rank runs
-``afm_core.train.sft.run_sft(cfg)``; on SIGUSR2 (Slurm timeout or preemption) the trainer
-checkpoints at the next step boundary and the job is requeued (afm_core.launch.requeue).
+submits anyway). The job carries the resolved config as plain containers; each rank checks it into an
+``SFTConfig`` (:func:`afm_core.config.sft.sft_config`) and runs ``afm_core.train.sft.run_sft`` on it; on SIGUSR2
+(Slurm timeout or preemption) the trainer checkpoints at the next step boundary and the job is requeued
+(afm_core.launch.requeue).
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ register_schemas()  # `- sft_schema` in conf/sft.yaml's defaults list: before @h
 
 @hydra.main(config_path="../conf", config_name="sft", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
-    return run_training_job("afm_core.train.sft.run_sft", cfg, job_name="sft", schema=SFTConfig)
+    return run_training_job(
+        "afm_core.train.sft.run_sft", cfg, job_name="sft", schema=SFTConfig, load_cfg="afm_core.config.sft.sft_config"
+    )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 from tests.ranks import start_ranks
-from tests.test_train_engine import SyntheticBatches, make_cfg, tiny_provider
+from tests.test_train_engine import SyntheticBatches, loop_config, make_cfg, tiny_provider
 
 
 def _worker(rank: int, world: int, port: int, run_dir: str, out: dict) -> None:
@@ -28,7 +28,7 @@ def _worker(rank: int, world: int, port: int, run_dir: str, out: dict) -> None:
     try:
         chunks = build_model_chunks(tiny_provider(layout), layout)
         data = SyntheticBatches(seed=1, dp_rank=layout.dp_rank, mbs=cfg.trainer.micro_batch_size)
-        trainer = SFTTrainer(cfg, layout, chunks, data, [], run_dir, max_steps=5)
+        trainer = SFTTrainer(loop_config(cfg), layout, chunks, data, [], run_dir, max_steps=5)
         trainer.train_step()
         trainer.progress.step = 1
         trainer.save_checkpoint()  # a first checkpoint: the free-space check compares against its size

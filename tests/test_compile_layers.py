@@ -179,7 +179,7 @@ def _trainer_worker(rank: int, port: int, run_dir: str) -> None:
     from afm_core.engine.core import build_model_chunks
     from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.train.trainer import SFTTrainer
-    from tests.test_train_engine import SyntheticBatches, make_cfg, tiny_provider
+    from tests.test_train_engine import SyntheticBatches, loop_config, make_cfg, tiny_provider
 
     cfg = make_cfg()
     layout = init_distributed(cfg.parallel, seed=cfg.trainer.seed, num_threads=1)
@@ -195,9 +195,11 @@ def _trainer_worker(rank: int, port: int, run_dir: str) -> None:
             data = SyntheticBatches(seed=1, dp_rank=0, mbs=cfg.trainer.micro_batch_size)
             if compiled:  # packed documents on CPU: refused, naming the field
                 with pytest.raises(ValueError, match=r"trainer\.compile_layers=true needs CUDA"):
-                    SFTTrainer(cfg, layout, chunks, data, [], f"{run_dir}/refused", max_steps=2)
+                    SFTTrainer(loop_config(cfg), layout, chunks, data, [], f"{run_dir}/refused", max_steps=2)
             # the documents by a block-causal mask (sbhd): one graph per layer whatever the layout
-            trainer = SFTTrainer(cfg, layout, chunks, data, [], f"{run_dir}/{compiled}", max_steps=2, thd_packing=False)
+            trainer = SFTTrainer(
+                loop_config(cfg), layout, chunks, data, [], f"{run_dir}/{compiled}", max_steps=2, thd_packing=False
+            )
             losses[compiled] = [trainer.train_step()["loss"] for _ in range(2)]
             layers = [m for m in chunks[0].modules() if isinstance(m, TransformerLayer)]
             assert [m._compiled_call_impl is not None for m in layers] == [compiled] * len(layers)

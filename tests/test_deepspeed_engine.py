@@ -24,7 +24,7 @@ from afm_core.utils.ports import free_port
 
 deepspeed = pytest.importorskip("deepspeed", reason="deepspeed is not installed (pip install -r requirements/base.txt)")
 
-from afm_core.train.deepspeed_engine import (  # noqa: E402
+from afm_core.train.deepspeed_config import (  # noqa: E402
     DEFAULT_DEEPSPEED_CONFIG,
     DeepSpeedConfigError,
     deepspeed_config,
@@ -89,6 +89,8 @@ def worker(rank: int, world: int, port: int, spec: dict) -> None:
     set_rank_env(rank, world, port)
     from transformers import set_seed
 
+    from afm_core.config import check_config
+    from afm_core.config.sft import LoopConfig
     from afm_core.engine.distributed import destroy_distributed
     from afm_core.train.deepspeed_engine import init_deepspeed_distributed, train_deepspeed
 
@@ -97,7 +99,8 @@ def worker(rank: int, world: int, port: int, spec: dict) -> None:
     try:
         set_seed(cfg.trainer.seed)
         data, tokenizer = data_module(Path(spec["data_dir"]), Path(spec["hf_dir"]))
-        summary = train_deepspeed(cfg, layout, data, spec["hf_dir"], tokenizer, spec["run_dir"], cfg.trainer.max_steps)
+        loop = check_config(cfg, LoopConfig)
+        summary = train_deepspeed(loop, layout, data, spec["hf_dir"], tokenizer, spec["run_dir"], cfg.trainer.max_steps)
         if rank == 0:
             Path(spec["run_dir"], "summary.json").write_text(json.dumps(summary))
     finally:
@@ -275,9 +278,10 @@ def test_resume_from_checkpoint_reproduces_the_run(setup, single_rank, tmp_path)
 
 def run_sft_worker(rank: int, world: int, port: int, cfg: dict) -> None:
     set_rank_env(rank, world, port)
+    from afm_core.config.sft import sft_config
     from afm_core.train.sft import run_sft
 
-    summary = run_sft(OmegaConf.create(cfg))
+    summary = run_sft(sft_config(cfg))
     if rank == 0:
         Path(cfg["run_dir"], "summary.json").write_text(json.dumps(summary))
 

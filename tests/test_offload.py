@@ -9,7 +9,7 @@ import torch
 
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env_for_test
-from tests.test_train_engine import SyntheticBatches, make_cfg, tiny_provider
+from tests.test_train_engine import SyntheticBatches, loop_config, make_cfg, tiny_provider
 
 
 def _state(trainer) -> list[torch.Tensor]:
@@ -35,7 +35,7 @@ def test_offloaded_training_state_reloads_bit_for_bit_and_training_continues_ide
         for name in ("offloaded", "control"):
             chunks = build_model_chunks(tiny_provider(layout, params_dtype=dtype), layout)
             data = SyntheticBatches(seed=1, dp_rank=0, mbs=cfg.trainer.micro_batch_size)
-            trainers.append(SFTTrainer(cfg, layout, chunks, data, [], tmp_path / name, max_steps=5))
+            trainers.append(SFTTrainer(loop_config(cfg), layout, chunks, data, [], tmp_path / name, max_steps=5))
         offloaded, control = trainers
         first = [t.train_step()["loss"] for t in trainers]
         assert first[0] == first[1]

@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 from tests.ranks import start_ranks
-from tests.test_train_engine import SyntheticBatches, make_cfg, tiny_provider
+from tests.test_train_engine import SyntheticBatches, loop_config, make_cfg, tiny_provider
 
 
 def _worker(rank: int, world: int, port: int, run_dir: str, out: dict) -> None:
@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, port: int, run_dir: str, out: dict) -> None:
     try:
         chunks = core_module.build_model_chunks(tiny_provider(layout), layout)
         data = SyntheticBatches(seed=1, dp_rank=layout.dp_rank, mbs=cfg.trainer.micro_batch_size)
-        trainer = trainer_module.SFTTrainer(cfg, layout, chunks, data, [], run_dir, max_steps=5)
+        trainer = trainer_module.SFTTrainer(loop_config(cfg), layout, chunks, data, [], run_dir, max_steps=5)
         assert trainer.core.ddp_config.overlap_param_gather and trainer.core.ddp_config.use_distributed_optimizer
         before = {name: t.clone() for name, t in export_hf_weights(trainer.model)}
         trainer.train_step()

@@ -33,6 +33,8 @@ def measure_worker(rank: int, world: int, port: int, spec: dict, out: dict) -> N
     state exists after it) and measure this rank's tensors; then the saved-for-backward bytes of each decoder
     layer in one forward of a ``[MBS, SEQ]`` micro batch."""
     set_rank_env(rank, world, port)
+    from afm_core.config import check_config
+    from afm_core.config.sft import LoopConfig
     from afm_core.engine.core import build_model_chunks
     from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.gpt import build_gpt_model, mcore_config_from_hf
@@ -56,7 +58,8 @@ def measure_worker(rank: int, world: int, port: int, spec: dict, out: dict) -> N
             lambda **kw: build_gpt_model(hf_config, config, **kw),
             layout,  # pre/post_process, vp_stage
         )
-        trainer = SFTTrainer(cfg, layout, chunks, None, [], spec["run_dir"], max_steps=1)  # type: ignore[arg-type]
+        loop = check_config(cfg, LoopConfig)
+        trainer = SFTTrainer(loop, layout, chunks, None, [], spec["run_dir"], max_steps=1)  # type: ignore[arg-type]
         for chunk in trainer.model:
             chunk.zero_grad_buffer()
         trainer.optimizer.step()

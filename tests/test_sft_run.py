@@ -35,12 +35,13 @@ def sft_worker(rank: int, world: int, port: int, overrides: list[str], out: str)
     from hydra import compose, initialize_config_dir
 
     from afm_core.config import register_schemas
+    from afm_core.config.sft import sft_config
     from afm_core.train.sft import run_sft
 
     register_schemas()
     with initialize_config_dir(config_dir=str(repo_root() / "conf"), version_base="1.3"):
         cfg = compose(config_name="sft", overrides=overrides)
-    summary = run_sft(cfg)
+    summary = run_sft(sft_config(cfg))
     if rank == 0:
         Path(out).write_text(json.dumps(summary))
 

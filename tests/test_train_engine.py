@@ -54,6 +54,15 @@ def make_cfg(**overrides) -> OmegaConf:
     return cfg
 
 
+def loop_config(cfg):
+    """The SFT loop's typed view of ``make_cfg``'s groups (:class:`afm_core.config.sft.LoopConfig`); no model
+    preset, so no MFU."""
+    from afm_core.config import check_config
+    from afm_core.config.sft import LoopConfig
+
+    return check_config(cfg, LoopConfig)
+
+
 class SyntheticBatches:
     """Deterministic packed micro batches: micro batch i of DP rank r depends only on (seed, r, i).
 
@@ -204,7 +213,14 @@ def train_worker(rank: int, world: int, port: int, spec: dict) -> None:
         heldout = SyntheticBatches(seed=2, dp_rank=layout.dp_rank, mbs=cfg.trainer.micro_batch_size)
         eval_batches = [heldout.make(i) for i in range(spec.get("eval_micro_batches", 2))]
         trainer = SFTTrainer(
-            cfg, layout, chunks, train, eval_batches, spec["run_dir"], cfg.trainer.max_steps, preemption=preemption
+            loop_config(cfg),
+            layout,
+            chunks,
+            train,
+            eval_batches,
+            spec["run_dir"],
+            cfg.trainer.max_steps,
+            preemption=preemption,
         )
         summary = trainer.fit()
         # a save leaves no process behind (megatron's writer started a Manager server per rank at its first save)
@@ -281,7 +297,7 @@ def loss_worker(rank: int, world: int, port: int, spec: dict) -> None:
     try:
         chunks = build_model_chunks(tiny_provider(layout), layout)
         data = SyntheticBatches(seed=3, dp_rank=layout.dp_rank, mbs=cfg.trainer.micro_batch_size)
-        trainer = SFTTrainer(cfg, layout, chunks, data, [], spec["run_dir"], max_steps=5)
+        trainer = SFTTrainer(loop_config(cfg), layout, chunks, data, [], spec["run_dir"], max_steps=5)
         assert trainer.num_microbatches == 2
         batches = [data.make(i) for i in range(2)]
         model = chunks[0]

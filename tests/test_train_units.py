@@ -318,3 +318,88 @@ def test_training_flops_count_every_matrix_product_and_causal_pairs():
     assert datasheet_peak_tflops("cpu") is None
     assert mfu(989e12, 2.0, 989.0) == 0.5
     assert mfu(1e12, 1.0, None) is None
+
+
+def test_the_sft_job_config_is_checked_on_each_rank_and_each_part_gets_its_groups(tmp_path):
+    """``jobs.sft``'s ranks check the job's plain config into an ``SFTConfig`` (``load_cfg``, as ``jobs.rl``'s);
+    the loop's view logs the whole config, and the objective is built from ``trainer`` and ``contrastive``."""
+    from omegaconf import OmegaConf
+
+    import jobs.sft
+    from afm_core.config import ConfigError
+    from afm_core.config.sft import SFTConfig, sft_config
+    from afm_core.launch.plan import compose
+    from afm_core.train.objective import PairLoss, TokenLoss, build_objective
+
+    assert '"afm_core.config.sft.sft_config"' in inspect.getsource(jobs.sft.main)
+    plain = OmegaConf.to_container(compose("sft", ["model=tiny-llama", f"run_dir={tmp_path}"]), resolve=True)
+    config = sft_config(plain)
+    assert isinstance(config, SFTConfig) and sft_config(config) is config
+    loop = config.loop
+    assert loop.trainer is config.trainer and loop.optim is config.optim and loop.model is config.model
+    assert loop.logged["model"]["name"] == "tiny-llama" and loop.logged["run_dir"] == str(tmp_path)
+    assert isinstance(build_objective(loop.trainer, loop.contrastive), TokenLoss)
+    pairs = sft_config({**plain, "trainer": {**plain["trainer"], "objective": "contrastive"}}).loop
+    objective = build_objective(pairs.trainer, pairs.contrastive)
+    assert isinstance(objective, PairLoss) and objective.config is pairs.contrastive
+    with pytest.raises(ConfigError, match=r"trainer\.eval_interval"):
+        sft_config({**plain, "trainer": {**plain["trainer"], "eval_interval": 0}})
+
+
+class _FakeEngine:
+    """An :class:`~afm_core.engine.checkpoint.EngineState` that records its loads."""
+
+    def __init__(self, name: str, same_layout_only: str | None):
+        self.name, self.same_layout_only, self.loaded = name, same_layout_only, []
+
+    def load(self, path: Path) -> dict:
+        self.loaded.append(path)
+        return {"progress": {"step": 1}}
+
+
+def _layout(dp: int = 1):
+    from afm_core.engine.distributed import ParallelLayout
+
+    return ParallelLayout(rank=0, world_size=dp, local_rank=0, local_world_size=dp, tp=1, pp=1, dp=dp, vpp=None,
+                          tp_rank=0, pp_rank=0, dp_rank=0, device=torch.device("cpu"))  # fmt: skip
+
+
+def _saved_checkpoint(root: Path, engine: str) -> Path:
+    """Checkpoint 1 of a world of one as :meth:`Checkpointer.save` leaves it, the engine's own files aside."""
+    from afm_core.engine.checkpoint import layout_key, rank_file, rng_state
+    from afm_core.engine.checkpoint_dirs import publish_checkpoint
+
+    temp = stage_checkpoint(root, 1)
+    temp.mkdir()
+    torch.save({"layout": layout_key(_layout()), "rng": rng_state(), "data": {"index": 7}}, rank_file(temp, 0))
+    return publish_checkpoint(root, 1, layout=layout_key(_layout()), engine=engine, keep_last=1)
+
+
+def test_the_one_checkpoint_protocol_checks_engine_and_layout_then_restores_the_ranks_state(tmp_path):
+    from afm_core.engine.checkpoint import Checkpointer, MegatronShards
+    from afm_core.engine.checkpoint_dirs import read_marker
+    from afm_core.train.deepspeed_engine import DeepSpeedFiles
+
+    assert (MegatronShards.name, MegatronShards.same_layout_only) == ("megatron", None)
+    assert DeepSpeedFiles.name == "deepspeed" and "same number" in str(DeepSpeedFiles.same_layout_only)
+
+    path = _saved_checkpoint(tmp_path / "megatron", "megatron")
+    assert sorted(p.name for p in path.iterdir()) == [COMPLETE_MARKER, "rank_00000.pt"]
+    assert read_marker(path)["layout"] == {"world_size": 1, "tp": 1, "pp": 1, "dp": 1}
+    expected = torch.rand(3)  # the draw after the saved RNG state
+    megatron = _FakeEngine("megatron", None)
+    common, rank_state = Checkpointer(tmp_path / "megatron", 1, _layout()).load(path, megatron)
+    assert common == {"progress": {"step": 1}} and rank_state == {"data": {"index": 7}}
+    assert torch.equal(torch.rand(3), expected) and megatron.loaded == [path]
+    # another layout: Megatron's shards reshard, the rank's own state is not restored
+    assert Checkpointer(tmp_path / "megatron", 1, _layout(dp=2)).load(path, megatron) == (common, {})
+
+    deepspeed = _FakeEngine("deepspeed", DeepSpeedFiles.same_layout_only)
+    with pytest.raises(ValueError, match=r"by the megatron engine; resume it with trainer\.engine=megatron"):
+        Checkpointer(tmp_path / "megatron", 1, _layout()).load(path, deepspeed)
+    zero = _saved_checkpoint(tmp_path / "deepspeed", "deepspeed")
+    with pytest.raises(ValueError, match=r"this run has .*'dp': 2.*ZeRO-3 checkpoints resume on the same number"):
+        Checkpointer(tmp_path / "deepspeed", 1, _layout(dp=2)).load(zero, deepspeed)
+    assert deepspeed.loaded == []  # refused before the engine read anything
+    with pytest.raises(ValueError, match=r"by the deepspeed engine; resume it with trainer\.engine=deepspeed"):
+        Checkpointer(tmp_path / "deepspeed", 1, _layout()).load(zero, megatron)

@@ -4,6 +4,10 @@ Each group's ``__post_init__`` checks its own ranges; :class:`SFTConfig` checks 
 heads and KV heads divisible by ``parallel.tp``, layers by ``parallel.pp * parallel.vpp`` (Megatron-core's
 ``TransformerConfig`` and ``get_num_layers_to_build`` fail on the same conditions, but only once the model is
 built), and ``trainer.global_batch_size`` divisible by ``trainer.micro_batch_size * dp``.
+
+At run time each rank of ``jobs.sft`` checks the job's config into an :class:`SFTConfig` (:func:`sft_config`);
+``afm_core.train.sft.run_sft`` hands the SFT loop and its engine their view of it (:attr:`SFTConfig.loop`, a
+:class:`LoopConfig`) and the data module, the model build and the distributed init their own groups.
 """
 
 from __future__ import annotations
@@ -12,9 +16,9 @@ import math
 from dataclasses import asdict, dataclass, field, make_dataclass
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig, OmegaConf
 
-from afm_core.config.checks import ConfigError, divisors, require
+from afm_core.config.checks import ConfigError, divisors, instantiate, require
 from afm_core.config.cluster import cluster_schema
 from afm_core.config.data import DataConfig
 from afm_core.config.tracking import ProfileConfig, TrackingConfig, check_loggers
@@ -22,6 +26,7 @@ from afm_core.config.trainer import TrainerBaseConfig
 
 ENGINES = ("megatron", "deepspeed")
 OBJECTIVES = ("sft", "contrastive")  # afm_core.train.objective
+CONTRASTIVE_REDUCTIONS = ("sum", "mean")  # afm_core.train.contrastive: log P(branch) summed or averaged
 LR_SCHEDULES = ("cosine", "constant")
 RECOMPUTE = (None, "selective", "full")
 
@@ -199,10 +204,43 @@ class ContrastiveConfig:
 
     def __post_init__(self) -> None:
         _at_least("contrastive.aux_sft_coef", self.aux_sft_coef, 0.0)
-        require(self.reduction in ("sum", "mean"), "contrastive.reduction", self.reduction, "sum or mean")
+        require(
+            self.reduction in CONTRASTIVE_REDUCTIONS,
+            "contrastive.reduction",
+            self.reduction,
+            f"one of {', '.join(CONTRASTIVE_REDUCTIONS)}",
+        )
         for key in ("max_pairs", "max_heldout_pairs"):
             if getattr(self, key) is not None:
                 _at_least(f"contrastive.{key}", getattr(self, key), 1)
+
+
+@dataclass
+class LoopConfig:
+    """What the SFT loop and its engine read (:attr:`SFTConfig.loop`): :class:`afm_core.train.loop.SFTLoop`,
+    Megatron's :class:`~afm_core.train.trainer.SFTTrainer`, DeepSpeed's ``DeepSpeedSFTTrainer`` and
+    ``train_deepspeed``. Built from a whole run's config by :attr:`SFTConfig.loop`; a test or a benchmark that
+    trains a model of its own checks just these groups (:func:`afm_core.config.check_config` with this class).
+
+    Attributes:
+        model: the ``model`` preset; its architecture gives the step's model FLOPs and MFU
+            (:mod:`afm_core.engine.flops`); None: not measured (``tflops`` and ``mfu`` logged as None).
+        logged: the run's whole config as the tracking backends record it (``tracking.json``, read back by
+            ``jobs.export``); empty: these groups.
+    """
+
+    trainer: TrainerConfig = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    contrastive: ContrastiveConfig = field(default_factory=ContrastiveConfig)
+    model: ModelConfig | None = None
+    logger: list[str] = field(default_factory=lambda: ["console"])
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    logged: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_loggers(self.logger)
 
 
 @dataclass
@@ -286,3 +324,34 @@ class SFTConfig:
     def dp(self) -> int:
         """Data-parallel ranks of the job."""
         return self.cluster.data_parallel(self.parallel.model_parallel)
+
+    @property
+    def loop(self) -> LoopConfig:
+        """The SFT loop's and its engine's view (:class:`LoopConfig`), logging this whole config."""
+        return LoopConfig(
+            trainer=self.trainer,
+            optim=self.optim,
+            parallel=self.parallel,
+            contrastive=self.contrastive,
+            model=self.model,
+            logger=self.logger,
+            tracking=self.tracking,
+            profile=self.profile,
+            logged=asdict(self),
+        )
+
+
+def sft_config(cfg: Any) -> SFTConfig:
+    """The composed ``conf/sft.yaml`` as the job function receives it (Hydra's ``DictConfig``, or plain dicts and
+    lists) as a checked :class:`SFTConfig` (interpolations resolved); an :class:`SFTConfig` as is. ``jobs.sft``'s
+    ranks call it (``load_cfg``, :class:`afm_core.launch.requeue.RequeueableJob`), as ``jobs.rl``'s call
+    :func:`afm_core.config.rl.rl_config`.
+
+    Raises:
+        ConfigError: as :func:`afm_core.config.check_config`.
+    """
+    if isinstance(cfg, SFTConfig):
+        return cfg
+    return instantiate(
+        SFTConfig, OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    )

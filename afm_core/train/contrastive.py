@@ -20,14 +20,13 @@ two documents are always in one packed row (documents ``2j`` and ``2j + 1``), so
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from afm_core.config.sft import ContrastiveConfig
 from afm_core.train.loss import LOSS_KEY, sum_reports
 
 PAIRS_KEY = "pairs"
-REDUCTIONS = ("sum", "mean")
 # the additive statistics of PAIRS_KEY, in order
 _STATS = (
     "pairs",
@@ -40,23 +39,6 @@ _STATS = (
     "loss",
     "tokens",
 )
-
-
-@dataclass(frozen=True)
-class ContrastiveConfig:
-    """Attributes:
-    aux_sft_coef: alpha, the weight of the chosen branch's token-mean NLL (0: the bare contrastive loss).
-    reduction: ``sum`` (log-probabilities summed over branch tokens) or ``mean`` (per token, as the paper).
-    """
-
-    aux_sft_coef: float = 0.2
-    reduction: str = "sum"
-
-    def __post_init__(self) -> None:
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"contrastive.reduction={self.reduction!r}: expected one of {', '.join(REDUCTIONS)}")
-        if self.aux_sft_coef < 0:
-            raise ValueError(f"contrastive.aux_sft_coef={self.aux_sft_coef}: must be >= 0")
 
 
 def pair_index(cu_seqlens: Sequence[torch.Tensor], seq_length: int, device: torch.device | None = None) -> torch.Tensor:

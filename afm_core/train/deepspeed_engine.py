@@ -22,16 +22,19 @@ Parallelism is data parallel only (ZeRO shards parameters, gradients and optimiz
 70 s of CPU, cached under ``~/.cache/torch_extensions``: ``make setup`` builds it on CPU machines).
 
 The DeepSpeed JSON is ``trainer.deepspeed_config`` when set (e.g. an upstream LLaMA-Factory file), else
-``conf/deepspeed/ds_z3_config.json``. Its ``"auto"`` values are filled from the trainer settings the way HF
-Trainer fills them; a value that is set and disagrees with the trainer settings is an error.
+``conf/deepspeed/ds_z3_config.json`` (:mod:`afm_core.train.deepspeed_config`). Checkpoints go through the one
+protocol of :class:`afm_core.engine.checkpoint.Checkpointer`; this engine supplies only its ZeRO files
+(:class:`DeepSpeedFiles`).
+
+One module, one thing: the ZeRO-3 engine behind the SFT loop. Its parts (process group, HF model under ZeRO-3, the
+loop's step / eval / checkpoint / export, the entry point) each exist for this engine only and share its
+invariants (DP-only layout, the ``dp / N_global`` loss scale, ZeRO's partitioned parameters).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import time
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -39,136 +42,23 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoConfig, AutoModelForCausalLM, set_seed
 
-from afm_core.data.loader import full_micro_batches
-from afm_core.engine.checkpoint import rng_state, set_rng_state
-from afm_core.engine.checkpoint_dirs import (
-    checkpoint_dir_name,
-    on_rank0,
-    publish_checkpoint,
-    read_marker,
-    stage_checkpoint,
-    staging_dir,
-)
+from afm_core.config.sft import LoopConfig, ParallelConfig
+from afm_core.data.loader import SFTDataModule, full_micro_batches
+from afm_core.engine.checkpoint import Checkpointer
 from afm_core.engine.distributed import ParallelLayout, set_num_threads, training_dtype
 from afm_core.engine.optim import build_lr_scheduler
-from afm_core.train.loop import MicroBatchSource, Progress, SFTLoop
+from afm_core.train.deepspeed_config import DEFAULT_DEEPSPEED_CONFIG, deepspeed_config, zero_stage
+from afm_core.train.loop import MicroBatchSource, Progress, SFTLoop, micro_batches_per_step
 from afm_core.train.loss import masked_token_loss, reduce_reports
-from afm_core.utils.atomic import atomic_dir, atomic_path
-from afm_core.utils.paths import repo_root
-from afm_core.utils.tracking import flatten
-
-DEFAULT_DEEPSPEED_CONFIG = repo_root() / "conf" / "deepspeed" / "ds_z3_config.json"
-
-
-class DeepSpeedConfigError(ValueError):
-    """A DeepSpeed JSON is unreadable or disagrees with the trainer settings (names file, line and field)."""
-
-
-# -- the DeepSpeed config ----------------------------------------------------------------------------------
-
-
-def _line_of(text: str, dotted: str) -> int | None:
-    """1-based line of the key ``a.b.c`` in a JSON text (each key searched after its parent), or None."""
-    offset = 0
-    for key in dotted.split("."):
-        found = text.find(f'"{key}"', offset)
-        if found < 0:
-            return None
-        offset = found
-    return text.count("\n", 0, offset) + 1
-
-
-def deepspeed_config(
-    path: str | os.PathLike[str],
-    *,
-    micro_batch_size: int,
-    grad_accum_steps: int,
-    dp: int,
-    grad_clip: float,
-    bf16: bool,
-    hidden_size: int,
-) -> dict[str, Any]:
-    """Read a DeepSpeed JSON and fill its ``"auto"`` values from the trainer settings, like HF Trainer.
-
-    Args:
-        path: the DeepSpeed JSON (LLaMA-Factory's ``ds_z3_config.json`` format).
-        micro_batch_size: packed sequences per micro batch per DP rank (``trainer.micro_batch_size``).
-        grad_accum_steps: micro batches per optimizer step per rank (global / (micro * dp)).
-        dp: data-parallel ranks.
-        grad_clip: max global L2 grad norm (``trainer.grad_clip``; 0: no clipping).
-        bf16: bf16 mixed precision (fp32 master weights in the optimizer) instead of fp32.
-        hidden_size: the model's hidden size, for the ZeRO bucket sizes (HF Trainer's rule: reduce bucket
-            ``h*h``, stage-3 prefetch ``0.9*h*h``, param persistence threshold ``10*h``).
-    Returns:
-        The config dict for ``deepspeed.initialize`` (no ``"auto"`` left).
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        DeepSpeedConfigError: not valid JSON, an ``optimizer``/``scheduler`` section (this engine owns both), or
-            a set value that disagrees with the trainer (message: ``file:line: field 'x': ...``).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such DeepSpeed config file")
-    text = path.read_text(encoding="utf-8")
-    try:
-        config = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise DeepSpeedConfigError(f"{path}:{err.lineno}: not valid JSON ({err.msg})") from None
-
-    def where(field: str) -> str:
-        line = _line_of(text, field)
-        return f"{path}:{line}: field '{field}'" if line else f"{path}: field '{field}'"
-
-    for section in ("optimizer", "scheduler"):
-        if section in config:
-            raise DeepSpeedConfigError(
-                f"{where(section)}: remove it; the engine builds AdamW and the LR schedule from optim.*"
-            )
-
-    def fill(field: str, value: Any, source: str, *, match: bool = True) -> None:
-        *parents, leaf = field.split(".")
-        node = config
-        for key in parents:
-            node = node.setdefault(key, {})
-        current = node.get(leaf, "auto")
-        if current == "auto":
-            node[leaf] = value
-        elif match and current != value:
-            raise DeepSpeedConfigError(
-                f'{where(field)}: {current!r} disagrees with {source} = {value!r}; set it to "auto"'
-            )
-
-    fill("train_micro_batch_size_per_gpu", micro_batch_size, "trainer.micro_batch_size")
-    fill("gradient_accumulation_steps", grad_accum_steps, "trainer.global_batch_size / (micro_batch_size * dp)")
-    fill("train_batch_size", micro_batch_size * grad_accum_steps * dp, "trainer.global_batch_size")
-    fill("gradient_clipping", float(grad_clip), "trainer.grad_clip")
-    fill("bf16.enabled", bf16, "trainer.precision")
-    fill("fp16.enabled", False, "trainer.precision (fp16 is not supported: use bf16 or fp32)")
-    zero = config.get("zero_optimization", {})
-    for field, value in (
-        ("reduce_bucket_size", hidden_size * hidden_size),
-        ("stage3_prefetch_bucket_size", int(0.9 * hidden_size * hidden_size)),
-        ("stage3_param_persistence_threshold", 10 * hidden_size),
-    ):
-        if zero.get(field) == "auto":
-            zero[field] = value
-    left = [k for k, v in flatten(config).items() if v == "auto"]
-    if left:
-        raise DeepSpeedConfigError(f'{where(left[0])}: "auto" is not supported for this field; set a value')
-    return config
-
-
-def zero_stage(config: dict[str, Any]) -> int:
-    """The ZeRO stage of a DeepSpeed config (0 when it has no ``zero_optimization``)."""
-    return int(config.get("zero_optimization", {}).get("stage", 0))
-
+from afm_core.utils.atomic import atomic_dir
 
 # -- process group -----------------------------------------------------------------------------------------
 
 
 def init_deepspeed_distributed(
-    parallel: Any, *, num_threads: int | None = None, timeout_min: int = 30
+    parallel: ParallelConfig, *, num_threads: int | None = None, timeout_min: int = 30
 ) -> ParallelLayout:
     """Join the process group through DeepSpeed (NCCL on GPU, gloo on CPU): one data-parallel group.
 
@@ -180,7 +70,7 @@ def init_deepspeed_distributed(
         ValueError: ``parallel.tp``, ``pp`` or ``cp`` is not 1 (ZeRO is data parallel only).
         RuntimeError: an env variable is missing or not an integer.
     """
-    sizes = {f"parallel.{k}": int(parallel.get(k, 1) or 1) for k in ("tp", "pp", "cp")}
+    sizes = {f"parallel.{k}": getattr(parallel, k) for k in ("tp", "pp", "cp")}
     if any(v != 1 for v in sizes.values()):
         raise ValueError(
             f"trainer.engine=deepspeed shards over data-parallel ranks only (ZeRO-3); got {sizes}: "
@@ -207,7 +97,7 @@ def init_deepspeed_distributed(
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         device, backend = torch.device("cpu"), "gloo"
-    import deepspeed
+    import deepspeed  # here: DeepSpeed picks its accelerator at import, from DS_ACCELERATOR set just above
 
     set_num_threads(num_threads, local_world_size)
     deepspeed.init_distributed(
@@ -291,7 +181,7 @@ def load_zero_model(
     ``HfDeepSpeedConfig``), so no rank ever holds the whole model. ``recompute`` (``parallel.recompute``, any
     value but None) turns on HF gradient checkpointing (full recomputation per decoder layer).
     """
-    from transformers import AutoModelForCausalLM
+    # here: transformers' DeepSpeed integration imports accelerate's DeepSpeed utilities, for this build only
     from transformers.integrations import HfDeepSpeedConfig
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
@@ -311,16 +201,43 @@ def load_zero_model(
 # -- the trainer ---------------------------------------------------------------------------------------------
 
 
+class DeepSpeedFiles:
+    """DeepSpeed's part of a checkpoint (an :class:`~afm_core.engine.checkpoint.EngineState` of the one protocol,
+    :class:`~afm_core.engine.checkpoint.Checkpointer`): the ZeRO shards of model and optimizer and ``common``
+    (DeepSpeed's ``client_state``), written by ``engine.save_checkpoint`` into the staging dir as its ``tag``.
+    ZeRO-3 shards are per rank: a checkpoint resumes on the same layout only (DeepSpeed's universal checkpoint
+    conversion would be needed otherwise).
+    """
+
+    name: str = "deepspeed"
+    same_layout_only: str | None = "ZeRO-3 checkpoints resume on the same number of data-parallel ranks"
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+
+    def save(self, staging: Path, common: dict[str, Any]) -> None:
+        self.engine.save_checkpoint(str(staging.parent), tag=staging.name, client_state=common, save_latest=False)
+
+    def check_saved(self, staging: Path) -> None:
+        """Nothing to check: ``save_checkpoint`` raises when a write fails."""
+
+    def load(self, path: Path) -> dict[str, Any]:
+        _, client_state = self.engine.load_checkpoint(
+            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        return client_state
+
+
 class DeepSpeedSFTTrainer(SFTLoop):
     """The Megatron engine's loop (:meth:`SFTLoop.fit`: evals, logging, checkpoint cadence, summary) over a
     DeepSpeed ZeRO engine wrapping an HF causal LM.
 
     Args:
-        cfg: the composed SFT config (``trainer``, ``optim``, ``parallel`` groups are read).
+        config: as for :class:`~afm_core.train.loop.SFTLoop` (``optim``: AdamW and its schedule).
         layout: from :func:`init_deepspeed_distributed` (dp = world size).
         model: the HF model from :func:`load_zero_model`.
-        ds_config: from :func:`deepspeed_config`, with ``gradient_accumulation_steps`` equal to
-            ``global_batch_size / (micro_batch_size * dp)``.
+        ds_config: from :func:`~afm_core.train.deepspeed_config.deepspeed_config`, with
+            ``gradient_accumulation_steps`` equal to ``global_batch_size / (micro_batch_size * dp)``.
         train_data, eval_batches, run_dir, max_steps, resume_from: as for :class:`~afm_core.train.loop.SFTLoop`.
     Raises:
         ValueError: the batch sizes do not divide, or ``ds_config`` accumulates another number of micro batches.
@@ -328,7 +245,7 @@ class DeepSpeedSFTTrainer(SFTLoop):
 
     def __init__(
         self,
-        cfg: Any,
+        config: LoopConfig,
         layout: ParallelLayout,
         model: torch.nn.Module,
         ds_config: dict[str, Any],
@@ -338,25 +255,24 @@ class DeepSpeedSFTTrainer(SFTLoop):
         max_steps: int,
         resume_from: str | Path | None = None,
     ):
-        import deepspeed
+        import deepspeed  # here: after init_deepspeed_distributed set DS_ACCELERATOR (off this module's other uses)
 
-        super().__init__(cfg, layout, train_data, eval_batches, run_dir, max_steps, resume_from)
+        super().__init__(config, layout, train_data, eval_batches, run_dir, max_steps, resume_from)
         if ds_config["gradient_accumulation_steps"] != self.num_microbatches:
             raise ValueError(
                 f"DeepSpeed gradient_accumulation_steps={ds_config['gradient_accumulation_steps']}, "
                 f"but the trainer runs {self.num_microbatches} micro batches per step"
             )
         self.ds_config = ds_config
-
+        o = config.optim
         optimizer = torch.optim.AdamW(
-            adamw_param_groups(model, cfg.optim.weight_decay),
-            lr=cfg.optim.lr,
-            betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
-            eps=cfg.optim.adam_eps,
+            adamw_param_groups(model, o.weight_decay), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps
         )
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-        self.scheduler = build_lr_scheduler(self.optimizer, cfg.optim, max_steps)
+        self.scheduler = build_lr_scheduler(self.optimizer, o, max_steps)
         self.report_groups = [torch.distributed.group.WORLD]
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", config.trainer.keep_last, layout)
+        self.files = DeepSpeedFiles(self.engine)
 
     # -- one step --------------------------------------------------------------------------------------
     def _micro_batch_loss(self, batch: dict[str, torch.Tensor]):
@@ -404,35 +320,13 @@ class DeepSpeedSFTTrainer(SFTLoop):
         return {"loss": loss, "tokens": tokens}
 
     # -- checkpoints -----------------------------------------------------------------------------------
-    def _layout_key(self) -> dict[str, int]:
-        return {"world_size": self.layout.world_size, "tp": 1, "pp": 1, "dp": self.layout.dp}
-
     def save_checkpoint(self) -> Path:
-        """Write ``checkpoints/step_N`` atomically (every rank calls it): DeepSpeed's ZeRO shards (model and
-        optimizer), the step counters and LR scheduler (DeepSpeed ``client_state``), and ``rank_*.pt`` with
-        this rank's RNG and data-loader state; ``COMPLETE`` last, then a rename from ``.tmp-step_N``.
-        The layout is :mod:`afm_core.engine.checkpoint_dirs`, so its ``latest_complete_checkpoint`` finds them."""
-        root, step = self.run_dir / "checkpoints", self.progress.step
-        temp, started = staging_dir(root, step), time.time()
-        on_rank0(self.layout.is_rank0, lambda: stage_checkpoint(root, step))  # rank 0's "no space" reaches all
-        client_state = {"progress": asdict(self.progress), "scheduler": self.scheduler.state_dict()}
-        self.engine.save_checkpoint(str(root), tag=temp.name, client_state=client_state, save_latest=False)
-        with atomic_path(temp / f"rank_{self.layout.rank:05d}.pt") as path:
-            torch.save({"layout": self._layout_key(), "rng": rng_state(), "data": self.train_data.state_dict()}, path)
-        torch.distributed.barrier()
-        on_rank0(
-            self.layout.is_rank0,
-            lambda: publish_checkpoint(
-                root,
-                step,
-                layout=self._layout_key(),
-                engine="deepspeed",
-                keep_last=int(self.cfg.trainer.keep_last),
-                started=started,
-                nodes=self.layout.nodes,
-            ),
-        )
-        return root / checkpoint_dir_name(step)
+        """Write ``checkpoints/step_N`` (every rank calls it) through the one protocol
+        (:meth:`~afm_core.engine.checkpoint.Checkpointer.save`): DeepSpeed's ZeRO shards (model and optimizer)
+        with the step counters and LR scheduler as its ``client_state``, and ``rank_*.pt`` with this rank's RNG and
+        data-loader state."""
+        common = {"progress": asdict(self.progress), "scheduler": self.scheduler.state_dict()}
+        return self.checkpointer.save(self.progress.step, self.files, common, {"data": self.train_data.state_dict()})
 
     def _resume(self) -> Path | None:
         """Load the latest complete checkpoint of ``run_dir`` (else of ``resume_from``), if any.
@@ -444,23 +338,11 @@ class DeepSpeedSFTTrainer(SFTLoop):
         path = self._find_checkpoint()
         if path is None:
             return None
-        marker = read_marker(path)
-        if marker.get("engine") != "deepspeed":
-            raise ValueError(f"{path}: written by the megatron engine; resume it with trainer.engine=megatron")
-        if marker["layout"] != self._layout_key():
-            raise ValueError(
-                f"{path}: saved with layout {marker['layout']}, this run has {self._layout_key()}; "
-                "ZeRO-3 checkpoints resume on the same number of data-parallel ranks"
-            )
-        _, client_state = self.engine.load_checkpoint(
-            str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=False
-        )
-        self.progress = Progress(**client_state["progress"])
-        self.scheduler.load_state_dict(client_state["scheduler"])
-        # Our own file (RNG states hold python tuples and numpy arrays): not weights-only.
-        rank_state = torch.load(path / f"rank_{self.layout.rank:05d}.pt", map_location="cpu", weights_only=False)
-        set_rng_state(rank_state["rng"])
-        self.train_data.load_state_dict(rank_state["data"])
+        common, rank_state = self.checkpointer.load(path, self.files)
+        self.progress = Progress(**common["progress"])
+        self.scheduler.load_state_dict(common["scheduler"])
+        if "data" in rank_state:
+            self.train_data.load_state_dict(rank_state["data"])
         if self.layout.is_rank0 and not path.is_relative_to(self.run_dir):
             self._seed_metrics_from(path.parent.parent / "metrics.jsonl")
         return path
@@ -486,13 +368,13 @@ class DeepSpeedSFTTrainer(SFTLoop):
         return out_dir
 
 
-# -- entry points --------------------------------------------------------------------------------------------
+# -- entry point ---------------------------------------------------------------------------------------------
 
 
 def train_deepspeed(
-    cfg: Any,
+    config: LoopConfig,
     layout: ParallelLayout,
-    data: Any,
+    data: SFTDataModule,
     hf_dir: str | os.PathLike[str],
     tokenizer: Any,
     run_dir: str | Path,
@@ -502,55 +384,43 @@ def train_deepspeed(
     """Train the HF model in ``hf_dir`` with ZeRO on this rank's share of ``data``; export it to ``RUN_DIR/hf``.
 
     Args:
-        cfg: the composed SFT config (``trainer``, ``optim``, ``parallel``; ``trainer.deepspeed_config``
-            optional: a DeepSpeed JSON, default ``conf/deepspeed/ds_z3_config.json``).
+        config: the loop's view of the run's config (``trainer``, with ``trainer.deepspeed_config``: a DeepSpeed
+            JSON, null: ``conf/deepspeed/ds_z3_config.json``; ``optim``; ``parallel.recompute``).
         layout: from :func:`init_deepspeed_distributed`.
-        data: an :class:`~afm_core.data.loader.SFTDataModule` (train iterator and held-out batches per DP rank).
+        data: the data module (train iterator and held-out batches per DP rank).
         hf_dir: the HF checkpoint to start from; tokenizer: its tokenizer (saved with the export).
-        run_dir, max_steps, resume_from: as for :class:`SFTTrainer`.
+        run_dir, max_steps, resume_from: as for :class:`~afm_core.train.loop.SFTLoop`.
     Returns:
         :meth:`SFTLoop.fit`'s summary, plus ``hf_dir`` (the export, or None when ``trainer.export_hf`` is
         false or the run stopped early) and ``engine: "deepspeed"``; identical on every rank.
     Raises:
         ValueError, DeepSpeedConfigError: bad batch sizes, precision or DeepSpeed JSON.
     """
-    from transformers import AutoConfig, set_seed
-
-    t = cfg.trainer
-    set_seed(int(t.seed))  # python, numpy, torch (and CUDA): what megatron's init_distributed seeds
-    per_pass = int(t.micro_batch_size) * layout.dp
-    if t.global_batch_size % per_pass:
-        raise ValueError(
-            f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
-            f"trainer.micro_batch_size * dp = {t.micro_batch_size} * {layout.dp}"
-        )
+    t = config.trainer
+    set_seed(t.seed)  # python, numpy, torch (and CUDA): what megatron's init_distributed seeds
+    grad_accum_steps = micro_batches_per_step(t, layout.dp)
     dtype = training_dtype(t.precision)
     hidden_size = AutoConfig.from_pretrained(hf_dir, local_files_only=True).hidden_size
-    config_path = t.get("deepspeed_config") or DEFAULT_DEEPSPEED_CONFIG
     ds_config = deepspeed_config(
-        config_path,
-        micro_batch_size=int(t.micro_batch_size),
-        grad_accum_steps=t.global_batch_size // per_pass,
+        t.deepspeed_config or DEFAULT_DEEPSPEED_CONFIG,
+        micro_batch_size=t.micro_batch_size,
+        grad_accum_steps=grad_accum_steps,
         dp=layout.dp,
         grad_clip=t.grad_clip,
         bf16=dtype == torch.bfloat16,
         hidden_size=hidden_size,
     )
-    model = load_zero_model(hf_dir, ds_config, dtype, cfg.parallel.get("recompute"))
-    train = data.train_iterator(
-        seed=t.seed, micro_batch_size=int(t.micro_batch_size), dp_rank=layout.dp_rank, dp_size=layout.dp
-    )
+    model = load_zero_model(hf_dir, ds_config, dtype, config.parallel.recompute)
+    mbs = t.micro_batch_size
+    train = data.train_iterator(seed=t.seed, micro_batch_size=mbs, dp_rank=layout.dp_rank, dp_size=layout.dp)
     eval_batches = full_micro_batches(  # the Megatron engine's held-out set, so both engines' eval losses compare
         data.heldout_batches(
-            micro_batch_size=int(t.micro_batch_size),
-            dp_rank=layout.dp_rank,
-            dp_size=layout.dp,
-            max_sequences=int(t.eval_sequences),
+            micro_batch_size=mbs, dp_rank=layout.dp_rank, dp_size=layout.dp, max_sequences=t.eval_sequences
         ),
-        int(t.micro_batch_size),
+        mbs,
     )
     trainer = DeepSpeedSFTTrainer(
-        cfg, layout, model, ds_config, train, eval_batches, run_dir, max_steps, resume_from=resume_from
+        config, layout, model, ds_config, train, eval_batches, run_dir, max_steps, resume_from=resume_from
     )
     summary = trainer.fit()
     export = None

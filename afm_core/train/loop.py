@@ -13,24 +13,41 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from tqdm import tqdm
 
+from afm_core.config.sft import LoopConfig, ModelConfig, TrainerConfig
 from afm_core.engine.checkpoint_dirs import find_resume_checkpoint
 from afm_core.engine.distributed import ParallelLayout
 from afm_core.engine.flops import batch_attention_pairs, datasheet_peak_tflops, mfu, training_flops
 from afm_core.engine.metrics import plot_losses, read_metrics
 from afm_core.engine.preemption import JOB_PREEMPTION, Preemption
 from afm_core.models.arch import ModelArch
+from afm_core.models.presets import PresetError, load_preset
 from afm_core.utils.atomic import atomic_write_text
 from afm_core.utils.profiling import StepProfiler
 from afm_core.utils.tracking import Tracker
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def micro_batches_per_step(trainer: TrainerConfig, dp: int) -> int:
+    """Micro batches each DP rank runs per optimizer step: ``global_batch_size / (micro_batch_size * dp)``.
+
+    Raises:
+        ValueError: ``trainer.global_batch_size`` is not divisible by ``trainer.micro_batch_size * dp``.
+    """
+    per_pass = trainer.micro_batch_size * dp
+    if trainer.global_batch_size % per_pass:
+        raise ValueError(
+            f"trainer.global_batch_size={trainer.global_batch_size} is not divisible by trainer.micro_batch_size"
+            f" * dp = {trainer.micro_batch_size} * {dp}"
+        )
+    return trainer.global_batch_size // per_pass
 
 
 class MicroBatchSource(Protocol):
@@ -62,7 +79,9 @@ class SFTLoop(ABC):
     it implements :meth:`train_step`, :meth:`evaluate`, :meth:`save_checkpoint` and :meth:`_resume`.
 
     Args:
-        cfg: the composed SFT config (``trainer``, ``optim``, ``parallel`` groups are read).
+        config: the loop's view of the run's config (:attr:`afm_core.config.sft.SFTConfig.loop`): ``trainer`` here,
+            ``model`` for the FLOPs, ``logger`` / ``tracking`` / ``profile`` / ``logged`` for the metrics;
+            an engine reads its ``optim`` and ``parallel`` too.
         layout: this rank's parallel layout.
         train_data: this DP rank's training micro batches.
         eval_batches: this DP rank's share of the held-out micro batches (the same at every eval).
@@ -80,7 +99,7 @@ class SFTLoop(ABC):
 
     def __init__(
         self,
-        cfg: Any,
+        config: LoopConfig,
         layout: ParallelLayout,
         train_data: MicroBatchSource,
         eval_batches: list[dict[str, torch.Tensor]],
@@ -89,24 +108,18 @@ class SFTLoop(ABC):
         resume_from: str | Path | None = None,
         preemption: Preemption | None = None,
     ):
-        self.cfg, self.layout, self.max_steps = cfg, layout, max_steps
+        self.config, self.layout, self.max_steps = config, layout, max_steps
         self.preemption = JOB_PREEMPTION if preemption is None else preemption
         self.run_dir = Path(run_dir)
         self.resume_from = Path(resume_from) if resume_from else None
         self.train_data, self.eval_batches = train_data, eval_batches
-        t = cfg.trainer
-        self.seq_length, self.micro_batch_size = int(t.seq_length), int(t.micro_batch_size)
-        per_pass = self.micro_batch_size * layout.dp
-        if t.global_batch_size % per_pass:
-            raise ValueError(
-                f"trainer.global_batch_size={t.global_batch_size} is not divisible by trainer.micro_batch_size"
-                f" * dp = {self.micro_batch_size} * {layout.dp}"
-            )
-        self.num_microbatches = t.global_batch_size // per_pass
+        t = config.trainer
+        self.seq_length, self.micro_batch_size = t.seq_length, t.micro_batch_size
+        self.num_microbatches = micro_batches_per_step(t, layout.dp)
         self.progress = Progress()
         self.metrics: Tracker | None = None
-        self.arch = _model_arch(cfg)
-        self.peak_tflops = _peak_tflops(t.get("peak_tflops"), layout.on_gpu)
+        self.arch = _model_arch(config.model)
+        self.peak_tflops = _peak_tflops(t.peak_tflops, layout.on_gpu)
         self._attention_pairs = 0  # of this rank's micro batches in the current step (_check_batch)
 
     # -- what an engine implements ---------------------------------------------------------------------
@@ -149,7 +162,7 @@ class SFTLoop(ABC):
         if self.arch is None or seconds <= 0:
             return {"tflops": None, "mfu": None}
         layout = self.layout
-        tokens = int(self.cfg.trainer.global_batch_size) * self.seq_length
+        tokens = self.config.trainer.global_batch_size * self.seq_length
         flops = training_flops(self.arch, tokens, self._attention_pairs * layout.dp)
         per_device = (flops["linear"] + flops["attention"]) / (layout.dp * layout.tp * layout.pp)
         return {"tflops": per_device / seconds / 1e12, "mfu": mfu(per_device, seconds, self.peak_tflops)}
@@ -168,14 +181,11 @@ class SFTLoop(ABC):
         """Rank 0 opens ``metrics.jsonl`` and the ``logger`` backends, continuing the runs whose ids the resumed
         checkpoint holds (:mod:`afm_core.utils.tracking`); every rank then holds the run ids, saved with the next
         checkpoint."""
-        from omegaconf import DictConfig, OmegaConf
-
         ids: dict[str, str] = {}
         if self.layout.is_rank0:
-            cfg = self.cfg
-            config = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-            self.metrics = Tracker(self.run_dir, list(cfg.get("logger") or ["console"]), config=config,
-                                   job_type="sft", tracking=cfg.get("tracking"), run_ids=self.progress.run_ids,
+            c = self.config
+            self.metrics = Tracker(self.run_dir, list(c.logger or ["console"]), config=c.logged or asdict(c),
+                                   job_type="sft", tracking=asdict(c.tracking), run_ids=self.progress.run_ids,
                                    resume_step=self.progress.step)  # fmt: skip
             ids = self.metrics.run_ids
         shared = [ids]
@@ -217,10 +227,10 @@ class SFTLoop(ABC):
             (unmasked target tokens/s), "input_tokens_per_s" (all sequence positions/s), "train_time_s",
             "checkpoint", "stopped_early"}`` (identical on every rank; throughput over this process's steps).
         """
-        t = self.cfg.trainer
+        t = self.config.trainer
         resumed_from = self._resume()
         self._open_tracker()
-        profiler = StepProfiler(self.cfg.get("profile"), self.run_dir, self.layout.rank, self.layout.on_gpu)
+        profiler = StepProfiler(asdict(self.config.profile), self.run_dir, self.layout.rank, self.layout.on_gpu)
         if resumed_from is None:
             self._eval_and_log()
         bar = tqdm(
@@ -304,15 +314,12 @@ class SFTLoop(ABC):
         return summary
 
 
-def _model_arch(cfg: Any) -> ModelArch | None:
-    """The architecture of ``cfg.model`` (a preset's fields), or None when the config has no valid model group."""
-    from afm_core.models.presets import PresetError, load_preset
-
-    model = cfg.get("model")
+def _model_arch(model: ModelConfig | None) -> ModelArch | None:
+    """The architecture of the ``model`` preset, or None without one (or with one that is not a valid preset)."""
     if model is None:
         return None
     try:
-        return load_preset(model).arch
+        return load_preset(asdict(model)).arch
     except PresetError:
         return None
 

@@ -18,10 +18,9 @@ from typing import Any, Protocol
 
 import torch
 
-from afm_core.train.contrastive import ContrastiveConfig, megatron_contrastive_loss, pair_index, reduce_pair_reports
+from afm_core.config.sft import OBJECTIVES, ContrastiveConfig, TrainerConfig
+from afm_core.train.contrastive import megatron_contrastive_loss, pair_index, reduce_pair_reports
 from afm_core.train.loss import masked_token_loss, reduce_reports
-
-OBJECTIVES = ("sft", "contrastive")
 
 LossFunc = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -67,7 +66,8 @@ class PairLoss:
     """AutoCoA's contrastive "when to act" loss over packed pairs (mean over the global batch's pairs).
 
     Args:
-        config: :class:`~afm_core.train.contrastive.ContrastiveConfig`.
+        config: the ``contrastive`` group (:class:`~afm_core.config.sft.ContrastiveConfig`: ``aux_sft_coef``,
+            ``reduction``).
         seq_length: tokens per packed sequence (``trainer.seq_length``).
     """
 
@@ -87,19 +87,15 @@ class PairLoss:
         return reduce_pair_reports(reports, groups)
 
 
-def build_objective(cfg: Any) -> Objective:
-    """The objective of ``cfg.trainer.objective`` (default ``sft``), with ``cfg.contrastive`` for pairs.
+def build_objective(trainer: TrainerConfig, contrastive: ContrastiveConfig) -> Objective:
+    """The objective of ``trainer.objective`` (one of :data:`~afm_core.config.sft.OBJECTIVES`), with the
+    ``contrastive`` group and ``trainer.seq_length`` for pairs.
 
     Raises:
-        ValueError: an unknown objective or bad ``contrastive`` values (the message names the key).
+        ValueError: an objective of :data:`~afm_core.config.sft.OBJECTIVES` that has no implementation here.
     """
-    name = cfg.trainer.get("objective", "sft") if hasattr(cfg.trainer, "get") else "sft"
-    if name == "sft":
+    if trainer.objective == "sft":
         return TokenLoss()
-    if name == "contrastive":
-        c = cfg.get("contrastive") or {}
-        config = ContrastiveConfig(
-            aux_sft_coef=float(c.get("aux_sft_coef", 0.2)), reduction=str(c.get("reduction", "sum"))
-        )
-        return PairLoss(config, int(cfg.trainer.seq_length))
-    raise ValueError(f"trainer.objective={name!r}: expected one of {', '.join(OBJECTIVES)}")
+    if trainer.objective == "contrastive":
+        return PairLoss(contrastive, trainer.seq_length)
+    raise ValueError(f"trainer.objective={trainer.objective!r}: expected one of {', '.join(OBJECTIVES)}")

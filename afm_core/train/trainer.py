@@ -34,11 +34,14 @@ from typing import Any
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from afm_core.config.sft import LoopConfig
 from afm_core.data.loader import StepMicroBatches
 from afm_core.data.packing import block_causal_attention_mask, thd_offsets
 from afm_core.engine.core import MegatronTrainer, reads_packed_seq_params
 from afm_core.engine.distributed import ParallelLayout
 from afm_core.engine.preemption import Preemption
+from afm_core.models.attention import PackedDocuments
+from afm_core.models.gpt import OutputRows
 from afm_core.models.local_spec import compile_transformer_layers, set_compiled_elementwise
 from afm_core.train.loop import MicroBatchSource, Progress, SFTLoop
 from afm_core.train.objective import Objective, build_objective
@@ -55,8 +58,6 @@ def thd_packed_seq_params(cu_seqlens: list[torch.Tensor], seq_length: int, devic
     Raises:
         ValueError: offsets that do not rise from 0 to at most ``seq_length``.
     """
-    from afm_core.models.attention import PackedDocuments
-
     return PackedDocuments.from_offsets(thd_offsets(cu_seqlens, seq_length), device)
 
 
@@ -66,13 +67,14 @@ class SFTTrainer(SFTLoop):
     holds its own. ``model``, ``optimizer`` and ``report_groups`` are the core's.
 
     Args:
-        cfg, layout, train_data, eval_batches, run_dir, max_steps, resume_from, preemption: as for :class:`SFTLoop`.
+        config, layout, train_data, eval_batches, run_dir, max_steps, resume_from, preemption: as for
+            :class:`SFTLoop` (``config.optim``: AdamW and its schedule; ``config.parallel.distributed_optimizer``).
         model_chunks: unwrapped GPTModel chunk(s) of this rank, weights already loaded, on ``layout.device``,
             in their training dtype (bf16 or fp32).
         thd_packing: give batches with ``cu_seqlens`` to the model in the ``thd`` format (module docstring);
             None: whenever the model's attention reads ``PackedSeqParams`` (:func:`reads_packed_seq_params`).
-        objective: what the loss is (:mod:`afm_core.train.objective`); None: ``cfg.trainer.objective`` (default
-            ``sft``, the masked token mean).
+        objective: what the loss is (:mod:`afm_core.train.objective`); None: ``config.trainer.objective`` with
+            ``config.contrastive``.
     Raises:
         ValueError: the batch sizes do not divide (names the config fields), ``thd_packing=True`` on a model
             whose attention ignores ``PackedSeqParams``, or ``trainer.compile_layers`` with packed documents off
@@ -81,7 +83,7 @@ class SFTTrainer(SFTLoop):
 
     def __init__(
         self,
-        cfg: Any,
+        config: LoopConfig,
         layout: ParallelLayout,
         model_chunks: list[torch.nn.Module],
         train_data: MicroBatchSource,
@@ -93,8 +95,9 @@ class SFTTrainer(SFTLoop):
         objective: Objective | None = None,
         preemption: Preemption | None = None,
     ):
-        super().__init__(cfg, layout, train_data, eval_batches, run_dir, max_steps, resume_from, preemption)
-        self.objective = objective if objective is not None else build_objective(cfg)
+        super().__init__(config, layout, train_data, eval_batches, run_dir, max_steps, resume_from, preemption)
+        t = config.trainer
+        self.objective = objective if objective is not None else build_objective(t, config.contrastive)
         reads_thd = reads_packed_seq_params(model_chunks)
         if thd_packing and not reads_thd:
             raise ValueError(
@@ -102,9 +105,8 @@ class SFTTrainer(SFTLoop):
                 "afm_core.models.gpt.gpt_layer_spec)"
             )
         self.thd_packing = reads_thd if thd_packing is None else thd_packing
-        t = cfg.trainer
-        set_compiled_elementwise(t.get("compile"))  # process-wide, as megatron's own fusions are
-        if t.get("compile_layers"):
+        set_compiled_elementwise(t.compile)  # process-wide, as megatron's own fusions are
+        if t.compile_layers:
             if layout.device.type != "cuda" and self.thd_packing:
                 raise ValueError(
                     "trainer.compile_layers=true needs CUDA with packed documents: the CPU attention's document "
@@ -114,10 +116,10 @@ class SFTTrainer(SFTLoop):
         self.core = MegatronTrainer(
             layout,
             model_chunks,
-            optim=cfg.optim,
+            optim=config.optim,
             max_steps=max_steps,
             grad_clip=t.grad_clip,
-            distributed_optimizer=bool(cfg.parallel.distributed_optimizer),
+            distributed_optimizer=config.parallel.distributed_optimizer,
             checkpoint_dir=self.run_dir / "checkpoints",
             keep_last=t.keep_last,
         )
@@ -126,9 +128,7 @@ class SFTTrainer(SFTLoop):
         self.output_rows = all("output_rows" in inspect.signature(chunk.forward).parameters for chunk in model_chunks)
         # the loss's gradient is 1 on every labelled position when the objective is a plain masked sum and the
         # optimizer scales no loss (bf16/fp32; read once here, a device sync)
-        self.unit_row_grads = (
-            bool(getattr(self.objective, "unit_row_grads", False)) and float(self.optimizer.get_loss_scale()) == 1.0
-        )
+        self.unit_row_grads = self.objective.unit_row_grads and float(self.optimizer.get_loss_scale()) == 1.0
 
     def model_inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
         """The ``GPTModel.forward`` arguments of a micro batch, on this rank's device (module docstring).
@@ -146,8 +146,6 @@ class SFTTrainer(SFTLoop):
         inputs["labels"] = inputs["labels"].masked_fill(inputs["loss_mask"] == 0, -100)
         inputs["attention_mask"] = inputs["packed_seq_params"] = None
         if self.output_rows:
-            from afm_core.models.gpt import OutputRows
-
             mask = batch["loss_mask"]
             labelled = (mask != 0) & (batch["labels"] >= 0)  # where the labels stay >= 0 above
             unit = self.unit_row_grads and bool(((mask == 1) | ~labelled).all())

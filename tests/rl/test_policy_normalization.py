@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 from tests.ranks import start_ranks
-from tests.test_train_engine import SEQ, VOCAB, make_cfg, tiny_provider
+from tests.test_train_engine import SEQ, VOCAB, loop_config, make_cfg, tiny_provider
 
 
 def _micro_batches(dp_rank: int) -> list[dict[str, torch.Tensor]]:
@@ -53,7 +53,7 @@ def _worker(rank: int, world: int, port: int, spec: dict) -> None:
     layout = init_distributed(cfg.parallel, seed=cfg.trainer.seed, num_threads=1)
     try:
         chunks = build_model_chunks(tiny_provider(layout), layout)
-        trainer = SFTTrainer(cfg, layout, chunks, None, [], spec["run_dir"], max_steps=5)  # type: ignore[arg-type]
+        trainer = SFTTrainer(loop_config(cfg), layout, chunks, None, [], spec["run_dir"], max_steps=5)  # type: ignore[arg-type]
         config = PolicyLossConfig(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
         batches = _micro_batches(layout.dp_rank)
         model, params = chunks[0], list(chunks[0].parameters())
@@ -124,7 +124,7 @@ def _modes_worker(rank: int, world: int, port: int, spec: dict) -> None:
     layout = init_distributed(cfg.parallel, seed=cfg.trainer.seed, num_threads=1)
     try:
         chunks = build_model_chunks(tiny_provider(layout), layout)
-        trainer = SFTTrainer(cfg, layout, chunks, None, [], spec["run_dir"], max_steps=5)  # type: ignore[arg-type]
+        trainer = SFTTrainer(loop_config(cfg), layout, chunks, None, [], spec["run_dir"], max_steps=5)  # type: ignore[arg-type]
         batches = _micro_batches(layout.dp_rank)
         g = torch.Generator().manual_seed(200 + layout.dp_rank)
         for batch in batches:  # the engine's logprobs: log k = logp_old - logp_rollout ~ N(0, 0.6^2) per token
