@@ -24,7 +24,6 @@ from omegaconf import DictConfig
 
 from afm_core.config.eval import EvalConfig
 from afm_core.eval.report import compare_runs, markdown_table
-from afm_core.eval.runner import check_inputs
 from afm_core.launch.submit import check_job_config, submit
 
 LOAD_CFG = "afm_core.config.eval.eval_config"  # each rank's EvalConfig
@@ -32,6 +31,8 @@ LOAD_CFG = "afm_core.config.eval.eval_config"  # each rank's EvalConfig
 
 @hydra.main(config_path="../conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
+    from afm_core.eval.runner import check_inputs  # here: the runner loads aiohttp, which `compare` does not need
+
     # before the queue: a bad value, a missing file or an unknown preset fails here, and the user sees what will run
     check_job_config(cfg, "eval", EvalConfig, check_inputs=check_inputs, load_cfg=LOAD_CFG)
     summary = submit(
