@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 T = TypeVar("T")
 
@@ -44,9 +48,6 @@ def instantiate(schema: type[T], plain: Any, prefix: str = "") -> T:
         ConfigError: an unknown key (the message lists the known ones), a value of the wrong type, or a failed
             ``__post_init__`` check.
     """
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
-
     try:
         typed = OmegaConf.merge(OmegaConf.structured(schema), plain)
         return OmegaConf.to_object(typed)  # type: ignore[return-value]
@@ -61,3 +62,17 @@ def instantiate(schema: type[T], plain: Any, prefix: str = "") -> T:
         if isinstance(err, ConfigKeyError) and owner is not None and dataclasses.is_dataclass(owner):
             message += f"; valid keys: {', '.join(f.name for f in dataclasses.fields(owner))}"
         raise ConfigError(f"{key}: {message}" if key else message) from None
+
+
+def job_config(schema: type[T], cfg: DictConfig | Mapping[str, Any] | T) -> T:
+    """A composed job config as the job function receives it (Hydra's ``DictConfig``, or plain dicts and lists) as
+    a checked ``schema`` (interpolations resolved); an instance of ``schema`` as is. Each job's ``load_cfg``
+    (:func:`afm_core.config.rl.rl_config`, :func:`afm_core.config.eval.eval_config` ...) is this on its schema.
+
+    Raises:
+        ConfigError: as :func:`afm_core.config.check_config`.
+    """
+    if isinstance(cfg, schema):
+        return cfg
+    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)  # type: ignore[arg-type]
+    return instantiate(schema, plain)

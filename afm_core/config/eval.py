@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig
 
-from afm_core.config.checks import at_least_one, instantiate, require
+from afm_core.config.checks import at_least_one, job_config, require
 from afm_core.config.cluster import ClusterConfig, cluster_schema
 from afm_core.config.data import DataConfig
 from afm_core.config.rl_rollout import JudgeConfig, ToolServersConfig
@@ -28,8 +28,6 @@ if TYPE_CHECKING:
     ClusterField = ClusterConfig
 else:  # OmegaConf has no union of structured configs: the group is checked by its name (cluster_schema)
     ClusterField = Any
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -229,19 +227,6 @@ class DistillConfig(ToolJobConfig):
                 spec.teacher,
                 f"one of the teachers: {', '.join(self.teachers)}",
             )
-
-
-def job_config(schema: type[T], cfg: DictConfig | Mapping[str, Any] | T) -> T:
-    """A composed job config as the job function receives it (Hydra's ``DictConfig``, or plain dicts and lists) as
-    a checked ``schema`` (interpolations resolved); an instance of ``schema`` as is.
-
-    Raises:
-        ConfigError: as :func:`afm_core.config.check_config`.
-    """
-    if isinstance(cfg, schema):
-        return cfg
-    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)  # type: ignore[arg-type]
-    return instantiate(schema, plain)
 
 
 def eval_config(cfg: DictConfig | Mapping[str, Any] | EvalConfig) -> EvalConfig:

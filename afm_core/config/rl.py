@@ -12,12 +12,13 @@ Dynamic sampling keeps a group when its ``algorithm.filter_groups_metric`` varie
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import MISSING
+from omegaconf import MISSING, DictConfig
 
-from afm_core.config.checks import at_least_one, divisors, instantiate, positive, require
+from afm_core.config.checks import at_least_one, divisors, job_config, positive, require
 from afm_core.config.cluster import ClusterConfig, cluster_schema
 from afm_core.config.engine import VLLMEngineConfig
 from afm_core.config.policy_loss import PolicyLossConfig, has_off_policy_correction
@@ -371,17 +372,12 @@ class RLConfig:
                                 list(self.val.benchmark_files), self.val, self.data_dir)  # fmt: skip
 
 
-def rl_config(cfg: Any) -> RLConfig:
+def rl_config(cfg: DictConfig | Mapping[str, Any] | RLConfig) -> RLConfig:
     """The composed ``conf/rl.yaml`` as the job function receives it (Hydra's ``DictConfig``, or plain dicts and
-    lists) as a checked :class:`RLConfig` (interpolations resolved); an :class:`RLConfig` as is.
+    lists) as a checked :class:`RLConfig` (interpolations resolved); an :class:`RLConfig` as is (``jobs.rl``'s
+    ``load_cfg``, :func:`~afm_core.config.checks.job_config`).
 
     Raises:
         ConfigError: as :func:`afm_core.config.check_config`.
     """
-    from omegaconf import DictConfig, OmegaConf
-
-    if isinstance(cfg, RLConfig):
-        return cfg
-    return instantiate(
-        RLConfig, OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    )
+    return job_config(RLConfig, cfg)
