@@ -16,9 +16,9 @@ import math
 from dataclasses import asdict, dataclass, field, make_dataclass
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING
 
-from afm_core.config.checks import ConfigError, divisors, instantiate, require
+from afm_core.config.checks import ConfigError, divisors, job_config, require
 from afm_core.config.cluster import cluster_schema
 from afm_core.config.data import DataConfig
 from afm_core.config.tracking import ProfileConfig, TrackingConfig, check_loggers
@@ -350,8 +350,4 @@ def sft_config(cfg: Any) -> SFTConfig:
     Raises:
         ConfigError: as :func:`afm_core.config.check_config`.
     """
-    if isinstance(cfg, SFTConfig):
-        return cfg
-    return instantiate(
-        SFTConfig, OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    )
+    return job_config(SFTConfig, cfg)
