@@ -23,7 +23,7 @@ from omegaconf import DictConfig
 
 from afm_core.config.eval import DistillConfig
 from afm_core.distill.runner import check_resume
-from afm_core.launch.submit import check_job_config, submit
+from afm_core.launch.submit import run_job
 
 LOAD_CFG = "afm_core.config.eval.distill_config"  # each rank's DistillConfig
 
@@ -31,14 +31,8 @@ LOAD_CFG = "afm_core.config.eval.distill_config"  # each rank's DistillConfig
 @hydra.main(config_path="../conf", config_name="distill", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
     # before the queue: a bad value fails here, and runs drawn under other settings are not mixed with new ones
-    check_job_config(cfg, "distill", DistillConfig, check_inputs=check_resume, load_cfg=LOAD_CFG)
-    report = submit(
-        "afm_core.distill.runner.run_distill",
-        cfg,
-        on_preempt="afm_core.distill.runner.request_stop",
-        job_name="distill",
-        load_cfg=LOAD_CFG,
-    )
+    report = run_job("afm_core.distill.runner.run_distill", cfg, job_name="distill", schema=DistillConfig,
+                     check_inputs=check_resume, on_preempt="afm_core.distill.runner.request_stop", load_cfg=LOAD_CFG)  # fmt: skip
     if report is not None:
         shown = {k: report[k] for k in ("runs", "total", "converted", "not_converted", "graded_correct",
                                          "filters", "split", "seconds_this_job", "sft_data", "sft_command")}  # fmt: skip

@@ -24,7 +24,7 @@ from omegaconf import DictConfig
 
 from afm_core.config.eval import EvalConfig
 from afm_core.eval.report import compare_runs, markdown_table
-from afm_core.launch.submit import check_job_config, submit
+from afm_core.launch.submit import run_job
 
 LOAD_CFG = "afm_core.config.eval.eval_config"  # each rank's EvalConfig
 
@@ -34,14 +34,8 @@ def main(cfg: DictConfig) -> dict[str, Any] | None:
     from afm_core.eval.runner import check_inputs  # here: the runner loads aiohttp, which `compare` does not need
 
     # before the queue: a bad value, a missing file or an unknown preset fails here, and the user sees what will run
-    check_job_config(cfg, "eval", EvalConfig, check_inputs=check_inputs, load_cfg=LOAD_CFG)
-    summary = submit(
-        "afm_core.eval.runner.run_eval",
-        cfg,
-        on_preempt="afm_core.eval.runner.request_stop",
-        job_name="eval",
-        load_cfg=LOAD_CFG,
-    )
+    summary = run_job("afm_core.eval.runner.run_eval", cfg, job_name="eval", schema=EvalConfig, check_inputs=check_inputs,
+                      on_preempt="afm_core.eval.runner.request_stop", load_cfg=LOAD_CFG)  # fmt: skip
     if summary is not None:
         print(markdown_table(summary["metrics"]))
         print(json.dumps({k: v for k, v in summary.items() if k != "metrics"}, indent=2, default=str))

@@ -19,21 +19,16 @@ from omegaconf import DictConfig
 
 from afm_core.config.eval import FilterRLConfig
 from afm_core.eval.filter_rl import report_table
-from afm_core.launch.submit import check_job_config, submit
+from afm_core.launch.submit import run_job
 
 LOAD_CFG = "afm_core.config.eval.filter_rl_config"  # each rank's FilterRLConfig
 
 
 @hydra.main(config_path="../conf", config_name="filter_rl", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any] | None:
-    check_job_config(cfg, "filter_rl", FilterRLConfig)  # before the queue: a bad value exits with status 2 here
-    summary = submit(
-        "afm_core.eval.filter_rl.run_filter",
-        cfg,
-        on_preempt="afm_core.eval.runner.request_stop",
-        job_name="filter_rl",
-        load_cfg=LOAD_CFG,
-    )
+    # before the queue: a bad value exits with status 2 here
+    summary = run_job("afm_core.eval.filter_rl.run_filter", cfg, job_name="filter_rl", schema=FilterRLConfig,
+                      on_preempt="afm_core.eval.runner.request_stop", load_cfg=LOAD_CFG)  # fmt: skip
     if summary is not None:
         if summary.get("report"):
             print(report_table(summary["report"]))

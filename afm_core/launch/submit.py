@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hydra.utils import get_method
 from omegaconf import DictConfig, OmegaConf
@@ -22,6 +22,8 @@ from afm_core.launch.records import job_record, write_job_record
 from afm_core.launch.requeue import RequeueableJob
 from afm_core.launch.teardown import stop_children_on_interrupt
 from afm_core.utils.ports import free_port
+
+T = TypeVar("T")
 
 
 def submit(
@@ -101,40 +103,70 @@ def _announce(
 def check_job_config(
     cfg: DictConfig,
     job_name: str,
-    schema: type,
+    schema: type[T],
     *,
     check_inputs: Callable[[Any], object] | None = None,
     load_cfg: str | None = None,
-) -> Any:
+) -> T:
     """The config gate of every job (``jobs.sft``, ``jobs.rl``, ``jobs.eval``, ``jobs.distill``,
     ``jobs.filter_rl``), run before anything is built or submitted.
 
     ``cfg`` is checked against its typed ``schema`` (:func:`afm_core.config.check_config`): an unknown key, a value
     of the wrong type or a failed range or cross-field check exits with status 2 and one line,
-    ``jobs.<job_name>: bad config: <key>=<value>: <valid values>``. Then the config is made as the ranks will get it
-    (``load_cfg``'s result, e.g. ``afm_core.config.rl.rl_config``; None: the resolved plain dicts and lists) and
-    handed to ``check_inputs`` (data files, plug-ins, a resumed run dir's settings): a ValueError or
+    ``jobs.<job_name>: bad config: <key>=<value>: <valid values>``. With ``check_inputs``, the config is then made
+    as the ranks will get it (``load_cfg``'s result, e.g. ``afm_core.config.rl.rl_config``; None: the resolved
+    plain dicts and lists) and handed to it (data files, plug-ins, a resumed run dir's settings): a ValueError or
     FileNotFoundError it raises exits with status 2 and its message.
 
     Returns:
-        The config as the ranks get it (None without ``check_inputs``: nothing made).
+        The checked ``schema`` instance (what the plan of a ``cluster=slurm`` job reads).
     Raises:
         SystemExit: status 2, after the message on stderr.
     """
     try:
-        check_config(cfg, schema)
+        checked = check_config(cfg, schema)
     except ConfigError as err:
         print(f"jobs.{job_name}: bad config: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    if check_inputs is None:
-        return None
-    try:
-        config = get_method(load_cfg)(cfg) if load_cfg is not None else OmegaConf.to_container(cfg, resolve=True)
-        check_inputs(config)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"jobs.{job_name}: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    return config
+    if check_inputs is not None:
+        try:
+            check_inputs(
+                get_method(load_cfg)(cfg) if load_cfg is not None else OmegaConf.to_container(cfg, resolve=True)
+            )
+        except (ValueError, FileNotFoundError) as err:
+            print(f"jobs.{job_name}: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+    return checked
+
+
+def run_job(
+    fn: str,
+    cfg: DictConfig,
+    *,
+    job_name: str,
+    schema: type,
+    on_preempt: str,
+    load_cfg: str | None = None,
+    check_inputs: Callable[[Any], object] | None = None,
+    plan: bool = False,
+) -> dict[str, Any] | None:
+    """The body of every app (``jobs.sft``, ``jobs.rl`` through :func:`run_training_job`; ``jobs.eval``,
+    ``jobs.distill``, ``jobs.filter_rl``): the config gate (:func:`check_job_config`: ``cfg`` against its typed
+    ``schema``, then ``check_inputs`` on the config as the ranks will get it; exit status 2 and one line naming the
+    key or the input), with ``plan`` the plan of a ``cluster=slurm`` job on the checked config (``schema``: an
+    ``SFTConfig`` or ``RLConfig``; :mod:`afm_core.launch.plan_gate`: one that does not fit its GPUs exits with
+    status 3 before ``sbatch``, naming the numbers and the overrides that would fit; ``+plan.force=true`` submits
+    anyway), then :func:`submit` ``fn`` with its ``on_preempt`` hook and
+    ``load_cfg`` (the dotted path of what makes ``fn``'s config on each rank, e.g.
+    ``"afm_core.config.eval.eval_config"``). Returns rank 0's result when waiting (see :func:`submit`)."""
+    checked: Any = check_job_config(cfg, job_name, schema, check_inputs=check_inputs, load_cfg=load_cfg)
+    if plan:
+        try:
+            check_before_submit(checked)  # cluster=slurm: the plan first; exit 3 when it does not fit
+        except PlanRefused as err:
+            print(f"jobs.{job_name}: not submitted: {err}", file=sys.stderr)
+            raise SystemExit(3) from None
+    return submit(fn, cfg, on_preempt=on_preempt, job_name=job_name, load_cfg=load_cfg)
 
 
 def run_training_job(
@@ -146,23 +178,11 @@ def run_training_job(
     check_inputs: Callable[[Any], object] | None = None,
     load_cfg: str | None = None,
 ) -> dict[str, Any] | None:
-    """The body of a training app (``jobs.sft``, ``jobs.rl``): the config gate (:func:`check_job_config`: ``cfg``
-    against its typed ``schema``, then ``check_inputs`` on the config as the ranks will get it; exit status 2 and
-    one line naming the key or the input), the plan of a ``cluster=slurm`` job (:mod:`afm_core.launch.plan_gate`:
-    one that does not fit its GPUs exits with status 3 before ``sbatch``, naming the numbers and the overrides that
-    would fit; ``+plan.force=true`` submits anyway), then :func:`submit` ``fn`` with the trainer's
-    checkpoint-and-requeue hook (:func:`afm_core.engine.preemption.request_checkpoint`) and ``load_cfg`` (the dotted
-    path of what makes ``fn``'s config on each rank, see :func:`submit`), and print rank 0's summary as JSON when
-    waiting."""
-    check_job_config(cfg, job_name, schema, check_inputs=check_inputs, load_cfg=load_cfg)
-    try:
-        check_before_submit(check_config(cfg, schema))  # cluster=slurm: the plan first; exit 3 if it does not fit
-    except PlanRefused as err:
-        print(f"jobs.{job_name}: not submitted: {err}", file=sys.stderr)
-        raise SystemExit(3) from None
-    summary = submit(
-        fn, cfg, on_preempt="afm_core.engine.preemption.request_checkpoint", job_name=job_name, load_cfg=load_cfg
-    )
+    """The body of a training app (``jobs.sft``, ``jobs.rl``): :func:`run_job` with the plan of a ``cluster=slurm``
+    job and the trainer's checkpoint-and-requeue hook (:func:`afm_core.engine.preemption.request_checkpoint`);
+    prints rank 0's summary as JSON when waiting."""
+    summary = run_job(fn, cfg, job_name=job_name, schema=schema, on_preempt="afm_core.engine.preemption.request_checkpoint",
+                      load_cfg=load_cfg, check_inputs=check_inputs, plan=True)  # fmt: skip
     if summary is not None:
         print(json.dumps(summary, indent=2, default=str))
     return summary
