@@ -94,13 +94,14 @@ def worker(rank: int, world: int, port: int, spec: dict) -> None:
     from afm_core.engine.distributed import destroy_distributed
     from afm_core.train.deepspeed_engine import init_deepspeed_distributed, train_deepspeed
 
-    cfg = OmegaConf.create(spec["cfg"])
-    layout = init_deepspeed_distributed(cfg.parallel, num_threads=1)
+    loop = check_config(OmegaConf.create(spec["cfg"]), LoopConfig)
+    layout = init_deepspeed_distributed(loop.parallel, num_threads=1)
     try:
-        set_seed(cfg.trainer.seed)
+        set_seed(loop.trainer.seed)
         data, tokenizer = data_module(Path(spec["data_dir"]), Path(spec["hf_dir"]))
-        loop = check_config(cfg, LoopConfig)
-        summary = train_deepspeed(loop, layout, data, spec["hf_dir"], tokenizer, spec["run_dir"], cfg.trainer.max_steps)
+        summary = train_deepspeed(
+            loop, layout, data, spec["hf_dir"], tokenizer, spec["run_dir"], loop.trainer.max_steps
+        )
         if rank == 0:
             Path(spec["run_dir"], "summary.json").write_text(json.dumps(summary))
     finally:
