@@ -46,6 +46,7 @@ from afm_core.config.sft import ModelConfig, ParallelConfig, SFTConfig
 from afm_core.launch.executor import visible_gpus
 from afm_core.launch.plan_estimates import (
     GPU_OVERHEAD_BYTES,
+    PARALLEL_FIELDS,
     REPORTED_GPUS,
     Layout,
     as_gib,
@@ -155,13 +156,7 @@ def layout_of(job: JobConfig, parallel: ParallelConfig | None = None) -> Layout:
         nodes=slurm.nodes if slurm else 1,
         gpus_per_node=gpus_per_node,
         on_gpu=on_gpu,
-        tp=p.tp,
-        pp=p.pp,
-        vpp=p.vpp,
-        cp=p.cp,
-        sequence_parallel=p.sequence_parallel,
-        recompute=p.recompute,
-        distributed_optimizer=p.distributed_optimizer,
+        **{name: getattr(p, name) for name in PARALLEL_FIELDS},
         bf16=precision == "bf16" or (precision == "auto" and bf16_is_fast(on_gpu)),  # a CPU job: this host's CPU
         seq_length=seq_length,
         micro_batch_size=mbs,

@@ -42,6 +42,10 @@ def gpu_total_bytes(nominal_gb: float) -> int:
     return GPU_TOTAL_BYTES.get(int(nominal_gb), int(nominal_gb * GIB))
 
 
+#: The fields of :class:`Layout` that are the ``parallel`` group's settings, copied under the same names.
+PARALLEL_FIELDS = ("tp", "pp", "vpp", "cp", "sequence_parallel", "recompute", "distributed_optimizer")
+
+
 @dataclass(frozen=True)
 class Layout:
     """What the plan needs of a composed config, as plain values."""
