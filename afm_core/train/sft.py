@@ -93,27 +93,14 @@ def _data_module(
     """The tokenized, packed train and held-out splits of the prepared ``data``: trajectories, or AutoCoA stage 1's
     pairs built from them (``trainer.objective=contrastive``, with the ``contrastive`` group)."""
     data_dir = ensure_prepared(asdict(data))
+    train, heldout = [data_dir / "train.parquet"], [data_dir / "heldout.parquet"]
     dense_mask = needs_dense_mask(data, trainer.engine)
     if trainer.objective == "contrastive":
-        return PairDataModule(
-            [data_dir / "train.parquet"],
-            hf_dir,
-            trainer.seq_length,
-            heldout_paths=[data_dir / "heldout.parquet"],
-            max_pairs=contrastive.max_pairs,
-            max_heldout_pairs=contrastive.max_heldout_pairs,
-            seed=contrastive.seed,
-            dense_mask=dense_mask,
-        )
-    return SFTDataModule(
-        [data_dir / "train.parquet"],
-        hf_dir,
-        trainer.seq_length,
-        heldout_paths=[data_dir / "heldout.parquet"],
-        pack=data.pack,
-        mask_observations=data.mask_observations,
-        dense_mask=dense_mask,
-    )
+        c = contrastive
+        return PairDataModule(train, hf_dir, trainer.seq_length, heldout_paths=heldout, dense_mask=dense_mask,
+                              max_pairs=c.max_pairs, max_heldout_pairs=c.max_heldout_pairs, seed=c.seed)  # fmt: skip
+    return SFTDataModule(train, hf_dir, trainer.seq_length, heldout_paths=heldout, dense_mask=dense_mask,
+                         pack=data.pack, mask_observations=data.mask_observations)  # fmt: skip
 
 
 def _train_megatron(
