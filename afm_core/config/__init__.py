@@ -13,8 +13,8 @@ added with ``+`` that the schema does not know. The pattern is torchtitan's comp
 Adding an app's schema (eval, RL): write its dataclasses in a module here (fields typed, defaults valid, nested
 groups ``MISSING``, checks in ``__post_init__`` raising :class:`ConfigError` via :func:`require`), add one
 ``store.store(...)`` line to :func:`register_schemas`, put ``- <name>_schema`` first in the app's defaults list,
-call :func:`register_schemas` in the app's module (``jobs/<app>.py``) and :func:`check_config` at the top of its
-``main``. Code that composes an app's config itself (tests, benchmarks, ``jobs.plan``) calls
+call :func:`register_schemas` in the app's module (``jobs/<app>.py``) and let its ``main`` run the job through
+:func:`afm_core.launch.submit.run_job`, whose gate (``check_job_config``) calls :func:`check_config`. Code that composes an app's config itself (tests, benchmarks, ``jobs.plan``) calls
 :func:`register_schemas` first.
 
 This package sits above ``data`` and ``models`` in the package order (``docs/architecture.md``): a schema's
