@@ -11,15 +11,19 @@ from __future__ import annotations
 import logging
 import os
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, is_dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from afm_core.config.timeouts import DEFAULT_COLLECTIVE_TIMEOUT_MIN
 from afm_core.utils import hardware
+
+if TYPE_CHECKING:
+    from afm_core.config.sft import ParallelConfig
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +106,13 @@ RECOMPUTE_CONFIG: dict[str | None, dict[str, Any]] = {
 }
 
 
-def activation_memory_overrides(parallel: Any) -> dict[str, Any]:
+def _parallel_fields(parallel: ParallelConfig | Mapping[str, Any]) -> Mapping[str, Any]:
+    """The ``parallel`` group's fields by name, whether the checked dataclass (``config.sft.ParallelConfig``, RL's
+    too) or a mapping (a ``DictConfig`` or dict: the tests' and benchmarks' small groups)."""
+    return asdict(parallel) if is_dataclass(parallel) else parallel  # type: ignore[arg-type, return-value]
+
+
+def activation_memory_overrides(parallel: ParallelConfig | Mapping[str, Any]) -> dict[str, Any]:
     """The ``TransformerConfig`` fields of ``parallel.recompute`` and ``parallel.sequence_parallel``: what every
     Megatron model of a job (the SFT model; the RL policy, its critic and its reference) is built with.
 
@@ -117,7 +127,8 @@ def activation_memory_overrides(parallel: Any) -> dict[str, Any]:
     """
     from afm_core.models.gpt import transformer_engine_available
 
-    recompute, sp = parallel.get("recompute"), bool(parallel.get("sequence_parallel"))
+    fields = _parallel_fields(parallel)
+    recompute, sp = fields.get("recompute"), bool(fields.get("sequence_parallel"))
     if recompute not in RECOMPUTE_CONFIG:
         raise ValueError(f"parallel.recompute={recompute!r}: expected null, selective or full")
     if sp and not transformer_engine_available():
@@ -178,12 +189,16 @@ def model_parallel_groups(tp: int, pp: int, *, cp: int = 1, vpp: int | None = No
 
 
 def init_distributed(
-    parallel: Any, *, seed: int, num_threads: int | None = None, timeout_min: int | None = None
+    parallel: ParallelConfig | Mapping[str, Any],
+    *,
+    seed: int,
+    num_threads: int | None = None,
+    timeout_min: int | None = None,
 ) -> ParallelLayout:
     """Join the process group (NCCL on GPU, gloo on CPU) and build megatron's TP/PP/DP groups.
 
     Args:
-        parallel: the ``conf/parallel`` group (``tp``, ``pp``, ``cp``, ``vpp``).
+        parallel: the ``conf/parallel`` group (``tp``, ``pp``, ``cp``, ``vpp``): the checked dataclass, or a mapping.
         seed: base random seed (see :func:`seed_everything`).
         num_threads: torch CPU threads for this rank; None: cores // LOCAL_WORLD_SIZE.
         timeout_min: collective timeout in minutes; None: ``parallel.collective_timeout_min`` when set (``jobs.rl``
@@ -203,12 +218,13 @@ def init_distributed(
     if not os.environ.get("MASTER_ADDR"):
         raise RuntimeError("environment variable MASTER_ADDR is not set")
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    tp, pp, cp = int(parallel.tp), int(parallel.pp), int(parallel.get("cp", 1))
+    fields = _parallel_fields(parallel)
+    tp, pp, cp = int(fields["tp"]), int(fields["pp"]), int(fields.get("cp", 1))
     if world_size % (tp * pp * cp):
         raise RuntimeError(f"WORLD_SIZE={world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
-    vpp = parallel.get("vpp")
+    vpp = fields.get("vpp")
     if timeout_min is None:
-        timeout_min = int(parallel.get("collective_timeout_min") or DEFAULT_COLLECTIVE_TIMEOUT_MIN)
+        timeout_min = int(fields.get("collective_timeout_min") or DEFAULT_COLLECTIVE_TIMEOUT_MIN)
 
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)

@@ -202,9 +202,7 @@ class Critic:
                 layout,
                 params_dtype=params_dtype,
                 load_weights=load_weights,
-                **activation_memory_overrides(
-                    asdict(policy.parallel)
-                ),  # recompute / sequence parallel, as the policy's
+                **activation_memory_overrides(policy.parallel),  # recompute / sequence parallel, as the policy's
             ),
             optim={**asdict(policy.optim), **asdict(critic.optim)},
             max_steps=max(1, max_optimizer_steps),

@@ -33,8 +33,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
-from omegaconf import OmegaConf
-
 from afm_core.config.rl import RLConfig
 from afm_core.engine.checkpoint_dirs import find_resume_checkpoint
 from afm_core.engine.preemption import JOB_PREEMPTION, Preemption
@@ -123,7 +121,7 @@ def run_rl(
     val_benchmarks = validation_benchmarks(config.validation)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
-    layout = init_distributed(OmegaConf.create(asdict(config.parallel)), seed=t.seed, num_threads=t.num_threads)
+    layout = init_distributed(config.parallel, seed=t.seed, num_threads=t.num_threads)
     try:
         # before any model or engine starts, not after the first rollout step's generation
         check_batch_split(a.mini_batch_size * r.n, a.train_batch_size * r.n, layout.dp, t.micro_batch_size,

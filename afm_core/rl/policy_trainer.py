@@ -122,7 +122,7 @@ class PolicyTrainer:
         self.config, self.layout, self.pad_id = policy, layout, pad_id
         updates = t.max_steps * a.ppo_epochs * (a.train_batch_size // a.mini_batch_size)
         dtype = training_dtype(t.precision)
-        memory = activation_memory_overrides(asdict(policy.parallel))  # recompute / sequence parallel, as SFT's
+        memory = activation_memory_overrides(policy.parallel)  # recompute / sequence parallel, as SFT's
         chunks, self.hf_config = build_policy_model(
             hf_dir, layout, params_dtype=dtype, load_weights=load_weights, **memory
         )

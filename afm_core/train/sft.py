@@ -26,7 +26,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
 from transformers import AutoConfig
 
 from afm_core.config.data import DataConfig
@@ -107,7 +106,7 @@ def _train_megatron(
     config: SFTConfig, layout: ParallelLayout, data: SFTDataModule, hf_dir: Path, max_steps: int
 ) -> dict[str, Any]:
     t, p = config.trainer, config.parallel
-    overrides = activation_memory_overrides(OmegaConf.create(asdict(p)))
+    overrides = activation_memory_overrides(p)
     if p.distributed_optimizer and not layout.on_gpu:
         raise ValueError(
             "parallel.distributed_optimizer needs a GPU: on CPU megatron-core 0.16.1 falls back to "
@@ -174,7 +173,7 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
     if t.engine == "deepspeed":
         layout = init_deepspeed_distributed(config.parallel, num_threads=t.num_threads)
     else:
-        layout = init_distributed(OmegaConf.create(asdict(config.parallel)), seed=t.seed, num_threads=t.num_threads)
+        layout = init_distributed(config.parallel, seed=t.seed, num_threads=t.num_threads)
     try:
         if layout.is_rank0:
             stats = data.train.stats
