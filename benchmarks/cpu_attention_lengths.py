@@ -23,6 +23,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks.json_out import write_out
+
 _CHILD = """
 import json, random, sys, time
 import torch
@@ -78,10 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, dict[str, float]]
             f"{dtype:6} bucketed/exact: RSS growth {bucketed['rss_growth_mib'] / max(exact['rss_growth_mib'], 1.0):.2f}x,"
             f" time {bucketed['seconds'] / exact['seconds']:.2f}x"
         )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(results, indent=2), encoding="utf-8")
-    return results
+    return write_out(args.out, results)
 
 
 if __name__ == "__main__":

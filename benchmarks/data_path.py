@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.json_out import write_out
+
 GIB = 1024**3
 
 
@@ -113,7 +115,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from afm_core.config import register_schemas
     from afm_core.data.prepare import ensure_prepared
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
-    from afm_core.utils.atomic import atomic_write_json
     from afm_core.utils.paths import repo_root
 
     register_schemas()
@@ -167,9 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"  old path: dense masks alone for one step = {opts.micro_batches} x {opts.micro_batch_size} x "
         f"{opts.seq_length}^2 B = {dense_mask_gib:.1f} GiB per rank (all micro batches built at once)"
     )
-    if opts.out:
-        atomic_write_json(opts.out, result)
-    return result
+    return write_out(opts.out, result)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import psutil
 
-from afm_core.utils.atomic import atomic_write_json
 from afm_core.utils.paths import repo_root
+from benchmarks.json_out import write_out
 
 #: ``module: [function or Class.method, ...]`` timed in every process of the job.
 PROBED = {
@@ -213,8 +213,7 @@ def main() -> None:
     print(f"  {'CPU (all processes)':<{width}}  " + "  ".join(f"{r['cpu_s']:>6.1f}" for r in runs))
     print(f"  {'load average before / after':<{width}}  "
           + "  ".join(f"{r['load_before']:.1f}/{r['load_after']:.1f}" for r in runs))  # fmt: skip
-    if args.out:
-        atomic_write_json(args.out, {"model": args.model, "overrides": args.overrides, "runs": runs})
+    write_out(args.out, {"model": args.model, "overrides": args.overrides, "runs": runs})
 
 
 if __name__ == "__main__":

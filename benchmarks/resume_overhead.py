@@ -52,8 +52,8 @@ from rich.table import Table
 
 from afm_core.engine.metrics import read_metrics
 from afm_core.launch.records import read_events, read_job_record
-from afm_core.utils.atomic import atomic_write_json
 from afm_core.utils.paths import repo_root, shared_data_dir
+from benchmarks.json_out import write_out
 
 TINY_JOB = [  # tiny-llama on a 120-trajectory slice of the real traces (its own prepared dir and token cache)
     "model=tiny-llama",
@@ -334,8 +334,7 @@ def main() -> int:
     if error:
         console.print(f"[red]error:[/red] {error}")
     print(json.dumps(figures, indent=2))
-    if args.out:
-        atomic_write_json(args.out, figures)
+    write_out(args.out, figures)
     return 1 if error else 0
 
 

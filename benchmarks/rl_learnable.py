@@ -23,6 +23,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from benchmarks.json_out import write_out
+
 
 def learnable_table(run_dirs: list[Path]) -> dict[str, dict[str, Any]]:
     """Per benchmark, the figures the module docstring lists.
@@ -80,10 +82,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict[str, Any]]:
             f"{' '.join(map(str, row['histogram']))} | {row['learnable']} ({100 * row['learnable_share']:.0f}%) | "
             f"{row['mean_generated_tokens']:.0f} | {row['learnable_per_m_tokens']:.0f} |"
         )
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(table, indent=2), encoding="utf-8")
-    return table
+    return write_out(args.out, table)
 
 
 if __name__ == "__main__":
