@@ -8,7 +8,7 @@ step), so a weight sync hands tensors to the worker by reference; on GPU the eng
 runs. ``colocation.mode=async`` instead gives every rank an ``AsyncLLM`` at vLLM TP=1 whose engine core runs in a
 child process (weights travel as safetensors bytes). The prompts of a generation batch are split over the
 engines (each prompt's ``n`` samples on one engine) and the trajectories gathered
-(:meth:`RolloutActor.generate_gathered`), so every rank feeds the same groups to the dynamic sampler.
+(:meth:`RolloutActor.generate` with ``gather``), so every rank feeds the same groups to the dynamic sampler.
 
 One thing over 400 lines: the actor is the one owner of the event loop that its engine, tool pool and graders
 share, and each method is a call the driver's parts make on it (a round, a validation, a weight sync, the
@@ -157,10 +157,16 @@ class RolloutActor:
         version: int = 0,
         target: RoundTarget | None = None,
         keep_on_stop: bool = False,
+        gather: bool = False,
     ) -> Round:
         """Run every unfinished trajectory of ``groups`` (``n`` per group; a paused one continues where it
         stopped, token-in) concurrently on this rank's engine, with policy ``version``'s weights, and grade each
         one that finishes; the groups are filled in place and returned in a :class:`Round`.
+
+        With ``gather`` (collective) ``groups`` are a round the same on every rank, run over the job's engines
+        (:attr:`engines`): each engine runs every ``engines``-th group (with ``target``'s group count and token
+        budget split among them, rounded up), and the groups of all ranks are gathered, so every rank returns the
+        same :class:`Round`.
 
         Without ``target`` the round ends when every trajectory has (a synchronous round). With one (partial
         rollouts) the engine is paused once ``target.groups`` complete groups that ``target.keeps`` accepts are
@@ -175,8 +181,24 @@ class RolloutActor:
                 seconds, between engine steps) and not ``keep_on_stop``: every trajectory of the round is
                 cancelled, its request aborted in vLLM (:meth:`~afm_core.rollout.vllm_inproc.InprocVLLMEngine.idle`
                 waits for that), its tool calls and grading too. With ``keep_on_stop`` the engine is paused
-                instead and the round returns with ``stopped`` set.
+                instead and the round returns with ``stopped`` set. With ``gather``: on every rank, when any
+                rank's round was aborted.
         """
+        if gather:
+            engines, engine = self.engines
+            if target is not None:
+                target = RoundTarget(-(-target.groups // engines), target.keeps,
+                                     None if target.tokens is None else -(-target.tokens // engines))  # fmt: skip
+            try:
+                part: Round | None = self.generate(groups[engine::engines], tasks, n, stage, seed, version=version,
+                                                   target=target, keep_on_stop=keep_on_stop)  # fmt: skip
+            except RolloutAborted:
+                part = None
+            parts = gather_objects(part)
+            if any(p is None for p in parts):
+                raise RolloutAborted(f"a stop was requested during generation (aborted on ranks "
+                                     f"{[r for r, p in enumerate(parts) if p is None]})")  # fmt: skip
+            return Round.merge([p for p in parts if p is not None])
         if self.follower:
             self.engine.follow()
             return Round([], stopped=False)
@@ -250,41 +272,6 @@ class RolloutActor:
         if out is not result:  # stopped with keep_on_stop: the engine paused the round
             result.stopped = True
         return result
-
-    def generate_gathered(
-        self,
-        groups: Sequence[Group],
-        tasks: Sequence[AgentTask],
-        n: int,
-        stage: Stage,
-        seed: int,
-        *,
-        version: int = 0,
-        target: RoundTarget | None = None,
-        keep_on_stop: bool = False,
-    ) -> Round:
-        """:meth:`generate` of ``groups`` (a round, the same on every rank) over the job's engines: each engine
-        runs every ``engines``-th group (with ``target``'s group count split among them, rounded up), and the
-        groups of all ranks are gathered (collective), so every rank returns the same :class:`Round`.
-
-        Raises:
-            RolloutAborted: on every rank, when any rank's round was aborted (:meth:`generate`).
-        """
-        engines, engine = self.engines
-        mine = list(groups[engine::engines])
-        if target is not None:
-            target = RoundTarget(-(-target.groups // engines), target.keeps,
-                                 None if target.tokens is None else -(-target.tokens // engines))  # fmt: skip
-        try:
-            part: Round | None = self.generate(mine, tasks, n, stage, seed=seed, version=version, target=target,
-                                               keep_on_stop=keep_on_stop)  # fmt: skip
-        except RolloutAborted:
-            part = None
-        parts = gather_objects(part)
-        if any(p is None for p in parts):
-            raise RolloutAborted(f"a stop was requested during generation (aborted on ranks "
-                                 f"{[r for r, p in enumerate(parts) if p is None]})")  # fmt: skip
-        return Round.merge([p for p in parts if p is not None])
 
     @property
     def engines(self) -> tuple[int, int]:

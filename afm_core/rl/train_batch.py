@@ -123,8 +123,8 @@ def fill_train_batch(
             times.update(handover.to_engine())  # the engine's turn: the last update's weights synced
             start = time.perf_counter()
             try:
-                round_ = actor.generate_gathered(groups, tasks, n, stage, seed=seed, version=version, target=target,
-                                                 keep_on_stop=keep_on_stop)  # fmt: skip
+                round_ = actor.generate(groups, tasks, n, stage, seed=seed, version=version, target=target,
+                                        keep_on_stop=keep_on_stop, gather=True)  # fmt: skip
             except RolloutAborted:  # on every rank alike (on_stop=restart)
                 assert before is not None
                 state.load_state_dict(before[0])
