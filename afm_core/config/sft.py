@@ -21,6 +21,7 @@ from omegaconf import MISSING
 from afm_core.config.checks import ConfigError, divisors, job_config, require
 from afm_core.config.cluster import cluster_schema
 from afm_core.config.data import DataConfig
+from afm_core.config.lora import LoRAConfig
 from afm_core.config.tracking import ProfileConfig, TrackingConfig, check_loggers
 from afm_core.config.trainer import TrainerBaseConfig
 
@@ -163,7 +164,8 @@ def _model_post_init(self: Any) -> None:
 def _model_config_schema() -> type:
     """``ModelConfig``: a ``conf/model`` preset, its keys derived from the one declaration of the architecture
     (:class:`afm_core.models.arch.ModelArch`: each field with its type; ``rope_scaling`` as ``Any``) after
-    ``name``, ``source`` and ``hf_path``. The value checks are :func:`afm_core.models.presets.load_preset`'s."""
+    ``name``, ``source`` and ``hf_path``, then ``lora`` (:class:`~afm_core.config.lora.LoRAConfig`: the run's
+    adapters, off by default). The value checks are :func:`afm_core.models.presets.load_preset`'s."""
     from afm_core.models.arch import ARCH_FIELD_TYPES, ARCH_FIELDS
 
     fields: list[tuple[str, Any, Any]] = [
@@ -177,6 +179,7 @@ def _model_config_schema() -> type:
             fields.append((name, kind, field(default=MISSING)))
         else:  # rope_scaling: a mapping or null
             fields.append((name, Any, field(default=None)))
+    fields.append(("lora", LoRAConfig, field(default_factory=LoRAConfig)))  # the run's adapters, not the preset's
     schema = make_dataclass(
         "ModelConfig",
         fields,
@@ -302,6 +305,13 @@ class SFTConfig:
                 "parallel.tp",
                 p.tp,
                 "trainer.engine=deepspeed is data parallel only (ZeRO-3): parallel.tp=1 and parallel.pp=1",
+            )
+        if m.lora.enabled:
+            require(
+                t.engine == "megatron" and not p.sequence_parallel,
+                "model.lora.rank",
+                m.lora.rank,
+                "LoRA runs on trainer.engine=megatron without parallel.sequence_parallel (afm_core.models.lora)",
             )
         if t.compile_layers and t.engine == "megatron":  # the trainer refuses it off CUDA; here before the queue
             require(

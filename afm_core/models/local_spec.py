@@ -368,6 +368,11 @@ class SwiGLUMLP(MLP):
         out = _SwiGLULinear.apply(y, self.linear_fc2.weight, sink)  # [s, b, h], partial over TP ranks
         if self.tp_group is not None and self.tp_group.size() > 1:
             out = reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+        adapter = getattr(self.linear_fc2, "lora_delta", None)  # afm_core.models.lora: fc2 never runs its forward
+        if adapter is not None:
+            gate, up = y.chunk(2, dim=-1)
+            delta = adapter(F.silu(gate) * up)  # [s, b, h] whole (the row-parallel adapter reduces itself), or None
+            out = out if delta is None else out + delta
         return out, None
 
 

@@ -111,10 +111,13 @@ def load_preset(name_or_cfg: str | Mapping[str, Any]) -> ModelPreset:
     return _validate(values, lambda field: f"model config: field 'model.{field}'", "model config")
 
 
+# Keys of a composed ``model`` group that are the run's, not the preset's: the adapters (``afm_core.config.lora``)
+RUN_KEYS = ("lora",)
+
+
 def _to_dict(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    if isinstance(cfg, DictConfig):
-        return OmegaConf.to_container(cfg, resolve=True)
-    return dict(cfg)
+    values = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    return {key: value for key, value in values.items() if key not in RUN_KEYS}
 
 
 def _validate(values: dict[str, Any], where, origin: str) -> ModelPreset:

@@ -45,6 +45,7 @@ from afm_core.engine.distributed import (
 from afm_core.models import gpt
 from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
 from afm_core.models.hf_weights import load_hf_weights, save_hf_checkpoint
+from afm_core.models.lora import apply_lora
 from afm_core.train.deepspeed_engine import init_deepspeed_distributed, train_deepspeed
 from afm_core.train.trainer import SFTTrainer
 from afm_core.utils.host_memory import configure_allocator
@@ -114,8 +115,12 @@ def _train_megatron(
         )
     hf_config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
     chunks = build_model(hf_config, layout, params_dtype=training_dtype(t.precision), **overrides)
-    if find_resume_checkpoint(config.run_dir, config.resume) is None:
-        load_hf_weights(chunks, hf_dir)  # a resumed run gets its weights from the checkpoint instead
+    lora = config.model.lora
+    if lora.enabled or find_resume_checkpoint(config.run_dir, config.resume) is None:
+        # a resumed full fine-tune gets its weights from the checkpoint; a LoRA checkpoint holds the adapters only
+        load_hf_weights(chunks, hf_dir)
+    if lora.enabled:
+        apply_lora(chunks, lora)  # base frozen before the trainer core wraps: DDP and AdamW see the adapters only
     mbs = t.micro_batch_size
     train = data.train_iterator(seed=t.seed, micro_batch_size=mbs, dp_rank=layout.dp_rank, dp_size=layout.dp)
     eval_batches = full_micro_batches(
