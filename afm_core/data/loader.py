@@ -24,17 +24,19 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import pyarrow.parquet as pq
 import torch
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from afm_core.data.io import DataFormatError
 from afm_core.data.packing import PackedSequences, block_causal_attention_mask, pack_examples, pad_examples
 from afm_core.data.token_cache import CACHE_DIR_NAME, cache_inputs, cached_packed
 from afm_core.data.tokenize import IGNORE_INDEX, TokenizedExample, tokenize_sft_example
+
+if TYPE_CHECKING:  # a rank that maps the token cache never tokenizes: see SFTDataModule.tokenizer
+    from transformers import PreTrainedTokenizerBase
 
 PROMPT_FIELD = "prompt"
 RESPONSE_FIELD = "response"
@@ -125,6 +127,11 @@ class SFTDataModule:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer (loaded from its directory on first use)."""
         if isinstance(self._tokenizer, (str, Path)):
+            # Imported here, not at the top: transformers' tokenizer classes (tokenization_auto and the auto factory,
+            # ~1.2-1.9 s of CPU on two EPYC cores) are needed only to build a split; a rank whose token cache exists
+            # keys it by the tokenizer's files (token_cache.tokenizer_fingerprint) and maps the arrays without them.
+            from transformers import AutoTokenizer
+
             return AutoTokenizer.from_pretrained(self._tokenizer, local_files_only=True)
         return self._tokenizer
 
