@@ -54,8 +54,9 @@ without the probe's ``PYTHONPATH``, non-Python processes (``bwrap``, Slurm), and
 without running their exit hooks (killed: the count is printed).
 
 ``--rev A B``: each commit in a detached ``git worktree`` (in the scratch dir, removed after; its ``afm_core`` checked
-to be the one imported), runs in the order A B B A per ``--repeat`` block, so both see the same drift of the
-machine's load; the table adds the ratio B / A of the median walls. ``--warmup N``: N untimed runs per entry point
+to be the one imported), runs in the order A B B A per ``--repeat`` block (A B C C B A for three commits), so all
+see the same drift of the machine's load; the table adds the ratio B / A of the median walls and CPU (each later
+commit's against the first). ``--warmup N``: N untimed runs per entry point
 and commit first (the first run after a while reads the wheels' shared libraries from disk). Each worktree's
 ``afm_core`` and ``jobs`` are byte-compiled before the runs (a fresh checkout would compile them in its first run).
 
@@ -476,7 +477,7 @@ def _scratch(work: Path | None):
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Every entry point, each commit in ABBA order per block; then the importtime runs."""
+    """Every entry point, each commit in ABBA order per block (A B C C B A for three); then the importtime runs."""
     out: dict[str, Any] = {"revs": [], "runs": [], "imports": []}
     with _scratch(args.work) as tmp, worktrees(args.rev, Path(tmp)) as trees:
         out["revs"] = list(trees)
@@ -487,7 +488,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 n += 1
                 run_entry(entry, trees[rev], Path(tmp) / f"run{n}", args.timeout)
             for _ in range(args.repeat):
-                order = names if len(names) != 2 else [names[0], names[1], names[1], names[0]]  # ABBA
+                order = names if len(names) < 2 else names + names[::-1]  # ABBA; A B C C B A for three
                 for rev in order:
                     n += 1
                     result = run_entry(entry, trees[rev], Path(tmp) / f"run{n}", args.timeout)
@@ -527,9 +528,9 @@ def render(out: dict[str, Any], console: Any) -> None:
         table.add_column(f"CPU {rev}", justify="right")
         table.add_column(f"imports CPU {rev}", justify="right")
         table.add_column(f"job function called at {rev}", justify="right")
-    if len(revs) == 2:
-        table.add_column(f"wall {revs[1]} / {revs[0]}", justify="right")
-        table.add_column(f"CPU {revs[1]} / {revs[0]}", justify="right")
+    for rev in revs[1:]:  # each later commit against the first
+        table.add_column(f"wall {rev} / {revs[0]}", justify="right")
+        table.add_column(f"CPU {rev} / {revs[0]}", justify="right")
     for entry in (ENTRIES[e] for e in dict.fromkeys(r["entry"] for r in out["runs"])):
         for label, useful in [(entry.label, entry.useful), *[(lab, use) for lab, _, use in entry.process_rows]]:
             cells, walls, cpus = [], [], []
@@ -542,8 +543,8 @@ def render(out: dict[str, Any], console: Any) -> None:
                 cpus.append(_median(cpu))
                 called = [r["fn_begins_s"] for r in rows if r.get("fn_begins_s") is not None]
                 cells += [_cell(wall), _cell(cpu), _cell(imp), _cell(called)]
-            if len(revs) == 2:
-                cells += [f"{a[1] / a[0]:.2f}" if a[0] and a[1] else "-" for a in (walls, cpus)]
+            for i in range(1, len(revs)):
+                cells += [f"{a[i] / a[0]:.2f}" if a[0] and a[i] else "-" for a in (walls, cpus)]
             table.add_row(label, useful, *cells)
     console.print(table)
     loads = [r["load_before"] for r in out["runs"]] + [r["load_after"] for r in out["runs"]]
@@ -668,7 +669,10 @@ def main() -> None:
     parser.add_argument("--rev", nargs="+", default=[], help="commits to measure side by side (git worktrees); "
                         "none: the working tree as it is")  # fmt: skip
     parser.add_argument(
-        "--repeat", type=int, default=1, help="blocks of runs per entry point: one run each, or with 2 commits A B B A"
+        "--repeat",
+        type=int,
+        default=1,
+        help="blocks of runs per entry point: one run each, or with 2+ commits A B B A (A B C C B A, ...)",
     )
     parser.add_argument("--warmup", type=int, default=0, help="untimed runs per entry point and commit first")
     parser.add_argument("--no-imports", dest="imports", action="store_false", help="skip the importtime runs")
