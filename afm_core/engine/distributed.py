@@ -14,7 +14,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, is_dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
@@ -72,6 +72,31 @@ def _env_int(name: str) -> int:
         return int(value)
     except ValueError:
         raise RuntimeError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+class LauncherRanks(NamedTuple):
+    """Where the ``env://`` launcher placed this process: RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def launcher_ranks() -> LauncherRanks:
+    """This process's ranks from the ``env://`` variables (module docstring), MASTER_ADDR and MASTER_PORT checked
+    too; LOCAL_WORLD_SIZE unset: WORLD_SIZE (one node). What both engines' process-group set-ups read
+    (:func:`init_distributed`, ``afm_core.train.deepspeed_engine.init_deepspeed_distributed``).
+
+    Raises:
+        RuntimeError: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR or MASTER_PORT is not set, or a number is not an
+            integer.
+    """
+    rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
+    _env_int("MASTER_PORT")
+    if not os.environ.get("MASTER_ADDR"):
+        raise RuntimeError("environment variable MASTER_ADDR is not set")
+    return LauncherRanks(rank, world_size, local_rank, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
 
 
 def training_dtype(precision: str, *, warn: bool = True) -> torch.dtype:
@@ -213,11 +238,7 @@ def init_distributed(
     from afm_core.engine.cpu_shims import apply_cpu_shims
     from afm_core.engine.multi_tensor import use_foreach_kernels
 
-    rank, world_size, local_rank = _env_int("RANK"), _env_int("WORLD_SIZE"), _env_int("LOCAL_RANK")
-    _env_int("MASTER_PORT")
-    if not os.environ.get("MASTER_ADDR"):
-        raise RuntimeError("environment variable MASTER_ADDR is not set")
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    rank, world_size, local_rank, local_world_size = ranks = launcher_ranks()
     fields = _parallel_fields(parallel)
     tp, pp, cp = int(fields["tp"]), int(fields["pp"]), int(fields.get("cp", 1))
     if world_size % (tp * pp * cp):
@@ -244,10 +265,7 @@ def init_distributed(
         )
     model_parallel_groups(tp, pp, cp=cp, vpp=vpp, distributed_timeout_minutes=timeout_min)
     layout = ParallelLayout(
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        local_world_size=local_world_size,
+        **ranks._asdict(),
         tp=tp,
         pp=pp,
         dp=ps.get_data_parallel_world_size(),

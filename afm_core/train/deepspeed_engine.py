@@ -47,7 +47,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, set_seed
 from afm_core.config.sft import LoopConfig, ParallelConfig
 from afm_core.data.loader import SFTDataModule, full_micro_batches
 from afm_core.engine.checkpoint import Checkpointer
-from afm_core.engine.distributed import ParallelLayout, set_num_threads, training_dtype
+from afm_core.engine.distributed import ParallelLayout, launcher_ranks, set_num_threads, training_dtype
 from afm_core.engine.optim import build_lr_scheduler
 from afm_core.train.deepspeed_config import DEFAULT_DEEPSPEED_CONFIG, deepspeed_config, zero_stage
 from afm_core.train.loop import MicroBatchSource, Progress, SFTLoop, micro_batches_per_step
@@ -63,7 +63,8 @@ def init_deepspeed_distributed(
     """Join the process group through DeepSpeed (NCCL on GPU, gloo on CPU): one data-parallel group.
 
     Reads the ``env://`` variables RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT (LOCAL_WORLD_SIZE
-    optional), as :func:`afm_core.engine.distributed.init_distributed` does. On a machine without CUDA it sets
+    optional) as :func:`afm_core.engine.distributed.init_distributed` does
+    (:func:`~afm_core.engine.distributed.launcher_ranks`). On a machine without CUDA it sets
     ``DS_ACCELERATOR=cpu`` before DeepSpeed is imported.
 
     Raises:
@@ -76,20 +77,7 @@ def init_deepspeed_distributed(
             f"trainer.engine=deepspeed shards over data-parallel ranks only (ZeRO-3); got {sizes}: "
             "set parallel.tp=1 parallel.pp=1 parallel.cp=1, or use trainer.engine=megatron"
         )
-    env = {}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        if not os.environ.get(name):
-            raise RuntimeError(
-                f"environment variable {name} is not set; the launcher must export RANK, WORLD_SIZE, "
-                "LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
-            )
-        if name != "MASTER_ADDR":
-            try:
-                env[name] = int(os.environ[name])
-            except ValueError:
-                raise RuntimeError(f"environment variable {name}={os.environ[name]!r} is not an integer") from None
-    rank, world_size, local_rank = env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    rank, world_size, local_rank, local_world_size = ranks = launcher_ranks()
 
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -109,10 +97,7 @@ def init_deepspeed_distributed(
         timeout=timedelta(minutes=timeout_min),
     )
     return ParallelLayout(
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        local_world_size=local_world_size,
+        **ranks._asdict(),
         tp=1,
         pp=1,
         dp=world_size,
