@@ -266,7 +266,8 @@ class PairDataModule(SFTDataModule):
 
     Args:
         train_paths, tokenizer, seq_length, heldout_paths, system, dense_mask, cache: as for SFTDataModule
-            (packing is always on: a pair's two documents share a sequence).
+            (packing is always on: a pair's two documents share a sequence; ``mask_observations`` does not apply:
+            a pair's labels are on its branch tokens only).
         max_pairs: train pairs kept (the upstream write-up used about 1,500); None: all.
         max_heldout_pairs: held-out pairs kept; None: all.
         seed: the sample's seed.
@@ -292,7 +293,6 @@ class PairDataModule(SFTDataModule):
             seq_length,
             heldout_paths=heldout_paths,
             pack=True,
-            mask_observations=True,
             system=system,
             dense_mask=dense_mask,
             cache=cache,
