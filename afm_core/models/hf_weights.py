@@ -10,13 +10,18 @@ The weight name mapping, the q/k/v and gate/up (un)fusing and the TP split/merge
 - QK-norm weights (Qwen3: HF ``self_attn.q_norm`` / ``k_norm`` <-> ``self_attention.q_layernorm`` /
   ``k_layernorm``), kept whole on every TP rank;
 - HF checkpoint export that is sharded, atomic and written by rank 0 only;
-- the distributed optimizer's deferred parameter gather finished before any read (:func:`finish_param_gather`).
+- the distributed optimizer's deferred parameter gather finished before any read (:func:`finish_param_gather`);
+- LoRA adapters (:mod:`afm_core.models.lora`) merged into the exported weights (``W + scale * B @ A``), and the
+  identity of the base checkpoint the weights came from (:func:`base_identity`, recorded by
+  :func:`load_hf_weights`: a LoRA checkpoint holds the adapters only and names the base they need).
 
 Megatron's fused QKV layout per query group g is ``[q_g (heads/groups * head_dim rows), k_g, v_g]``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -36,11 +41,13 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
 from afm_core.models.arch import arch_from_hf_config
+from afm_core.models.lora import adapted_modules, merged_weight
 from afm_core.utils.atomic import atomic_dir
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # bytes per safetensors shard on export
+_FINGERPRINT_SAMPLES, _FINGERPRINT_SAMPLE_BYTES = 64, 1 << 20  # per safetensors file: 64 reads of 1 MiB
 
 
 class _HFBridge(LLMBridge):
@@ -99,6 +106,51 @@ def load_hf_weights(models: Sequence[torch.nn.Module], hf_dir: str | os.PathLike
     arch_from_hf_config(hf_config)  # rejects unsupported variants before touching weights
     models = unwrap_model(list(models))
     _HFBridge(hf_config, models[0].config).load_weights(models, str(hf_dir))
+    for model in models:
+        model.afm_base_dir = str(hf_dir)  # what base_dir_of reads (a LoRA checkpoint records the base's identity)
+
+
+def base_dir_of(models: Sequence[torch.nn.Module]) -> Path | None:
+    """The HF checkpoint directory :func:`load_hf_weights` last loaded into ``models`` (wrapped or not), or None
+    (weights not loaded from an HF checkpoint)."""
+    found = getattr(unwrap_model(list(models))[0], "afm_base_dir", None)
+    return None if found is None else Path(found)
+
+
+def base_identity(hf_dir: str | os.PathLike) -> dict[str, str]:
+    """What identifies an HF checkpoint's weights, cheaply: ``{"hf_dir", "config_sha256", "weights_sha256"}``.
+
+    ``config_sha256`` hashes ``config.json``'s fields (sorted keys; ``transformers_version`` and ``dtype``
+    left out). ``weights_sha256`` hashes, per ``*.safetensors`` file in name order, its name, size, header (tensor
+    names, dtypes, shapes, offsets) and 64 evenly spaced 1 MiB reads of its data (all of it below 64 MiB): another
+    model or another fine-tune of the same one differs in every read, and a checkpoint of hundreds of GB is
+    fingerprinted in well under a second; an edit confined to bytes between the reads is not seen. ``hf_dir`` is
+    informational (a copy elsewhere has the same hashes).
+
+    Raises:
+        FileNotFoundError: no ``config.json`` or no ``*.safetensors`` file in ``hf_dir``.
+    """
+    root = Path(hf_dir)
+    config = json.loads((root / "config.json").read_text())
+    for volatile in ("transformers_version", "dtype", "torch_dtype"):
+        config.pop(volatile, None)
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{root}: no *.safetensors files")
+    digest = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            digest.update(f.read(header_len))
+            start, data = 8 + header_len, size - 8 - header_len
+            step = max(data // _FINGERPRINT_SAMPLES, _FINGERPRINT_SAMPLE_BYTES)
+            for offset in range(start, size, step):
+                f.seek(offset)
+                digest.update(f.read(_FINGERPRINT_SAMPLE_BYTES))
+    config_sha = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    return {"hf_dir": str(root), "config_sha256": config_sha, "weights_sha256": digest.hexdigest()}
 
 
 def finish_param_gather(models: Sequence[torch.nn.Module]) -> None:
@@ -121,17 +173,40 @@ def export_hf_weights(models: Sequence[torch.nn.Module]) -> Iterator[tuple[str, 
     shards (all-gather) and pipeline stages (broadcast over the PP group), then un-fuses q/k/v and gate/up to HF
     layout. Every rank of the model-parallel group must exhaust the iterator (it runs
     collectives). Tied embeddings are yielded once, as ``model.embed_tokens.weight``. The tensors have the
-    models' ``params_dtype`` and may be views of the live parameters: copy them to keep them.
+    models' ``params_dtype`` and may be views of the live parameters: copy them to keep them. A model with LoRA
+    adapters yields its merged weights (:func:`adapters_merged`; the adapters themselves:
+    :func:`afm_core.models.lora_hf.peft_state_dict`).
     """
     finish_param_gather(models)
     models = unwrap_model(list(models))
     bridge = _HFBridge(_mcore_as_hf_config(models[0]), models[0].config)
     seen: set[str] = set()
-    for name, tensor in bridge.export_weights(models):
-        if name in seen:  # the last stage's tied output layer, already yielded from the embedding
-            continue
-        seen.add(name)
-        yield name, tensor.detach()
+    with adapters_merged(models):
+        for name, tensor in bridge.export_weights(models):
+            if name in seen:  # the last stage's tied output layer, already yielded from the embedding
+                continue
+            seen.add(name)
+            yield name, tensor.detach()
+
+
+@contextlib.contextmanager
+def adapters_merged(models: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Inside, every LoRA-adapted linear of ``models`` (:mod:`afm_core.models.lora`) holds its merged weight
+    ``W + scale * B @ A`` (this rank's shard, :func:`~afm_core.models.lora.merged_weight`) and its adapter
+    parameters are unregistered, so mbridge's name mapping (which knows base weights only) sees a plain model;
+    on exit the weight's own storage and the adapters are back. A no-op without adapters. Costs one merged copy of
+    every adapted weight while inside; no forward may run inside (the adapters' hooks would read no adapter)."""
+    saved = []
+    try:
+        for _, module in adapted_modules(models):
+            merged = merged_weight(module)
+            saved.append((module, module.weight.data, {n: module._parameters.pop(n) for n in ("lora_A", "lora_B")}))
+            module.weight.data = merged
+        yield
+    finally:
+        for module, weight, adapters in saved:
+            module.weight.data = weight
+            module._parameters.update(adapters)
 
 
 def save_hf_checkpoint(
