@@ -1,0 +1,128 @@
+"""LoRA checkpoints of the megatron SFT engine (afm_core.engine.checkpoint): the tiny HF Llama (``tiny-llama``)
+loaded from its HF checkpoint at TP=2 (real gloo ranks), adapters on every target, synthetic packed batches. The
+checkpoint holds the adapters and their optimizer state only, with the base model's identity; a resume onto
+another base model, another adapter rank, or without adapters is refused before anything is loaded, naming the
+field; then the run resumed from it is the straight run, exactly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from afm_core.utils.ports import free_port
+from tests.gloo_env import set_rank_env
+from tests.ranks import start_ranks
+from tests.test_train_engine import SyntheticBatches, cfg_with, loop_config
+
+pytestmark = pytest.mark.slow
+
+LORA = {"rank": 4, "alpha": 16.0}
+CFG = {"parallel.tp": 2, "trainer.max_steps": 4, "trainer.save_interval": 2, "trainer.global_batch_size": 4,
+       "trainer.eval_interval": 2}  # fmt: skip
+
+
+def _trainer(cfg, layout, base: str, lora: dict | None, run_dir: str):
+    from transformers import AutoConfig
+
+    from afm_core.config.lora import LoRAConfig
+    from afm_core.engine.core import build_model
+    from afm_core.models.hf_weights import load_hf_weights
+    from afm_core.models.lora import apply_lora
+    from afm_core.train.trainer import SFTTrainer
+
+    chunks = build_model(AutoConfig.from_pretrained(base), layout, params_dtype=torch.float32)
+    load_hf_weights(chunks, base)
+    if lora is not None:
+        apply_lora(chunks, LoRAConfig(**lora))
+    mbs = cfg.trainer.micro_batch_size
+    heldout = SyntheticBatches(seed=2, dp_rank=layout.dp_rank, mbs=mbs)
+    train = SyntheticBatches(seed=1, dp_rank=layout.dp_rank, mbs=mbs)
+    return SFTTrainer(loop_config(cfg), layout, chunks, train, [heldout.make(0)], run_dir, cfg.trainer.max_steps)
+
+
+def lora_worker(rank: int, world: int, port: int, spec: dict) -> None:
+    """Resume with each of ``spec["refused"]``' (base, adapters) first, recording each error message; then train
+    (resuming the run's latest checkpoint, if any) and dump this rank's adapters under ``out``."""
+    set_rank_env(rank, world, port)
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
+    from afm_core.models.lora import adapter_named_parameters
+
+    cfg = OmegaConf.create(spec["cfg"])
+    layout = init_distributed(cfg.parallel, seed=cfg.trainer.seed, num_threads=1)
+    out = Path(spec["out"])
+    try:
+        errors = []
+        for base, lora in spec.get("refused", []):
+            with pytest.raises(ValueError) as refused:
+                _trainer(cfg, layout, base, lora, spec["run_dir"]).fit()
+            errors.append(str(refused.value))
+        (out / f"errors_rank{rank}.json").write_text(json.dumps(errors))
+        trainer = _trainer(cfg, layout, spec["base"], LORA, spec["run_dir"])
+        summary = trainer.fit()
+        adapters = {n: p.detach().clone() for n, p in adapter_named_parameters(trainer.model)}
+        torch.save(adapters, out / f"adapters_rank{rank}.pt")
+        if rank == 0:
+            (out / "summary.json").write_text(json.dumps(summary))
+    finally:
+        destroy_distributed()
+
+
+def run(tmp_path: Path, name: str, base: Path, run_dir: Path, **spec) -> dict:
+    out = tmp_path / name
+    out.mkdir()
+    spec = {"cfg": cfg_with(**CFG), "base": str(base), "run_dir": str(run_dir), "out": str(out), **spec}
+    start_ranks(lora_worker, args=(2, free_port(), spec), nprocs=2)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"records": records, "out": out}
+
+
+def test_lora_checkpoint_holds_adapters_resumes_exactly_and_refuses_another_base(tmp_path):
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import load_file, save_file
+
+    from afm_core.engine.checkpoint import read_lora_record
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+    from afm_core.models.hf_weights import base_identity
+
+    base = ensure_hf_checkpoint("tiny-llama")
+    straight = run(tmp_path, "straight", base, tmp_path / "straight_run")
+    run_dir = tmp_path / "run"
+    shutil.copytree(tmp_path / "straight_run", run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_00000004")  # as if killed after the step-2 checkpoint
+    step2 = run_dir / "checkpoints" / "step_00000002"
+
+    keys = list(dist_checkpointing.load_tensors_metadata(str(step2)))
+    assert keys and all(".lora_A" in k or ".lora_B" in k for k in keys), [k for k in keys if "lora_" not in k][:4]
+    assert any(k.startswith("optimizer.") for k in keys)  # the adapters' AdamW moments
+    record = read_lora_record(step2)
+    assert record["lora"] == {**LORA, "dropout": 0.0, "target_modules": ["linear_qkv", "linear_proj",
+                              "linear_fc1", "linear_fc2"]}  # fmt: skip
+    assert record["base"] == base_identity(base)
+
+    other = tmp_path / "other_base"  # the same architecture, other weights (another fine-tune)
+    shutil.copytree(base, other)
+    weights = load_file(other / "model.safetensors")
+    save_file({k: v * 1.01 for k, v in weights.items()}, other / "model.safetensors", metadata={"format": "pt"})
+    refused = [(str(other), LORA), (str(base), {**LORA, "rank": 8}), (str(base), None)]
+    resumed = run(tmp_path, "resumed", base, run_dir, refused=refused)
+    for rank in (0, 1):
+        errors = json.loads((resumed["out"] / f"errors_rank{rank}.json").read_text())
+        assert errors[0].startswith(f"model: {step2} holds adapters trained on the base model {base}"), errors[0]
+        assert f"this run's base {other} has weights_sha256" in errors[0]
+        assert errors[1].startswith(f"model.lora.rank: {step2} holds adapters with rank=4, this run has 8"), errors[1]
+        assert errors[2] == (f"{step2}: holds LoRA adapters only (model.lora.rank=4), but this run has no adapters; "
+                             "resume it with model.lora.rank=4")  # fmt: skip
+
+    assert json.loads((resumed["out"] / "summary.json").read_text())["resumed_from"] == str(step2)
+    project = [{k: r.get(k) for k in ("step", "split", "loss", "lr", "grad_norm")} for r in straight["records"]]
+    assert [{k: r.get(k) for k in ("step", "split", "loss", "lr", "grad_norm")} for r in resumed["records"]] == project
+    for rank in (0, 1):
+        a = torch.load(resumed["out"] / f"adapters_rank{rank}.pt")
+        b = torch.load(straight["out"] / f"adapters_rank{rank}.pt")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert all(b[k].abs().max() > 0 for k in b)  # trained: no B left at zero
