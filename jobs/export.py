@@ -3,6 +3,10 @@
     python -m jobs.export run_dir=runs/sft/X                     # the latest complete checkpoint -> X/hf_step_N
     python -m jobs.export run_dir=runs/rl/Y step=40 out=DIR       # any complete step of an SFT or RL run
 
+A LoRA run's checkpoint (adapters only) is exported twice: merged into its base model's weights (``out``) and as
+a PEFT adapter directory for that base (``adapter_out``, default ``<out>_adapter``: ``adapter_config.json`` +
+``adapter_model.safetensors``, for ``peft.PeftModel.from_pretrained``); the summary names both.
+
 TP/PP shards are merged, and the export's logits are checked against the Megatron model's before it is kept
 (:mod:`afm_core.engine.export`). An incomplete or absent checkpoint exits with status 2 and a message naming
 the complete steps there are. The export runs in this process (one rank), so run it where the model fits in
@@ -30,7 +34,7 @@ def main(cfg: DictConfig) -> dict[str, Any]:
         step = int(path.name.removeprefix("step_"))
         out = Path(cfg.out) if cfg.out else Path(cfg.run_dir) / f"hf_step_{step}"
         print(f"[export] {path} -> {out}", flush=True)
-        summary = export_checkpoint(cfg.run_dir, out, step)
+        summary = export_checkpoint(cfg.run_dir, out, step, adapter_out=cfg.adapter_out)
     except ExportError as err:
         print(f"jobs.export: {err}", file=sys.stderr)
         raise SystemExit(2) from None
