@@ -36,6 +36,7 @@ import math
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +48,25 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from afm_core.config.lora import LoRAConfig
 from afm_core.models.local_spec import NormColumnParallelLinear
 
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
+
+
+class LoRAConfig(Protocol):
+    """The adapter settings this module reads: ``model.lora`` (``afm_core.config.lora.LoRAConfig``, a layer
+    above ``models``)."""
+
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: list[str]
+
+    @property
+    def enabled(self) -> bool: ...
+
+    @property
+    def scale(self) -> float: ...
 
 
 @dataclass
