@@ -47,7 +47,7 @@ from afm_core.utils.atomic import atomic_dir
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3  # bytes per safetensors shard on export
-_FINGERPRINT_SAMPLES, _FINGERPRINT_SAMPLE_BYTES = 64, 1 << 20  # per safetensors file: 64 reads of 1 MiB
+_FINGERPRINT_SAMPLES, _FINGERPRINT_SAMPLE_BYTES = 64, 64 << 10  # per safetensors file: 64 reads of 64 KiB
 
 
 class _HFBridge(LLMBridge):
@@ -122,10 +122,10 @@ def base_identity(hf_dir: str | os.PathLike) -> dict[str, str]:
 
     ``config_sha256`` hashes ``config.json``'s fields (sorted keys; ``transformers_version`` and ``dtype``
     left out). ``weights_sha256`` hashes, per ``*.safetensors`` file in name order, its name, size, header (tensor
-    names, dtypes, shapes, offsets) and 64 evenly spaced 1 MiB reads of its data (all of it below 64 MiB): another
-    model or another fine-tune of the same one differs in every read, and a checkpoint of hundreds of GB is
-    fingerprinted in well under a second; an edit confined to bytes between the reads is not seen. ``hf_dir`` is
-    informational (a copy elsewhere has the same hashes).
+    names, dtypes, shapes, offsets) and 64 evenly spaced 64 KiB reads of its data (all of it below 4 MiB): another
+    model or another fine-tune of the same one differs in every read, and 4 MiB are read per file whatever its
+    size (a 5 GB shard of a large checkpoint too); an edit confined to bytes between the reads is not seen.
+    ``hf_dir`` is informational (a copy elsewhere has the same hashes).
 
     Raises:
         FileNotFoundError: no ``config.json`` or no ``*.safetensors`` file in ``hf_dir``.
