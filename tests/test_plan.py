@@ -14,8 +14,10 @@ import torch
 import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
+from afm_core.config.lora import LoRAConfig
 from afm_core.engine.memory import activations, model_state
 from afm_core.launch.plan import JobConfig, checkpoint_plan, layout_of, make_plan, plan_config
+from afm_core.launch.plan_estimates import lora_activation_bytes, lora_adapter_params
 from afm_core.launch.plan_render import render
 from afm_core.models.arch import hf_config_from_arch
 from afm_core.models.presets import load_preset
@@ -58,6 +60,11 @@ def measure_worker(rank: int, world: int, port: int, spec: dict, out: dict) -> N
             lambda **kw: build_gpt_model(hf_config, config, **kw),
             layout,  # pre/post_process, vp_stage
         )
+        if spec["lora"]:  # adapters on, base frozen, before the trainer wraps the chunks (as the SFT job does)
+            from afm_core.config.lora import LoRAConfig
+            from afm_core.models.lora import apply_lora
+
+            out[(rank, "adapters")] = apply_lora(chunks, LoRAConfig(rank=spec["lora"]))
         loop = check_config(cfg, LoopConfig)
         trainer = SFTTrainer(loop, layout, chunks, None, [], spec["run_dir"], max_steps=1)  # type: ignore[arg-type]
         for chunk in trainer.model:
@@ -119,21 +126,25 @@ def measure_layer_activations(model: torch.nn.Module, vocab: int, params: set[in
 
 
 LAYOUTS = {
-    # name: model, parallel, world, bf16
-    "tiny-llama tp2": ("tiny-llama", {"tp": 2}, 2, False),
-    "tiny-llama pp2": ("tiny-llama", {"pp": 2}, 2, False),
-    "tiny-llama dp2 bf16": ("tiny-llama", {}, 2, True),
-    "smollm2 pp2 bf16": ("smollm2-135m", {"pp": 2}, 2, True),
-    "tiny-qwen3 tp2": ("tiny-qwen3", {"tp": 2}, 2, False),  # q wider than hidden, QK-norm
+    # name: model, parallel, world, bf16, LoRA rank (0: full)
+    "tiny-llama tp2": ("tiny-llama", {"tp": 2}, 2, False, 0),
+    "tiny-llama pp2": ("tiny-llama", {"pp": 2}, 2, False, 0),
+    "tiny-llama dp2 bf16": ("tiny-llama", {}, 2, True, 0),
+    "smollm2 pp2 bf16": ("smollm2-135m", {"pp": 2}, 2, True, 0),
+    "tiny-qwen3 tp2": ("tiny-qwen3", {"tp": 2}, 2, False, 0),  # q wider than hidden, QK-norm
+    # adapters on a frozen base: no base grads or optimizer state; the adapters' saved tensors
+    "tiny-llama tp2 lora16 bf16": ("tiny-llama", {"tp": 2}, 2, True, 16),
 }
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_planned_parameter_gradient_and_optimizer_bytes_equal_the_measured_tensors(tmp_path, name):
-    model, parallel, world, bf16 = LAYOUTS[name]
+    model, parallel, world, bf16, rank_r = LAYOUTS[name]
     tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
-    spec = {"model": model, "p": parallel, "dp": world // (tp * pp), "bf16": bf16, "run_dir": str(tmp_path)}
+    spec = {"model": model, "p": parallel, "dp": world // (tp * pp), "bf16": bf16, "run_dir": str(tmp_path),
+            "lora": rank_r}  # fmt: skip
     arch = load_preset(model).arch
+    lora = LoRAConfig(rank=rank_r) if rank_r else None
     planned = model_state(
         hf_config_from_arch(arch),
         world_size=world,
@@ -142,18 +153,30 @@ def test_planned_parameter_gradient_and_optimizer_bytes_equal_the_measured_tenso
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         distributed_optimizer=False,
         on_gpu=False,
+        lora=lora,
     )
     out = mp.Manager().dict()
     start_ranks(measure_worker, args=(world, free_port(), spec, out), nprocs=world)
+    element_size = 2 if bf16 else 4
+    adapter_bytes = (
+        lora_activation_bytes(arch, rank_r, lora.target_modules, element_size=element_size, tp=tp) if lora else 0
+    )
     for rank in range(world):
         stage = planned[out[(rank, "pp")]]
         assert out[(rank, "bytes")] == (stage.param_bytes, stage.grad_bytes, stage.optimizer_bytes), name
+        if lora:  # the real module's count = the meta build's = the arithmetic from the architecture
+            assert (
+                out[(rank, "adapters")]
+                == stage.adapter_params
+                == lora_adapter_params(arch, rank_r, lora.target_modules, tp=tp, layers=stage.layers)
+            )
         measured = out[(rank, "layer")]
         if measured is None:
             continue
         acts = activations(
             arch, stage, pp=pp, vpp=None, tp=tp, cp=1, seq_length=SEQ, micro_batch_size=MBS, num_microbatches=1,
-            sequence_parallel=False, recompute=None, element_size=2 if bf16 else 4, on_gpu=False,
+            sequence_parallel=False, recompute=None, element_size=element_size, on_gpu=False,
+            adapter_bytes_per_token=adapter_bytes,
         )  # fmt: skip
         assert abs(acts.per_layer_micro_batch / measured - 1) <= 0.2, (name, acts.per_layer_micro_batch, measured)
 
@@ -290,3 +313,39 @@ def test_the_estimates_import_alone_and_size_a_checkpoint_and_its_usr2_lead_from
     assert "set cluster.signal_delay_s >= 70" in ckpt["lead_warning"]  # 7 s x 1.5 + 60
     fp32 = checkpoint_estimate(10**9, bf16=False, nodes=1, signal_lead_s=60, write_gb_s_per_node=1.0, source="given")
     assert fp32["bytes"] == 12 * 10**9 and fp32["write_s"] == 12.0 and fp32["lead_warning"] is None
+
+
+def test_lora_adapter_count_weight_sync_bytes_and_checkpoint_follow_from_the_architecture():
+    """SmolLM2-135M at rank 16 on the four default targets: ``r * (in + out)`` per linear (qkv 576 -> (9 + 2 * 3)
+    * 64, proj 576 -> 576, fc1 576 -> 2 * 1536, fc2 1536 -> 576), and the PEFT adapter the LoRA weight sync sends:
+    <= 5% of the full sync's bytes; a LoRA checkpoint holds the adapters and their AdamW state only."""
+    from afm_core.config.lora import LORA_TARGETS
+    from afm_core.launch.plan_estimates import checkpoint_estimate, lora_sync_summary, weight_sync_plan
+
+    arch = load_preset("smollm2-135m").arch
+    per_layer = 16 * ((576 + 960) + (576 + 576) + (576 + 3072) + (1536 + 576))
+    assert lora_adapter_params(arch, 16, LORA_TARGETS) == 30 * per_layer == 4_055_040
+    # TP=3: B of qkv / fc1 and A of proj / fc2 split, the others replicated
+    per_rank = 16 * ((576 + 960 // 3) + (576 // 3 + 576) + (576 + 3072 // 3) + (1536 // 3 + 576))
+    assert lora_adapter_params(arch, 16, LORA_TARGETS, tp=3, layers=10) == 10 * per_rank
+    sync = lora_sync_summary(arch, 16, LORA_TARGETS, weight_sync_plan(arch, 1, 1, None))
+    assert sync["tensors"] == 30 * 7 * 2  # lora_A and lora_B of q, k, v, o, gate, up, down in every layer
+    assert sync["full_bytes"] == 2 * 134_515_008 and sync["ratio"] <= 0.05, sync
+    ckpt = checkpoint_estimate(134_515_008, True, 1, 120, 1.0, "given", trained_params=4_055_040)
+    assert ckpt["bytes"] == 14 * 4_055_040
+
+
+def test_lora_plan_of_an_rl_job_drops_the_kl_reference_copy_and_sets_the_full_layout_beside_it():
+    one_gpu = ("cluster=slurm", "cluster.nodes=1", "cluster.tasks_per_node=1", "cluster.gpus_per_node=1")
+    overrides = ("recipe=rl_demo", "algorithm.kl_coef=0.001", "model.lora.rank=16", "cluster.checkpoint_write_gb_s=1.0")
+    plan = make_plan(job("rl", *overrides, *one_gpu))
+    lora, stage, full = plan["lora"], plan["stages"][0], plan["lora"]["full_stages"][0]
+    assert stage["adapter_params"] == lora["adapter_params"] == plan["trained_params"] == 4_055_040
+    assert "reference_bytes" not in stage and full["reference_bytes"] == 2 * full["params"]  # bf16 frozen copy
+    assert stage["grad_bytes"] == 4 * 4_055_040 and full["grad_bytes"] >= 4 * plan["total_params"]
+    assert stage["optimizer_bytes"] == 12 * 4_055_040  # fp32 master + 2 moments, the adapters only
+    assert lora["per_gpu"]["80"]["lora_peak_gib"] < lora["per_gpu"]["80"]["full_peak_gib"]
+    assert lora["weight_sync"]["ratio"] <= 0.05 and plan["checkpoint"]["bytes"] == 14 * 4_055_040
+    text = render(plan)
+    assert "the KL reference is the base with the adapters disabled (no copy)" in text
+    assert "weight sync: the adapters only, 420 tensors" in text and "reference" in text

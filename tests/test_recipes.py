@@ -47,3 +47,30 @@ def test_recipe_hyperparameters_and_documented_memory_and_it_fits_its_gpus(recip
 def test_command_line_overrides_win_over_recipe():
     cfg = _compose(["recipe=afm_web_sft_32b", "optim.lr=2e-5"])
     assert cfg.optim.lr == 2e-5
+
+
+#: LoRA recipe: (app, its full-layout counterpart recipe or None)
+LORA_RECIPES = {"afm_web_sft_32b_lora": ("sft", None), "afm_web_rl_32b_lora": ("rl", "afm_web_rl_32b")}
+
+
+@pytest.mark.parametrize("recipe", sorted(LORA_RECIPES))
+def test_lora_recipe_fits_and_documents_its_peak_beside_the_full_layouts(recipe):
+    """32B LoRA SFT on one 8 x 80 GB node (the full layout of its settings does not fit), and 32B LoRA RL at the
+    32k stage (prompt 2k + response 30k) beside afm_web_rl_32b's full layout, the weight sync's ratio stated."""
+    app, full_recipe = LORA_RECIPES[recipe]
+    text = (repo_root() / "conf" / "recipe" / f"{recipe}.yaml").read_text()
+    documented = float(re.search(r"memory: ([\d.]+) GiB/GPU peak on 80 GB GPUs: fits", text).group(1))
+    documented_full = float(re.search(r"the full layout of these settings: ([\d.]+) GiB/GPU", text).group(1))
+    plan = make_plan(plan_config(app, [f"recipe={recipe}", "cluster.checkpoint_write_gb_s=1.0"]))
+    lora = plan["lora"]["per_gpu"]["80"]
+    assert plan["fits"] is True and plan["gpus"]["80"]["peak_gib"] == lora["lora_peak_gib"] == documented, render(plan)
+    assert lora["full_peak_gib"] == documented_full, render(plan)
+    if app == "sft":
+        lay = plan["layout"]
+        assert (lay["nodes"], lay["gpus_per_node"], lay["world_size"]) == (1, 8, 8) and not lora["full_fits"]
+    else:
+        assert plan["layout"]["seq_length"] == 32768
+        ratio = float(re.search(r"the weight sync moves[\s#]+([\d.]+)% of the full sync's bytes", text).group(1))
+        assert round(100 * plan["lora"]["weight_sync"]["ratio"], 2) == ratio, render(plan)
+        full = make_plan(plan_config(app, [f"recipe={full_recipe}", "cluster.checkpoint_write_gb_s=1.0"]))
+        assert full["gpus"]["80"]["peak_gib"] == documented_full  # the full layout is the full recipe's

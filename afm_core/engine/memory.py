@@ -14,6 +14,10 @@ byte counts off the result:
     whole stage, or with the distributed optimizer over this DP rank's shard of each gradient bucket
     (``DistributedOptimizer._build_gbuf_range_map``; ZeRO-1, Rajbhandari et al. 2020, Sec. 5.1).
 
+With LoRA (``model.lora``) the adapters are added to the meta chunks before the wrap
+(:func:`afm_core.models.lora.apply_lora`, as the trainer adds them): the frozen base keeps its tensors in the
+training dtype and has no gradient buffer, no master weights and no moments, which hold the adapters only.
+
 Activations are analytic, one decoder layer's saved tensors for backward per micro batch (Korthikanti et al.
 2022, "Reducing Activation Recomputation in Large Transformer Models", Sec. 4, rewritten for GQA, SwiGLU, no
 dropout and flash / fused SDPA attention, which store no ``s x s`` scores), in elements of ``s * b``:
@@ -54,6 +58,7 @@ from typing import Any
 
 import torch
 
+from afm_core.config.lora import LoRAConfig
 from afm_core.models.arch import ModelArch
 
 
@@ -70,6 +75,7 @@ class StageState:
     layers: int  # decoder layers on this rank (all its virtual chunks)
     first: bool  # holds the embedding
     last: bool  # holds the output layer
+    adapter_params: int = 0  # LoRA adapter elements of this rank inside params (0: full fine-tuning)
 
     @property
     def total(self) -> int:
@@ -130,6 +136,7 @@ def model_state(
     distributed_optimizer: bool,
     on_gpu: bool,
     dp_rank: int = 0,
+    lora: LoRAConfig | None = None,
 ) -> list[StageState]:
     """The model states of TP rank 0 / DP rank ``dp_rank`` of every pipeline stage, built on the meta device
     (module docstring). Ranks of one stage differ by at most the distributed optimizer's shard padding.
@@ -139,6 +146,9 @@ def model_state(
         world_size: ranks of the job (``dp = world_size / (tp * pp * cp)``).
         params_dtype: the training dtype (bf16 on GPU, fp32 or bf16 on CPU).
         on_gpu: the job runs on GPUs (DDP overlaps and buckets its reductions there when DP > 1).
+        lora: ``model.lora`` when it is on: :func:`afm_core.models.lora.apply_lora` adds the adapters to the meta
+            chunks and freezes the base before DDP wraps them, as the trainer does, so the gradient buffers and
+            the optimizer hold the adapters only; the frozen base stays in ``params_dtype`` (no fp32 master).
     Raises:
         ValueError: ``world_size`` not a multiple of ``tp * pp * cp``, or a size that does not split the model.
         RuntimeError: a process group is already initialised in this process.
@@ -182,6 +192,11 @@ def model_state(
                             vp_stage=where,
                         )
                     )
+            adapters = 0
+            if lora is not None and lora.enabled:
+                from afm_core.models.lora import apply_lora
+
+                adapters = apply_lora(chunks, lora)
             first = any(chunk.pre_process for chunk in chunks)
             last = any(chunk.post_process for chunk in chunks)
             layers = sum(len(chunk.decoder.layers) for chunk in chunks)
@@ -193,10 +208,12 @@ def model_state(
                     for i, m in enumerate(chunks)
                 ]
             params = sum(p.numel() for chunk in chunks for p in chunk.parameters())
+            frozen = [p for chunk in chunks for p in chunk.parameters() if not p.requires_grad]  # LoRA's base
+            frozen_bytes = sum(p.numel() * p.element_size() for p in frozen)
             buffers = [b for chunk in wrapped for b in chunk.buffers + chunk.expert_parallel_buffers]
             grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)
-            if distributed_optimizer:
-                param_bytes = sum(b.param_data.numel() * b.param_data.element_size() for b in buffers)
+            if distributed_optimizer:  # the contiguous buffer holds the trained parameters only
+                param_bytes = frozen_bytes + sum(b.param_data.numel() * b.param_data.element_size() for b in buffers)
                 owned = 0
                 for buffer in buffers:
                     for buckets in DistributedOptimizer._build_gbuf_range_map(buffer).values():
@@ -205,7 +222,7 @@ def model_state(
                 optimizer_elements = owned
             else:
                 param_bytes = sum(p.numel() * p.element_size() for chunk in chunks for p in chunk.parameters())
-                optimizer_elements = params
+                optimizer_elements = params - sum(p.numel() for p in frozen)
             master = optimizer_elements * 4 if params_dtype != torch.float32 else 0
             stages.append(
                 StageState(
@@ -218,6 +235,7 @@ def model_state(
                     layers=layers,
                     first=first,
                     last=last,
+                    adapter_params=adapters,
                 )
             )
     return stages
@@ -292,6 +310,7 @@ def activations(
     element_size: int,
     on_gpu: bool,
     transformer_engine: bool | None = None,
+    adapter_bytes_per_token: int = 0,
 ) -> Activations:
     """Activation bytes of ``stage`` (module docstring).
 
@@ -305,11 +324,13 @@ def activations(
         transformer_engine: the GPU job has transformer-engine (its layer spec and cross entropy); None: as
             ``on_gpu`` (``requirements/gpu.txt`` installs it). Without it a GPU job runs the local layer spec and
             megatron's native fused cross entropy.
+        adapter_bytes_per_token: what LoRA adapters save for backward per token in one decoder layer, on top of
+            the base layer's tensors (:func:`afm_core.launch.plan_estimates.lora_activation_bytes`; 0: none).
     """
     te = on_gpu if transformer_engine is None else transformer_engine and on_gpu
     tokens = seq_length // cp * micro_batch_size
     per_layer = layer_activation_elements(arch, tp=tp, sequence_parallel=sequence_parallel, transformer_engine=te)
-    full_layer = int(per_layer["full"] * tokens * element_size)
+    full_layer = int(per_layer["full"] * tokens * element_size) + adapter_bytes_per_token * tokens
     in_flight = float(min(pp - stage.pp_rank, num_microbatches))
     if vpp:
         in_flight *= 1 + (pp - 1) / (pp * vpp)

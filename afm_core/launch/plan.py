@@ -16,13 +16,25 @@ moments (14 bytes per parameter in bf16, 12 in fp32); its write time is its size
 (``cluster.checkpoint_write_gb_s`` when set, else measured: :func:`afm_core.launch.plan_probe.write_speed`, in a
 thread while the model states are built), and it must fit in the ``--signal=USR2@cluster.signal_delay_s`` lead time.
 
+With LoRA (``model.lora.rank`` > 0) the planned layout is the adapter one: the base frozen in the training dtype
+(no gradients, no master weights, no Adam moments), the adapters trained (``r * (in + out)`` per targeted linear,
+:func:`~afm_core.launch.plan_estimates.lora_adapter_params`) and their saved tensors added to the activations,
+on megatron's local layer spec (the one :mod:`afm_core.models.lora` adapts). ``lora`` in the plan sets the full
+layout of the same parallel settings beside it (per-GPU peaks and their ratio), the weight sync's bytes (the
+PEFT adapter alone against every HF weight) and the adapter's export size; the KL reference is no second copy
+(the base with the adapters disabled), and the checkpoint holds the adapters and their optimizer state only.
+Without adapters, an RL job with ``algorithm.kl_coef`` > 0 holds the frozen reference policy's copy of the
+parameters on every GPU (:func:`~afm_core.launch.plan_estimates.add_reference`).
+
 The parts: this module composes and checks a job's config (:func:`compose`, :func:`plan_config`: the job's
 checked :class:`~afm_core.config.sft.SFTConfig` or :class:`~afm_core.config.rl.RLConfig`, as ``jobs.sft`` and
 ``jobs.rl`` check it), reads it (:func:`layout_of`, :func:`hf_config_of`) and assembles the plan
 (:func:`make_plan`, :func:`suggest`), handing each estimate the groups it reads;
 :mod:`~afm_core.launch.plan_estimates` holds the memory and size models (arithmetic on plain values),
 :mod:`~afm_core.launch.plan_probe` the disk write probe, :mod:`~afm_core.launch.plan_render` the table and
-``plan.json``, :mod:`~afm_core.launch.plan_gate` the refusal before ``sbatch``.
+``plan.json``, :mod:`~afm_core.launch.plan_gate` the refusal before ``sbatch``. It is one module over 400 lines
+because it is one thing, the assembly of a plan from a checked config: every number it puts in comes from the
+estimates.
 """
 
 from __future__ import annotations
@@ -41,6 +53,7 @@ from omegaconf import DictConfig, OmegaConf
 from afm_core.config import ConfigError, register_schemas
 from afm_core.config.checks import instantiate
 from afm_core.config.cluster import DEFAULT_GPU_MEMORY_GB, ClusterConfig, SlurmClusterConfig
+from afm_core.config.lora import LoRAConfig
 from afm_core.config.rl import RLConfig
 from afm_core.config.sft import ModelConfig, ParallelConfig, SFTConfig
 from afm_core.launch.executor import visible_gpus
@@ -49,18 +62,21 @@ from afm_core.launch.plan_estimates import (
     PARALLEL_FIELDS,
     REPORTED_GPUS,
     Layout,
+    add_reference,
     as_gib,
     checkpoint_bytes,
     checkpoint_estimate,
     gpu_total_bytes,
     host_plan,
+    lora_adapter_params,
+    lora_sync_summary,
     numel,
     training_plan,
     vllm_plan,
     weight_sync_plan,
 )
 from afm_core.launch.plan_probe import write_speed
-from afm_core.models.arch import arch_from_hf_config, hf_config_from_arch
+from afm_core.models.arch import ModelArch, arch_from_hf_config, hf_config_from_arch
 from afm_core.models.presets import load_preset
 from afm_core.utils.hardware import bf16_is_fast
 from afm_core.utils.paths import repo_root
@@ -150,6 +166,7 @@ def layout_of(job: JobConfig, parallel: ParallelConfig | None = None) -> Layout:
         seq_length = job.trainer.seq_length
         num_microbatches = max(1, job.trainer.global_batch_size // (dp * mbs))
     precision = job.trainer.precision
+    lora = job.model.lora
     return Layout(
         app=app_of(job),
         world_size=world,
@@ -162,8 +179,12 @@ def layout_of(job: JobConfig, parallel: ParallelConfig | None = None) -> Layout:
         micro_batch_size=mbs,
         num_microbatches=num_microbatches,
         gpu_gb=float(slurm.gpu_memory_gb if slurm else DEFAULT_GPU_MEMORY_GB),  # a local cluster names no size
-        transformer_engine=on_gpu,
+        transformer_engine=on_gpu and not lora.enabled,  # LoRA adapts the local spec's linears
         max_tokens_per_micro_batch=max_tokens,
+        lora_rank=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        lora_targets=tuple(lora.target_modules) if lora.enabled else (),
     )
 
 
@@ -181,7 +202,8 @@ def hf_config_of(model: ModelConfig | Mapping[str, Any]) -> Any:
 
 def make_plan(job: JobConfig, parallel: ParallelConfig | None = None) -> dict[str, Any]:
     """The plan of a checked config (see the module docstring and :func:`afm_core.launch.plan_render.render`),
-    with ``parallel`` in place of ``job.parallel`` when given.
+    with ``parallel`` in place of ``job.parallel`` when given. With ``model.lora`` on, ``lora`` sets the adapter
+    layout beside the full layout of the same parallel settings (:func:`lora_plan`).
 
     Raises:
         ValueError / afm_core.config.ConfigError: the layout does not split the model or the world.
@@ -192,51 +214,35 @@ def make_plan(job: JobConfig, parallel: ParallelConfig | None = None) -> dict[st
     arch = arch_from_hf_config(hf_config)
     sync = weight_sync_plan(arch, layout.tp, layout.pp, layout.vpp)
     total_params = sum(numel(row["shape"]) for row in sync)
+    lora = job.model.lora
+    trained = lora_adapter_params(arch, lora.rank, lora.target_modules) if lora.enabled else total_params
+    full_layout = dataclasses.replace(layout, lora_rank=0, lora_targets=(), transformer_engine=layout.on_gpu)
     with ThreadPoolExecutor(1) as pool:  # the disk's write probe (mostly waiting on fsync) while the model is built
-        speed = pool.submit(write_speed, checkpoint_bytes(total_params, layout.bf16), job.run_dir,
+        speed = pool.submit(write_speed, checkpoint_bytes(trained, layout.bf16), job.run_dir,
                             configured_write_speed(job.cluster))  # fmt: skip
         stages = training_plan(hf_config, layout)
+        full_stages = training_plan(hf_config, full_layout) if lora.enabled else stages
         write = speed.result()
-    state_max = max(row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"] for row in stages)
-    train_max = max(row["train_bytes"] for row in stages)
+    engine = None
+    if isinstance(job, RLConfig):
+        engine = vllm_plan(arch, job.engine, job.colocation.sleep_level, layout.seq_length, total_params,
+                           lora_params=trained if lora.enabled else 0)  # fmt: skip
+        if job.algorithm.kl_coef > 0:  # the KL reference: a frozen copy, or with adapters the base itself
+            add_reference(full_stages, 2 if layout.bf16 else 4)  # (full_stages is stages without adapters)
     plan: dict[str, Any] = {
         "app": app,
         "model": job.model.name,
         "total_params": total_params,
+        "trained_params": trained,
         "layout": {**layout.__dict__, "dp": layout.dp},
         "stages": stages,
         "notes": [],
     }
-    phases: dict[str, dict[str, int]] = {}
-    if isinstance(job, RLConfig):
-        engine = vllm_plan(arch, job.engine, job.colocation.sleep_level, layout.seq_length, total_params)
+    bucket = job.weight_sync.bucket_mb * 2**20 if isinstance(job, RLConfig) else 0
+    phases, state_max = gpu_phases(stages, engine, bucket)
+    verdicts = gpu_verdicts(phases, layout.seq_length, engine)
+    if engine is not None:
         plan["vllm"] = engine
-        bucket = job.weight_sync.bucket_mb * 2**20
-        for gb in REPORTED_GPUS:
-            e = engine["per_gpu"][str(gb)]
-            phases[str(gb)] = {
-                "generation": state_max + e["claimed_bytes"],
-                "weight_sync": state_max + engine["weights_bytes"] + bucket,
-                "training": train_max + e["asleep_bytes"],
-            }
-    else:
-        phases = {str(gb): {"training": train_max} for gb in REPORTED_GPUS}
-    verdicts = {}
-    for gb in REPORTED_GPUS:
-        peak = max(phases[str(gb)].values()) + GPU_OVERHEAD_BYTES
-        reasons = []
-        if peak > gpu_total_bytes(gb):
-            reasons.append(f"peak {as_gib(peak)} GiB > {as_gib(gpu_total_bytes(gb))} GiB")
-        if app == "rl" and plan["vllm"]["per_gpu"][str(gb)]["sequences_at_max_model_len"] < 1:
-            reasons.append(f"vLLM's KV cache cannot hold one sequence of max_model_len {layout.seq_length}")
-        verdicts[str(gb)] = {
-            "peak_bytes": peak,
-            "peak_gib": as_gib(peak),
-            "gpu_gib": as_gib(gpu_total_bytes(gb)),
-            "phases_gib": {k: as_gib(v) for k, v in phases[str(gb)].items()},
-            "fits": not reasons,
-            "why_not": reasons,
-        }
     plan["gpus"] = verdicts
     plan["target_gpu_gb"] = layout.gpu_gb
     target = verdicts.get(str(int(layout.gpu_gb)))
@@ -245,15 +251,113 @@ def make_plan(job: JobConfig, parallel: ParallelConfig | None = None) -> dict[st
         target = {"peak_bytes": peak, "fits": peak <= gpu_total_bytes(layout.gpu_gb), "why_not": []}
     plan["fits"] = bool(target["fits"]) if layout.on_gpu else None
     plan["weight_sync"] = sync if app == "rl" else []
+    if lora.enabled:
+        full_engine = None
+        if isinstance(job, RLConfig):
+            full_engine = vllm_plan(arch, job.engine, job.colocation.sleep_level, layout.seq_length, total_params)
+        full_phases, _ = gpu_phases(full_stages, full_engine, bucket)
+        full_gpus = gpu_verdicts(full_phases, layout.seq_length, full_engine)
+        plan["lora"] = lora_plan(lora, arch, stages, verdicts, full_stages, full_gpus, sync)
+        if layout.on_gpu:
+            plan["notes"].append(
+                "LoRA runs megatron's local layer spec (afm_core.models.lora adapts its linears, not "
+                "transformer-engine's): the LoRA layout is planned with it, the full layout with transformer-engine"
+            )
     if isinstance(job, RLConfig):
-        plan["host"] = rl_host_plan(job, layout, state_max, plan["vllm"]["weights_bytes"])
+        plan["host"] = rl_host_plan(job, layout, state_max, engine["weights_bytes"] if engine else 0)
         if plan["host"]["note"]:
             plan["notes"].append(plan["host"]["note"])
-    ckpt = checkpoint_plan(job.cluster, job.run_dir, layout, total_params, write)
+    ckpt = checkpoint_plan(job.cluster, job.run_dir, layout, total_params, write, trained_params=trained)
     plan["checkpoint"] = ckpt
     if ckpt["lead_warning"]:
         plan["notes"].append(ckpt["lead_warning"])
     return plan
+
+
+def gpu_phases(
+    stages: list[dict[str, Any]], engine: dict[str, Any] | None, bucket_bytes: int
+) -> tuple[dict[str, dict[str, int]], int]:
+    """Per reported GPU size, the bytes of each phase of a step (SFT: training; RL: generation, weight sync and
+    training, the module docstring), and the largest rank's model states (with the KL reference's copy)."""
+    state_max = max(row["param_bytes"] + row["grad_bytes"] + row["optimizer_bytes"] + row.get("reference_bytes", 0)
+                    for row in stages)  # fmt: skip
+    train_max = max(row["train_bytes"] for row in stages)
+    if engine is None:
+        return {str(gb): {"training": train_max} for gb in REPORTED_GPUS}, state_max
+    phases = {}
+    for gb in REPORTED_GPUS:
+        e = engine["per_gpu"][str(gb)]
+        phases[str(gb)] = {
+            "generation": state_max + e["claimed_bytes"],
+            "weight_sync": state_max + engine["weights_bytes"] + bucket_bytes,
+            "training": train_max + e["asleep_bytes"],
+        }
+    return phases, state_max
+
+
+def gpu_verdicts(
+    phases: dict[str, dict[str, int]], max_model_len: int, engine: dict[str, Any] | None
+) -> dict[str, dict[str, Any]]:
+    """Per reported GPU size: the peak (the largest phase + :data:`GPU_OVERHEAD_BYTES`), whether it fits and why
+    not (the peak over the GPU's memory; an engine whose KV cache cannot hold one sequence of ``max_model_len``)."""
+    verdicts = {}
+    for gb in REPORTED_GPUS:
+        peak = max(phases[str(gb)].values()) + GPU_OVERHEAD_BYTES
+        reasons = []
+        if peak > gpu_total_bytes(gb):
+            reasons.append(f"peak {as_gib(peak)} GiB > {as_gib(gpu_total_bytes(gb))} GiB")
+        if engine is not None and engine["per_gpu"][str(gb)]["sequences_at_max_model_len"] < 1:
+            reasons.append(f"vLLM's KV cache cannot hold one sequence of max_model_len {max_model_len}")
+        verdicts[str(gb)] = {
+            "peak_bytes": peak,
+            "peak_gib": as_gib(peak),
+            "gpu_gib": as_gib(gpu_total_bytes(gb)),
+            "phases_gib": {k: as_gib(v) for k, v in phases[str(gb)].items()},
+            "fits": not reasons,
+            "why_not": reasons,
+        }
+    return verdicts
+
+
+def lora_plan(
+    lora: LoRAConfig,
+    arch: ModelArch,
+    stages: list[dict[str, Any]],
+    lora_gpus: dict[str, dict[str, Any]],
+    full_stages: list[dict[str, Any]],
+    full_gpus: dict[str, dict[str, Any]],
+    sync: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The adapter layout against the full one of the same parallel settings: the adapters' parameters (the
+    model's, and the largest rank's), per reported GPU size both peaks and their ratio, the full layout's stages and
+    verdicts (with the KL reference's frozen copy, which the adapter layout does without: its reference is the base
+    under :func:`afm_core.models.lora.adapters_disabled`), the weight sync's bytes
+    (:func:`~afm_core.launch.plan_estimates.lora_sync_summary`) and the adapter's export size (bf16, MB)."""
+    adapter_params = lora_adapter_params(arch, lora.rank, lora.target_modules)
+    total = sum(numel(row["shape"]) for row in sync)
+    per_gpu = {
+        gb: {
+            "lora_peak_gib": lora_gpus[gb]["peak_gib"],
+            "full_peak_gib": full_gpus[gb]["peak_gib"],
+            "ratio": round(lora_gpus[gb]["peak_bytes"] / full_gpus[gb]["peak_bytes"], 3),
+            "full_fits": full_gpus[gb]["fits"],
+        }
+        for gb in lora_gpus
+    }
+    return {
+        "rank": lora.rank,
+        "alpha": lora.alpha,
+        "target_modules": list(lora.target_modules),
+        "adapter_params": adapter_params,
+        "adapter_fraction": adapter_params / total,
+        "rank_adapter_params": max(row["adapter_params"] for row in stages),
+        "full_reference_gib": as_gib(max(row.get("reference_bytes", 0) for row in full_stages)),
+        "per_gpu": per_gpu,
+        "full_stages": full_stages,
+        "full_gpus": full_gpus,
+        "weight_sync": lora_sync_summary(arch, lora.rank, lora.target_modules, sync),
+        "adapter_export_mb": round(2 * adapter_params / 1e6, 1),
+    }
 
 
 def configured_write_speed(cluster: ClusterConfig) -> float | None:
@@ -286,6 +390,8 @@ def checkpoint_plan(
     layout: Layout,
     total_params: int,
     write: tuple[float, str] | None = None,
+    *,
+    trained_params: int | None = None,
 ) -> dict[str, Any]:
     """The checkpoint's size (bytes; GB = 1e9 bytes) and write time (seconds, at the write speed of
     :func:`~afm_core.launch.plan_probe.write_speed` into ``run_dir``), and ``lead_warning``: a note when
@@ -293,10 +399,12 @@ def checkpoint_plan(
     (:func:`~afm_core.launch.plan_estimates.checkpoint_estimate`). An RL stop during generation costs the write alone
     (the rollouts are aborted); one during training also waits for the step's end, which ``jobs.rl`` measures and
     warns about after each checkpoint (:class:`afm_core.rl.checkpoint.StopLead`). ``write``: ``write_speed``'s
-    result when the caller has it already."""
-    size = checkpoint_bytes(total_params, layout.bf16)
+    result when the caller has it already; ``trained_params``: LoRA's adapters (a LoRA checkpoint holds them and
+    their optimizer state only), None: every parameter."""
+    size = checkpoint_bytes(total_params if trained_params is None else trained_params, layout.bf16)
     speed, source = write or write_speed(size, run_dir, configured_write_speed(cluster))
-    return checkpoint_estimate(total_params, layout.bf16, layout.nodes, cluster.signal_delay_s, speed, source)
+    return checkpoint_estimate(total_params, layout.bf16, layout.nodes, cluster.signal_delay_s, speed, source,
+                               trained_params=trained_params)  # fmt: skip
 
 
 def suggest(job: JobConfig, max_tries: int = 4) -> list[str] | None:
