@@ -1,6 +1,7 @@
 """LoRA checkpoints of the megatron SFT engine (afm_core.engine.checkpoint): the tiny HF Llama (``tiny-llama``)
 loaded from its HF checkpoint at TP=2 (real gloo ranks), adapters on every target, synthetic packed batches. The
-checkpoint holds the adapters and their optimizer state only, with the base model's identity; a resume onto
+checkpoint holds the adapters and their optimizer state only, with the base model's identity (and the TP=2
+adapters written as a PEFT adapter give the Megatron model's logits on the HF base); a resume onto
 another base model, another adapter rank, or without adapters is refused before anything is loaded, naming the
 field; then the run resumed from it is the straight run, exactly."""
 
@@ -22,6 +23,7 @@ from tests.test_train_engine import SyntheticBatches, cfg_with, loop_config
 pytestmark = pytest.mark.slow
 
 LORA = {"rank": 4, "alpha": 16.0}
+IDS = torch.tensor([[1, 17, 923, 5, 4000, 31, 2, 77, 13, 600, 9, 48000]])
 CFG = {"parallel.tp": 2, "trainer.max_steps": 4, "trainer.save_interval": 2, "trainer.global_batch_size": 4,
        "trainer.eval_interval": 2}  # fmt: skip
 
@@ -68,8 +70,26 @@ def lora_worker(rank: int, world: int, port: int, spec: dict) -> None:
         torch.save(adapters, out / f"adapters_rank{rank}.pt")
         if rank == 0:
             (out / "summary.json").write_text(json.dumps(summary))
+        if spec.get("peft_adapter"):  # the TP=2 adapters as a PEFT dir, and the logits it must reproduce
+            _save_adapter_and_logits(trainer, spec["base"], out, rank)
     finally:
         destroy_distributed()
+
+
+def _save_adapter_and_logits(trainer, base: str, out: Path, rank: int) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import unwrap_model
+
+    from afm_core.models.lora_hf import save_peft_adapter
+
+    save_peft_adapter(trainer.model, base, out / "adapter")  # TP all-gather of the adapter shards; rank 0 writes
+    model = unwrap_model(trainer.model[0]).eval()
+    with torch.no_grad():
+        local = model(IDS, torch.arange(IDS.shape[1]).unsqueeze(0), None)  # [1, s, vocab / tp]
+    parts = [torch.empty_like(local) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    torch.distributed.all_gather(parts, local.contiguous(), group=ps.get_tensor_model_parallel_group())
+    if rank == 0:
+        torch.save(torch.cat(parts, dim=-1), out / "logits.pt")
 
 
 def run(tmp_path: Path, name: str, base: Path, run_dir: Path, **spec) -> dict:
@@ -90,7 +110,17 @@ def test_lora_checkpoint_holds_adapters_resumes_exactly_and_refuses_another_base
     from afm_core.models.hf_weights import base_identity
 
     base = ensure_hf_checkpoint("tiny-llama")
-    straight = run(tmp_path, "straight", base, tmp_path / "straight_run")
+    straight = run(tmp_path, "straight", base, tmp_path / "straight_run", peft_adapter=True)
+    with torch.no_grad():  # the TP=2 adapters, gathered and un-fused, loaded by peft onto the HF base
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        base_logits = hf(IDS).logits
+        peft_logits = PeftModel.from_pretrained(hf, str(straight["out"] / "adapter")).eval()(IDS).logits
+    megatron_logits = torch.load(straight["out"] / "logits.pt")
+    assert float((peft_logits - megatron_logits).abs().max()) < 1e-4
+    assert float((megatron_logits - base_logits).abs().max()) > 1e-2  # the trained adapters matter
     run_dir = tmp_path / "run"
     shutil.copytree(tmp_path / "straight_run", run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "step_00000004")  # as if killed after the step-2 checkpoint
