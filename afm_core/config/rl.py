@@ -21,6 +21,7 @@ from omegaconf import MISSING, DictConfig
 from afm_core.config.checks import at_least_one, divisors, job_config, positive, require
 from afm_core.config.cluster import ClusterConfig, cluster_schema
 from afm_core.config.engine import VLLMEngineConfig
+from afm_core.config.lora import LoRAConfig
 from afm_core.config.policy_loss import PolicyLossConfig, has_off_policy_correction
 from afm_core.config.rl_rollout import REWARD_MODES as REWARD_MODES  # re-exported: rl.reward_shaping reads it here
 from afm_core.config.rl_rollout import (
@@ -226,6 +227,7 @@ class PolicyConfig:
     critic: CriticConfig
     n: int  # rollout.n: samples per prompt (a mini-batch is algorithm.mini_batch_size x n samples)
     temperature: float  # rollout.temperature: the engine's logprobs are after it, so are the trainer's
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # model.lora: adapters trained, the base the reference
 
 
 @dataclass
@@ -245,6 +247,7 @@ class ActorConfig:
     precision: str = "auto"  # trainer.precision: the engine computes in the trainer's dtype
     run_dir: str = "."
     data_dir: str | None = None
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # model.lora: the engine serves the synced adapters
 
 
 @dataclass
@@ -355,14 +358,15 @@ class RLConfig:
     def policy(self) -> PolicyConfig:
         """The trainer side's settings (:class:`PolicyConfig`)."""
         r = self.rollout
-        return PolicyConfig(self.algorithm, self.trainer, self.optim, self.parallel, self.critic, r.n, r.temperature)
+        return PolicyConfig(self.algorithm, self.trainer, self.optim, self.parallel, self.critic, r.n, r.temperature,
+                            self.model.lora)  # fmt: skip
 
     @property
     def actor(self) -> ActorConfig:
         """The rollout side's settings (:class:`ActorConfig`)."""
         return ActorConfig(self.rollout, self.reward, self.judge, self.colocation, self.engine, self.tools,
                            self.tool_servers, self.reward_fn, self.trainer.precision,
-                           self.run_dir, self.data_dir)  # fmt: skip
+                           self.run_dir, self.data_dir, self.model.lora)  # fmt: skip
 
     @property
     def validation(self) -> ValidationConfig:

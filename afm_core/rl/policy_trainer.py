@@ -41,7 +41,7 @@ from afm_core.rl.critic import Critic, gae_per_sample
 from afm_core.rl.logprobs import compute_logprobs
 from afm_core.rl.losses import logprob_gap_stats, reduce_stats
 from afm_core.rl.parts import Record, TrainerCore, ValueModel
-from afm_core.rl.policy_model import build_policy_model, build_reference_model
+from afm_core.rl.policy_model import build_lora_policy_model, reference_chunks, reference_logprobs
 
 if TYPE_CHECKING:
     from afm_core.rl.grading import Sample
@@ -94,7 +94,9 @@ def build_policy_trainer(
 
 
 class PolicyTrainer:
-    """The policy, its critic (PPO) and its reference (KL) on this rank.
+    """The policy, its critic (PPO) and its reference (KL) on this rank. With ``model.lora`` the policy trains
+    its adapters only and the reference is the policy's own chunks with the adapters disabled
+    (:func:`~afm_core.rl.policy_model.reference_chunks`: ``reference`` then holds the trainer's chunks, no copy).
 
     Args:
         policy: the trainer side's settings (``algorithm``, ``trainer``, ``optim``, ``parallel``, ``critic``,
@@ -123,8 +125,8 @@ class PolicyTrainer:
         updates = t.max_steps * a.ppo_epochs * (a.train_batch_size // a.mini_batch_size)
         dtype = training_dtype(t.precision)
         memory = activation_memory_overrides(policy.parallel)  # recompute / sequence parallel, as SFT's
-        chunks, self.hf_config = build_policy_model(
-            hf_dir, layout, params_dtype=dtype, load_weights=load_weights, **memory
+        chunks, self.hf_config = build_lora_policy_model(
+            hf_dir, layout, policy.lora, params_dtype=dtype, load_weights=load_weights, **memory
         )
         self.trainer = build_policy_trainer(policy, layout, chunks, run_dir, max(1, updates))
         self.arch = arch_from_hf_config(self.hf_config)
@@ -134,8 +136,8 @@ class PolicyTrainer:
             self.critic = Critic(
                 policy, layout, hf_dir, run_dir, updates, params_dtype=dtype, load_weights=load_weights
             )
-        if a.kl_coef > 0:  # the KL loss (algorithm.kl_loss_type) needs the frozen initial policy
-            self.reference = build_reference_model(hf_dir, layout, params_dtype=dtype, **memory)
+        if a.kl_coef > 0:  # the KL loss (algorithm.kl_loss_type) needs the initial policy: with LoRA the base
+            self.reference = reference_chunks(self.trainer.model, hf_dir, layout, params_dtype=dtype, **memory)
 
     @property
     def model(self) -> list[torch.nn.Module]:
@@ -220,8 +222,9 @@ def policy_update(
         advantages: ``[N]`` one per sample (GRPO: broadcast over its response tokens), or per-token lists as
             long as each response (GAE).
         seq_length: the trainer's sequence length (:func:`afm_core.rl.schedule.train_seq_length`).
-        reference: the frozen reference policy's chunks when ``algorithm.kl_coef`` > 0 (the KL loss, verl
-            ``use_kl_loss`` with ``algorithm.kl_loss_type``, ``low_var_kl`` by default).
+        reference: the reference policy's chunks when ``algorithm.kl_coef`` > 0 (the KL loss, verl
+            ``use_kl_loss`` with ``algorithm.kl_loss_type``, ``low_var_kl`` by default): a frozen copy, or with
+            LoRA the policy's own chunks, run with their adapters disabled.
         arch: the policy's :class:`~afm_core.models.arch.ModelArch`, for the phases' model FLOPs (None: none).
         version: the policy version trained (the rollout step); given, ``logprob_gap_by_lag`` reports the
             trainer/engine gap by each trained token's lag (:func:`logprob_gap_by_lag`).
@@ -276,7 +279,7 @@ def policy_update(
     )
     refs = []
     if kl_coef > 0 and reference:
-        refs = compute_logprobs(reference, batches, temperature=temperature, remove_padding=remove_padding)
+        refs = reference_logprobs(reference, batches, temperature=temperature, remove_padding=remove_padding)
     for chunk in trainer.model:
         chunk.train()
     old: dict[int, list[float]] = {}
