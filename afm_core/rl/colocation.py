@@ -12,7 +12,8 @@
   (SPMD); its first rank runs the agent loop and the others follow it step by step
   (:class:`~afm_core.rollout.vllm_inproc.Lockstep`). The rollout prompts are split over the groups. A weight
   sync hands the gathered HF tensors to the rank's own worker by reference, bucket by bucket (on GPU no second
-  full copy of the model is made). On GPU the engine is created with sleep mode: after generating it sleeps
+  full copy of the model is made); a LoRA policy's sync sends its adapters alone, which the engine serves on the
+  base it started with (:mod:`afm_core.rl.lora_sync`). On GPU the engine is created with sleep mode: after generating it sleeps
   (``sleep(level)``: level 1 offloads its weights to CPU memory and drops the KV cache) so the trainer has the
   memory; before the sync it wakes its weights, after the sync its KV cache (verl
   ``verl/workers/sharding_manager/megatron_vllm.py``: ``wake_up(tags=["weights"])``, load,
@@ -188,8 +189,10 @@ class Handover:
         """The engine's turn: weights woken and synced if stale, trainer state offloaded, KV cache woken.
 
         Returns:
-            Seconds and sizes of what it did: ``weight_sync_s`` and ``weight_sync_gb_per_s`` (when it synced),
-            ``offload_s`` and ``offload_gb`` (device GB freed; when offloading).
+            Seconds and sizes of what it did: ``weight_sync_s``, ``weight_sync_gb_per_s`` and
+            ``weight_sync_bytes/<path>`` (bytes sent per engine, under the path that ran: ``full``,
+            ``lora_adapter`` or ``merged_full``, :class:`~afm_core.rl.weight_sync.WeightSyncStats`) when it synced;
+            ``offload_s`` and ``offload_gb`` (device GB freed) when offloading.
         """
         if self.turn == "engine":
             return {}
@@ -212,6 +215,7 @@ class Handover:
             stats = self.actor.sync_weights(self.trainers[0].model, self.bucket_bytes, before_kv_cache=offload)
             times.update(weight_sync_s=time.perf_counter() - start - times.get("offload_s", 0.0))
             times["weight_sync_gb_per_s"] = stats.gb_per_s
+            times[f"weight_sync_bytes/{stats.path}"] = float(stats.bytes)  # the key says which path ran
             self.stale = False
         else:
             self.actor.wake(before_kv_cache=offload)

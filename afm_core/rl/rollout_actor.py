@@ -135,6 +135,9 @@ class RolloutActor:
             # in fp32 their logprobs agree to ~1e-5 (TIS, tests); in bf16 each rounds its own way (~1e-3)
             trainer_dtype = training_dtype(self.config.precision, warn=False)
             engine_args["dtype"] = str(trainer_dtype).removeprefix("torch.")
+        if self.config.lora.enabled:  # the engine serves the synced adapters on its base (afm_core.rl.lora_sync)
+            engine_args.update(max_lora_rank=self.config.lora.rank,
+                               lora_dir=str(Path(self.config.run_dir) / "weight_sync" / "lora"))  # fmt: skip
         set_num_threads, threads = torch.set_num_threads, torch.get_num_threads()
         self.engine = cast("ColocatedEngine", self.run(build_engine(engine_args, self.hf_dir, self.tokenizer)))
         set_num_threads(threads)  # vLLM may patch torch's thread setter; the trainer keeps its threads

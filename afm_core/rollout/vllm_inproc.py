@@ -26,7 +26,7 @@ from vllm.inputs import TokensPrompt
 
 from afm_core.rollout.engine import EngineDead, EngineError, Generation, SamplingConfig
 from afm_core.rollout.vllm_platform import engine_args, modules_hidden_from_vllms_kernel_scan, unlink_cpu_shm_files
-from afm_core.rollout.vllm_requests import DeltaOutputs, sampling_params
+from afm_core.rollout.vllm_requests import DeltaOutputs, ServedAdapter, sampling_params
 from afm_core.rollout.vllm_settings import VLLMConfig
 from afm_core.utils.hardware import cuda_available
 
@@ -89,6 +89,7 @@ class InprocVLLMEngine:
         self.sampled_tokens = 0  # tokens the engine's steps returned, live (a round's token budget reads it)
         self._commands: list[Command] = []
         self._stepper: asyncio.Task | None = None
+        self.adapter = ServedAdapter()  # the LoRA adapter every request carries (cfg.max_lora_rank > 0)
 
     @classmethod
     def create(cls, cfg: VLLMConfig) -> InprocVLLMEngine:
@@ -170,7 +171,8 @@ class InprocVLLMEngine:
             if command[0] == "add":
                 _, rid, prompt_ids, params = command
                 try:
-                    engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids), params)
+                    engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt_ids), params,
+                                       lora_request=self.adapter.request)  # fmt: skip
                 except Exception as e:  # vLLM's input validation: same outcome on every rank of a group
                     rejected.append((rid, e))
             else:
@@ -255,6 +257,45 @@ class InprocVLLMEngine:
     async def reset_prefix_cache(self) -> None:
         """Drop cached KV (after a weight update it was computed with the old weights)."""
         self.llm.reset_prefix_cache()
+
+    @property
+    def serves_adapters(self) -> bool:
+        """The engine was started with LoRA (``cfg.max_lora_rank`` > 0): a weight sync may send adapters only."""
+        return self.cfg.max_lora_rank > 0
+
+    @property
+    def adapter_dir(self) -> str | None:
+        """Where the trainer writes the adapters this engine loads (``cfg.lora_dir``)."""
+        return self.cfg.lora_dir
+
+    @property
+    def model_dir(self) -> str:
+        """The HF checkpoint directory the engine serves (``cfg.model``): a LoRA adapter's base."""
+        return self.cfg.model
+
+    @property
+    def next_adapter_id(self) -> int:
+        """The int id the next :meth:`load_adapter` gives its ``LoRARequest``."""
+        return self.adapter.next_id
+
+    async def load_adapter(self, path: str) -> int:
+        """Serve the PEFT adapter directory ``path`` (``adapter_config.json`` + ``adapter_model.safetensors``) from
+        now on: the previous adapter is removed and this one loaded at once (vLLM ``LLMEngine.remove_lora`` /
+        ``add_lora``, read from disk by the worker's LoRA manager), and every later request carries it
+        (:class:`~afm_core.rollout.vllm_requests.ServedAdapter`). Returns its int id.
+
+        Raises:
+            RuntimeError: requests are in flight, or the engine was started without LoRA.
+        """
+        self._check_idle("load_adapter")
+        if not self.serves_adapters:
+            raise RuntimeError("load_adapter: the engine was started without LoRA (VLLMConfig.max_lora_rank=0)")
+        request, old = self.adapter.swap(path)
+        engine = self.llm.llm_engine
+        if old is not None:
+            engine.remove_lora(old)
+        engine.add_lora(request)
+        return request.lora_int_id
 
     async def sleep(self, level: int = 1) -> None:
         """Free GPU memory while the trainer runs (vLLM ``LLM.sleep``): level 1 offloads the weights to CPU

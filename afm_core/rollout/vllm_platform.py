@@ -144,6 +144,8 @@ def engine_args(cfg: VLLMConfig) -> dict[str, Any]:
         args["distributed_executor_backend"] = ENGINE_CORE_WORKER  # no third process (see vllm_engine.VLLMEngine.start)
     if cfg.enable_sleep_mode:
         args["enable_sleep_mode"] = True
+    if cfg.max_lora_rank:  # one adapter at a time, the policy's (vLLM-CPU: PunicaWrapperCPU's torch kernels)
+        args.update(enable_lora=True, max_lora_rank=cfg.lora_engine_rank, max_loras=1, max_cpu_loras=1)
     return args
 
 

@@ -1,6 +1,7 @@
 """One request between the agent loop's engine interface and vLLM, for both wrappers (``AsyncLLM``:
 :mod:`afm_core.rollout.vllm_engine`; ``LLMEngine`` in this process: :mod:`afm_core.rollout.vllm_inproc`): the
-``SamplingParams`` of a :class:`~afm_core.rollout.engine.SamplingConfig`, and vLLM's ``RequestOutput`` as a
+``SamplingParams`` of a :class:`~afm_core.rollout.engine.SamplingConfig`, the ``LoRARequest`` of the adapter the
+engine serves (:class:`ServedAdapter`), and vLLM's ``RequestOutput`` as a
 :class:`~afm_core.rollout.engine.Generation` (the final output, or the ``DELTA`` outputs joined)."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm import SamplingParams
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind
 
 from afm_core.rollout.engine import EngineError, Generation, SamplingConfig
@@ -99,3 +101,27 @@ class DeltaOutputs:
             stop_reason=None if paused else self.stop_reason,
             paused=paused,
         )
+
+
+class ServedAdapter:
+    """The one LoRA adapter an engine serves, the RL policy's (``enable_lora``, ``max_loras=1``): every request
+    carries :attr:`request`, and each weight sync swaps in a new ``LoRARequest`` (:meth:`swap`) under the next
+    int id and name: vLLM loads an adapter once per int id (``vllm/lora/worker_manager.py``,
+    ``LRUCacheWorkerLoRAManager.add_adapter``) and keys the prefix cache's blocks by its name and path
+    (``vllm/v1/core/kv_cache_utils.py``, ``_gen_lora_extra_hash_keys``), so a new id, name and directory per sync
+    make it read the new weights and reuse no KV computed with the old ones. (verl removes and re-adds its
+    adapter at every sync too, from tensors through a patched loader: ``verl/utils/vllm/utils.py``
+    ``TensorLoRARequest``.) The ids count the same on every rank of a lockstep group (each rank swaps at the same
+    syncs), so the group's schedulers see the same requests."""
+
+    def __init__(self) -> None:
+        self.request: LoRARequest | None = None
+        self.next_id = 1  # vLLM's LoRA ids are positive
+
+    def swap(self, path: str) -> tuple[LoRARequest, int | None]:
+        """A new ``LoRARequest`` of the PEFT adapter directory ``path`` under :attr:`next_id`, made :attr:`request`,
+        and the id of the one it replaces (None: the first) for the engine to drop (``remove_lora``)."""
+        old = self.request.lora_int_id if self.request is not None else None
+        self.request = LoRARequest(f"policy-{self.next_id}", self.next_id, str(path))
+        self.next_id += 1
+        return self.request, old

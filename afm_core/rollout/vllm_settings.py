@@ -8,6 +8,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+#: The adapter ranks vLLM's LoRA kernels are built for (``vllm/config/lora.py`` ``MaxLoRARanks``).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
 
 @dataclass
 class VLLMSettings:
@@ -64,15 +67,22 @@ class VLLMConfig(VLLMSettings):
             ranks); None: vLLM's default.
         enable_sleep_mode: allow :meth:`~afm_core.rollout.vllm_inproc.InprocVLLMEngine.sleep` / ``wake_up``
             (CUDA only: vLLM refuses it on CPU).
+        max_lora_rank: serve LoRA adapters up to this rank (vLLM's ``enable_lora``, one adapter at a time: the RL
+            policy's, :meth:`~afm_core.rollout.vllm_inproc.InprocVLLMEngine.load_adapter`); 0: no LoRA.
+        lora_dir: where the trainer writes the adapters this engine loads (a directory every rank of the job
+            sees: the run dir's); set with ``max_lora_rank``.
 
     Raises:
-        ValueError: ``external_launcher`` without ``in_process``.
+        ValueError: ``external_launcher`` without ``in_process``; ``max_lora_rank`` < 0 or above vLLM's largest
+            (:data:`LORA_RANKS`); ``max_lora_rank`` without ``lora_dir``.
     """
 
     model: str
     in_process: bool = False
     distributed_executor_backend: str | None = None
     enable_sleep_mode: bool = False
+    max_lora_rank: int = 0
+    lora_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.distributed_executor_backend == "external_launcher" and not self.in_process:
@@ -80,6 +90,15 @@ class VLLMConfig(VLLMSettings):
                 "engine.distributed_executor_backend=external_launcher needs engine.in_process=true (the engine "
                 "core must run in the ranks of the torch.distributed world)"
             )
+        if not 0 <= self.max_lora_rank <= LORA_RANKS[-1]:
+            raise ValueError(f"max_lora_rank={self.max_lora_rank}: 0 (no LoRA) up to vLLM's {LORA_RANKS[-1]}")
+        if self.max_lora_rank and not self.lora_dir:
+            raise ValueError("max_lora_rank > 0 needs lora_dir (where the trainer writes the adapters to serve)")
+
+    @property
+    def lora_engine_rank(self) -> int:
+        """vLLM's ``max_lora_rank`` for :attr:`max_lora_rank`: the smallest of :data:`LORA_RANKS` that holds it."""
+        return next(rank for rank in LORA_RANKS if rank >= self.max_lora_rank)
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any], model: str) -> VLLMConfig:
