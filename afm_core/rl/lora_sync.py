@@ -22,7 +22,8 @@ patched loader, ``verl/utils/vllm/utils.py`` ``TensorLoRARequest``); here vLLM's
 The bytes moved are the adapter file's: at rank 16 on SmolLM2-135M ~3% of the full sync's (measured by
 ``tests/rl/test_lora_rl.py``); ``jobs.plan`` states the ratio for a model it plans. An engine started without
 LoRA gets the merged weights through the full sync instead (``W + scale * B @ A``: the export merges,
-:func:`afm_core.models.hf_weights.export_hf_weights`); :attr:`WeightSyncStats.path` says which ran.
+:func:`afm_core.models.hf_weights.export_hf_weights`). :func:`afm_core.rl.weight_sync.sync_weights_async` picks
+the path, and its ``WeightSyncStats.path`` says which ran.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-
-from afm_core.rl.weight_sync import WeightSyncStats
 
 #: ``WeightSyncStats.path`` of each sync: every weight (no adapters), the adapters alone, the merged weights.
 PATHS = ("full", "lora_adapter", "merged_full")
@@ -68,7 +67,7 @@ def serves_adapters(engine: object) -> bool:
     return bool(getattr(engine, "serves_adapters", False))
 
 
-async def sync_adapter(engine: AdapterReceiver, model_chunks: Sequence[torch.nn.Module]) -> WeightSyncStats:
+async def sync_adapter(engine: AdapterReceiver, model_chunks: Sequence[torch.nn.Module]) -> tuple[float, int]:
     """Send this rank's policy adapters to ``engine`` (the module docstring's three steps).
 
     Collective over the job's ranks (the gather, rank 0's write, a barrier): every rank calls it at the same
@@ -79,7 +78,7 @@ async def sync_adapter(engine: AdapterReceiver, model_chunks: Sequence[torch.nn.
             ``model_dir`` (the HF base it serves) is the adapter's ``base_model_name_or_path``.
         model_chunks: this rank's policy chunks with LoRA adapters (wrapped or not).
     Returns:
-        :class:`WeightSyncStats` with ``path="lora_adapter"``, ``bytes`` the adapter file's size, one bucket.
+        ``(gather_s, bytes)``: seconds of the gather and write (with the barrier), the adapter file's size.
     Raises:
         RuntimeError: the engine has no ``lora_dir``, or vLLM refused the adapter (e.g. a rank above the engine's
             ``max_lora_rank``).
@@ -99,6 +98,4 @@ async def sync_adapter(engine: AdapterReceiver, model_chunks: Sequence[torch.nn.
                 shutil.rmtree(old, ignore_errors=True)
     await engine.load_adapter(str(out))
     await engine.reset_prefix_cache()
-    return WeightSyncStats(seconds=time.perf_counter() - start, gather_s=gather_s,
-                           bytes=(out / ADAPTER_WEIGHTS).stat().st_size, buckets=1, transport="file",
-                           path="lora_adapter")  # fmt: skip
+    return gather_s, (out / ADAPTER_WEIGHTS).stat().st_size

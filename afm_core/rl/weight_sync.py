@@ -410,7 +410,10 @@ async def sync_weights_async(
     from afm_core.rl import lora_sync
 
     if lora_config_of(model_chunks) is not None and engine is not None and lora_sync.serves_adapters(engine):
-        return await lora_sync.sync_adapter(cast("lora_sync.AdapterReceiver", engine), model_chunks)
+        start = time.perf_counter()
+        gather_s, sent = await lora_sync.sync_adapter(cast("lora_sync.AdapterReceiver", engine), model_chunks)
+        return WeightSyncStats(seconds=time.perf_counter() - start, gather_s=gather_s, bytes=sent, buckets=1,
+                               transport="file", path="lora_adapter")  # fmt: skip
     protocol = _sync_protocol(
         None if engine is None else engine_in_process(engine), model_chunks, bucket_bytes, transport
     )
