@@ -410,7 +410,7 @@ def checkpoint_plan(
 def suggest(job: JobConfig, max_tries: int = 4) -> list[str] | None:
     """Overrides of ``parallel.*`` that make the job fit its GPUs, or None: the first of up to ``max_tries`` layouts
     (the largest TP within a node first, then the fewest pipeline stages) with full recompute, sequence parallelism
-    and the distributed optimizer."""
+    and the distributed optimizer (sequence parallelism too, but not with LoRA adapters)."""
     layout = layout_of(job)
     arch = arch_from_hf_config(hf_config_of(job.model))
     groups = arch.num_query_groups
@@ -429,7 +429,7 @@ def suggest(job: JobConfig, max_tries: int = 4) -> list[str] | None:
             "tp": tp,
             "pp": pp,
             "recompute": "full",
-            "sequence_parallel": tp > 1 and layout.on_gpu,
+            "sequence_parallel": tp > 1 and layout.on_gpu and not layout.lora_rank,  # LoRA does not cover it
             "distributed_optimizer": True,
         }
         try:
