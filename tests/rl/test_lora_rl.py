@@ -75,8 +75,9 @@ def randomize_adapters(chunks, scale: float, seed: int) -> None:
 
 def test_a_lora_policy_trains_its_adapters_and_its_kl_reference_is_its_own_base_model(tmp_path, monkeypatch):
     """One rank, tiny-llama, ``model.lora.rank=8`` with the KL loss on: the reference is the policy's chunks (one
-    GPTModel in the process, every parameter storage once), its logprobs equal those of the base model built
-    from the HF weights alone while the policy's differ, and a policy update changes the adapters only."""
+    GPTModel in the process), its logprobs equal those of the base model built from the HF weights alone while the
+    policy's differ, a policy update changes the adapters only, and a resumed policy (its base from the HF
+    checkpoint, its adapters from the RL checkpoint) is the same policy."""
     from megatron.core.models.gpt import GPTModel
 
     from afm_core.config.rl import rl_config as as_rl_config
@@ -102,7 +103,7 @@ def test_a_lora_policy_trains_its_adapters_and_its_kl_reference_is_its_own_base_
         assert policy.reference is not None and len(policy.reference) == len(policy.model)
         assert all(ref is chunk for ref, chunk in zip(policy.reference, policy.model))
         gc.collect()
-        assert sum(isinstance(o, GPTModel) for o in gc.get_objects()) == 1, "a second model was built"
+        assert sum(issubclass(type(o), GPTModel) for o in gc.get_objects()) == 1, "a second model was built"
         trainable = [n for chunk in policy.model for n, p in chunk.named_parameters() if p.requires_grad]
         assert trainable and all(is_adapter_name(n) for n in trainable)
 
@@ -128,6 +129,17 @@ def test_a_lora_policy_trains_its_adapters_and_its_kl_reference_is_its_own_base_
         assert stats["actor/kl"] > 0  # the adapters moved the policy off its base
         moved = {n for chunk in policy.model for n, p in chunk.named_parameters() if not torch.equal(p, before[n])}
         assert moved and all(is_adapter_name(n) for n in moved), sorted(moved)[:4]
+
+        # a resume (load_weights=False, as the driver builds it) gets its base from the HF checkpoint, its
+        # adapters from the checkpoint (which holds them alone): the same policy
+        path = policy.save(1, {"step": 1})
+        resumed = PolicyTrainer(config, layout, hf_dir, run, 0, load_weights=False)
+        assert resumed.load(path)["step"] == 1
+        for chunk in policy.model + resumed.model:
+            chunk.eval()
+        (trained,) = compute_logprobs(policy.model, [batch], temperature=TEMPERATURE)
+        (back,) = compute_logprobs(resumed.model, [batch], temperature=TEMPERATURE)
+        assert torch.equal(back["logprobs"], trained["logprobs"])
     finally:
         destroy_distributed()
 
