@@ -19,7 +19,7 @@ verl does the same for its LoRA rollouts (``docs/advance/ppo_lora.rst``: "only t
 ``verl/workers/rollout/vllm_rollout/`` removes and re-adds a ``LoRARequest`` each sync, from tensors through a
 patched loader, ``verl/utils/vllm/utils.py`` ``TensorLoRARequest``); here vLLM's own loader reads a directory.
 
-The bytes moved are the adapter file's: at rank 16 on SmolLM2-135M ~3% of the full sync's (measured by
+The bytes moved are the adapter file's: at rank 16 on SmolLM2-135M 3.6% of the full sync's (measured by
 ``tests/rl/test_lora_rl.py``); ``jobs.plan`` states the ratio for a model it plans. An engine started without
 LoRA gets the merged weights through the full sync instead (``W + scale * B @ A``: the export merges,
 :func:`afm_core.models.hf_weights.export_hf_weights`). :func:`afm_core.rl.weight_sync.sync_weights_async` picks
