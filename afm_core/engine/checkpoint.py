@@ -42,7 +42,6 @@ import logging
 import queue
 import random
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -191,7 +190,9 @@ class MegatronShards:
                     "LoRA checkpoint: the base model's weights were not loaded from an HF checkpoint "
                     "(afm_core.models.hf_weights.load_hf_weights), so the base the adapters need is unknown"
                 )
-            self._record = {"lora": asdict(self.lora), "base": base_identity(base)}
+            lora = {"rank": self.lora.rank, "alpha": self.lora.alpha, "dropout": self.lora.dropout,
+                    "target_modules": list(self.lora.target_modules)}  # fmt: skip
+            self._record = {"lora": lora, "base": base_identity(base)}
         return self._record
 
     def save(self, staging: Path, common: dict[str, Any]) -> None:

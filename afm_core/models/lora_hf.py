@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from megatron.core import parallel_state as ps
@@ -34,7 +34,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import unwrap_model
 from safetensors.torch import save_file
 
-from afm_core.models.lora import lora_config_of
+from afm_core.models.lora import LoRAConfig, lora_config_of
 from afm_core.utils.atomic import atomic_dir
 
 #: PEFT's adapter file names (``peft/utils/constants.py``).
@@ -49,22 +49,12 @@ HF_MODULES = {
 _PREFIX = "base_model.model.model.layers"
 
 
-class LoRASettings(Protocol):
-    """The adapter settings read here (``afm_core.config.lora.LoRAConfig``'s fields; ``models`` sits below
-    ``config`` in the package order)."""
-
-    rank: int
-    alpha: float
-    dropout: float
-    target_modules: list[str]
-
-
-def hf_target_modules(lora: LoRASettings) -> list[str]:
+def hf_target_modules(lora: LoRAConfig) -> list[str]:
     """PEFT's ``target_modules`` (HF module names, e.g. ``q_proj``) of ``lora.target_modules`` (Megatron's)."""
     return [hf.rsplit(".", 1)[-1] for name in lora.target_modules for hf in HF_MODULES[name]]
 
 
-def peft_config(lora: LoRASettings, base_dir: str | os.PathLike) -> Any:
+def peft_config(lora: LoRAConfig, base_dir: str | os.PathLike) -> Any:
     """The ``peft.LoraConfig`` of the adapters (``r``, ``lora_alpha``, ``lora_dropout``, HF ``target_modules``,
     no bias, no rsLoRA: scale ``alpha / r``), with ``base_model_name_or_path`` the HF base directory."""
     from peft import LoraConfig  # transformers + peft: only an adapter export needs them
@@ -104,7 +94,7 @@ def _split_qkv_rows(b: torch.Tensor, config: Any) -> list[torch.Tensor]:
     return [part.reshape(-1, b.shape[-1]) for part in fused.split([q_len, head_dim, head_dim], dim=1)]
 
 
-def _layer_tensors(layer: TransformerLayer, lora: LoRASettings) -> dict[str, torch.Tensor]:
+def _layer_tensors(layer: TransformerLayer, lora: LoRAConfig) -> dict[str, torch.Tensor]:
     """PEFT name -> whole CPU tensor of one layer's adapters (collective over TP)."""
     index, out = layer.layer_number - 1, {}
     for name, module in layer.named_modules():
