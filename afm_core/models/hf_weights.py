@@ -38,7 +38,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_model_config
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig
 
 from afm_core.models.arch import arch_from_hf_config
 from afm_core.models.lora import adapted_modules, merged_weight
@@ -280,6 +280,8 @@ def _write_config_and_tokenizer(hf_config: Any, dtype: torch.dtype, tokenizer_di
     config = type(hf_config).from_dict(hf_config.to_dict())
     config.dtype = dtype
     config.save_pretrained(out)
+    from transformers import AutoTokenizer, GenerationConfig  # an export only: a rank's start needs neither
+
     AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True).save_pretrained(out)
     if (tokenizer_dir / "generation_config.json").is_file():
         GenerationConfig.from_pretrained(tokenizer_dir, local_files_only=True).save_pretrained(out)

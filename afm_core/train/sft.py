@@ -46,7 +46,6 @@ from afm_core.models import gpt
 from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
 from afm_core.models.hf_weights import load_hf_weights, save_hf_checkpoint
 from afm_core.models.lora import apply_lora
-from afm_core.train.deepspeed_engine import init_deepspeed_distributed, train_deepspeed
 from afm_core.train.trainer import SFTTrainer
 from afm_core.utils.host_memory import configure_allocator
 
@@ -176,6 +175,10 @@ def run_sft(config: SFTConfig) -> dict[str, Any]:
             print(f"[sft] contrastive pairs ({split}): {report}", flush=True)
     max_steps = resolve_max_steps(t, num_train)
     if t.engine == "deepspeed":
+        # DeepSpeed (and, through transformers' set_seed, peft and the tokenizers) only for its engine: a Megatron
+        # rank's start-up imports neither
+        from afm_core.train.deepspeed_engine import init_deepspeed_distributed, train_deepspeed
+
         layout = init_deepspeed_distributed(config.parallel, num_threads=t.num_threads)
     else:
         layout = init_distributed(config.parallel, seed=t.seed, num_threads=t.num_threads)
