@@ -48,6 +48,9 @@ def test_a_lora_checkpoint_exports_merged_and_as_a_peft_adapter_with_matching_lo
     assert len(tensors) == 2 * 7 * 2  # layers x (q, k, v, o, gate, up, down) x (A, B)
     assert tensors["base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight"].shape == (64, 8)  # 2 kv heads
     assert tensors["base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"].shape == (8, 256)
+    assert trained["adapter_dir"] == str(run_dir / "hf_adapter")  # the run's own adapter export is the same
+    for name, tensor in load_file(run_dir / "hf_adapter" / "adapter_model.safetensors").items():
+        torch.testing.assert_close(tensors[name], tensor, rtol=0, atol=0, msg=name)
     exported = weights(merged)  # the trainer's own export (merged at TP=2, per shard) is the same model
     assert exported.keys() == weights(run_dir / "hf").keys()
     for name, tensor in weights(run_dir / "hf").items():

@@ -46,6 +46,7 @@ from afm_core.models import gpt
 from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
 from afm_core.models.hf_weights import load_hf_weights, save_hf_checkpoint
 from afm_core.models.lora import apply_lora
+from afm_core.models.lora_hf import save_peft_adapter
 from afm_core.train.trainer import SFTTrainer
 from afm_core.utils.host_memory import configure_allocator
 
@@ -135,7 +136,10 @@ def _train_megatron(
     export = None
     if t.export_hf and not summary["stopped_early"]:
         trainer.core.release_training_state()  # saved in the last checkpoint; the export needs the weights only
-        export = str(save_hf_checkpoint(trainer.model, hf_config, hf_dir, Path(config.run_dir) / "hf"))
+        export = str(save_hf_checkpoint(trainer.model, hf_config, hf_dir, Path(config.run_dir) / "hf"))  # merged
+        if lora.enabled:  # and the adapters alone, for peft / vLLM's --enable-lora on the same base
+            adapter = str(save_peft_adapter(trainer.model, hf_dir, Path(config.run_dir) / "hf_adapter"))
+            summary = {**summary, "adapter_dir": adapter}
     return {**summary, "hf_dir": export, "engine": "megatron"}
 
 
