@@ -15,10 +15,11 @@ one after the other, never at once:
   the base frozen, at 10x the learning rates (2e-3 / 2e-4: the ratio of the best LoRA rate to the best full
   fine-tuning rate in Schulman et al. 2025, "LoRA Without Regret", Thinking Machines).
 
-Peak RSS: the job's process tree (``jobs.sft``, the submitit rank it starts, their children) sampled every
-``--interval`` seconds with psutil, the largest sum of the members' resident sets (``tree_peak``), and the
-largest ``VmHWM`` of one member (``rank_peak``: the kernel's own high-water mark of the training rank, exact
-between samples). Both include the interpreter, torch, the data and the HF export at the end. The held-out
+Peak memory: the job's process tree (``jobs.sft``, the submitit processes it starts, their children) sampled
+every ``--interval`` seconds with psutil, the largest sum of the members' proportional set sizes (``tree_peak``:
+PSS, so pages a forked child shares with its parent count once, where a sum of RSS counts them in each), and
+the largest ``VmHWM`` of one member (``rank_peak``: the kernel's own high-water mark of its resident set, the
+training rank's, exact between samples). Both include the interpreter, torch, the data and the HF export at the end. The held-out
 losses are the ones the job prints (``held-out masked loss: A -> B``: token-mean cross entropy over the masked
 targets of ``trainer.eval_sequences`` held-out packed sequences). RSS does not depend on the load of the machine;
 wall time does (printed with the load average, not compared).
@@ -59,15 +60,26 @@ def variants(rank: int, steps: int) -> dict[str, list[str]]:
     }
 
 
-def _hwm_bytes(pid: int) -> int:
-    """``VmHWM`` of a process (bytes), 0 when it is gone."""
+def _proc_kb(path: str, field: str) -> int:
+    """A ``field: N kB`` line of a ``/proc`` file, in bytes; 0 when the process is gone."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         pass
     return 0
+
+
+def _hwm_bytes(pid: int) -> int:
+    """``VmHWM`` of a process (bytes), 0 when it is gone."""
+    return _proc_kb(f"/proc/{pid}/status", "VmHWM")
+
+
+def _pss_bytes(pid: int) -> int:
+    """The proportional set size of a process (``/proc/PID/smaps_rollup``: each shared page divided among the
+    processes that map it, so a tree's sum counts a forked child's inherited pages once), 0 when it is gone."""
+    return _proc_kb(f"/proc/{pid}/smaps_rollup", "Pss")
 
 
 def run_job(name: str, overrides: list[str], run_dir: Path, interval: float) -> dict[str, Any]:
@@ -85,21 +97,19 @@ def run_job(name: str, overrides: list[str], run_dir: Path, interval: float) -> 
         proc = subprocess.Popen(cmd, cwd=repo_root(), stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONPATH": str(repo_root())})  # fmt: skip
         root = psutil.Process(proc.pid)
-        tree_peak, hwm = 0, dict[int, int]()
+        tree_peak, at_peak, hwm = 0, 0, dict[int, int]()
         while proc.poll() is None:
             members = [root]
             try:
                 members += root.children(recursive=True)
             except psutil.Error:
                 pass
-            total = 0
+            sizes = {}
             for member in members:
-                try:
-                    total += member.memory_info().rss
-                except psutil.Error:
-                    continue
+                sizes[member.pid] = _pss_bytes(member.pid)
                 hwm[member.pid] = max(hwm.get(member.pid, 0), _hwm_bytes(member.pid))
-            tree_peak = max(tree_peak, total)
+            if sum(sizes.values()) > tree_peak:
+                tree_peak, at_peak = sum(sizes.values()), len(sizes)
             time.sleep(interval)
     wall = time.perf_counter() - start
     text = log.read_text()
@@ -112,7 +122,8 @@ def run_job(name: str, overrides: list[str], run_dir: Path, interval: float) -> 
         "eval_loss_before": before,
         "eval_loss_after": after,
         "eval_loss_drop": 1 - after / before,
-        "tree_peak_rss_bytes": tree_peak,
+        "tree_peak_pss_bytes": tree_peak,
+        "tree_processes_at_peak": at_peak,
         "rank_peak_rss_bytes": max(hwm.values(), default=0),
         "wall_s": wall,
         "log": str(log),
@@ -121,21 +132,21 @@ def run_job(name: str, overrides: list[str], run_dir: Path, interval: float) -> 
 
 def report(results: dict[str, Any]) -> None:
     """Print the rows of ``results["runs"]`` and, with both variants, set and print ``results["ratios"]``."""
-    print(f"\n{'variant':8} {'held-out loss':>20} {'drop':>7} {'tree peak RSS':>14} {'rank VmHWM':>11} {'wall':>7}")
+    print(f"\n{'variant':8} {'held-out loss':>20} {'drop':>7} {'tree peak PSS':>14} {'rank VmHWM':>11} {'wall':>7}")
     for name, r in results["runs"].items():
         print(
             f"{name:8} {r['eval_loss_before']:9.4f} -> {r['eval_loss_after']:7.4f} {r['eval_loss_drop']:7.1%} "
-            f"{r['tree_peak_rss_bytes'] / GIB:10.2f} GiB {r['rank_peak_rss_bytes'] / GIB:7.2f} GiB {r['wall_s']:6.0f} s"
+            f"{r['tree_peak_pss_bytes'] / GIB:10.2f} GiB {r['rank_peak_rss_bytes'] / GIB:7.2f} GiB {r['wall_s']:6.0f} s"
         )
     runs = results["runs"]
     if {"full", "lora"} <= runs.keys():
         full, lora = runs["full"], runs["lora"]
         results["ratios"] = {
-            "tree_peak_rss": lora["tree_peak_rss_bytes"] / full["tree_peak_rss_bytes"],
+            "tree_peak_pss": lora["tree_peak_pss_bytes"] / full["tree_peak_pss_bytes"],
             "rank_peak_rss": lora["rank_peak_rss_bytes"] / full["rank_peak_rss_bytes"],
         }
         print(
-            f"LoRA / full: tree peak RSS {results['ratios']['tree_peak_rss']:.2f}x, rank VmHWM "
+            f"LoRA / full: tree peak PSS {results['ratios']['tree_peak_pss']:.2f}x, rank VmHWM "
             f"{results['ratios']['rank_peak_rss']:.2f}x; held-out loss drop {lora['eval_loss_drop']:.1%} (LoRA) vs "
             f"{full['eval_loss_drop']:.1%} (full)"
         )
