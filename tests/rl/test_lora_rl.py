@@ -28,17 +28,23 @@ TEMPERATURE = 0.7
 
 #: What makes ``tests/rl/test_rl_learns.py``'s learning run a LoRA run (a ``Case`` there, with
 #: :func:`adapters_synced_every_step` as its check): rank 16 on its SmolLM2 (alpha 32: scale 2) and the adapters'
-#: learning rate 10x the full fine-tune's 1e-5 (LoRA's usual ratio, verl ``docs/advance/ppo_lora.rst``).
-LORA_LEARNS = ("model.lora.rank=16", "optim.lr=1.0e-4", "optim.min_lr=1.0e-4")
+#: learning rate 30x the full fine-tune's 1e-5 (at 10x, 1e-4, the reward had risen +2.2 SE after 6 of 8 steps;
+#: at 3e-4 +9.1 SE after 8, measured).
+LORA_LEARNS = ("model.lora.rank=16", "optim.lr=3.0e-4", "optim.min_lr=3.0e-4")
 
 
 def adapters_synced_every_step(run: Path) -> None:
-    """A LoRA learning run's check: every rollout step's weight sync sent the adapters alone (the metrics'
-    ``weight_sync_bytes/lora_adapter``; no full or merged sync), a few MB each."""
-    records = [json.loads(line) for line in (run / "metrics.jsonl").open()]
-    train = [r for r in records if r["split"] == "train"]
-    assert train and all(0 < r.get("weight_sync_bytes/lora_adapter", 0) < 64e6 for r in train), train
-    assert not any(k.startswith("weight_sync_bytes/") and "lora" not in k for r in train for k in r)
+    """A LoRA learning run's check: every weight sync of the run sent the adapters alone (the metrics'
+    ``weight_sync_bytes/lora_adapter``, a few MB; never a full or merged sync). A step after one that trained
+    nothing (dynamic sampling kept no group) has no sync."""
+    train = [json.loads(line) for line in (run / "metrics.jsonl").open() if json.loads(line)["split"] == "train"]
+    synced = [r for r in train if any(k.startswith("weight_sync_bytes/") for k in r)]
+    assert synced and synced[0] is train[0], "the first step's record carries the first sync"
+    for r in synced:
+        sizes = {k: v for k, v in r.items() if k.startswith("weight_sync_bytes/")}
+        assert (
+            list(sizes) == ["weight_sync_bytes/lora_adapter"] and 0 < sizes["weight_sync_bytes/lora_adapter"] < 64e6
+        ), r
 
 
 def _samples(n: int, seed: int = 0) -> list[Sample]:
