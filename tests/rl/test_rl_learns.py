@@ -13,7 +13,8 @@ DAPO's dynamic sampling, one generation batch a step); 8 steps at a constant lea
 How: the mean reward of every sample generated in the last 2 rollout steps against the first 2 (64 samples each,
 read from the rollout dumps), with the standard error of the difference of the two means
 (``sqrt(var_first / n_first + var_last / n_last)``, samples counted as independent). Every learning run of the table
-:data:`CASES` (plain DAPO; partial rollouts with every other group paused across a weight update) must gain more than
+:data:`CASES` (plain DAPO; partial rollouts with every other group paused across a weight update; LoRA at rank 16 with
+its adapters synced alone) must gain more than
 3 standard errors. One negative control serves the whole table: the partial-rollout run with the GRPO advantages
 negated by a monkeypatch in its rank (this module's :func:`flip_advantage_sign`, not a production switch) must not
 gain more than 1. It is the run whose sampling and measuring contain every case's: its groups are drawn, rewarded
@@ -39,6 +40,7 @@ from pathlib import Path
 import pytest
 
 from tests.rl.helpers import rl_config, run_rl_ranks
+from tests.rl.test_lora_rl import LORA_LEARNS, adapters_synced_every_step
 
 THINGS = ["a color", "an animal", "a fruit", "a country", "a city", "a sport", "a planet", "a flower", "a tree",
           "a bird", "a metal", "a drink", "a tool", "a river", "a fish", "a game"]  # fmt: skip
@@ -188,6 +190,8 @@ CASES = [
     Case("dapo"),
     Case("partial_rollouts_paused_across_a_weight_update", PARTIAL, _paused_trajectories,
          _trained_tokens_sampled_a_step_back),
+    # LoRA at rank 16 (base frozen, adapters alone synced into vLLM as a LoRARequest each step)
+    Case("lora_rank16_adapter_sync", LORA_LEARNS, check=adapters_synced_every_step),
 ]  # fmt: skip
 
 
