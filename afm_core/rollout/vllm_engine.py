@@ -37,12 +37,12 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from afm_core.rollout.engine import EngineDead, EngineError, Generation, InFlight, SamplingConfig
 from afm_core.rollout.vllm_inproc import InprocVLLMEngine
 from afm_core.rollout.vllm_platform import ENGINE_CORE_WORKER, engine_args, modules_hidden_from_vllms_kernel_scan
-from afm_core.rollout.vllm_requests import ServedAdapter, sampling_params, to_generation
+from afm_core.rollout.vllm_requests import ServedAdapter, ServesAdapter, sampling_params, to_generation
 from afm_core.rollout.vllm_settings import VLLMConfig
 from afm_core.utils.hardware import cuda_available
 
 
-class VLLMEngine:
+class VLLMEngine(ServesAdapter):
     """A vLLM ``AsyncLLM`` behind :class:`~afm_core.rollout.engine.GenerationEngine`.
 
     Create it inside a running event loop (``await VLLMEngine.start(cfg)``); call :meth:`close` when done.
@@ -140,26 +140,6 @@ class VLLMEngine:
     async def collective_rpc(self, method: str, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         """Call ``method`` on every vLLM worker (a worker-extension method, e.g. a weight load)."""
         return await self.llm.collective_rpc(method, args=args, kwargs=kwargs)
-
-    @property
-    def serves_adapters(self) -> bool:
-        """The engine was started with LoRA (``cfg.max_lora_rank`` > 0): a weight sync may send adapters only."""
-        return self.cfg.max_lora_rank > 0
-
-    @property
-    def adapter_dir(self) -> str | None:
-        """Where the trainer writes the adapters this engine loads (``cfg.lora_dir``)."""
-        return self.cfg.lora_dir
-
-    @property
-    def model_dir(self) -> str:
-        """The HF checkpoint directory the engine serves (``cfg.model``): a LoRA adapter's base."""
-        return self.cfg.model
-
-    @property
-    def next_adapter_id(self) -> int:
-        """The int id the next :meth:`load_adapter` gives its ``LoRARequest``."""
-        return self.adapter.next_id
 
     async def load_adapter(self, path: str) -> int:
         """Serve the PEFT adapter directory ``path`` from now on (``AsyncLLM.remove_lora`` of the previous one,

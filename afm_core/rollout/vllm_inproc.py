@@ -26,7 +26,7 @@ from vllm.inputs import TokensPrompt
 
 from afm_core.rollout.engine import EngineDead, EngineError, Generation, SamplingConfig
 from afm_core.rollout.vllm_platform import engine_args, modules_hidden_from_vllms_kernel_scan, unlink_cpu_shm_files
-from afm_core.rollout.vllm_requests import DeltaOutputs, ServedAdapter, sampling_params
+from afm_core.rollout.vllm_requests import DeltaOutputs, ServedAdapter, ServesAdapter, sampling_params
 from afm_core.rollout.vllm_settings import VLLMConfig
 from afm_core.utils.hardware import cuda_available
 
@@ -58,7 +58,7 @@ class Lockstep:
         return box[0]
 
 
-class InprocVLLMEngine:
+class InprocVLLMEngine(ServesAdapter):
     """vLLM's ``LLMEngine`` in this process behind :class:`~afm_core.rollout.engine.GenerationEngine`.
 
     Requests from concurrent coroutines are queued; one stepping task (on the caller's event loop) adds them to
@@ -257,26 +257,6 @@ class InprocVLLMEngine:
     async def reset_prefix_cache(self) -> None:
         """Drop cached KV (after a weight update it was computed with the old weights)."""
         self.llm.reset_prefix_cache()
-
-    @property
-    def serves_adapters(self) -> bool:
-        """The engine was started with LoRA (``cfg.max_lora_rank`` > 0): a weight sync may send adapters only."""
-        return self.cfg.max_lora_rank > 0
-
-    @property
-    def adapter_dir(self) -> str | None:
-        """Where the trainer writes the adapters this engine loads (``cfg.lora_dir``)."""
-        return self.cfg.lora_dir
-
-    @property
-    def model_dir(self) -> str:
-        """The HF checkpoint directory the engine serves (``cfg.model``): a LoRA adapter's base."""
-        return self.cfg.model
-
-    @property
-    def next_adapter_id(self) -> int:
-        """The int id the next :meth:`load_adapter` gives its ``LoRARequest``."""
-        return self.adapter.next_id
 
     async def load_adapter(self, path: str) -> int:
         """Serve the PEFT adapter directory ``path`` (``adapter_config.json`` + ``adapter_model.safetensors``) from

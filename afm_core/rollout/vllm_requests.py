@@ -125,3 +125,32 @@ class ServedAdapter:
         self.request = LoRARequest(f"policy-{self.next_id}", self.next_id, str(path))
         self.next_id += 1
         return self.request, old
+
+
+class ServesAdapter:
+    """What a weight sync reads of an engine that may serve the policy's LoRA adapter (both vLLM engines: the
+    ``AsyncLLM`` one and the in-process one); the class has ``cfg`` (its ``VLLMConfig``) and ``adapter`` (its
+    :class:`ServedAdapter`)."""
+
+    cfg: Any
+    adapter: ServedAdapter
+
+    @property
+    def serves_adapters(self) -> bool:
+        """The engine was started with LoRA (``cfg.max_lora_rank`` > 0): a weight sync may send adapters only."""
+        return self.cfg.max_lora_rank > 0
+
+    @property
+    def adapter_dir(self) -> str | None:
+        """Where the trainer writes the adapters this engine loads (``cfg.lora_dir``)."""
+        return self.cfg.lora_dir
+
+    @property
+    def model_dir(self) -> str:
+        """The HF checkpoint directory the engine serves (``cfg.model``): a LoRA adapter's base."""
+        return self.cfg.model
+
+    @property
+    def next_adapter_id(self) -> int:
+        """The int id the next :meth:`load_adapter` gives its ``LoRARequest``."""
+        return self.adapter.next_id
