@@ -86,6 +86,11 @@ class Layout:
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp * self.cp)
 
+    @property
+    def model_parallel(self) -> dict[str, Any]:
+        """``tp``, ``pp``, ``vpp``, ``cp``: the sizes the memory model's state and activation terms both read."""
+        return {"tp": self.tp, "pp": self.pp, "vpp": self.vpp, "cp": self.cp}
+
 
 def stage_table(stage: StageState, acts: Activations) -> dict[str, Any]:
     """One row of the plan's per-rank table (bytes and GiB)."""
@@ -133,10 +138,7 @@ def training_plan(hf_config: Any, layout: Layout) -> list[dict[str, Any]]:
     states = model_state(
         hf_config,
         world_size=layout.world_size,
-        tp=layout.tp,
-        pp=layout.pp,
-        vpp=layout.vpp,
-        cp=layout.cp,
+        **layout.model_parallel,
         params_dtype=dtype,
         distributed_optimizer=layout.distributed_optimizer,
         on_gpu=layout.on_gpu,
@@ -150,10 +152,7 @@ def training_plan(hf_config: Any, layout: Layout) -> list[dict[str, Any]]:
         acts = activations(
             arch,
             stage,
-            pp=layout.pp,
-            vpp=layout.vpp,
-            tp=layout.tp,
-            cp=layout.cp,
+            **layout.model_parallel,
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
             num_microbatches=layout.num_microbatches,
