@@ -124,8 +124,9 @@ def _adapter_input(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The input the adapter sees: the normalised input of an RMSNorm-fused linear (computed as its forward does,
     differentiable), else the linear's input."""
     if isinstance(module, NormColumnParallelLinear):
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + module.eps)
-        return (x.float() * rstd).to(x.dtype) * module.layer_norm_weight
+        x32 = x.float()  # one fp32 copy, kept once for backward by both products
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + module.eps)
+        return (x32 * rstd).to(x.dtype) * module.layer_norm_weight
     return x
 
 
