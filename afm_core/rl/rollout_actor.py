@@ -193,8 +193,8 @@ class RolloutActor:
                 target = RoundTarget(-(-target.groups // engines), target.keeps,
                                      None if target.tokens is None else -(-target.tokens // engines))  # fmt: skip
             try:
-                part: Round | None = self.generate(groups[engine::engines], tasks, n, stage, seed, version=version,
-                                                   target=target, keep_on_stop=keep_on_stop)  # fmt: skip
+                part: Round | None = self._generate_here(groups[engine::engines], tasks, n, stage, seed,
+                                                         version, target, keep_on_stop)  # fmt: skip
             except RolloutAborted:
                 part = None
             parts = gather_objects(part)
@@ -202,6 +202,21 @@ class RolloutActor:
                 raise RolloutAborted(f"a stop was requested during generation (aborted on ranks "
                                      f"{[r for r, p in enumerate(parts) if p is None]})")  # fmt: skip
             return Round.merge([p for p in parts if p is not None])
+        return self._generate_here(groups, tasks, n, stage, seed, version, target, keep_on_stop)
+
+    def _generate_here(
+        self,
+        groups: Sequence[Group],
+        tasks: Sequence[AgentTask],
+        n: int,
+        stage: Stage,
+        seed: int,
+        version: int,
+        target: RoundTarget | None,
+        keep_on_stop: bool,
+    ) -> Round:
+        """:meth:`generate` on this rank's engine alone (its ``gather=False`` case): a round is one call of
+        :meth:`generate`, whichever way it runs."""
         if self.follower:
             self.engine.follow()
             return Round([], stopped=False)
