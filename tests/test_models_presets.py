@@ -7,7 +7,14 @@ import yaml
 
 from afm_core.models import presets
 from afm_core.models.arch import ModelArch, arch_from_hf_config, hf_config_from_arch
-from afm_core.models.presets import PRESET_FIELDS, PresetError, available_presets, check_against_hf_config, load_preset
+from afm_core.models.presets import (
+    PRESET_FIELDS,
+    RUN_KEYS,
+    PresetError,
+    available_presets,
+    check_against_hf_config,
+    load_preset,
+)
 
 EXPECTED = {
     "smollm2-135m",
@@ -145,7 +152,7 @@ def test_each_architecture_field_is_declared_once_and_everything_else_derives_fr
         mcore_model_args,
     )
 
-    assert tuple(f.name for f in dataclasses.fields(ModelConfig)) == PRESET_FIELDS
+    assert tuple(f.name for f in dataclasses.fields(ModelConfig)) == (*PRESET_FIELDS, *RUN_KEYS)  # + model.lora
     assert tuple(HF_FIELD_NAMES) == ARCH_FIELDS
     assert set(MCORE_CONFIG_FIELDS) | set(MCORE_MODEL_ARGS) == set(ARCH_FIELDS) - {"family"}
     assert set(MCORE_CONFIG_FIELDS.values()) <= {f.name for f in dataclasses.fields(TransformerConfig)}

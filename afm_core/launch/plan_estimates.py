@@ -466,8 +466,8 @@ def lora_activation_bytes(
 
     * every target: ``h = A x`` (``r`` elements, ``B``'s input, on every TP rank);
     * ``linear_qkv``, ``linear_fc1`` (the RMSNorm-fused linears: the adapter normalises the input itself): the
-      normalised input (``h`` elements, ``A``'s input, replicated), the fp32 ``rstd`` (4 bytes) and, in bf16, two
-      fp32 upcasts of the input the norm's backward reads (``8 h`` bytes);
+      normalised input (``h`` elements, ``A``'s input, replicated), the fp32 ``rstd`` (4 bytes) and, in bf16, the
+      one fp32 upcast of the input the norm's backward reads (``4 h`` bytes);
     * ``linear_fc2`` (the base fuses SwiGLU into it and keeps only the FC1 output): the recomputed ``silu(gate)``
       and SwiGLU output, ``A``'s input (``2 f / tp`` elements);
     * ``linear_proj``: nothing more (its input is the base's saved attention output);
@@ -482,7 +482,7 @@ def lora_activation_bytes(
         fan_in = shapes[name][0] // (1 if name in LORA_COLUMN_PARALLEL else tp)
         total += rank * element_size
         if name in LORA_COLUMN_PARALLEL:
-            total += fan_in * element_size + 4 + (8 * fan_in if element_size != 4 else 0)
+            total += fan_in * element_size + 4 + (4 * fan_in if element_size != 4 else 0)
         elif name == "linear_fc2":
             total += 2 * fan_in * element_size
         if dropout:
