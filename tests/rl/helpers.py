@@ -9,12 +9,16 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
 from afm_core.utils.paths import shared_data_dir
 from tests.ranks import start_ranks
+
+if TYPE_CHECKING:
+    from afm_core.rl.grading import Sample
 
 needs_shared_data = pytest.mark.skipif(
     not shared_data_dir().is_dir(),
@@ -247,3 +251,26 @@ def pause_first_turns(tokens: int = 2) -> None:
         self.engine = FirstTurnPaused(self.engine, tokens)
 
     RolloutActor.start_engine = start_engine
+
+
+def paired_samples(n: int, seed: int = 0) -> list[Sample]:
+    """``n`` graded samples in groups of two, the first of each rewarded (6 prompt tokens, 10 response tokens with
+    an observation of 3 mid-response), drawn from one generator seeded ``seed``."""
+    from afm_core.rl.grading import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    return [
+        Sample(
+            uid=f"g{i // 2}",
+            task_id="t",
+            prompt_ids=torch.randint(0, 1000, (6,), generator=g).tolist(),
+            response_ids=torch.randint(0, 1000, (10,), generator=g).tolist(),
+            response_mask=[1] * 4 + [0] * 3 + [1] * 3,
+            logprobs=[0.0] * 10,
+            score=0.0,
+            format=1.0,
+            reward=float(i % 2 == 0),
+            finish_reason="eos",
+        )
+        for i in range(n)
+    ]

@@ -41,7 +41,7 @@ from afm_core.utils.paths import repo_root
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env
 from tests.ranks import start_ranks
-from tests.rl.helpers import needs_shared_data, rl_config, run_rl_ranks
+from tests.rl.helpers import needs_shared_data, paired_samples, rl_config, run_rl_ranks
 from tests.test_tracking import mlflow_history, tensorboard_scalars
 
 SCHEDULE = "[{until_step: 2, max_response_len: 32}, {max_response_len: 48}]"
@@ -484,7 +484,6 @@ def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
     from afm_core.engine.distributed import destroy_distributed, init_distributed
     from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
     from afm_core.rl.batch import response_values, sample_micro_batches
-    from afm_core.rl.grading import Sample
     from afm_core.rl.logprobs import compute_logprobs
     from afm_core.rl.policy_model import build_policy_model
     from afm_core.rl.policy_trainer import build_policy_trainer, policy_update
@@ -494,25 +493,7 @@ def _update_rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
         chunks, _ = build_policy_model(ensure_hf_checkpoint(cfg["model"]), layout)
         policy = as_rl_config({k: v for k, v in cfg.items() if k != "_samples"}).policy
         trainer = build_policy_trainer(policy, layout, chunks, Path(cfg["run_dir"]), 10)
-        g = torch.Generator().manual_seed(0)
-        samples = []
-        for i in range(cfg.get("_samples", 4)):  # groups of two; observation tokens (mask 0) mid-response
-            prompt = torch.randint(0, 1000, (6,), generator=g).tolist()
-            response = torch.randint(0, 1000, (10,), generator=g).tolist()
-            samples.append(
-                Sample(
-                    uid=f"g{i // 2}",
-                    task_id="t",
-                    prompt_ids=prompt,
-                    response_ids=response,
-                    response_mask=[1] * 4 + [0] * 3 + [1] * 3,
-                    logprobs=[0.0] * 10,
-                    score=0.0,
-                    format=1.0,
-                    reward=float(i % 2 == 0),
-                    finish_reason="eos",
-                )
-            )
+        samples = paired_samples(cfg.get("_samples", 4))  # observation tokens (mask 0) mid-response
         advantages = torch.tensor([1.0, -1.0] * (len(samples) // 2))
 
         def mean_logprobs() -> list[float]:

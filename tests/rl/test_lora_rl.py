@@ -18,11 +18,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from afm_core.rl.grading import Sample
 from afm_core.utils.ports import free_port
 from tests.gloo_env import set_rank_env, set_rank_env_for_test
 from tests.ranks import start_ranks
-from tests.rl.helpers import rl_config
+from tests.rl.helpers import paired_samples, rl_config
 
 TEMPERATURE = 0.7
 
@@ -45,26 +44,6 @@ def adapters_synced_every_step(run: Path) -> None:
         assert (
             list(sizes) == ["weight_sync_bytes/lora_adapter"] and 0 < sizes["weight_sync_bytes/lora_adapter"] < 64e6
         ), r
-
-
-def _samples(n: int, seed: int = 0) -> list[Sample]:
-    """``n`` trajectories in groups of two (6 prompt tokens, 10 response tokens with an observation of 3)."""
-    g = torch.Generator().manual_seed(seed)
-    return [
-        Sample(
-            uid=f"g{i // 2}",
-            task_id="t",
-            prompt_ids=torch.randint(0, 1000, (6,), generator=g).tolist(),
-            response_ids=torch.randint(0, 1000, (10,), generator=g).tolist(),
-            response_mask=[1] * 4 + [0] * 3 + [1] * 3,
-            logprobs=[0.0] * 10,
-            score=0.0,
-            format=1.0,
-            reward=float(i % 2 == 0),
-            finish_reason="eos",
-        )
-        for i in range(n)
-    ]
 
 
 def randomize_adapters(chunks, scale: float, seed: int) -> None:
@@ -114,7 +93,7 @@ def test_a_lora_policy_trains_its_adapters_and_its_kl_reference_is_its_own_base_
         assert trainable and all(is_adapter_name(n) for n in trainable)
 
         randomize_adapters(policy.model, 0.05, seed=3)
-        samples = _samples(4)
+        samples = paired_samples(4)
         (batch,) = sample_micro_batches(samples, len(samples), 16, 0)
         for chunk in policy.model:
             chunk.eval()
