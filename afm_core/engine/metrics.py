@@ -1,4 +1,5 @@
-"""Training metrics on rank 0: ``metrics.jsonl`` (one JSON object per logged step) and ``loss.png``.
+"""Training metrics on rank 0: ``metrics.jsonl`` (one JSON object per logged step) and ``loss.png`` (redrawn at each
+held-out eval once a step has trained: :meth:`afm_core.train.loop.SFTLoop._eval_and_log`).
 
 Each line holds at least ``step``, ``split`` ("train" | "eval"), ``loss`` (masked token-mean CE), ``lr``,
 ``tokens`` (unmasked target tokens in that step) and ``tokens_per_s``; train lines add ``grad_norm``,
