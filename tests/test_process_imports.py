@@ -59,8 +59,8 @@ import jobs.sft, jobs.rl, jobs.eval, afm_core.launch.submit, afm_core.data.prepa
 def test_building_the_model_imports_megatron_and_mbridge_core_only_and_autobridge_still_has_every_family():
     """``make_plan`` builds the model on the meta device as a training rank does (megatron-core, mbridge's core,
     our model and HF weight modules), and the rank's trainer modules are imported: no wandb or tensorboard (no
-    tracker is configured), no ``torch._inductor`` (megatron's fusions are compiled at their first call) and no
-    mbridge family module."""
+    tracker is configured), no ``torch._inductor`` (megatron's fusions are compiled at their first call), no
+    mbridge family module and no transformers ``modeling_auto`` (a config's docstring is left as written)."""
     code = """
 from afm_core.launch.plan import make_plan, plan_config
 job = plan_config("sft", ["model=tiny-llama", "cluster=slurm", "cluster.checkpoint_write_gb_s=1"])  # CPU, no probe
@@ -74,7 +74,13 @@ assert megatron.core.jit.jit_fuser is deferred_compile
     loaded = loaded_after(code)
     assert {"megatron.core", "mbridge.core.llm_bridge", "afm_core.models.hf_weights"} <= set(loaded)
     assert of_packages(loaded, ("wandb", "tensorboard", "vllm")) == []
-    hidden = ("torch._inductor.compile_fx", "torch.utils.tensorboard", "mbridge.models")
+    # and no transformers model-class factory for the config's docstring (the plan reads a config, loads no model)
+    hidden = (
+        "torch._inductor.compile_fx",
+        "torch.utils.tensorboard",
+        "mbridge.models",
+        "transformers.models.auto.modeling_auto",
+    )
     assert [m for m in loaded if m.startswith(hidden)] == []
 
     code = "import afm_core.models.hf_weights, mbridge\nfrom mbridge import AutoBridge\nassert mbridge.__version__"

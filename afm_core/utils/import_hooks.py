@@ -1,6 +1,6 @@
-"""Import megatron-core 0.16.1 and mbridge 0.15.1 without what their package imports pull in and our processes never
-use; :func:`install` (called by ``afm_core.models``, ``.engine``, ``.train`` and ``.rl``, whose modules import both) hooks the
-execution of five of their modules before their first import. Why each hook is safe is said with it below; what it
+"""Import megatron-core 0.16.1, mbridge 0.15.1 and transformers 5.19 without what their package imports pull in and our
+processes never use; :func:`install` (called by ``afm_core.models``, ``.engine``, ``.train`` and ``.rl``, whose modules
+import them) hooks the execution of six of their modules before their first import. Why each hook is safe is said with it below; what it
 saves is measured by ``benchmarks/startup.py`` (benchmarks/README.md: a training rank's and ``jobs.plan``'s
 imports, side by side with d3e7e1b).
 
@@ -24,6 +24,15 @@ imports, side by side with d3e7e1b).
   as an attribute-lazy package: ``mbridge.models``, ``mbridge.utils`` and ``mbridge.AutoBridge`` are imported on
   first access (``from mbridge import AutoBridge`` still finds every family registered); ``mbridge.__version__`` is
   set at once. mbridge's main branch (ISEEKYAN/mbridge ``mbridge/__init__.py``) still imports every family.
+
+- ``transformers.utils.auto_docstring``'s ``@auto_docstring`` builds each model config class's docstring when the class
+  is defined (``configuration_llama.py``, ``configuration_qwen2.py``, ...: the first read of a config), and for that
+  imports ``transformers.models.auto.modeling_auto``, whose ``auto_factory`` pulls in transformers' FSDP, tensor
+  parallel and masking modules (0.25-0.4 s of ``jobs.plan``'s 4 s on an AVX512 core, which reads the model's config
+  and loads no model class; a process that loads a tokenizer imports ``auto_factory`` all the same). The hook leaves a config class's docstring as its source wrote it
+  (the class itself, its fields and their validation unchanged: only ``help()`` reads ``__doc__``); every other
+  class and method is documented as upstream does. huggingface/transformers ``utils/auto_docstring.py`` has no
+  switch for it.
 
 Each hook runs only when its module is first imported after :func:`install`; a process that imported them before (a
 test importing megatron first) gets them as upstream ships them.
@@ -104,10 +113,23 @@ def _lazy_mbridge(module: ModuleType, run: Callable[[ModuleType], None]) -> None
     module.__dict__.update(__version__=importlib.metadata.version("mbridge"), __getattr__=__getattr__)
 
 
+def _config_docstrings_as_written(module: ModuleType, run: Callable[[ModuleType], None]) -> None:
+    run(module)
+    build = module.auto_class_docstring
+
+    def auto_class_docstring(cls: type, *args: Any, **kwargs: Any) -> type:
+        if cls.__name__.endswith("Config"):  # a model's config (module docstring)
+            return cls
+        return build(cls, *args, **kwargs)
+
+    module.auto_class_docstring = auto_class_docstring  # ``auto_docstring`` looks it up in the module at each call
+
+
 HOOKS: dict[str, Callable[[ModuleType, Callable[[ModuleType], None]], None]] = {
     "megatron.core.jit": _defer_jit_fuser,
     **dict.fromkeys(BACKEND_IMPORTERS, _without_backends),
     "mbridge": _lazy_mbridge,
+    "transformers.utils.auto_docstring": _config_docstrings_as_written,
 }
 
 
