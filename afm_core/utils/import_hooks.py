@@ -115,14 +115,14 @@ def _lazy_mbridge(module: ModuleType, run: Callable[[ModuleType], None]) -> None
 
 def _config_docstrings_as_written(module: ModuleType, run: Callable[[ModuleType], None]) -> None:
     run(module)
-    build = module.auto_class_docstring
+    build = module.__dict__["auto_class_docstring"]
 
     def auto_class_docstring(cls: type, *args: Any, **kwargs: Any) -> type:
         if cls.__name__.endswith("Config"):  # a model's config (module docstring)
             return cls
         return build(cls, *args, **kwargs)
 
-    module.auto_class_docstring = auto_class_docstring  # ``auto_docstring`` looks it up in the module at each call
+    module.__dict__["auto_class_docstring"] = auto_class_docstring  # ``auto_docstring`` looks it up at each call
 
 
 HOOKS: dict[str, Callable[[ModuleType, Callable[[ModuleType], None]], None]] = {
