@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -187,36 +188,39 @@ class RolloutActor:
                 instead and the round returns with ``stopped`` set. With ``gather``: on every rank, when any
                 rank's round was aborted.
         """
-        if gather:
-            engines, engine = self.engines
-            if target is not None:
-                target = RoundTarget(-(-target.groups // engines), target.keeps,
-                                     None if target.tokens is None else -(-target.tokens // engines))  # fmt: skip
-            try:
-                part: Round | None = self._generate_here(groups[engine::engines], tasks, n, stage, seed,
-                                                         version, target, keep_on_stop)  # fmt: skip
-            except RolloutAborted:
-                part = None
-            parts = gather_objects(part)
-            if any(p is None for p in parts):
-                raise RolloutAborted(f"a stop was requested during generation (aborted on ranks "
-                                     f"{[r for r, p in enumerate(parts) if p is None]})")  # fmt: skip
-            return Round.merge([p for p in parts if p is not None])
-        return self._generate_here(groups, tasks, n, stage, seed, version, target, keep_on_stop)
+        here = functools.partial(self._generate_here, tasks=tasks, n=n, stage=stage, seed=seed, version=version,
+                                 keep_on_stop=keep_on_stop)  # fmt: skip
+        if not gather:
+            return here(groups, target)
+        # gathered: what differs per engine is its share of the groups and of the target
+        engines, engine = self.engines
+        if target is not None:
+            target = RoundTarget(-(-target.groups // engines), target.keeps,
+                                 None if target.tokens is None else -(-target.tokens // engines))  # fmt: skip
+        try:
+            part: Round | None = here(groups[engine::engines], target)
+        except RolloutAborted:
+            part = None
+        parts = gather_objects(part)
+        if any(p is None for p in parts):
+            raise RolloutAborted(f"a stop was requested during generation (aborted on ranks "
+                                 f"{[r for r, p in enumerate(parts) if p is None]})")  # fmt: skip
+        return Round.merge([p for p in parts if p is not None])
 
     def _generate_here(
         self,
         groups: Sequence[Group],
+        target: RoundTarget | None,
+        *,
         tasks: Sequence[AgentTask],
         n: int,
         stage: Stage,
         seed: int,
         version: int,
-        target: RoundTarget | None,
         keep_on_stop: bool,
     ) -> Round:
-        """:meth:`generate` on this rank's engine alone (its ``gather=False`` case): a round is one call of
-        :meth:`generate`, whichever way it runs."""
+        """:meth:`generate` on this rank's engine alone, for ``groups`` up to ``target`` (the ``gather=False`` case,
+        and each engine's share with ``gather``): a round is one call of :meth:`generate`, whichever way it runs."""
         if self.follower:
             self.engine.follow()
             return Round([], stopped=False)
