@@ -3,7 +3,8 @@ loaded from its HF checkpoint at TP=2 (real gloo ranks), adapters on every targe
 checkpoint holds the adapters and their optimizer state only, with the base model's identity (and the TP=2
 adapters written as a PEFT adapter give the Megatron model's logits on the HF base); a resume onto
 another base model, another adapter rank, or without adapters is refused before anything is loaded, naming the
-field; then the run resumed from it is the straight run, exactly."""
+field; then the run resumed from it is the straight run, exactly. With pipeline stages (PP=2) and with full
+recomputation the adapted model trains as at PP=1 without it."""
 
 from __future__ import annotations
 
@@ -33,11 +34,13 @@ def _trainer(cfg, layout, base: str, lora: dict | None, run_dir: str):
 
     from afm_core.config.lora import LoRAConfig
     from afm_core.engine.core import build_model
+    from afm_core.engine.distributed import activation_memory_overrides
     from afm_core.models.hf_weights import load_hf_weights
     from afm_core.models.lora import apply_lora
     from afm_core.train.trainer import SFTTrainer
 
-    chunks = build_model(AutoConfig.from_pretrained(base), layout, params_dtype=torch.float32)
+    overrides = activation_memory_overrides(cfg.parallel)  # parallel.recompute, as run_sft builds the model
+    chunks = build_model(AutoConfig.from_pretrained(base), layout, params_dtype=torch.float32, **overrides)
     load_hf_weights(chunks, base)
     if lora is not None:
         apply_lora(chunks, LoRAConfig(**lora))
@@ -156,3 +159,38 @@ def test_lora_checkpoint_holds_adapters_resumes_exactly_and_refuses_another_base
         b = torch.load(straight["out"] / f"adapters_rank{rank}.pt")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         assert all(b[k].abs().max() > 0 for k in b)  # trained: no B left at zero
+
+
+def layout_worker(rank: int, world: int, port: int, spec: dict) -> None:
+    """Train LoRA on the tiny HF Llama in ``spec["cfg"]``'s layout (the run's metrics.jsonl holds its losses)."""
+    set_rank_env(rank, world, port)
+    from afm_core.engine.distributed import destroy_distributed, init_distributed
+
+    cfg = OmegaConf.create(spec["cfg"])
+    layout = init_distributed(cfg.parallel, seed=cfg.trainer.seed, num_threads=1)
+    try:
+        _trainer(cfg, layout, spec["base"], LORA, spec["run_dir"]).fit()
+    finally:
+        destroy_distributed()
+
+
+def test_lora_trains_alike_with_pipeline_stages_and_with_full_recomputation(tmp_path):
+    """The adapters of a PP=2 model (each stage adapts its own layers) and of a fully recomputed one (the adapted
+    layer's forward runs again in backward) take the PP=1, stored-activations run's steps: train and held-out
+    losses within 1e-4 (fp32), as ``tests/test_train_engine.py`` asks of the full model's layouts."""
+    from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
+
+    base = str(ensure_hf_checkpoint("tiny-llama"))
+    steps = {"trainer.max_steps": 3, "trainer.eval_interval": 3, "trainer.global_batch_size": 4}
+    runs = {}
+    for name, world, overrides in (("pp1", 1, {}), ("pp2", 2, {"parallel.pp": 2}),
+                                   ("recompute-full", 1, {"parallel.recompute": "full"})):  # fmt: skip
+        run_dir = tmp_path / name
+        spec = {"cfg": cfg_with(**steps, **overrides), "base": base, "run_dir": str(run_dir)}
+        start_ranks(layout_worker, args=(world, free_port(), spec), nprocs=world)
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = {split: [r["loss"] for r in records if r["split"] == split] for split in ("train", "eval")}
+    assert len(runs["pp1"]["train"]) == 3 and runs["pp1"]["train"][-1] != runs["pp1"]["train"][0]
+    for name in ("pp2", "recompute-full"):
+        for split in ("train", "eval"):
+            assert runs[name][split] == pytest.approx(runs["pp1"][split], abs=1e-4), (name, split, runs)

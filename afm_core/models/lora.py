@@ -25,6 +25,12 @@ rank: TP=1 and TP=p runs hold the same adapters. For the RMSNorm-fused column-pa
 for PEFT on HF's ``q_proj`` / ``gate_proj``. Sequence parallelism and the transformer-engine spec are not covered
 (:func:`apply_lora` raises).
 
+Full recomputation (``parallel.recompute=full``): megatron's ``tensor_parallel.checkpoint`` is a reentrant
+``autograd.Function`` over each layer's input, whose output requires grad only when that input does, and with the
+embedding frozen the first layer's input does not: no layer would get a gradient. :func:`apply_lora` then marks the
+embedding's output as requiring grad, as transformers' ``enable_input_require_grads`` does for PEFT under gradient
+checkpointing (``modeling_utils.py``).
+
 Shapes: ``x [s, b, in]`` (``[t, 1, in]`` packed); ``p`` the TP size; ``r`` the rank.
 """
 
@@ -157,6 +163,14 @@ def _add_delta(module: torch.nn.Module, args: tuple, output: tuple[torch.Tensor,
     return y + delta, bias
 
 
+def _output_requires_grad(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """Forward hook on a frozen embedding under full recomputation (module docstring): its output ``[s, b, h]``
+    requires grad while gradients are recorded."""
+    if torch.is_grad_enabled():
+        output.requires_grad_(True)
+    return output
+
+
 def adapted_modules(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[str, torch.nn.Module]]:
     """``(name, module)`` of every adapted linear in ``chunks`` (wrapped or not), names as in ``named_modules()``
     of the chunk."""
@@ -184,6 +198,9 @@ def apply_lora(chunks: Sequence[torch.nn.Module], lora: LoRAConfig) -> int:
     for chunk in chunks:
         for param in chunk.parameters():
             param.requires_grad_(False)
+        embedding = getattr(chunk, "embedding", None)  # the first pipeline stage's
+        if embedding is not None and chunk.config.recompute_granularity == "full":
+            embedding.register_forward_hook(_output_requires_grad)
         for layer in chunk.modules():
             if not isinstance(layer, TransformerLayer):
                 continue
