@@ -13,6 +13,7 @@ from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind
 
 from afm_core.rollout.engine import EngineError, Generation, SamplingConfig
+from afm_core.rollout.vllm_settings import VLLMConfig
 
 
 def sampling_params(sampling: SamplingConfig, per_request_seeds: bool, delta: bool = False) -> Any:
@@ -132,7 +133,7 @@ class ServesAdapter:
     ``AsyncLLM`` one and the in-process one); the class has ``cfg`` (its ``VLLMConfig``) and ``adapter`` (its
     :class:`ServedAdapter`)."""
 
-    cfg: Any
+    cfg: VLLMConfig
     adapter: ServedAdapter
 
     @property
