@@ -13,7 +13,7 @@ At run time each rank of ``jobs.sft`` checks the job's config into an :class:`SF
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, make_dataclass
+from dataclasses import asdict, dataclass, field, fields, make_dataclass
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import MISSING
@@ -168,7 +168,7 @@ def _model_config_schema() -> type:
     adapters, off by default). The value checks are :func:`afm_core.models.presets.load_preset`'s."""
     from afm_core.models.arch import ARCH_FIELD_TYPES, ARCH_FIELDS
 
-    fields: list[tuple[str, Any, Any]] = [
+    specs: list[tuple[str, Any, Any]] = [
         ("name", str, field(default=MISSING)),
         ("source", str, field(default=MISSING)),
         ("hf_path", str | None, field(default=None)),
@@ -176,13 +176,13 @@ def _model_config_schema() -> type:
     for name in ARCH_FIELDS:
         kind = ARCH_FIELD_TYPES[name]
         if kind in (int, float, bool, str):
-            fields.append((name, kind, field(default=MISSING)))
+            specs.append((name, kind, field(default=MISSING)))
         else:  # rope_scaling: a mapping or null
-            fields.append((name, Any, field(default=None)))
-    fields.append(("lora", LoRAConfig, field(default_factory=LoRAConfig)))  # the run's adapters, not the preset's
+            specs.append((name, Any, field(default=None)))
+    specs.append(("lora", LoRAConfig, field(default_factory=LoRAConfig)))  # the run's adapters, not the preset's
     schema = make_dataclass(
         "ModelConfig",
-        fields,
+        specs,
         namespace={"__post_init__": _model_post_init, "__doc__": _model_config_schema.__doc__},
     )
     schema.__module__ = __name__
@@ -337,18 +337,10 @@ class SFTConfig:
 
     @property
     def loop(self) -> LoopConfig:
-        """The SFT loop's and its engine's view (:class:`LoopConfig`), logging this whole config."""
-        return LoopConfig(
-            trainer=self.trainer,
-            optim=self.optim,
-            parallel=self.parallel,
-            contrastive=self.contrastive,
-            model=self.model,
-            logger=self.logger,
-            tracking=self.tracking,
-            profile=self.profile,
-            logged=asdict(self),
-        )
+        """The SFT loop's and its engine's view (:class:`LoopConfig`): this config's groups of the same names,
+        logging this whole config."""
+        groups = {f.name: getattr(self, f.name) for f in fields(LoopConfig) if f.name != "logged"}
+        return LoopConfig(**groups, logged=asdict(self))
 
 
 def sft_config(cfg: Any) -> SFTConfig:
