@@ -94,14 +94,18 @@ def _parse_states(text: str | None) -> dict[str, str]:
 
 
 def slurm_states(job_ids: list[str]) -> dict[str, str]:
-    """Current Slurm state of each job id (``N`` or ``N_i``); ids Slurm does not know are left out."""
+    """Current Slurm state of each job id (``N`` or ``N_i``); ids Slurm does not know are left out.
+
+    The controller's view first (``squeue -t all``: every job it still holds, finished ones for ``MinJobAge``
+    seconds; ``-r``: one line per array task), then accounting (``sacct``) for the jobs it no longer holds:
+    slurmctld sends each state change to slurmdbd asynchronously, so right after an ``scancel`` ``sacct`` could
+    still say PENDING for a job the controller has cancelled."""
     if not job_ids:
         return {}
-    ids = ",".join(job_ids)
-    states = _parse_states(_run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ids]))
+    states = _parse_states(_run(["squeue", "-h", "-r", "-t", "all", "-o", "%i|%T", "-j", ",".join(job_ids)]))
     missing = [j for j in job_ids if j not in states]
     if missing:
-        states.update(_parse_states(_run(["squeue", "-h", "-t", "all", "-o", "%i|%T", "-j", ",".join(missing)])))
+        states.update(_parse_states(_run(["sacct", "-X", "-n", "-P", "-o", "JobID,State", "-j", ",".join(missing)])))
     return {j: states[j] for j in job_ids if j in states}
 
 
