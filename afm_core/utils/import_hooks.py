@@ -1,8 +1,8 @@
 """Import megatron-core 0.16.1, mbridge 0.15.1 and transformers 5.19 without what their package imports pull in and our
 processes never use; :func:`install` (called by ``afm_core.models``, ``.engine``, ``.train`` and ``.rl``, whose modules
-import them) hooks the execution of six of their modules before their first import. Why each hook is safe is said with it below; what it
-saves is measured by ``benchmarks/startup.py`` (benchmarks/README.md: a training rank's and ``jobs.plan``'s
-imports, side by side with d3e7e1b).
+import them) hooks the execution of six of their modules before their first import. Why each hook is safe is said
+with it below; what it saves is measured by ``benchmarks/startup.py`` (benchmarks/README.md: a training rank's and
+``jobs.plan``'s imports, side by side with d3e7e1b).
 
 - ``megatron.core.jit`` binds ``jit_fuser = torch.compile`` and ~40 fusions and activations apply it when imported
   (``@jit_fuser``, ``megatron/core/fusions/fused_bias_geglu.py`` first): each ``torch.compile(fn)`` call imports
@@ -29,9 +29,10 @@ imports, side by side with d3e7e1b).
   is defined (``configuration_llama.py``, ``configuration_qwen2.py``, ...: the first read of a config), and for that
   imports ``transformers.models.auto.modeling_auto``, whose ``auto_factory`` pulls in transformers' FSDP, tensor
   parallel and masking modules (0.25-0.4 s of ``jobs.plan``'s 4 s on an AVX512 core, which reads the model's config
-  and loads no model class; a process that loads a tokenizer imports ``auto_factory`` all the same). The hook leaves a config class's docstring as its source wrote it
-  (the class itself, its fields and their validation unchanged: only ``help()`` reads ``__doc__``); every other
-  class and method is documented as upstream does. huggingface/transformers ``utils/auto_docstring.py`` has no
+  and loads no model class; a process that loads a tokenizer imports ``auto_factory`` all the same). The hook leaves
+  the docstring of a ``PreTrainedConfig`` subclass as its source wrote it (the class itself, its fields and their
+  validation unchanged: only ``help()`` reads ``__doc__``); every other class and method is documented as upstream
+  does. huggingface/transformers ``utils/auto_docstring.py`` has no
   switch for it.
 
 Each hook runs only when its module is first imported after :func:`install`; a process that imported them before (a
@@ -118,7 +119,8 @@ def _config_docstrings_as_written(module: ModuleType, run: Callable[[ModuleType]
     build = module.__dict__["auto_class_docstring"]
 
     def auto_class_docstring(cls: type, *args: Any, **kwargs: Any) -> type:
-        if cls.__name__.endswith("Config"):  # a model's config (module docstring)
+        # a model's config (module docstring); configuration_utils, its base's module, is imported by then
+        if issubclass(cls, sys.modules["transformers.configuration_utils"].PreTrainedConfig):
             return cls
         return build(cls, *args, **kwargs)
 
