@@ -26,14 +26,17 @@ from omegaconf import DictConfig
 
 @hydra.main(config_path="../conf", config_name="export", version_base="1.3")
 def main(cfg: DictConfig) -> dict[str, Any]:
-    # here: torch, megatron and transformers load once Hydra has composed, not for --help or a bad override
-    from afm_core.engine.export import ExportError, export_checkpoint, find_checkpoint
+    from afm_core.engine.checkpoint_dirs import ExportError, find_checkpoint
 
     try:
         path = find_checkpoint(cfg.run_dir, cfg.step)
         step = int(path.name.removeprefix("step_"))
         out = Path(cfg.out) if cfg.out else Path(cfg.run_dir) / f"hf_step_{step}"
         print(f"[export] {path} -> {out}", flush=True)
+        # torch, megatron and transformers load here, for a checkpoint there is: not for --help, a bad override or
+        # an incomplete or absent step (refused above in a fraction of a second)
+        from afm_core.engine.export import export_checkpoint
+
         summary = export_checkpoint(cfg.run_dir, out, step, adapter_out=cfg.adapter_out)
     except ExportError as err:
         print(f"jobs.export: {err}", file=sys.stderr)

@@ -56,6 +56,27 @@ import jobs.sft, jobs.rl, jobs.eval, afm_core.launch.submit, afm_core.data.prepa
     assert of_packages(loaded_after(code), HEAVY) == []
 
 
+def test_jobs_export_refuses_an_incomplete_or_absent_step_before_importing_torch(tmp_path):
+    """``python -m jobs.export`` finds the checkpoint (:func:`afm_core.engine.checkpoint_dirs.find_checkpoint`)
+    before it imports the exporter: a step whose save did not finish, or that is not there, exits with status 2 and
+    the message naming the complete steps, with no torch, Megatron or transformers loaded
+    (tests/test_export.py runs the same refusals after a real SFT run)."""
+    (tmp_path / "checkpoints" / "step_00000003").mkdir(parents=True)  # a save that died before its marker
+    for step, message in ((3, "is incomplete (no COMPLETE marker"), (7, "step=7: no checkpoint of that step")):
+        code = f"""
+import contextlib, io, runpy, sys
+sys.argv = ["jobs.export", "run_dir={tmp_path}", "step={step}"]
+err = io.StringIO()
+with contextlib.redirect_stderr(err):
+    try:
+        runpy.run_module("jobs.export", run_name="__main__")
+    except SystemExit as exit:
+        assert exit.code == 2, exit.code
+assert {message!r} in err.getvalue() and "complete checkpoints in" in err.getvalue(), err.getvalue()
+"""
+        assert of_packages(loaded_after(code), HEAVY) == []
+
+
 def test_building_the_model_imports_megatron_and_mbridge_core_only_and_autobridge_still_has_every_family():
     """``make_plan`` builds the model on the meta device as a training rank does (megatron-core, mbridge's core,
     our model and HF weight modules), and the rank's trainer modules are imported: no wandb or tensorboard (no

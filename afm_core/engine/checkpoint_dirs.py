@@ -1,4 +1,5 @@
-"""The on-disk protocol of training checkpoints, shared by both SFT engines and ``jobs.status`` (no torch import).
+"""The on-disk protocol of training checkpoints, shared by both SFT engines, ``jobs.status`` and ``jobs.export``'s
+checks (no torch import).
 
 Layout of ``RUN_DIR/checkpoints/``::
 
@@ -222,3 +223,31 @@ def find_resume_checkpoint(run_dir: str | Path, resume_from: str | Path | None) 
     if other is None:
         raise FileNotFoundError(f"resume={resume_from}: no complete checkpoint in {Path(resume_from) / 'checkpoints'}")
     return other
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot be exported (incomplete, absent, another engine's); the message says what to do."""
+
+
+def find_checkpoint(run_dir: str | Path, step: int | None) -> Path:
+    """``RUN_DIR/checkpoints/step_N`` for ``step`` (None: the latest complete one).
+
+    Raises:
+        ExportError: no such complete checkpoint; names the complete steps there are, and says when ``step_N`` is
+            a save that was interrupted (no ``COMPLETE`` marker) or still being staged.
+    """
+    root = Path(run_dir) / "checkpoints"
+    steps = [s for s, _ in complete_checkpoints(root)]
+    have = f"complete checkpoints in {root}: {', '.join(map(str, steps)) or 'none'}"
+    if step is None:
+        if not steps:
+            raise ExportError(f"nothing to export: {have}")
+        return complete_checkpoints(root)[-1][1]
+    path = root / checkpoint_dir_name(step)
+    if path.is_dir() and not (path / COMPLETE_MARKER).is_file():
+        raise ExportError(f"{path} is incomplete (no {COMPLETE_MARKER} marker: its save did not finish); {have}")
+    if (root / f".tmp-{checkpoint_dir_name(step)}").is_dir() and not path.is_dir():
+        raise ExportError(f"checkpoint {step} of {run_dir} is incomplete (still staged in .tmp-{path.name}); {have}")
+    if step not in steps:
+        raise ExportError(f"step={step}: no checkpoint of that step; {have}")
+    return path

@@ -34,13 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from afm_core.config.lora import LoRAConfig
 from afm_core.engine.checkpoint import load_model_state, model_sharded_state_dict, read_lora_record
-from afm_core.engine.checkpoint_dirs import (
-    COMPLETE_MARKER,
-    checkpoint_dir_name,
-    complete_checkpoints,
-    marker_engine,
-    read_marker,
-)
+from afm_core.engine.checkpoint_dirs import ExportError, find_checkpoint, marker_engine, read_marker
 from afm_core.engine.core import build_model
 from afm_core.engine.distributed import destroy_distributed, init_distributed
 from afm_core.models.hf_checkpoint import ensure_hf_checkpoint
@@ -52,34 +46,6 @@ from afm_core.utils.ports import free_port
 #: Max |logit difference| between the Megatron model and its HF export, by export dtype. fp32: the two
 #: implementations differ only in op order; bf16: one bf16 rounding of logits of order 10.
 PARITY_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}
-
-
-class ExportError(ValueError):
-    """The checkpoint cannot be exported (incomplete, absent, another engine's); the message says what to do."""
-
-
-def find_checkpoint(run_dir: str | Path, step: int | None) -> Path:
-    """``RUN_DIR/checkpoints/step_N`` for ``step`` (None: the latest complete one).
-
-    Raises:
-        ExportError: no such complete checkpoint; names the complete steps there are, and says when ``step_N`` is
-            a save that was interrupted (no ``COMPLETE`` marker) or still being staged.
-    """
-    root = Path(run_dir) / "checkpoints"
-    steps = [s for s, _ in complete_checkpoints(root)]
-    have = f"complete checkpoints in {root}: {', '.join(map(str, steps)) or 'none'}"
-    if step is None:
-        if not steps:
-            raise ExportError(f"nothing to export: {have}")
-        return complete_checkpoints(root)[-1][1]
-    path = root / checkpoint_dir_name(step)
-    if path.is_dir() and not (path / COMPLETE_MARKER).is_file():
-        raise ExportError(f"{path} is incomplete (no {COMPLETE_MARKER} marker: its save did not finish); {have}")
-    if (root / f".tmp-{checkpoint_dir_name(step)}").is_dir() and not path.is_dir():
-        raise ExportError(f"checkpoint {step} of {run_dir} is incomplete (still staged in .tmp-{path.name}); {have}")
-    if step not in steps:
-        raise ExportError(f"step={step}: no checkpoint of that step; {have}")
-    return path
 
 
 def run_config(run_dir: str | Path) -> dict[str, Any]:
