@@ -6,6 +6,8 @@ megatron-core and mbridge's core without wandb, ``torch._inductor`` or mbridge's
 from __future__ import annotations
 
 import json
+import os
+import platform
 import subprocess
 import sys
 
@@ -133,3 +135,47 @@ def test_a_deferred_compile_compiles_at_the_first_call_and_is_traced_inline_insi
         return y * 2
 
     assert double(x).tolist() == (x * 2).tolist() and calls[-1].__name__ == "double"
+
+
+ISA_CHECK = """
+import json, sys
+from afm_core.utils import import_hooks
+import_hooks.install()
+from torch._inductor import config, cpu_vec_isa
+mode = sys.argv[1]
+probe = cpu_vec_isa.VecISA._probe_load  # the dlopen in a child process, after the compile
+if mode == "avx2_fails":  # this compiler's AVX2 build does not load (as an old compiler's AMX build would not)
+    cpu_vec_isa.VecISA._probe_load = lambda isa, path: str(isa) != "avx2" and probe(isa, path)
+if mode == "recorded":  # the record must answer: no dlopen process
+    cpu_vec_isa.VecISA._probe_load = lambda isa, path: sys.exit("checked " + str(isa))
+if mode == "user_says_no":
+    config.cpp.vec_isa_ok = False
+reported = cpu_vec_isa.x86_isa_checker()  # the ISAs the CPU reports, as valid_vec_isa_list reads them
+candidates = [isa for isa in cpu_vec_isa.supported_vec_isa_list if set(str(isa).split()) <= set(reported)]
+print(json.dumps({str(isa): bool(isa) for isa in candidates}))
+"""
+
+
+def test_inductors_cpu_isa_check_runs_once_per_machine_and_process_after_it_reuse_its_answers(tmp_path):
+    """The ``torch._inductor.cpu_vec_isa`` hook (:mod:`afm_core.utils.import_hooks`): the first process checks each
+    ISA the CPU reports (compile + ``dlopen`` in a child process) and records the answers, a failed check as
+    failed; a later process answers as the first did without a ``dlopen`` process; ``config.cpp.vec_isa_ok`` set by
+    a user still wins."""
+    if platform.machine() != "x86_64":
+        pytest.skip("inductor's ISA check probes x86 ISAs")
+
+    def answers(mode: str) -> dict[str, bool]:
+        env = {**os.environ, "AFM_CACHE": str(tmp_path / "cache"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "ind")}
+        env.pop("TORCHINDUCTOR_VEC_ISA_OK", None)
+        done = subprocess.run([sys.executable, "-c", ISA_CHECK, mode], cwd=repo_root(), env=env, capture_output=True,
+                              text=True, check=False)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.splitlines()[-1])
+
+    checked = answers("avx2_fails")
+    assert checked["avx2"] is False and len(checked) >= 1, checked
+    ((key, recorded),) = json.loads((tmp_path / "cache" / "inductor" / "vec_isa_checks.json").read_text()).items()
+    assert json.loads(key)[0] == torch.__version__ and len(recorded) >= len(checked)  # a check per flags and probe
+    assert [passed for flags, passed in recorded.items() if flags.startswith("-mavx2 ")] == [False]
+    assert answers("recorded") == checked  # every answer from the record, the failed one too
+    assert answers("user_says_no") == dict.fromkeys(checked, False)

