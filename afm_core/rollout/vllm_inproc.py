@@ -15,11 +15,14 @@ KV cache while the trainer runs (vLLM docs, "Sleep Mode": CUDA only). :meth:`VLL
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import os
+from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from vllm import LLM
 from vllm.inputs import TokensPrompt
@@ -56,6 +59,25 @@ class Lockstep:
         box = [message]
         dist.broadcast_object_list(box, src=self.leader, group=self.group)
         return box[0]
+
+
+@contextlib.contextmanager
+def _one_collection_after() -> Iterator[None]:
+    """The block's ``gc.collect()`` calls skipped, and one full collection (and, on a GPU, ``empty_cache``) run after
+    it: vLLM's shutdown collects three times over the whole heap (``_cleanup_profiling_kv_cache``, then
+    ``cleanup_dist_env_and_memory`` after ``gc.unfreeze()``: vllm/v1/worker/gpu_model_runner.py,
+    vllm/distributed/parallel_state.py; ~0.3 s each on 2 CPU cores), before the engine itself is unreferenced, so
+    none of them frees the engine's cycles that the collection after does. For this thread's block only: the
+    process's other threads do not call ``gc.collect``."""
+    collect = gc.collect
+    gc.collect = lambda generation=2: 0  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        gc.collect = collect
+        collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 class InprocVLLMEngine(ServesAdapter):
@@ -99,6 +121,12 @@ class InprocVLLMEngine(ServesAdapter):
         process (vLLM sets it too for ``external_launcher``).
         """
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM's engine start collects garbage over the whole heap five times (its memory profiling, then
+        # freeze_gc_heap: gc.collect(0, 1, 2) and gc.freeze(), vllm/utils/gc_utils.py), here ~0.15 s each over the
+        # ~10^6 objects of torch, Megatron, transformers, vLLM and the trainer. Freezing them first (gc.freeze, what
+        # freeze_gc_heap does after) leaves the engine's own new objects to those collections; vLLM's shutdown
+        # (cleanup_dist_env_and_memory) unfreezes the heap again.
+        gc.freeze()
         with modules_hidden_from_vllms_kernel_scan():
             llm = LLM(**engine_args(cfg))
         unlink_cpu_shm_files()
@@ -299,6 +327,6 @@ class InprocVLLMEngine(ServesAdapter):
         group: close the engine after the trainer's last collective)."""
         if self.llm is not None:
             llm, self.llm = self.llm, None
-            llm.llm_engine.engine_core.shutdown()
-            del llm
-            gc.collect()
+            with _one_collection_after():
+                llm.llm_engine.engine_core.shutdown()
+                del llm
