@@ -38,7 +38,14 @@ def test_every_training_rank_resolves_vml_before_it_sets_its_threads(monkeypatch
     assert order == ["warm", ("threads", 2)]
 
 
-def test_every_vllm_process_calls_warm_vml_as_a_general_plugin():
-    plugins = {ep.name: ep for ep in entry_points(group="vllm.general_plugins")}
-    assert "afm_warm_vml" in plugins, "pip install -e . registers the entry point of pyproject.toml"
-    assert plugins["afm_warm_vml"].load() is cpu_math.warm_vml
+def test_every_vllm_process_calls_warm_vml_the_import_hooks_and_the_heap_freeze_as_general_plugins():
+    """vLLM loads each ``vllm.general_plugins`` entry point in every process (the engine core too): VML warmed, the
+    import hooks installed (the ISA-check record: tests/test_process_imports.py), the heap frozen before the
+    engine is built (afm_core.utils.process_exit)."""
+    from afm_core.utils import import_hooks, process_exit
+
+    plugins = {ep.name: ep.load() for ep in entry_points(group="vllm.general_plugins")}
+    assert "afm_warm_vml" in plugins, "pip install -e . registers the entry points of pyproject.toml"
+    assert plugins["afm_warm_vml"] is cpu_math.warm_vml
+    assert plugins["afm_import_hooks"] is import_hooks.install
+    assert plugins["afm_freeze_heap"] is process_exit.freeze_heap

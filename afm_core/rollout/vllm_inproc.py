@@ -32,6 +32,7 @@ from afm_core.rollout.vllm_platform import engine_args, modules_hidden_from_vllm
 from afm_core.rollout.vllm_requests import DeltaOutputs, ServedAdapter, ServesAdapter, sampling_params
 from afm_core.rollout.vllm_settings import VLLMConfig
 from afm_core.utils.hardware import cuda_available
+from afm_core.utils.process_exit import freeze_heap
 
 Command = tuple[Any, ...]  # ("add", request_id, prompt ids, SamplingParams) | ("abort", request_id)
 
@@ -121,12 +122,7 @@ class InprocVLLMEngine(ServesAdapter):
         process (vLLM sets it too for ``external_launcher``).
         """
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        # vLLM's engine start collects garbage over the whole heap five times (its memory profiling, then
-        # freeze_gc_heap: gc.collect(0, 1, 2) and gc.freeze(), vllm/utils/gc_utils.py), here ~0.15 s each over the
-        # ~10^6 objects of torch, Megatron, transformers, vLLM and the trainer. Freezing them first (gc.freeze, what
-        # freeze_gc_heap does after) leaves the engine's own new objects to those collections; vLLM's shutdown
-        # (cleanup_dist_env_and_memory) unfreezes the heap again.
-        gc.freeze()
+        freeze_heap()  # vLLM's five whole-heap collections at start then see the engine's objects only
         with modules_hidden_from_vllms_kernel_scan():
             llm = LLM(**engine_args(cfg))
         unlink_cpu_shm_files()
