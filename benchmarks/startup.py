@@ -473,6 +473,7 @@ def _scratch(work: Path | None):
         yield str(work.absolute())
         return
     with tempfile.TemporaryDirectory(prefix="afm-startup-") as tmp:
+        os.chmod(tmp, 0o755)  # the sandbox's jails (another user inside bwrap) read the worktree's sandbox/ from here
         yield tmp
 
 
