@@ -307,7 +307,7 @@ def test_the_ranks_get_the_config_load_cfg_makes_while_the_job_keeps_the_plain_o
 def test_local_timeout_requeues_until_max_num_timeout_then_fails(tmp_path):
     """A USR2 this close to the limit counts as a timeout (submitit's rule): 1 requeue allowed, then failure."""
     run_dir = tmp_path / "run"
-    cfg = local_cfg(run_dir, max_steps=10_000, step_s=0.05, timeout_min=1, signal_delay_s=50, max_num_timeout=1)
+    cfg = local_cfg(run_dir, max_steps=10_000, step_s=0.05, timeout_min=1, signal_delay_s=55, max_num_timeout=1)
     with pytest.raises(FailedJobError, match="timed-out too many times"):
         submit(STAND_IN, cfg, on_preempt=STOP_HOOK, job_name="t")
     events = read_events(run_dir / "logs")

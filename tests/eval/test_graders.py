@@ -124,8 +124,8 @@ def _run(coro):
     return asyncio.run(coro)
 
 
-async def _grade_all(url, programs_and_tests, concurrency=8):
-    client = SandboxClient(url, timeout_s=20)
+async def _grade_all(url, programs_and_tests, concurrency=8, timeout_s=20.0):
+    client = SandboxClient(url, timeout_s=timeout_s)
     slots = asyncio.Semaphore(concurrency)
 
     async def one(program, tests):
@@ -167,7 +167,7 @@ def test_wrong_code_scores_zero_and_a_timeout_says_timeout(sandbox):
         ("def add(a, b):\n    return a - b", tests),
         ("def add(a, b):\n    raise KeyError(a)", tests),
         ("import time\ntime.sleep(60)\ndef add(a, b):\n    return a + b", tests),
-    ]))  # fmt: skip
+    ], timeout_s=5.0))  # fmt: skip
     assert [g.score for g in grades] == [1.0, 0.0, 0.0, 0.0]
     assert [g.reason for g in grades] == ["correct", "wrong", "runtime_error", "timeout"]
 
